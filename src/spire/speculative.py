@@ -1,0 +1,169 @@
+"""Batched speculative decoding: the round loop (SPIRe paper §2; Leviathan et al. 2023).
+
+One round per batch: the draft proposes k tokens per row (k draft forwards), the target scores the pending
+token plus the k proposals in one forward over k+1 positions, :func:`spire.verification.verify` accepts a
+prefix per row and draws the next token. Each row keeps its own committed length ``n`` and its positions
+start at 0 at its first token, so rows of different prompt lengths and accept lengths never wait for or
+shift one another.
+
+Cache invariant (why no explicit rollback is needed): the target cache holds the committed tokens at
+positions < n - 1; the last committed token is *pending* and is the first input of the next round. Every
+forward writes its positions before any query reads them, and a query reads only positions <= its own, so
+entries of rejected tokens (and of right-padding in prefill) are overwritten before they are ever read.
+
+``draft=None`` runs autoregressive decoding (AD) with the same prefill and stopping rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from spire.drafts.base import Draft
+from spire.errors import ConfigError
+from spire.model import Transformer
+from spire.sampling import SamplingParams, probs_from_logits, sample
+from spire.verification import verify
+
+
+@dataclass
+class GenerationResult:
+    """tokens: per row, the emitted tokens (prompt excluded); finish_reasons: "stop" (EOS) or "length";
+    rounds / emitted: per-row counts of rounds run while the row was active and tokens emitted."""
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    rounds: list[int]
+    emitted: list[int]
+    accepted_per_round: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tau(self) -> float:
+        """Average tokens emitted per round (bonus included): total emitted / total rounds."""
+        return sum(self.emitted) / max(1, sum(self.rounds))
+
+    def row_tau(self, b: int) -> float:
+        return self.emitted[b] / max(1, self.rounds[b])
+
+
+def _as_rows(prompts: torch.Tensor | Sequence[Sequence[int]]) -> list[list[int]]:
+    rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else [list(map(int, p)) for p in prompts]
+    if not rows:
+        raise ConfigError("no prompts given")
+    if any(len(r) == 0 for r in rows):
+        raise ConfigError("empty prompt: every prompt needs at least one token")
+    return rows
+
+
+@torch.no_grad()
+def generate(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int,
+             draft: Draft | None = None, k: int = 4, params: SamplingParams = SamplingParams(),
+             generator: torch.Generator | None = None, eos_ids: Sequence[int] = (),
+             progress=None) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` per row, with speculative rounds when a draft is given.
+
+    Args:
+        target: the target model.
+        prompts: (B, L) token ids or B lists of ids (lengths may differ).
+        max_new_tokens: budget per row (tokens); never overshot.
+        draft: a :class:`Draft`, or None for AD.
+        k: draft tokens per round (>= 1).
+        params: sampling transform applied identically to p and q.
+        generator: torch RNG for reproducible sampling.
+        eos_ids: token ids that end a row (the EOS token is emitted, then the row stops).
+        progress: optional callable(n_new_tokens) called as tokens are emitted (e.g. tqdm.update).
+    Raises:
+        ConfigError: k < 1, max_new_tokens < 1, empty prompt, or a context beyond the target's positions.
+    """
+    if k < 1:
+        raise ConfigError(f"k must be >= 1, got {k}")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    rows = _as_rows(prompts)
+    B, dev = len(rows), target.device
+    lens = torch.tensor([len(r) for r in rows], device=dev)
+    depth = k if draft is not None else 0
+    max_len = int(lens.max()) + max_new_tokens + depth + 1
+    if max_len - 1 > target.cfg.max_positions:
+        raise ConfigError(f"prompt of {int(lens.max())} tokens + {max_new_tokens} new tokens exceeds the "
+                          f"target's {target.cfg.max_positions} positions")
+    cache = target.new_cache(B, max_len)
+    hidden_layers = draft.hidden_layers if draft is not None else ()
+    if draft is not None:
+        draft.start(target, cache, B, max_len)
+
+    # prefill all but the last prompt token (right-padded; pad entries are overwritten before being read)
+    width = int(lens.max()) - 1
+    if width > 0:
+        padded = torch.zeros(B, width, dtype=torch.long, device=dev)
+        for b, r in enumerate(rows):
+            padded[b, : len(r) - 1] = torch.tensor(r[:-1], device=dev)
+        pos = torch.arange(width, device=dev)[None].expand(B, width)
+        out = target(padded, pos, cache, hidden_layers=hidden_layers)
+        if draft is not None:
+            draft.observe(padded, pos, out)
+
+    n = lens.clone()  # committed length per row
+    pending = torch.tensor([r[-1] for r in rows], device=dev)  # (B,) last committed token, not yet in cache
+    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
+    emitted: list[list[int]] = [[] for _ in range(B)]
+    finish = ["length"] * B
+    rounds, accepted_log = [0] * B, []
+    active = [True] * B
+
+    while any(active):
+        pos0 = n - 1  # (B,) position of the pending token
+        if draft is None:
+            logits = target(pending[:, None], pos0[:, None], cache).logits  # (B, 1, V)
+            n_acc = torch.zeros(B, dtype=torch.long, device=dev)
+            next_tok = sample(probs_from_logits(logits[:, -1], params), generator)
+            block = next_tok[:, None]
+        else:
+            d_tokens, q = _propose(draft, pending, pos0, k, params, generator)  # (B, k), (B, k, V)
+            verify_in = torch.cat([pending[:, None], d_tokens], 1)  # (B, k+1)
+            vpos = pos0[:, None] + torch.arange(k + 1, device=dev)  # (B, k+1)
+            out = target(verify_in, vpos, cache, hidden_layers=hidden_layers)
+            p = probs_from_logits(out.logits, params)  # (B, k+1, V)
+            n_acc, next_tok = verify(d_tokens, q, p, generator)
+            draft.observe(verify_in, vpos, out)
+            block = torch.cat([d_tokens, torch.zeros_like(d_tokens[:, :1])], 1)
+            block[torch.arange(B), n_acc] = next_tok  # row b emits block[b, : n_acc[b] + 1]
+        accepted_log.append(n_acc.tolist())
+        new_total = 0
+        for b in range(B):
+            if not active[b]:
+                continue
+            rounds[b] += 1
+            toks = block[b, : int(n_acc[b]) + 1].tolist()
+            toks = toks[: max_new_tokens - len(emitted[b])]
+            if len(eos):
+                hits = [i for i, t in enumerate(toks) if t in eos.tolist()]
+                if hits:
+                    toks = toks[: hits[0] + 1]
+                    finish[b] = "stop"
+                    active[b] = False
+            emitted[b].extend(toks)
+            new_total += len(toks)
+            if len(emitted[b]) >= max_new_tokens:
+                active[b] = False
+        if progress is not None:
+            progress(new_total)
+        # advance active rows; finished rows stay put (their compute is wasted, their state untouched)
+        act = torch.tensor(active, device=dev)
+        n = torch.where(act, n + n_acc + 1, n)
+        pending = torch.where(act, next_tok, pending)
+    return GenerationResult(emitted, finish, rounds, [len(e) for e in emitted], accepted_log)
+
+
+def _propose(draft: Draft, pending: torch.Tensor, pos0: torch.Tensor, k: int, params: SamplingParams,
+             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """k draft forwards. Returns draft tokens (B, k) and the exact distributions they were drawn from (B, k, V)."""
+    tok, tokens, qs = pending, [], []
+    for j in range(k):
+        q = probs_from_logits(draft.step(tok[:, None], (pos0 + j)[:, None]), params)  # (B, V)
+        tok = sample(q, generator)
+        tokens.append(tok)
+        qs.append(q)
+    return torch.stack(tokens, 1), torch.stack(qs, 1)

@@ -1,0 +1,85 @@
+"""The SPIRe draft: k-pass training forward == step-by-step inference; feedback memory (CASES.md 8)."""
+
+import pytest
+import torch
+
+from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
+from spire.errors import ConfigError, TokenizerMismatchError
+from spire.model import ForwardOutput
+from tests.conftest import make_tiny
+
+
+def _draft(target, n=2, window=6, sink=1, mix_init=1.0, seed=1):
+    torch.manual_seed(seed)
+    m = SpireDraftModel(target, SpireConfig(n_draft_layers=n, sink=sink, window=window, mix_init=mix_init))
+    with torch.no_grad():  # move away from the target's weights so that nothing matches by accident
+        m.mix_logits.normal_(0, 1.0)
+        for p in m.layers.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return m.eval()
+
+
+@pytest.mark.parametrize("k,window", [(4, 6), (3, 64), (2, 3)])
+def test_training_forward_matches_inference(tiny, k, window):
+    """Paper Fig. 2: pass j of the k-pass procedure must produce exactly the logits the drafting loop
+    produces at the same position, given the same verified prefix and teacher-forced tokens."""
+    torch.manual_seed(0)
+    T = 8 * k
+    tokens = torch.randint(0, tiny.cfg.vocab_size, (2, T))
+    model = _draft(tiny, n=2, window=window)
+    pos = torch.arange(T)[None].expand(2, T)
+    with torch.no_grad():
+        out = tiny(tokens, pos, hidden_layers=model.source_layers)
+        train_logits = model.forward_train(tokens, out.hidden, k)
+    draft = SpireDraft(model)
+    for s in range(0, T, k):  # block starting at s: verified prefix is positions < s
+        draft.start(tiny, None, 2, T + 1)
+        if s > 0:
+            hid = {j: h[:, :s] for j, h in out.hidden.items()}
+            draft.observe(tokens[:, :s], pos[:, :s], ForwardOutput(out.logits[:, :s], hid))
+        for j in range(k):
+            step_logits = draft.step(tokens[:, s + j: s + j + 1], pos[:, s + j: s + j + 1])
+            torch.testing.assert_close(step_logits, train_logits[:, s + j], atol=1e-4, rtol=1e-4)
+
+
+def test_pruned_initialization_copies_last_layers(tiny):
+    m = SpireDraftModel(tiny, SpireConfig(n_draft_layers=2))
+    assert m.source_layers == (2, 3)
+    for i, j in enumerate(m.source_layers):
+        for (na, a), (nb, b) in zip(m.layers[i].named_parameters(), tiny.layers[j].named_parameters()):
+            assert na == nb and torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    assert all(p.requires_grad for p in m.layers.parameters())
+    assert not tiny.model.embed_tokens.weight.requires_grad
+    with pytest.raises(ConfigError):
+        SpireDraftModel(tiny, SpireConfig(n_draft_layers=5))
+
+
+def test_feedback_memory_weights():
+    """CASES.md 8: logits [0, 20, 0, ...] select the activation after draft layer 1; rows sum to 1;
+    memory is kept along time and per row."""
+    target = make_tiny(n_layers=4)
+    m = SpireDraftModel(target, SpireConfig(n_draft_layers=3))
+    with torch.no_grad():
+        m.mix_logits.zero_()
+        m.mix_logits[0, 1] = 20.0
+    xs = [torch.randn(2, 5, target.cfg.d_model) for _ in range(4)]
+    mem = m.memory(xs)  # (n_d, B, T, d)
+    assert mem.shape == (3, 2, 5, target.cfg.d_model)
+    torch.testing.assert_close(mem[0], xs[1], rtol=1e-6, atol=1e-6 * xs[1].abs().max().item())
+    torch.testing.assert_close(m.mix_logits.softmax(-1).sum(-1), torch.ones(3))
+    # per row and per time step: changing row 1 / time 3 changes only that entry
+    xs2 = [x.clone() for x in xs]
+    xs2[1][1, 3] += 1.0
+    diff = (m.memory(xs2) - mem).abs().sum((0, 3))  # (B, T)
+    assert diff[1, 3] > 0 and diff.sum() == diff[1, 3]
+
+
+def test_save_load_roundtrip_and_mismatch(tmp_path, tiny):
+    m = _draft(tiny)
+    m.save(tmp_path / "d.safetensors", {"note": 1})
+    m2 = SpireDraftModel.load(tmp_path / "d.safetensors", tiny)
+    for a, b in zip(m.state_dict().values(), m2.state_dict().values()):
+        assert torch.equal(a, b)
+    other = make_tiny(seed=5, vocab_size=101)
+    with pytest.raises(TokenizerMismatchError, match="trained for target"):
+        SpireDraftModel.load(tmp_path / "d.safetensors", other)
