@@ -46,7 +46,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     omega: float = 0.5
     grad_clip: float = 1.0
-    bf16: bool = True
+    bf16: bool | None = None  # None: on when the device has fast bf16 (CUDA, or a CPU with AMX / AVX512-BF16)
     seed: int = 0
     checkpoint_every: float = 60.0
     spire: SpireConfig = field(default_factory=SpireConfig)
@@ -60,6 +60,13 @@ class TrainConfig:
             raise ConfigError(f"seq_len {self.seq_len} must be a multiple of k={self.k}")
         if not 0 <= self.omega <= 1:
             raise ConfigError(f"omega must be in [0, 1], got {self.omega}")
+
+
+def fast_bf16(device: torch.device) -> bool:
+    """Whether bf16 autocast speeds up training here (without AMX or AVX512-BF16 it is several times slower)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
 def _autocast(enabled: bool, device: torch.device):
@@ -109,6 +116,8 @@ def train_spire(target: Transformer, data, out_dir: Path, cfg: TrainConfig = Tra
         ConfigError: invalid settings, or a saved run in out_dir with different settings.
     """
     cfg.validate()
+    if cfg.bf16 is None:
+        cfg.bf16 = fast_bf16(target.device)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     device = target.device

@@ -30,7 +30,7 @@ def mixed_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, omega: f
     distill = -(p * log_q).sum(-1).mean()
     alpha = torch.minimum(p, log_q.exp()).sum(-1).mean()
     loss = omega * distill - (1 - omega) * alpha
-    return LossTerms(loss, float(distill), float(alpha))
+    return LossTerms(loss, distill.item(), alpha.item())
 
 
 def hard_target_loss(draft_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
