@@ -1,0 +1,30 @@
+"""Test-only drafts."""
+
+from __future__ import annotations
+
+import torch
+
+from spire.drafts.base import Draft
+from spire.model import Transformer
+
+
+class NoisyTargetDraft(Draft):
+    """The target itself with its own full cache and Gaussian noise on its logits (CASES.md 3): sometimes
+    right, sometimes wrong, so rounds reject at 0, reject mid-block and accept everything."""
+
+    name = "noisy-target"
+
+    def __init__(self, noise: float, seed: int = 0) -> None:
+        self.noise, self.seed = noise, seed
+
+    def start(self, target: Transformer, target_cache, batch_size: int, max_len: int) -> None:
+        self.target = target
+        self.cache = target.new_cache(batch_size, max_len)
+        self.gen = torch.Generator().manual_seed(self.seed)
+
+    def observe(self, tokens, pos, target_out) -> None:
+        self.target(tokens, pos, self.cache)  # re-sync this draft's cache on everything the target saw
+
+    def step(self, tokens, pos):
+        logits = self.target(tokens, pos, self.cache).logits[:, -1]
+        return logits + self.noise * logits.std() * torch.randn(logits.shape, generator=self.gen)

@@ -1,0 +1,75 @@
+"""The main job end to end on the embedded target (tiny budget), and its bad-input behaviour."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SPIRE = [sys.executable, "-m", "spire.cli"]
+
+
+def _run(args, env_cache):
+    return subprocess.run(SPIRE + args, capture_output=True, text=True, env=env_cache, timeout=900)
+
+
+@pytest.fixture
+def env(tmp_path, monkeypatch):
+    import os
+    from pathlib import Path
+
+    e = dict(os.environ)
+    # reuse the converted model and data of the real cache, but train drafts in a throwaway cache
+    real = Path(os.environ.get("SPIRE_CACHE") or Path.home() / ".cache" / "spire")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for sub in ("models", "data", "sdist"):
+        if (real / sub).exists():
+            (cache / sub).symlink_to(real / sub)
+    e["SPIRE_CACHE"] = str(cache)
+    return e
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--preset", "nope"], "unknown preset"),
+    (["-k", "0"], "k must be a positive integer"),
+    (["-L", "-5"], "L must be a positive integer"),
+    (["--budget", "0"], "budget must be positive"),
+    (["-L", "9000"], "exceeds the target's 8192 positions"),
+])
+def test_bad_input_one_line_nothing_written(tmp_path, env, args, message):
+    from tests.conftest import smollm2_available
+
+    if "9000" in args and not smollm2_available():
+        pytest.skip("needs the embedded target")
+    out = tmp_path / "out"
+    res = _run(["reproduce", "--out", str(out), *args], env)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert lines[-1].startswith("error: ") and message in lines[-1], res.stderr
+    assert "Traceback" not in res.stderr
+    assert not out.exists()
+
+
+def test_missing_checkpoint_for_data(tmp_path, env):
+    res = _run(["data", "--target", str(tmp_path / "nowhere")], env)
+    assert res.returncode != 0 and res.stderr.strip().splitlines()[-1].startswith("error: checkpoint not found")
+
+
+def test_reproduce_end_to_end_tiny_budget(tmp_path, env, smollm2):
+    out = tmp_path / "out"
+    res = _run(["reproduce", "--quick", "--out", str(out), "--budget", "8", "--n-contexts", "2", "-L", "64",
+                "-G", "8"], env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    taus = {(t["draft"], t["temperature"]): t for t in results["tau"]}
+    assert set(taus) == {("magicdec", 0.0), ("spire", 0.0), ("magicdec", 1.0), ("spire", 1.0)}
+    for t in taus.values():
+        assert 1.0 <= t["ci_low"] <= t["tau"] <= t["ci_high"] <= 5.0
+    assert results["training"]["steps"] >= 1
+    rows = results["throughput"]["smollm2_measured"]["T=0"]
+    assert {r["draft"] for r in rows} == {"magicdec", "spire"}
+    report = (out / "REPORT.md").read_text()
+    assert "τ (average tokens per round" in report and "2.78 / 1.36 / 2.05" in report
+    for f in results["figures"]:
+        assert (out / f).stat().st_size > 1000
