@@ -17,12 +17,12 @@ class NoisyTargetDraft(Draft):
     def __init__(self, noise: float, seed: int = 0) -> None:
         self.noise, self.seed = noise, seed
 
-    def start(self, target: Transformer, target_cache, batch_size: int, max_len: int) -> None:
+    def start(self, target: Transformer, target_cache, batch_size: int, max_len: int, k: int) -> None:
         self.target = target
         self.cache = target.new_cache(batch_size, max_len)
         self.gen = torch.Generator().manual_seed(self.seed)
 
-    def observe(self, tokens, pos, target_out) -> None:
+    def observe(self, tokens, pos, target_out, valid=None) -> None:
         self.target(tokens, pos, self.cache)  # re-sync this draft's cache on everything the target saw
 
     def step(self, tokens, pos):

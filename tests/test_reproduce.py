@@ -67,7 +67,7 @@ def test_reproduce_end_to_end_tiny_budget(tmp_path, env, smollm2):
     for t in taus.values():
         assert 1.0 <= t["ci_low"] <= t["tau"] <= t["ci_high"] <= 5.0
     assert results["training"]["steps"] >= 1
-    rows = results["throughput"]["smollm2_measured"]["T=0"]
+    rows = results["throughput"]["measured"]["T=0"]
     assert {r["draft"] for r in rows} == {"magicdec", "spire"}
     report = (out / "REPORT.md").read_text()
     assert "τ (average tokens per round" in report and "2.78 / 1.36 / 2.05" in report

@@ -17,8 +17,12 @@ def _prompts(n_vocab, lengths, seed=0):
 
 
 def _drafts(target):
+    from spire.drafts.vanilla import VanillaDraft
+    from tests.conftest import make_tiny
+
     return [MagicDecDraft(sink=1, window=4), NoisyTargetDraft(noise=1.0),
-            SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=2, window=8)))]
+            SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=2, window=8))),
+            VanillaDraft(make_tiny(seed=3, n_layers=1))]
 
 
 @pytest.mark.parametrize("lengths", [[1], [300], [1, 17, 300], [5, 5]])
@@ -100,3 +104,47 @@ def test_temperature_sampling_is_reproducible(tiny):
     runs = [generate(tiny, prompts, 20, draft=MagicDecDraft(1, 4), params=SamplingParams(1.0, top_p=0.9),
                      generator=torch.Generator().manual_seed(7)).tokens for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+class _CheckingDraft:
+    """Wraps a draft; at the first step of every round it checks that the target cache holds exactly the
+    keys/values of a fresh prefill of each row's committed prefix (CASES.md 3 and 7)."""
+
+    def __init__(self, inner, target, final_sequences):
+        self.inner, self.target, self.final = inner, target, final_sequences
+        self.name, self.hidden_layers, self.checked = inner.name, inner.hidden_layers, 0
+
+    def start(self, target, cache, B, max_len, k):
+        self.cache, self.k, self.calls = cache, k, 0
+        self.inner.start(target, cache, B, max_len, k)
+
+    def observe(self, *a, **kw):
+        self.inner.observe(*a, **kw)
+
+    def step(self, tokens, pos):
+        self.calls += 1
+        if (self.calls - 1) % self.k:  # later steps of a round: drafted positions hold draft keys/values
+            return self.inner.step(tokens, pos)
+        for b in range(tokens.shape[0]):
+            n1 = int(pos[b, 0])  # pending position: positions < n1 are committed and in the cache
+            if n1 and len(self.final[b]) >= n1:
+                ids = torch.tensor([self.final[b][:n1]])
+                fresh = self.target.new_cache(1, n1 + 1)
+                self.target(ids, torch.arange(n1)[None], fresh)
+                for layer in range(self.target.cfg.n_layers):
+                    torch.testing.assert_close(self.cache.k[layer][b, :, :n1], fresh.k[layer][0, :, :n1],
+                                               atol=1e-5, rtol=1e-5)
+                self.checked += 1
+        return self.inner.step(tokens, pos)
+
+
+def test_cache_holds_committed_tokens_after_every_round(tiny):
+    """Window 4, sink 1, prompts longer than the window, k = 4: after rejections and full accepts the target
+    cache equals a fresh prefill of the committed prefix."""
+    prompts = _prompts(97, [6, 9, 2])
+    ad = generate(tiny, prompts, 30).tokens
+    final = [p + o for p, o in zip(prompts, ad)]
+    for inner in (MagicDecDraft(sink=1, window=4), NoisyTargetDraft(noise=0.7)):
+        draft = _CheckingDraft(inner, tiny, final)
+        res = generate(tiny, prompts, 30, draft=draft, k=4)
+        assert res.tokens == ad and draft.checked > 10

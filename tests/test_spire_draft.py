@@ -33,7 +33,7 @@ def test_training_forward_matches_inference(tiny, k, window):
         train_logits = model.forward_train(tokens, out.hidden, k)
     draft = SpireDraft(model)
     for s in range(0, T, k):  # block starting at s: verified prefix is positions < s
-        draft.start(tiny, None, 2, T + 1)
+        draft.start(tiny, None, 2, T + 1, k)
         if s > 0:
             hid = {j: h[:, :s] for j, h in out.hidden.items()}
             draft.observe(tokens[:, :s], pos[:, :s], ForwardOutput(out.logits[:, :s], hid))

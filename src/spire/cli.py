@@ -103,6 +103,8 @@ def throughput(
 @app.command()
 def reproduce(
     preset: Annotated[str, typer.Option(help="Target preset (the embedded default: smollm2-135m).")] = "smollm2-135m",
+    target: Annotated[Optional[str], typer.Option(help="A .gguf file or HF Llama-family folder to use instead "
+                                                      "of the preset's checkpoint.")] = None,
     out: Annotated[Path, typer.Option(help="Output folder for REPORT.md, results.json and PNGs.")] = Path("spire-out"),
     quick: Annotated[bool, typer.Option("--quick", help="Smoke-test settings: about 5 minutes on 2 cores.")] = False,
     budget: Annotated[Optional[float], typer.Option(help="SPIRe training budget in seconds.")] = None,
@@ -118,7 +120,7 @@ def reproduce(
 
     overrides = {name: value for name, value in (("budget_s", budget), ("n_contexts", n_contexts), ("L", L),
                                                   ("G", G)) if value is not None}
-    overrides.update(preset=preset, out=out, k=k, n_draft_layers=n_draft_layers, seed=seed)
+    overrides.update(preset=preset, target=target, out=out, k=k, n_draft_layers=n_draft_layers, seed=seed)
     cfg = ReproduceConfig.quick_config(**overrides) if quick else ReproduceConfig(**overrides)
     run(cfg, log=lambda msg: typer.echo(msg, err=True))
     typer.echo(f"wrote {out / 'REPORT.md'}, {out / 'results.json'} and figures")
@@ -142,6 +144,108 @@ def data(
     td = prepare_data(tokenizer, eos_id=document_separator_id(tokenizer), heldout_fraction=heldout_fraction,
                       seed=seed)
     typer.echo(data_summary_table(td))
+
+
+@app.command()
+def generate(
+    prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts; or use --file, or pipe them on stdin "
+                                                               "(one per line).")] = None,
+    file: Annotated[Optional[Path], typer.Option(help="A text file with one prompt per line.")] = None,
+    target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
+    draft: Annotated[Literal["none", "vanilla", "magicdec", "spire"], typer.Option(help="Draft model.")] = "magicdec",
+    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe draft .safetensors, or vanilla draft model.")]
+    = None,
+    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = 4,
+    temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1].")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt at most.")] = 128,
+    stop: Annotated[list[str], typer.Option(help="Stop string; repeatable.")] = [],
+    seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 0,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the model's chat template.")] = False,
+    window: Annotated[int, typer.Option(help="MagicDec window (tokens).")] = 64,
+    fmt: Annotated[Literal["text", "json"], typer.Option("--format", help="Plain text or one JSON object.")]
+    = "text",
+) -> None:
+    """Generate with speculative decoding (lossless: greedy output equals --draft none)."""
+    import torch
+
+    from spire.drafts import make_draft
+    from spire.loading import load_target
+    from spire.sampling import SamplingParams
+    from spire.speculative import StopStrings, generate as run
+
+    params = SamplingParams(temperature, top_k, top_p)
+    if k < 1:
+        raise ConfigError(f"k must be >= 1, got {k}")
+    texts = list(prompts or [])
+    if file is not None:
+        try:
+            texts += [line for line in file.read_text().splitlines() if line.strip()]
+        except OSError as e:
+            raise ConfigError(f"cannot read prompts from {file}: {e.strerror}") from None
+    if not texts and not sys.stdin.isatty():
+        texts = [line for line in sys.stdin.read().splitlines() if line.strip()]
+    if not texts:
+        raise ConfigError("no prompt given (pass prompts as arguments, --file, or on stdin)")
+    if any(not t.strip() for t in texts):
+        raise ConfigError("empty prompt")
+    model, tokenizer, _ = load_target(target, progress=False)
+    if chat:
+        ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                             tokenize=True, return_dict=False) for t in texts]
+    else:
+        ids = [tokenizer(t).input_ids for t in texts]
+    ids = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
+    d = make_draft(draft, model, tokenizer, draft_path, window=window)
+    eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    stopper = StopStrings(stop, tokenizer.decode) if stop else None
+    res = run(model, ids, max_new_tokens, draft=d, k=k, params=params,
+              generator=torch.Generator().manual_seed(seed), eos_ids=sorted(eos), stop=stopper)
+    outputs = []
+    for b in range(len(ids)):
+        text = tokenizer.decode(res.tokens[b], skip_special_tokens=True)
+        outputs.append({"text": stopper.trim(text) if stopper else text, "token_ids": res.tokens[b],
+                        "finish_reason": res.finish_reasons[b], "tau": res.row_tau(b)})
+    if fmt == "json":
+        typer.echo(json.dumps({"outputs": outputs, "tau": res.tau, "draft": draft, "k": k}))
+    else:
+        for o in outputs:
+            typer.echo(o["text"])
+        typer.echo(f"[draft {draft}, k={k}: tau {res.tau:.2f}]", err=True)
+
+
+@app.command()
+def compare(
+    prompts: Annotated[list[str], typer.Argument(help="Prompts.")],
+    target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
+    draft: Annotated[Literal["vanilla", "magicdec", "spire"], typer.Option(help="Draft model.")] = "magicdec",
+    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe draft .safetensors, or vanilla draft model.")]
+    = None,
+    dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="Weights and activations.")] = "bfloat16",
+    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = 4,
+    max_new_tokens: Annotated[int, typer.Option(help="Tokens per prompt.")] = 64,
+) -> None:
+    """Greedy SD vs greedy AD: identical, or the first divergence and the target's top-2 logit gap there."""
+    import torch
+
+    from spire.drafts import make_draft
+    from spire.evaluation.compare import compare_greedy
+    from spire.loading import load_target
+
+    if k < 1:
+        raise ConfigError(f"k must be >= 1, got {k}")
+    model, tokenizer, _ = load_target(target, dtype=getattr(torch, dtype), progress=False)
+    d = make_draft(draft, model, tokenizer, draft_path)
+    ids = [tokenizer(p).input_ids for p in prompts]
+    if any(not x for x in ids):
+        raise ConfigError("empty prompt")
+    for r in compare_greedy(model, d, ids, max_new_tokens, k):
+        if r.identical:
+            typer.echo(f"prompt {r.row}: identical to AD ({dtype})")
+        else:
+            typer.echo(f"prompt {r.row}: first divergence at generated token {r.index}; "
+                       f"target top-2 logit gap there {r.top2_gap:.4f} ({dtype})")
 
 
 def _print_table(name: str, description: str, rows: list[dict]) -> None:

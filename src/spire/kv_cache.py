@@ -92,8 +92,11 @@ class KVCache:
     def batch_size(self) -> int:
         return self.k[0].shape[0]
 
-    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store keys/values of new tokens. pos: (B, T) absolute positions; k, v: (B, n_kv, T, d_head)."""
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              valid: torch.Tensor | None = None) -> None:
+        """Store keys/values of new tokens. pos: (B, T) absolute positions; k, v: (B, n_kv, T, d_head).
+        ``valid`` is accepted for interface parity with :class:`RingKVCache`; padding entries are written
+        (they lie past the committed length and are overwritten before being read)."""
         if int(pos.max()) >= self.max_len:
             from spire.errors import ConfigError
 
@@ -109,3 +112,80 @@ class KVCache:
         if upto is None:
             return self.k[layer], self.v[layer]
         return self.k[layer][:, :, :upto], self.v[layer][:, :, :upto]
+
+    def key_positions(self, upto: int | None = None) -> torch.Tensor:
+        """(S,) absolute positions of the entries :meth:`read` returns."""
+        return self.positions if upto is None else self.positions[:upto]
+
+
+EMPTY = 1 << 40  # position tag of a never-written ring slot: larger than any query position, so never visible
+
+
+class RingKVCache:
+    """Constant-size sink + window KV cache (StreamingLLM layout; the SPIRe draft's sparse KV cache).
+
+    Slots: ``sink`` fixed slots for positions < sink, then a ring of ``window + slack`` slots; position p
+    (>= sink) lives in slot ``sink + (p - sink) % (window + slack)``. Each slot carries the absolute position
+    it holds (``tags``), and the attention mask is computed from the tags, so a slot whose content is stale
+    (a rejected token, or a position the ring has moved past) is never read as something else.
+
+    Why a slack of k + 1 makes rollback free: a round writes positions up to n + k - 1 (n = committed
+    length); a write at x evicts x - (window + slack), and the next round's first query (at >= n) only
+    reads positions > n - window, so any slack >= k - 1 keeps every position a later query can see (the
+    hypothesis test in tests/test_kv_cache.py fails at k - 2). Entries of rejected tokens sit past the
+    committed length and are overwritten before any query at or after their position runs.
+
+    Shapes: keys/values of layer l: (B, n_kv, sink + window + slack, d_head); tags: (B, slots) int64.
+    """
+
+    def __init__(self, n_layers: int, batch_size: int, n_kv: int, view: SinkWindow, slack: int, d_head: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        if slack < 1:
+            from spire.errors import ConfigError
+
+            raise ConfigError(f"ring slack must be >= 1 (use k + 1), got {slack}")
+        self.view, self.ring = view, view.window + slack
+        n_slots = view.sink + self.ring
+        shape = (batch_size, n_kv, n_slots, d_head)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.tags = torch.full((batch_size, n_slots), EMPTY, dtype=torch.long, device=device)
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    def slot(self, pos: torch.Tensor) -> torch.Tensor:
+        """Slot index of absolute positions (any shape)."""
+        sink = self.view.sink
+        return torch.where(pos < sink, pos, sink + (pos - sink) % self.ring)
+
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              valid: torch.Tensor | None = None) -> None:
+        """Store keys/values. pos: (B, T); k, v: (B, n_kv, T, d_head); valid: optional (B, T) bool (padding
+        is not written). Of a row's positions only those the ring can hold (the last window + slack, and
+        the sink) are written, so one call never writes two positions into the same slot."""
+        B, T = pos.shape
+        keep = torch.ones_like(pos, dtype=torch.bool) if valid is None else valid.clone()
+        last = torch.where(keep, pos, torch.full_like(pos, -1)).max(1, keepdim=True).values  # (B, 1)
+        keep &= (pos < self.view.sink) | (pos > last - self.ring)
+        rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)[keep]
+        slots = self.slot(pos)[keep]
+        self.k[layer][rows, :, slots] = k.transpose(1, 2)[keep].to(self.k[layer].dtype)
+        self.v[layer][rows, :, slots] = v.transpose(1, 2)[keep].to(self.v[layer].dtype)
+        if layer == 0:  # every layer writes the same positions in one forward; layer 0 writes first
+            self.tags[rows, slots] = pos[keep]
+
+    def claim(self, pos: torch.Tensor) -> None:
+        """Tag the slots of positions pos: (B, T) (<= window + slack per row) before their keys/values are
+        written layer by layer, so that a mask built now already sees them."""
+        rows = torch.arange(pos.shape[0], device=pos.device)[:, None].expand_as(pos)
+        self.tags[rows, self.slot(pos)] = pos
+
+    def read(self, layer: int, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """All slots of a layer: (B, n_kv, slots, d_head) each (``upto`` is ignored)."""
+        return self.k[layer], self.v[layer]
+
+    def key_positions(self, upto: int | None = None) -> torch.Tensor:
+        """(B, slots) absolute position held by each slot (EMPTY when never written)."""
+        return self.tags

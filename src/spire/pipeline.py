@@ -25,6 +25,7 @@ class ReproduceConfig:
     """Settings of the main job. budget_s: SPIRe training seconds. n_contexts: held-out contexts per τ."""
 
     preset: str = "smollm2-135m"
+    target: str | None = None  # a .gguf file or HF Llama-family folder instead of the preset's checkpoint
     out: Path = Path("spire-out")
     budget_s: float = 1200.0
     L: int = 512
@@ -72,10 +73,11 @@ def document_separator_id(tokenizer) -> int | None:
     return tokenizer.eos_token_id
 
 
-def _draft_dir(cfg: ReproduceConfig, train_cfg) -> Path:
-    key = hashlib.sha1(json.dumps({"preset": cfg.preset, "train": asdict(train_cfg)}, sort_keys=True,
-                                  default=str).encode()).hexdigest()[:10]
-    return spire_cache_dir() / "drafts" / f"{cfg.preset}-spire-{key}"
+def _draft_dir(cfg: ReproduceConfig, train_cfg, folder: Path) -> Path:
+    name = cfg.preset if cfg.target is None else Path(folder).name
+    key = hashlib.sha1(json.dumps({"target": str(Path(folder).resolve()), "train": asdict(train_cfg)},
+                                  sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return spire_cache_dir() / "drafts" / f"{name}-spire-{key}"
 
 
 def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
@@ -98,9 +100,9 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     timings: dict[str, float] = {}
     torch.manual_seed(cfg.seed)
 
-    log(f"[1/5] target: {cfg.preset}")
+    log(f"[1/5] target: {cfg.target or cfg.preset}")
     t = time.time()
-    target, tokenizer, folder = load_target(PRESETS[cfg.preset], progress=progress)
+    target, tokenizer, folder = load_target(cfg.target or PRESETS[cfg.preset], progress=progress)
     if cfg.L + cfg.G + cfg.k + 1 > target.cfg.max_positions:
         raise ConfigError(f"context L={cfg.L} + G={cfg.G} + k+1 exceeds the target's "
                           f"{target.cfg.max_positions} positions")
@@ -114,7 +116,7 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
 
     train_cfg = TrainConfig(budget_s=cfg.budget_s, k=cfg.k, seed=cfg.seed,
                             spire=SpireConfig(n_draft_layers=cfg.n_draft_layers, sink=cfg.sink, window=cfg.window))
-    run_dir = _draft_dir(cfg, train_cfg)
+    run_dir = _draft_dir(cfg, train_cfg, folder)
     log(f"[3/5] SPIRe draft: {cfg.n_draft_layers} of {target.cfg.n_layers} target layers, "
         f"{cfg.budget_s:.0f} s budget, run folder {run_dir}")
     t = time.time()
@@ -145,7 +147,8 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
                         "threads": torch.get_num_threads(), "device": str(target.device)},
-        "target": {"checkpoint": str(folder), "layers": target.cfg.n_layers, "d_model": target.cfg.d_model,
+        "target": {"name": cfg.target or cfg.preset, "checkpoint": str(folder), "config": target.cfg.to_dict(),
+                   "layers": target.cfg.n_layers, "d_model": target.cfg.d_model,
                    "body_params": target.num_body_params()},
         "data": data.summary(),
         "training": {"run_dir": str(run_dir), "steps": state["step"], "tokens": state["tokens"],

@@ -61,7 +61,7 @@ def _as_rows(prompts: torch.Tensor | Sequence[Sequence[int]]) -> list[list[int]]
 def generate(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int,
              draft: Draft | None = None, k: int = 4, params: SamplingParams = SamplingParams(),
              generator: torch.Generator | None = None, eos_ids: Sequence[int] = (),
-             progress=None) -> GenerationResult:
+             stop: "StopStrings | None" = None, progress=None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per row, with speculative rounds when a draft is given.
 
     Args:
@@ -73,6 +73,7 @@ def generate(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]
         params: sampling transform applied identically to p and q.
         generator: torch RNG for reproducible sampling.
         eos_ids: token ids that end a row (the EOS token is emitted, then the row stops).
+        stop: optional :class:`StopStrings`; a row ends at the token that completes a stop string.
         progress: optional callable(n_new_tokens) called as tokens are emitted (e.g. tqdm.update).
     Raises:
         ConfigError: k < 1, max_new_tokens < 1, empty prompt, or a context beyond the target's positions.
@@ -92,7 +93,7 @@ def generate(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]
     cache = target.new_cache(B, max_len)
     hidden_layers = draft.hidden_layers if draft is not None else ()
     if draft is not None:
-        draft.start(target, cache, B, max_len)
+        draft.start(target, cache, B, max_len, k)
 
     # prefill all but the last prompt token (right-padded; pad entries are overwritten before being read)
     width = int(lens.max()) - 1
@@ -103,11 +104,11 @@ def generate(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]
         pos = torch.arange(width, device=dev)[None].expand(B, width)
         out = target(padded, pos, cache, hidden_layers=hidden_layers)
         if draft is not None:
-            draft.observe(padded, pos, out)
+            draft.observe(padded, pos, out, valid=pos < (lens - 1)[:, None])
 
     n = lens.clone()  # committed length per row
     pending = torch.tensor([r[-1] for r in rows], device=dev)  # (B,) last committed token, not yet in cache
-    eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.long, device=dev)
+    eos_set = set(int(t) for t in eos_ids)
     emitted: list[list[int]] = [[] for _ in range(B)]
     finish = ["length"] * B
     rounds, accepted_log = [0] * B, []
@@ -138,12 +139,14 @@ def generate(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]
             rounds[b] += 1
             toks = block[b, : int(n_acc[b]) + 1].tolist()
             toks = toks[: max_new_tokens - len(emitted[b])]
-            if len(eos):
-                hits = [i for i, t in enumerate(toks) if t in eos.tolist()]
-                if hits:
-                    toks = toks[: hits[0] + 1]
-                    finish[b] = "stop"
-                    active[b] = False
+            cut = next((i + 1 for i, t in enumerate(toks) if t in eos_set), None)
+            if stop is not None:
+                cut_s = stop.cut(emitted[b], toks[:cut])
+                cut = cut_s if cut_s is not None else cut
+            if cut is not None:
+                toks = toks[:cut]
+                finish[b] = "stop"
+                active[b] = False
             emitted[b].extend(toks)
             new_total += len(toks)
             if len(emitted[b]) >= max_new_tokens:
@@ -155,6 +158,37 @@ def generate(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]
         n = torch.where(act, n + n_acc + 1, n)
         pending = torch.where(act, next_tok, pending)
     return GenerationResult(emitted, finish, rounds, [len(e) for e in emitted], accepted_log)
+
+
+class StopStrings:
+    """Stop strings checked on decoded text. ``cut(previous, new)`` returns how many of the ``new`` tokens to
+    keep so that the row ends with the token that completes the first stop string, or None.
+
+    Args:
+        strings: the stop strings (non-empty).
+        decode: token ids -> text (e.g. ``tokenizer.decode``).
+    """
+
+    def __init__(self, strings: Sequence[str], decode) -> None:
+        if any(not st for st in strings):
+            raise ConfigError("stop strings must be non-empty")
+        self.strings, self.decode = list(strings), decode
+        self.span = max(len(st) for st in strings) if strings else 0
+
+    def cut(self, previous: list[int], new: list[int]) -> int | None:
+        if not self.strings or not new:
+            return None
+        start = max(0, len(self.decode(previous)) - self.span)
+        for i in range(len(new)):
+            tail = self.decode(previous + new[: i + 1])[start:]
+            if any(st in tail for st in self.strings):
+                return i + 1
+        return None
+
+    def trim(self, text: str) -> str:
+        """The text before the first stop string (the text a user is shown)."""
+        hits = [text.find(st) for st in self.strings if st in text]
+        return text[: min(hits)] if hits else text
 
 
 def _propose(draft: Draft, pending: torch.Tensor, pos0: torch.Tensor, k: int, params: SamplingParams,

@@ -26,14 +26,16 @@ class Draft(ABC):
     hidden_layers: tuple[int, ...] = ()
 
     @abstractmethod
-    def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int) -> None:
-        """Allocate per-generation state for ``batch_size`` rows and positions < max_len."""
+    def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int, k: int) -> None:
+        """Allocate per-generation state for ``batch_size`` rows, positions < max_len, k tokens per round."""
 
     @abstractmethod
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One draft forward. tokens, pos: (B, 1) -> float32 logits (B, V) for position pos + 1."""
 
-    def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput) -> None:
+    def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
+                valid: torch.Tensor | None = None) -> None:
         """The target has just run on ``tokens`` at ``pos`` (B, T) (prefill or verify); ``target_out``
-        holds its logits and the requested hidden states. Entries at positions past each row's committed
-        length may be stale; the next round overwrites them before any query reads them."""
+        holds its logits and the requested hidden states; ``valid`` (B, T) marks real tokens (False for
+        right-padding in a batched prefill). Entries past each row's committed length may be stale; the
+        next round overwrites them before any query reads them."""

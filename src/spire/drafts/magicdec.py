@@ -24,7 +24,7 @@ class MagicDecDraft(Draft):
         self._target: Transformer | None = None
         self._cache: KVCache | None = None
 
-    def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int) -> None:
+    def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int, k: int) -> None:
         self._target, self._cache = target, target_cache
 
     @torch.no_grad()

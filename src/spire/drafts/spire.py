@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
-from spire.kv_cache import KVCache, SinkWindow, attention_mask
+from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
 from spire.model import ForwardOutput, Transformer, rope_cos_sin
 
 
@@ -191,7 +191,8 @@ class SpireDraftModel(nn.Module):
 
 
 class SpireDraft(Draft):
-    """Inference wrapper: a :class:`SpireDraftModel` with its own sink + window KV cache.
+    """Inference wrapper: a :class:`SpireDraftModel` with its own constant-size sink + window KV cache
+    (:class:`RingKVCache`, sink + window + k + 1 slots per layer, whatever the context length).
 
     The draft cache holds, per draft layer and absolute position, the keys/values of the memory vectors:
     projected from target activations for verified positions (:meth:`observe`), from the draft's own
@@ -203,30 +204,32 @@ class SpireDraft(Draft):
     def __init__(self, model: SpireDraftModel) -> None:
         self.model = model
         self.hidden_layers = model.source_layers
-        self._cache: KVCache | None = None
+        self._cache: RingKVCache | None = None
 
-    def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int) -> None:
+    def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int, k: int) -> None:
         t = target.cfg
-        self._cache = KVCache(len(self.model.layers), batch_size, t.n_kv_heads, max_len, t.d_head,
-                              dtype=target.dtype, device=target.device)
+        self._cache = RingKVCache(len(self.model.layers), batch_size, t.n_kv_heads, self.model.view, k + 1,
+                                  t.d_head, dtype=target.dtype, device=target.device)
 
     @torch.no_grad()
-    def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput) -> None:
+    def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
+                valid: torch.Tensor | None = None) -> None:
         cos, sin = self.model._rope(pos, self.model.target.dtype)
         for i, j in enumerate(self.model.source_layers):
-            self._cache.write(i, pos, *self.model.memory_kv(i, target_out.hidden[j], cos, sin))
+            self._cache.write(i, pos, *self.model.memory_kv(i, target_out.hidden[j], cos, sin), valid=valid)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         m, cache = self.model, self._cache
         x = m.target.model.embed_tokens(tokens)  # (B, 1, d)
         cos, sin = m._rope(pos, x.dtype)
-        mask = attention_mask(pos, cache.positions[: int(pos.max()) + 1], m.view)
+        cache.claim(pos)  # the slots of the new position now hold it (its keys/values follow, per layer)
+        mask = attention_mask(pos, cache.key_positions(), m.view)
         xs = [x]
         for i, layer in enumerate(m.layers):
             def kv_source(k_self, v_self, i=i):  # the token's own key/value, then everything up to it
                 cache.write(i, pos, k_self, v_self)
-                return cache.read(i, int(pos.max()) + 1)
+                return cache.read(i)
             x = layer(x, cos, sin, kv_source, mask)
             xs.append(x)
         mem = m.memory(xs)  # later tokens read this token as memory, not as its self key/value

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import tempfile
@@ -10,6 +9,7 @@ import time
 from pathlib import Path
 
 from spire.throughput import get_preset, throughput_rows
+from spire.throughput.shapes import PAPER_TAUS, ModelShape, Preset
 from spire.throughput.plots import plot_multiplier_heatmaps, plot_multiplier_vs_L
 
 MEASURED = ("magicdec", "spire")  # the drafts whose τ the main job measures (vanilla: not trained here)
@@ -26,6 +26,18 @@ def write_atomic(path: Path, text: str) -> None:
 
 def _tau_of(results: dict, draft: str, temperature: float) -> dict | None:
     return next((t for t in results["tau"] if t["draft"] == draft and t["temperature"] == temperature), None)
+
+
+def target_preset(target: dict, n_draft_layers: int) -> Preset:
+    """Cost-model shapes of the measured target: SPIRe = its last n_draft_layers blocks, vanilla ≈ 1/8 of
+    its layers at the same width (the paper's vanilla draft has about 1/8 of the body parameters)."""
+    c = target["config"]
+    shape = ModelShape(c["n_layers"], c["d_model"], c["n_heads"] // c["n_kv_heads"], c["n_kv_heads"],
+                       c["d_head"], c["d_ff"])
+    return Preset(name=target["name"], target=shape,
+                  drafts={"vanilla": shape.with_layers(max(1, round(c["n_layers"] / 8))),
+                          "spire": shape.with_layers(n_draft_layers)},
+                  taus=dict(PAPER_TAUS), tau_source="measured", description=f"{target['name']} shapes")
 
 
 def _plot_training(history: list[dict], path: Path) -> None:
@@ -51,9 +63,8 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
     (last) into cfg.out. Returns the report path."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    preset = get_preset("smollm2-135m")
-    spire_shape = preset.drafts["spire"].with_layers(cfg.n_draft_layers)
-    preset = dataclasses.replace(preset, drafts={**preset.drafts, "spire": spire_shape})
+    preset = target_preset(results["target"], cfg.n_draft_layers)
+    name = results["target"]["name"]
     figures, grids = [], {}
     for temperature in cfg.temperatures:
         taus = {d: _tau_of(results, d, temperature)["tau"] for d in MEASURED}
@@ -61,23 +72,23 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
                 for r in throughput_rows(preset, cfg.grid_B, cfg.grid_L, k=cfg.k, taus=taus)
                 if r["draft"] in MEASURED]
         grids[f"T={temperature:g}"] = rows
-        name = f"throughput_smollm2_T{temperature:g}.png"
-        plot_multiplier_heatmaps(rows, out / name, f"SmolLM2-135M, measured τ (T={temperature:g}): "
-                                                   f"modeled throughput multiplier τ/Δt (HOI 600)")
-        figures.append(name)
-        name = f"multiplier_vs_L_smollm2_T{temperature:g}.png"
-        plot_multiplier_vs_L(rows, out / name, B=64 if 64 in cfg.grid_B else max(cfg.grid_B),
-                             title=f"SmolLM2-135M, measured τ (T={temperature:g})")
-        figures.append(name)
+        fig = f"throughput_measured_T{temperature:g}.png"
+        plot_multiplier_heatmaps(rows, out / fig, f"{name}, measured τ (T={temperature:g}): "
+                                                  f"modeled throughput multiplier τ/Δt (HOI 600)")
+        figures.append(fig)
+        fig = f"multiplier_vs_L_measured_T{temperature:g}.png"
+        plot_multiplier_vs_L(rows, out / fig, B=64 if 64 in cfg.grid_B else max(cfg.grid_B),
+                             title=f"{name}, measured τ (T={temperature:g})")
+        figures.append(fig)
     paper = get_preset("paper-67m")
-    paper_rows = throughput_rows(paper, [64], [2 ** i for i in range(3, 14)], k=4)
-    plot_multiplier_heatmaps(paper_rows, out / "throughput_paper67m_B64.png",
-                             "Paper 67M target, paper τ (B = 64): reproduces the paper's table")
-    figures.append("throughput_paper67m_B64.png")
+    paper_rows = throughput_rows(paper, sorted({*cfg.grid_B, 64}), [2 ** i for i in range(3, 14)], k=4)
+    plot_multiplier_heatmaps(paper_rows, out / "throughput_paper67m.png",
+                             "Paper 67M target with the paper's τ (L = 512): the paper's setting")
+    figures.append("throughput_paper67m.png")
     if results["training"]["history"]:
         _plot_training(results["training"]["history"], out / "training_alpha.png")
         figures.append("training_alpha.png")
-    results["throughput"] = {"smollm2_measured": grids, "paper_67m_B64": paper_rows}
+    results["throughput"] = {"measured": grids, "paper_67m": paper_rows}
     results["figures"] = figures
     results["timings"]["total_s"] = time.time() - t_start
     write_atomic(out / "results.json", json.dumps(results, indent=1))
@@ -93,9 +104,9 @@ def _fmt_tau(t: dict | None) -> str:
 def _markdown(results: dict, cfg) -> str:
     tr, env, tm = results["training"], results["environment"], results["timings"]
     lines = [
-        "# spire reproduce: SPIRe vs MagicDec on SmolLM2-135M",
+        f"# spire reproduce: SPIRe vs MagicDec on {results['target']['name']}",
         "",
-        f"Preset `{results['preset']}`{' (--quick: smoke-test settings, not a measurement)' if cfg.quick else ''}. "
+        f"Target `{results['target']['checkpoint']}`{' (--quick: smoke-test settings, not a measurement)' if cfg.quick else ''}. "
         f"Wall time {tm['total_s'] / 60:.1f} min on {env['processor']} ({env['threads']} threads, torch "
         f"{env['torch']}, {env['device']}).",
         "",
@@ -127,12 +138,12 @@ def _markdown(results: dict, cfg) -> str:
         "",
         "## Modeled throughput (the paper's cost model, HOI 600, max)",
         "",
-        "Multiplier τ/Δt over autoregressive decoding for SmolLM2-135M shapes with the τ measured above "
+        f"Multiplier τ/Δt over autoregressive decoding for {results['target']['name']} shapes with the τ measured above "
         "(τ taken as independent of L, as in the paper). Vanilla SD is not in this job (no vanilla draft is "
         "trained yet).",
         "",
     ]
-    for key, rows in results["throughput"]["smollm2_measured"].items():
+    for key, rows in results["throughput"]["measured"].items():
         Ls = sorted({r["L"] for r in rows})
         B = 64 if 64 in cfg.grid_B else max(cfg.grid_B)
         lines += [f"B = {B}, {key}:", "", "| draft | " + " | ".join(f"L={x}" for x in Ls) + " |",
@@ -144,7 +155,8 @@ def _markdown(results: dict, cfg) -> str:
         if at:
             lines += ["", f"At (B, L) = ({B}, {cfg.L}): SPIRe {at['spire']:.2f}× vs MagicDec "
                           f"{at['magicdec']:.2f}× ({100 * (at['spire'] / at['magicdec'] - 1):+.1f} %).", ""]
-    headline = {r["draft"]: r["multiplier"] for r in results["throughput"]["paper_67m_B64"] if r["L"] == 512}
+    headline = {r["draft"]: r["multiplier"] for r in results["throughput"]["paper_67m"]
+                if r["L"] == 512 and r["B"] == 64}
     lines += [
         f"Check: the paper's 67M setting at (64, 512) gives SPIRe {headline['spire']:.2f}, vanilla "
         f"{headline['vanilla']:.2f}, MagicDec {headline['magicdec']:.2f} (paper: 2.78 / 1.36 / 2.05).",
@@ -155,9 +167,13 @@ def _markdown(results: dict, cfg) -> str:
         "",
         "## Data",
         "",
-        "```",
-        json.dumps(results["data"], indent=1)[:3000],
-        "```",
+        "Registry texts, split by document (held-out documents are never trained on); tokens include one "
+        "separator per document.",
+        "",
+        "| source | train docs | train tokens | held-out docs | held-out tokens |",
+        "|---|---|---|---|---|",
+    ] + [f"| {src} | {e['train_documents']} | {e['train_tokens']:,} | {e['heldout_documents']} | "
+         f"{e['heldout_tokens']:,} |" for src, e in results["data"]["sources"].items()] + [
         "",
         "## Timings (s)",
         "",

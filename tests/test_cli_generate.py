@@ -1,0 +1,77 @@
+"""`spire generate`: the JSON contract, losslessness against --draft none, bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+SPIRE = [sys.executable, "-m", "spire.cli", "generate"]
+
+
+def _run(args, stdin=None):
+    return subprocess.run(SPIRE + args, capture_output=True, text=True, input=stdin, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def folder(smollm2):
+    from spire.loading import resolve_checkpoint
+
+    return str(resolve_checkpoint(progress=False))
+
+
+def test_json_contract_and_greedy_equals_ad(folder):
+    prompts = ["The capital of France is", "def add(a, b):"]
+    outs = {}
+    for draft in ("none", "magicdec", "vanilla"):
+        extra = ["--draft-path", folder] if draft == "vanilla" else []  # the target as its own vanilla draft
+        res = _run([*prompts, "--draft", draft, *extra, "--max-new-tokens", "10", "--format", "json",
+                    "--window", "8"])
+        assert res.returncode == 0, res.stderr
+        obj = json.loads(res.stdout)
+        assert set(obj) >= {"outputs", "tau"} and len(obj["outputs"]) == 2
+        for o in obj["outputs"]:
+            assert set(o) >= {"text", "token_ids", "finish_reason", "tau"}
+            assert o["finish_reason"] in ("stop", "length") and len(o["token_ids"]) <= 10
+        outs[draft] = [o["token_ids"] for o in obj["outputs"]]
+        if draft == "vanilla":
+            assert obj["tau"] == 5.0 or any(o["finish_reason"] == "stop" for o in obj["outputs"])
+    assert outs["magicdec"] == outs["none"] == outs["vanilla"]
+
+
+def test_stdin_and_stop_string(folder):
+    res = _run(["--draft", "magicdec", "--max-new-tokens", "40", "--stop", ",", "--format", "json"],
+               stdin="Apples, pears, plums, cherries\n")
+    assert res.returncode == 0, res.stderr
+    o = json.loads(res.stdout)["outputs"][0]
+    assert "," not in o["text"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["", "--draft", "none"], "empty prompt"),
+    (["hi", "--k", "0"], "k must be >= 1"),
+    (["hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["hi", "--top-p", "0"], "top-p must be in (0, 1]"),
+    (["hi", "--top-p", "1.5"], "top-p must be in (0, 1]"),
+    (["hi", "--draft", "vanilla"], "needs --draft-path"),
+    (["hi", "--target", "/nonexistent/model"], "checkpoint not found"),
+])
+def test_bad_input(args, message):
+    res = _run(args, stdin="")
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: ") and message in last, res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_mismatched_tokenizer_is_refused(smollm2):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from spire.drafts.vanilla import check_same_vocabulary
+    from spire.errors import TokenizerMismatchError
+
+    other = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2},
+                                                                                 unk_token="[UNK]")))
+    with pytest.raises(TokenizerMismatchError, match="target has 49152 tokens, draft x has 3"):
+        check_same_vocabulary(smollm2[1], other, "target", "draft x")

@@ -1,0 +1,70 @@
+"""KV caches under random speculative append / rollback sequences, against a reference that recomputes the
+visible set from the committed tokens (hypothesis)."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
+
+
+def _visible(cache, layer, q):
+    """{position: value} a query at position q (row 0) reads from the cache."""
+    k, _ = cache.read(layer)
+    kp = cache.key_positions()
+    kp = kp[0] if kp.dim() == 2 else kp[: k.shape[2]]
+    mask = attention_mask(torch.tensor([[q]]), kp[None], cache_view[0])[0, 0, 0]
+    return {int(p): int(k[0, 0, s, 0]) for s, p in enumerate(kp.tolist()) if mask[s]}
+
+
+cache_view = [None]
+
+
+def _write(cache, pos_list, values, valid=None):
+    pos = torch.tensor([pos_list])
+    val = torch.tensor(values, dtype=torch.float32)[None, None, :, None].expand(1, 1, len(values), 2)
+    kw = {} if valid is None else {"valid": torch.tensor([valid])}
+    cache.write(0, pos, val, val, **kw)
+
+
+@settings(max_examples=150, deadline=None)
+@given(sink=st.integers(0, 2), window=st.integers(1, 9), k=st.integers(1, 5), prompt=st.integers(1, 30),
+       pad=st.integers(0, 20), accepts=st.lists(st.integers(0, 5), min_size=1, max_size=25),
+       ring=st.booleans())
+def test_round_loop_sequences_match_reference(sink, window, k, prompt, pad, accepts, ring):
+    """Simulates the round loop's use of a draft cache: prefill (with right-padding), then rounds that
+    write k draft positions (querying after each), overwrite k+1 verified positions, and accept a prefix.
+    Every query must see exactly the committed tokens' values (and this round's drafts) inside its view."""
+    view = SinkWindow(sink, window)
+    cache_view[0] = view
+    max_len = prompt + pad + 6 * len(accepts) + 2 * k + 4
+    cache = RingKVCache(1, 1, 1, view, k + 1, 2) if ring else KVCache(1, 1, 1, max_len, 2)
+    committed = {p: 1000 + p for p in range(prompt - 1)}  # value the target wrote for committed position p
+    width = prompt - 1 + pad
+    if width:
+        _write(cache, list(range(width)), [1000 + p if p < prompt - 1 else -7 for p in range(width)],
+               valid=[p < prompt - 1 for p in range(width)])
+    n = prompt
+    for rnd, a in enumerate(accepts):
+        a = min(a, k)
+        drafted = {}
+        for j in range(k):
+            q = n - 1 + j
+            value = -(100 * rnd + j + 1)
+            if ring:
+                cache.claim(torch.tensor([[q]]))
+            _write(cache, [q], [value])
+            drafted[q] = value
+            want = {p: v for p, v in {**committed, **drafted}.items()
+                    if p <= q and (p < sink or p > q - window)}
+            assert _visible(cache, 0, q) == want
+        verified = list(range(n - 1, n + k))
+        _write(cache, verified, [1000 + p for p in verified])  # verify writes all k+1 (rejected ones too)
+        for p in range(n - 1, n + a):
+            committed[p] = 1000 + p
+        n += a + 1
+
+
+def test_ring_is_constant_size():
+    c = RingKVCache(2, 3, 1, SinkWindow(1, 64), 5, 8)
+    assert c.k[0].shape == (3, 1, 70, 8) and c.tags.shape == (3, 70)
