@@ -19,7 +19,7 @@ from spire.speculative import generate
 @dataclass
 class Divergence:
     """Per row: identical, or the first index where SD and AD differ and the AD step's top-2 logit gap
-    there (logit units, computed by a float32 re-scoring of the AD prefix)."""
+    there (logit units: the target re-scores the AD prefix in its own dtype)."""
 
     row: int
     identical: bool
