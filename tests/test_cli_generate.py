@@ -47,6 +47,19 @@ def test_stdin_and_stop_string(folder):
     assert "," not in o["text"]
 
 
+def test_chat_template_and_eos_stop(folder):
+    res = _run(["What is the capital of France?", "--chat", "--max-new-tokens", "20", "--format", "json"])
+    assert res.returncode == 0, res.stderr
+    o = json.loads(res.stdout)["outputs"][0]
+    assert o["text"] == "The capital of France is Paris."
+    assert o["finish_reason"] == "stop" and o["token_ids"][-1] == 2  # <|im_end|> is emitted, then the row stops
+
+
+def test_prompt_longer_than_positions(folder):
+    res = _run(["word " * 9000, "--max-new-tokens", "4"])
+    assert res.returncode != 0 and "exceeds the target's 8192 positions" in res.stderr.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("args,message", [
     (["", "--draft", "none"], "empty prompt"),
     (["hi", "--k", "0"], "k must be >= 1"),
