@@ -191,3 +191,31 @@ def test_compare_tool_reports_divergence(tiny):
     diverged = [r for r in reports if not r.identical]
     assert diverged, "expected at least one bf16 divergence on this model"
     assert all(r.index is not None and 0 <= r.top2_gap < 0.05 for r in diverged), diverged
+
+
+def test_stop_string_inside_accepted_block(tiny):
+    """A stop string completed inside an accepted block ends that row exactly at the completing token; the
+    other rows go on to their budget."""
+    from spire.speculative import StopStrings
+
+    def decode(ids):
+        return "".join(chr(65 + i % 26) for i in ids)
+
+    prompts = _prompts(97, [6, 13])
+    ad = generate(tiny, prompts, 48).tokens
+    text0 = decode(ad[0])
+    for start in range(20, 40):  # a 3-character stop string whose first completion is inside a 5-token block
+        stop = text0[start: start + 3]
+        cut = next(i + 1 for i in range(len(ad[0])) if stop in decode(ad[0][: i + 1]))
+        if cut % 5:
+            break
+    assert cut % 5 and cut < 48
+    stopper = StopStrings([stop], decode)
+    sd = generate(tiny, prompts, 48, draft=MagicDecDraft(1, 1000), k=4, stop=stopper)  # accepts whole blocks
+    assert sd.tokens[0] == ad[0][:cut] and sd.finish_reasons[0] == "stop"
+    assert all(a == 4 for a in (rnd[0] for rnd in sd.accepted_per_round))  # whole blocks were accepted
+    if stop in decode(ad[1]):
+        assert sd.finish_reasons[1] == "stop"
+    else:
+        assert sd.tokens[1] == ad[1] and sd.finish_reasons[1] == "length"
+    assert stopper.trim(decode(sd.tokens[0])) == text0[: text0.index(stop)]
