@@ -62,3 +62,28 @@ def test_chi2_detects_a_wrong_distribution():
     p = np.array([0.5, 0.3, 0.2])
     q = np.array([0.6, 0.3, 0.1])
     assert _chi2(rng.choice(3, size=N, p=q), p) < 1e-6
+
+
+def test_smollm2_first_positions_follow_target(smollm2):
+    """The real target at T = 1: the first generated token, and the second given the most likely first,
+    are distributed as the target's p, for MagicDec (window 4) and an untrained SPIRe draft."""
+    model, tok = smollm2
+    prompt = tok("The old man walked slowly down to the").input_ids
+    params = SamplingParams(1.0)
+    ids = torch.tensor([prompt])
+    pos = torch.arange(len(prompt))[None]
+    with torch.no_grad():
+        p1 = probs_from_logits(model(ids, pos).logits[0, -1], params)
+        x1 = int(p1.argmax())
+        ext = torch.tensor([prompt + [x1]])
+        p2 = probs_from_logits(model(ext, torch.arange(ext.shape[1])[None]).logits[0, -1], params)
+    n = 600
+    for seed, draft in enumerate([MagicDecDraft(sink=1, window=4),
+                                  SpireDraft(SpireDraftModel(model, SpireConfig(n_draft_layers=4, window=8)))]):
+        res = generate(model, [prompt] * n, 2, draft=draft, k=2, params=params,
+                       generator=torch.Generator().manual_seed(50 + seed))
+        first = np.array([t[0] for t in res.tokens])
+        assert _chi2(first, p1.numpy().astype(float)) > 1e-3, draft.name
+        second = np.array([t[1] for t in res.tokens if t[0] == x1])
+        assert len(second) > 100
+        assert _chi2(second, p2.numpy().astype(float)) > 1e-3, draft.name

@@ -151,6 +151,17 @@ def _markdown(results: dict, cfg) -> str:
         for d in MEASURED:
             vals = {r["L"]: r["multiplier"] for r in rows if r["draft"] == d and r["B"] == B}
             lines.append(f"| {d} | " + " | ".join(f"{vals[x]:.2f}" for x in Ls) + " |")
+        lines += ["", f"Which pays off ({key}): the best option per (B, L), with its modeled multiplier "
+                      "(AD when no draft beats autoregressive decoding):", "",
+                  "| B \\ L | " + " | ".join(str(x) for x in Ls) + " |", "|---|" + "---|" * len(Ls)]
+        for b in sorted({r["B"] for r in rows}):
+            cells = []
+            for x in Ls:
+                best = max((r for r in rows if r["B"] == b and r["L"] == x and r["multiplier"] is not None),
+                           key=lambda r: r["multiplier"], default=None)
+                cells.append("AD" if best is None or best["multiplier"] <= 1 else
+                             f"{best['draft']} {best['multiplier']:.2f}")
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
         at = {r["draft"]: r["multiplier"] for r in rows if r["B"] == B and r["L"] == cfg.L}
         if at:
             lines += ["", f"At (B, L) = ({B}, {cfg.L}): SPIRe {at['spire']:.2f}× vs MagicDec "
