@@ -68,7 +68,7 @@ def test_smollm2_first_positions_follow_target(smollm2):
     """The real target at T = 1: the first generated token, and the second given the most likely first,
     are distributed as the target's p, for MagicDec (window 4) and an untrained SPIRe draft."""
     model, tok = smollm2
-    prompt = tok("The old man walked slowly down to the").input_ids
+    prompt = tok("The capital of France is").input_ids  # a peaked first token, a broad second one
     params = SamplingParams(1.0)
     ids = torch.tensor([prompt])
     pos = torch.arange(len(prompt))[None]
@@ -85,5 +85,5 @@ def test_smollm2_first_positions_follow_target(smollm2):
         first = np.array([t[0] for t in res.tokens])
         assert _chi2(first, p1.numpy().astype(float)) > 1e-3, draft.name
         second = np.array([t[1] for t in res.tokens if t[0] == x1])
-        assert len(second) > 100
+        assert len(second) > 200
         assert _chi2(second, p2.numpy().astype(float)) > 1e-3, draft.name

@@ -49,7 +49,7 @@ def test_smollm2_body_params_and_kv():
 def test_from_hf_config_smollm2():
     config = {
         "num_hidden_layers": 30, "hidden_size": 576, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "intermediate_size": 1536,
+        "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True,
     }  # fmt: skip
     assert ModelShape.from_hf_config(config) == shapes.SMOLLM2_135M  # head_dim defaults to 576 // 9
     assert ModelShape.from_hf_config({**config, "head_dim": 32}).d_head == 32
@@ -58,8 +58,9 @@ def test_from_hf_config_smollm2():
 
 
 def test_presets():
-    assert set(PRESETS) == {"paper-67m", "paper-70b", "smollm2-135m"}
-    p70 = get_preset("paper-70b")
+    assert set(PRESETS) == {"paper-67m", "llama3-70b", "smollm2-135m"}
+    assert get_preset("paper-70b") is get_preset("llama3-70b")  # the skeleton's name stays an alias
+    p70 = get_preset("llama3-70b")
     assert p70.target == shapes.LLAMA3_70B and p70.drafts["vanilla"] == shapes.LLAMA3_8B
     assert p70.drafts["spire"] == shapes.LLAMA3_70B.with_layers(20)
     smol = get_preset("smollm2-135m")
@@ -68,7 +69,7 @@ def test_presets():
     assert smol.draft_shape("magicdec") == smol.target
     for p in PRESETS.values():
         assert set(p.taus) == set(DRAFTS)
-    with pytest.raises(ConfigError, match="paper-67m, paper-70b, smollm2-135m"):
+    with pytest.raises(ConfigError, match="paper-67m, llama3-70b, smollm2-135m, paper-70b"):
         get_preset("llama")
 
 

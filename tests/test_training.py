@@ -33,23 +33,23 @@ def test_mixed_loss_values():
 
 def test_training_raises_alpha_and_resumes(tmp_path, tiny):
     data = RepeatingData()
-    cfg = TrainConfig(budget_s=6.0, batch_size=4, seq_len=32, k=4, lr=3e-3, bf16=False, checkpoint_every=1.0,
-                      spire=SpireConfig(n_draft_layers=2, window=8))
+    cfg = TrainConfig(budget_s=600.0, max_steps=30, batch_size=4, seq_len=32, k=4, lr=3e-3, bf16=False,
+                      checkpoint_every=0.5, spire=SpireConfig(n_draft_layers=2, window=8))
     windows = data.seqs
     from spire.drafts.spire import SpireDraftModel
 
     before = evaluate_alpha(SpireDraftModel(tiny, cfg.spire), tiny, windows, 4)
     model, state = train_spire(tiny, data, tmp_path, cfg, progress=False)
     after = evaluate_alpha(model, tiny, windows, 4)
-    assert state["finished"] and state["step"] > 5
+    assert state["finished"] and state["step"] == 30
     assert sum(after) / 4 > sum(before) / 4 + 0.05, (before, after)
     # a finished run is reused as it is
     again, state2 = train_spire(tiny, data, tmp_path, cfg, progress=False)
     assert state2["step"] == state["step"]
     # a larger budget resumes from the saved step
-    cfg.budget_s = 8.0
+    cfg.max_steps = 36
     _, state3 = train_spire(tiny, data, tmp_path, cfg, progress=False)
-    assert state3["step"] > state["step"] and load_state(tmp_path)["step"] == state3["step"]
+    assert state3["step"] == 36 and load_state(tmp_path)["step"] == 36
     # other settings in the same folder are refused
     cfg.lr = 1e-4
     with pytest.raises(ConfigError, match="other settings"):

@@ -43,61 +43,123 @@ def _ints(name: str, values: list[str]) -> list[int]:
     return out
 
 
-def _taus(values: list[str]) -> dict[str, float]:
-    """τ overrides from ``DRAFT=VALUE`` strings."""
-    taus = {}
+def _floats(values: list[str], option: str) -> dict[str, float]:
+    """``DRAFT=VALUE`` strings -> {draft: value}, for --tau and --alpha."""
+    out = {}
     for value in values:
         draft, sep, number = value.partition("=")
         try:
             if not sep:
                 raise ValueError
-            taus[draft.strip()] = float(number)
+            out[draft.strip()] = float(number)
         except ValueError:
-            raise ConfigError(f"--tau expects DRAFT=VALUE (e.g. spire=3.4), got {value!r}") from None
-    return taus
+            raise ConfigError(f"{option} expects DRAFT=VALUE (e.g. spire=3.4), got {value!r}") from None
+    return out
+
+
+def _taus(values: list[str]) -> dict[str, float]:
+    """τ overrides from ``DRAFT=VALUE`` strings."""
+    return _floats(values, "--tau")
+
+
+_OPT = typer.Option
 
 
 @app.command()
 def throughput(
-    preset: Annotated[str, typer.Option(help="Model preset: paper-67m, paper-70b or smollm2-135m.")] = "paper-67m",
-    B: Annotated[list[str], typer.Option("-B", "--batch", metavar="INT[,INT...]", help=GRID_HELP)] = ["64"],
-    L: Annotated[list[str], typer.Option("-L", "--context", metavar="INT[,INT...]", help=GRID_HELP)] = [GOLDEN_LS],
-    k: Annotated[int, typer.Option("--k", "-k", help="Speculation depth: draft tokens per round.")] = 4,
-    hoi: Annotated[float, typer.Option(help="Hardware operational intensity, FLOPs per byte.")] = 600.0,
-    combine: Annotated[
-        Literal["max", "sum"], typer.Option(help="Overlap compute and memory fully (max) or not at all (sum).")
-    ] = "max",
-    tau: Annotated[
-        list[str], typer.Option(metavar="DRAFT=VALUE", help="Override τ of vanilla, magicdec or spire; repeatable.")
-    ] = [],
-    memory_gb: Annotated[
-        Optional[float], typer.Option(help="Device memory in GB (1e9 bytes); marks points that do not fit.")
-    ] = None,
-    bytes_per_value: Annotated[int, typer.Option(help="Bytes per weight / KV value, for --memory-gb.")] = 1,
-    fmt: Annotated[Literal["table", "json"], typer.Option("--format", help="Rich table or one JSON object.")] = "table",
-    plot: Annotated[Optional[Path], typer.Option(help="Also write a PNG heatmap of the multiplier here.")] = None,
+    preset: Annotated[str, _OPT(help="Model preset: paper-67m, llama3-70b (alias paper-70b) or smollm2-135m.")]
+    = "paper-67m",
+    B: Annotated[list[str], _OPT("-B", "--batch", metavar="INT[,INT...]", help=GRID_HELP)] = ["64"],
+    L: Annotated[list[str], _OPT("-L", "--context", metavar="INT[,INT...]", help=GRID_HELP)] = [GOLDEN_LS],
+    k: Annotated[int, _OPT("--k", "-k", help="Speculation depth: draft tokens per round.")] = 4,
+    hoi: Annotated[Optional[float], _OPT(help="Hardware operational intensity, FLOPs per byte "
+                                              "[default: 600, or the --hardware's].")] = None,
+    combine: Annotated[Literal["max", "sum"], _OPT(help="Overlap compute and memory fully (max) or not at all (sum).")]
+    = "max",
+    tau: Annotated[list[str], _OPT(metavar="DRAFT=VALUE", help="Override τ of vanilla, magicdec or spire; repeatable.")]
+    = [],
+    alpha: Annotated[list[str], _OPT(metavar="DRAFT=VALUE", help="Acceptance rate α of a draft: τ = (1−α^(k+1))/(1−α).")]
+    = [],
+    best_k: Annotated[Optional[int], _OPT(metavar="KMAX", help="With --alpha: the best k in 1..KMAX per (B, L).")]
+    = None,
+    memory_gb: Annotated[Optional[float], _OPT(help="Device memory in GB (1e9 bytes); marks points that do not fit.")]
+    = None,
+    bytes_per_value: Annotated[Optional[float], _OPT(help="Bytes per weight and KV value [default: 1].")] = None,
+    dtype: Annotated[Optional[str], _OPT(help="Weight/compute dtype: fp32, bf16, fp16, fp8, int8, int4.")] = None,
+    kv_dtype: Annotated[Optional[str], _OPT(help="KV-cache dtype [default: --dtype].")] = None,
+    hardware: Annotated[Optional[str], _OPT(help="h100-sxm, h200, b200, a100, tpu-v5e or mi300x: sets HOI, memory "
+                                                  "and tokens/s.")] = None,
+    flops: Annotated[Optional[float], _OPT(help="Custom hardware: peak FLOP/s (with --bandwidth).")] = None,
+    bandwidth: Annotated[Optional[float], _OPT(help="Custom hardware: memory bytes/s (with --flops).")] = None,
+    attention_flops: Annotated[bool, _OPT("--attention-flops", help="Count attention-score FLOPs.")] = False,
+    embeddings: Annotated[bool, _OPT("--embeddings", help="Count embedding / unembedding weights and FLOPs.")]
+    = False,
+    draft_window: Annotated[Optional[int], _OPT(help="Fixed StreamingLLM window in tokens [default: L // 8].")]
+    = None,
+    config: Annotated[Optional[Path], _OPT(help="Target shape from an HF config.json (or its folder).")] = None,
+    vanilla_config: Annotated[Optional[Path], _OPT(help="Vanilla draft shape from an HF config.json.")] = None,
+    spire_config: Annotated[Optional[Path], _OPT(help="SPIRe draft from spire's draft config (.json or "
+                                                       ".safetensors).")] = None,
+    spire_layers: Annotated[Optional[int], _OPT(help="SPIRe draft = the target's last N layers.")] = None,
+    contexts: Annotated[Optional[str], _OPT(metavar="INT,INT,...", help="One mixed batch: a context length per "
+                                                                        "request.")] = None,
+    contexts_file: Annotated[Optional[Path], _OPT(help="Mixed batch: context lengths from a file.")] = None,
+    context_dist: Annotated[Optional[str], _OPT(metavar="SPEC", help="Mixed batch of -B requests drawn from e.g. "
+                                                                     "lognormal:median=512,sigma=1.")] = None,
+    seed: Annotated[int, _OPT(help="Seed for --context-dist.")] = 0,
+    grow: Annotated[Optional[int], _OPT(metavar="G", help="Also the multiplier while the context grows over G "
+                                                          "generated tokens.")] = None,
+    cost_analysis: Annotated[bool, _OPT("--cost-analysis", help="Add saving = 10·(1 − 1/m) − training cost.")]
+    = False,
+    fmt: Annotated[Literal["table", "json", "csv"], _OPT("--format", help="Rich table, one JSON object, or CSV.")]
+    = "table",
+    plot: Annotated[Optional[Path], _OPT(help="Also write a PNG heatmap of the multiplier here.")] = None,
 ) -> None:
     """Throughput multiplier τ/Δt of vanilla SD, MagicDec and SPIRe from the paper's cost model."""
-    from spire.throughput import get_preset, throughput_rows
+    from spire.throughput.cli_support import ThroughputArgs, build, print_table, to_csv, to_json
 
-    chosen = get_preset(preset)
-    if memory_gb is not None and not memory_gb > 0:
-        raise ConfigError(f"--memory-gb must be positive, got {memory_gb}")
-    memory_bytes = None if memory_gb is None else memory_gb * 1e9
-    rows = throughput_rows(
-        chosen, _ints("-B", B), _ints("-L", L), k=k, hoi=hoi, combine=combine, taus=_taus(tau),
-        memory_bytes=memory_bytes, bytes_per_value=bytes_per_value,
+    args = ThroughputArgs(
+        preset=preset, Bs=_ints("-B", B), Ls=_ints("-L", L), k=k, hoi=hoi, combine=combine, taus=_taus(tau),
+        alphas=_floats(alpha, "--alpha"), best_k=best_k, memory_gb=memory_gb, bytes_per_value=bytes_per_value,
+        dtype=dtype, kv_dtype=kv_dtype, hardware=hardware, flops=flops, bandwidth=bandwidth,
+        attention_flops=attention_flops, embeddings=embeddings, draft_window=draft_window, config=config,
+        vanilla_config=vanilla_config, spire_config=spire_config, spire_layers=spire_layers,
+        contexts=None if contexts is None else _ints("--contexts", [contexts]), contexts_file=contexts_file,
+        context_dist=context_dist, seed=seed, grow=grow, cost_analysis=cost_analysis,
     )  # fmt: skip
+    summary, rows, chosen = build(args)
     if plot is not None:
         from spire.throughput.plots import plot_multiplier_heatmaps
 
-        title = f"{chosen.name}: throughput multiplier (k={k}, HOI={hoi:g}, {combine})"
+        title = f"{chosen.name}: throughput multiplier (k={k}, HOI={summary['hoi']:g}, {combine})"
         typer.echo(f"wrote {plot_multiplier_heatmaps(rows, plot, title)}", err=True)
     if fmt == "json":
-        summary = {"preset": chosen.name, "k": k, "hoi": hoi, "combine": combine, "memory_bytes": memory_bytes}
-        typer.echo(json.dumps({**summary, "rows": rows}))
+        typer.echo(to_json(summary, rows))
+    elif fmt == "csv":
+        typer.echo(to_csv(rows), nl=False)
     else:
-        _print_table(chosen.name, chosen.description, rows)
+        print_table(chosen.name, chosen.description, rows)
+
+
+@app.command("throughput-figures")
+def throughput_figures(
+    out: Annotated[Path, _OPT(help="Folder for the PNGs and figures.json.")] = Path("spire-figures"),
+    preset: Annotated[str, _OPT(help="Model preset of Figures 1, 3, 4, 5.")] = "paper-67m",
+    extrapolation: Annotated[str, _OPT(help="Preset of Figure 6.")] = "llama3-70b",
+    k: Annotated[int, _OPT("--k", "-k", help="Speculation depth.")] = 4,
+    hoi: Annotated[float, _OPT(help="Hardware operational intensity, FLOPs per byte.")] = 600.0,
+    G: Annotated[int, _OPT("-G", help="Generated tokens for the growing-context metric.")] = 64,
+) -> None:
+    """Every figure of the paper's throughput analysis (Figures 1, 3, 4, 5, 6, growing context) + JSON."""
+    from spire.throughput import get_preset
+    from spire.throughput.figures import write_figures
+
+    data = write_figures(out, get_preset(preset), get_preset(extrapolation), k=k, hoi=hoi, G=G)
+    h = data["headline"]
+    typer.echo(f"wrote {len(data['files'])} figures and figures.json to {out}")
+    typer.echo(f"(B, L) = ({h['B']}, {h['L']}): SPIRe {h['multiplier']['spire']:.2f}x, "
+               f"+{h['spire_gain_vs_vanilla_pct']:.1f} % vs vanilla, +{h['spire_gain_vs_magicdec_pct']:.1f} % vs "
+               f"MagicDec; saving {h['spire_saving_units']:.2f} training units")
 
 
 @app.command()
@@ -249,20 +311,9 @@ def compare(
 
 
 def _print_table(name: str, description: str, rows: list[dict]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+    from spire.throughput.cli_support import print_table
 
-    table = Table(title=f"{name}: {description}", caption="multiplier = τ / Δt (throughput over AD)")
-    for column in ("draft", "B", "L", "τ", "Δt", "multiplier", "memory (GB)"):
-        table.add_column(column, justify="left" if column == "draft" else "right")
-    for r in rows:
-        memory = f"{r['memory_bytes_needed'] / 1e9:.3g}"
-        if r["fits"] is False:
-            dt, m, memory = "-", "does not fit", f"[red]{memory}[/red]"
-        else:
-            dt, m = f"{r['delta_t']:.3f}", f"{r['multiplier']:.2f}"
-        table.add_row(r["draft"], str(r["B"]), str(r["L"]), f"{r['tau']:.3f}", dt, m, memory)
-    Console().print(table)
+    print_table(name, description, rows)
 
 
 def main(argv: list[str] | None = None) -> None:

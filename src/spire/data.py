@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from spire.errors import DataError
-from spire.paths import spire_cache_dir
+from spire.paths import atomic_write, spire_cache_dir
 
 __all__ = [
     "DATA_VERSION", "SOURCES", "TRAIN_ONLY_SOURCES", "SDISTS", "Document", "TokenSplit", "TokenData",
@@ -686,22 +686,9 @@ def _tokenize_docs(tokenizer: Any, docs: list[Document], eos_id: int | None, pro
     return out, max_id
 
 
-def _atomic_save(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-
-
 def _save_split(folder: Path, prefix: str, split: TokenSplit) -> None:
-    _atomic_save(folder / f"{prefix}.npy", lambda f: np.save(f, split.tokens))
-    _atomic_save(folder / f"{prefix}_offsets.npy", lambda f: np.save(f, split.offsets))
+    atomic_write(folder / f"{prefix}.npy", lambda f: np.save(f, split.tokens))
+    atomic_write(folder / f"{prefix}_offsets.npy", lambda f: np.save(f, split.offsets))
 
 
 def _build_split(arrays: list[np.ndarray], docs: list[Document], dtype: np.dtype) -> TokenSplit:
@@ -808,7 +795,7 @@ def prepare_data(tokenizer: Any, cache_dir: str | os.PathLike | None = None, sou
     folder.mkdir(parents=True, exist_ok=True)
     _save_split(folder, "train", train)
     _save_split(folder, "heldout", heldout)
-    _atomic_save(folder / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    atomic_write(folder / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=1).encode()))
     return data
 
 

@@ -10,7 +10,6 @@ Shapes: B batch, T new tokens, S key positions, H query heads, KV key/value head
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable
 

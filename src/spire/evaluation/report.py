@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 
+from spire.paths import atomic_write
 from spire.throughput import get_preset, throughput_rows
 from spire.throughput.shapes import PAPER_TAUS, ModelShape, Preset
 from spire.throughput.plots import plot_multiplier_heatmaps, plot_multiplier_vs_L
 
 MEASURED = ("magicdec", "spire")  # the drafts whose τ the main job measures (vanilla: not trained here)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write text to path through a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _tau_of(results: dict, draft: str, temperature: float) -> dict | None:
@@ -52,10 +42,7 @@ def _plot_training(history: list[dict], path: Path) -> None:
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
-    os.close(fd)
-    fig.savefig(tmp, dpi=120)
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
 
 
 def write_report(results: dict, cfg, t_start: float) -> Path:
@@ -91,9 +78,9 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
     results["throughput"] = {"measured": grids, "paper_67m": paper_rows}
     results["figures"] = figures
     results["timings"]["total_s"] = time.time() - t_start
-    write_atomic(out / "results.json", json.dumps(results, indent=1))
+    atomic_write(out / "results.json", None, json.dumps(results, indent=1))
     report = out / "REPORT.md"
-    write_atomic(report, _markdown(results, cfg))
+    atomic_write(report, None, _markdown(results, cfg))
     return report
 
 

@@ -3,6 +3,11 @@
 from spire.throughput.cost_model import (  # noqa: F401
     HOI,
     Cost,
+    CostOptions,
+    batch_costs,
+    resident_bytes,
+    saving_units,
+    tau_from_alpha,
     RoundCosts,
     critical_batch_size,
     delta_t,
@@ -13,4 +18,5 @@ from spire.throughput.cost_model import (  # noqa: F401
     throughput_rows,
     verify_operational_intensity,
 )
-from spire.throughput.shapes import DRAFTS, PRESETS, ModelShape, Preset, get_preset  # noqa: F401
+from spire.throughput.hardware import HARDWARE, Hardware, get_hardware  # noqa: F401
+from spire.throughput.shapes import DRAFTS, PRESETS, ModelShape, Preset, get_preset, preset_from_configs  # noqa: F401

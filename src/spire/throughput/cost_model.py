@@ -20,7 +20,7 @@ counted in the target KV; τ does not depend on L.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
@@ -36,11 +36,13 @@ COMBINES = ("max", "sum")
 
 @dataclass(frozen=True)
 class Cost:
-    """One forward pass: ``C`` FLOPs, ``N`` weight bytes and ``KV`` KV-cache bytes read."""
+    """One forward pass: ``C`` FLOPs, ``N`` weight bytes and ``KV`` KV-cache bytes read.
 
-    C: int
-    N: int
-    KV: int
+    At the paper's 1 byte per value, N and KV are also counts of values."""
+
+    C: float
+    N: float
+    KV: float
 
 
 class RoundCosts(NamedTuple):
@@ -49,6 +51,43 @@ class RoundCosts(NamedTuple):
     draft: Cost
     verify: Cost
     target: Cost
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Choices beyond the paper, each off / at the paper's value by default (SPIRE.md §2 conventions).
+
+    weight_bytes, kv_bytes: bytes per weight value and per KV-cache value (paper: 1 and 1).
+    attention_flops: add attention-score FLOPs, 4·n_layers·n_heads·d_head per token per context token.
+    embeddings: add the unembedding (2·vocab·d_model FLOPs per token, vocab·d_model values read per pass)
+    and keep embedding / unembedding weights resident in memory (twice when untied).
+    sink, window_divisor: the StreamingLLM draft cache holds sink + L // window_divisor tokens (paper: 1, 8);
+    window: a fixed window in tokens instead (spire's own drafts: 64), so the draft cache stops growing.
+    """
+
+    weight_bytes: float = 1
+    kv_bytes: float = 1
+    attention_flops: bool = False
+    embeddings: bool = False
+    sink: int = 1
+    window_divisor: int = 8
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_positive("weight_bytes", self.weight_bytes)
+        _check_positive("kv_bytes", self.kv_bytes)
+        _check_positive_int("window_divisor", self.window_divisor)
+        if isinstance(self.sink, bool) or not isinstance(self.sink, int) or self.sink < 0:
+            raise ConfigError(f"sink must be a non-negative integer, got {self.sink!r}")
+        if self.window is not None:
+            _check_positive_int("window", self.window)
+
+    def draft_window(self, L: int) -> int:
+        """Tokens the StreamingLLM draft cache holds at context L: sink + window (or L // divisor), ≤ L."""
+        if self.window is not None:
+            return min(L, self.sink + self.window)
+        return min(L, self.sink + L // self.window_divisor)
+
 
 
 def _check_positive_int(name: str, value: Any) -> int:
@@ -68,11 +107,16 @@ def _check_combine(combine: str) -> None:
         raise ConfigError(f"combine must be one of {', '.join(COMBINES)}, got {combine!r}")
 
 
+PAPER_OPTIONS = CostOptions()
+"""The paper's conventions: 1 byte per value, no attention-score or embedding FLOPs, window 1 + L // 8."""
+
+
 def forward_time(C: float, N: float, KV: float, hoi: float = HOI, combine: str = "max") -> float:
     """Time of one forward pass in FLOP-equivalents (paper §"evaluation").
 
     C: FLOPs; N, KV: weight and KV-cache bytes read; hoi: FLOPs per byte. ``combine="max"`` assumes
     compute and memory traffic overlap fully (the paper); ``"sum"`` assumes they do not overlap at all.
+    Divide by the chip's FLOP/s for seconds.
     """
     _check_combine(combine)
     memory = (N + KV) * hoi
@@ -84,6 +128,74 @@ def _draft_window(L: int, sink: int, window_divisor: int) -> int:
     return min(L, sink + L // window_divisor)
 
 
+def _check_contexts(contexts: Sequence[int]) -> list[int]:
+    contexts = list(contexts)
+    if not contexts:
+        raise ConfigError("a mixed batch needs at least one context length")
+    for L in contexts:
+        _check_positive_int("context length", L)
+    return contexts
+
+
+def batch_costs(
+    target: ModelShape,
+    draft: ModelShape,
+    draft_kind: str,
+    contexts: Sequence[int],
+    k: int = 4,
+    options: CostOptions = PAPER_OPTIONS,
+) -> RoundCosts:
+    """Costs of a round for a batch whose requests have context lengths ``contexts`` (B = len(contexts)).
+
+    Weights are read once per pass for the whole batch; KV bytes and attention FLOPs add up over requests:
+    KV_t = x_t·ΣL_i, KV_d = x_d·Σ window(L_i) (SPIRe, MagicDec) or x_d·ΣL_i (vanilla). With a uniform
+    batch this is :func:`round_costs`. (The paper models uniform batches only; SPIRE.md §7.)
+    """
+    contexts = _check_contexts(contexts)
+    windows = [options.draft_window(L) for L in contexts]
+    return _costs(target, draft, draft_kind, len(contexts), sum(contexts), sum(windows), k, options)
+
+
+def _costs(
+    target: ModelShape, draft: ModelShape, draft_kind: str, B: int, sum_L: int, sum_window: int, k: int,
+    o: CostOptions,
+) -> RoundCosts:
+    """Round costs from the batch's totals: B requests, ΣL context tokens, Σ draft-window tokens."""
+    check_draft_kind(draft_kind)
+    _check_positive_int("k", k)
+    N_t = target.body_params()
+    C_t = 2 * N_t * B
+    read_t = N_t
+    if o.embeddings:
+        _check_vocab(target, "target")
+        C_t += 2 * target.unembedding_params() * B
+        read_t += target.unembedding_params()
+    C_attn_t = target.attention_flops_per_token(sum_L) if o.attention_flops else 0
+    KV_t = sum_L * target.kv_values_per_token() * o.kv_bytes
+    target_step = Cost(C=C_t + C_attn_t, N=read_t * o.weight_bytes, KV=KV_t)
+    verify = Cost(C=(k + 1) * target_step.C, N=target_step.N, KV=KV_t)
+
+    N_d = draft.body_params()
+    C_d = 2 * N_d * B
+    read_d = N_d
+    if o.embeddings:
+        _check_vocab(draft, f"{draft_kind} draft")
+        C_d += 2 * draft.unembedding_params() * B
+        read_d += draft.unembedding_params()
+    draft_tokens = sum_L if draft_kind == "vanilla" else sum_window
+    KV_d = draft_tokens * draft.kv_values_per_token() * o.kv_bytes
+    if o.attention_flops:
+        C_d += draft.attention_flops_per_token(draft_tokens)
+    if draft_kind == "spire":
+        C_d += 2 * (2 * draft.n_layers * draft.n_kv * draft.d_model * draft.d_head) * B
+    return RoundCosts(draft=Cost(C=C_d, N=read_d * o.weight_bytes, KV=KV_d), verify=verify, target=target_step)
+
+
+def _check_vocab(shape: ModelShape, label: str) -> None:
+    if not shape.vocab_size:
+        raise ConfigError(f"counting embeddings needs the {label}'s vocab_size, which this model shape lacks")
+
+
 def round_costs(
     target: ModelShape,
     draft: ModelShape,
@@ -93,6 +205,7 @@ def round_costs(
     k: int = 4,
     sink: int = 1,
     window_divisor: int = 8,
+    options: CostOptions | None = None,
 ) -> RoundCosts:
     """FLOPs and bytes of each forward in a round at batch B, context L (paper conventions, SPIRE.md §2).
 
@@ -102,28 +215,12 @@ def round_costs(
     - MagicDec: the target over a StreamingLLM cache, N_d = N_t, KV_d = B·(sink + L//8)·x_t;
     - SPIRe: KV_d = B·(sink + L//8)·x_d, and C_d adds 2·(2·n_layers_d·n_kv_d·d_model_d·d_head_d)·B for
       projecting each new memory vector to a key and a value.
-    For MagicDec pass ``draft=target``.
+    For MagicDec pass ``draft=target``. ``options`` (default: the paper's) replaces sink and window_divisor.
     """
-    check_draft_kind(draft_kind)
-    for name, value in (("B", B), ("L", L), ("k", k), ("window_divisor", window_divisor)):
+    for name, value in (("B", B), ("L", L), ("k", k)):
         _check_positive_int(name, value)
-    if isinstance(sink, bool) or not isinstance(sink, int) or sink < 0:
-        raise ConfigError(f"sink must be a non-negative integer, got {sink!r}")
-
-    N_t = target.body_params()
-    KV_t = B * L * target.kv_values_per_token()
-    target_step = Cost(C=2 * N_t * B, N=N_t, KV=KV_t)
-    verify = Cost(C=(k + 1) * target_step.C, N=N_t, KV=KV_t)
-
-    N_d = draft.body_params()
-    C_d = 2 * N_d * B
-    if draft_kind == "vanilla":
-        KV_d = B * L * draft.kv_values_per_token()
-    else:
-        KV_d = B * _draft_window(L, sink, window_divisor) * draft.kv_values_per_token()
-    if draft_kind == "spire":
-        C_d += 2 * (2 * draft.n_layers * draft.n_kv * draft.d_model * draft.d_head) * B
-    return RoundCosts(draft=Cost(C=C_d, N=N_d, KV=KV_d), verify=verify, target=target_step)
+    o = options if options is not None else CostOptions(sink=sink, window_divisor=window_divisor)
+    return _costs(target, draft, draft_kind, B, B * L, B * o.draft_window(L), k, o)
 
 
 def _shapes(model: Preset | tuple[ModelShape, ModelShape], draft_kind: str) -> tuple[ModelShape, ModelShape]:
@@ -211,18 +308,71 @@ def critical_batch_size(
     return None if B_max is not None and B > B_max else B
 
 
+def tau_from_alpha(alpha: float, k: int) -> float:
+    """τ(k) = (1 − α^{k+1}) / (1 − α): expected tokens per round when each draft token is accepted
+    independently with probability α (Leviathan et al. 2023, eq. 1); k + 1 when α = 1."""
+    _check_positive_int("k", k)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+        raise ConfigError(f"alpha must be a number in [0, 1], got {alpha!r}")
+    return float(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def saving_units(multiplier: float, training_cost: float = 0.25, serving_cost: float = 10.0) -> float:
+    """The paper's cost-to-benefit analysis, in units of the target's training cost: serving with AD
+    costs ``serving_cost`` (10), SD at throughput multiplier m costs serving_cost/m, and training the
+    draft costs ``training_cost`` (SPIRe ≈ 0.25), so saving = 10·(1 − 1/m) − 0.25."""
+    _check_positive("multiplier", multiplier)
+    return serving_cost * (1 - 1 / multiplier) - training_cost
+
+
+def draft_training_cost(preset: Preset, draft_kind: str, spire_cost: float = 0.25) -> float:
+    """Training cost of a draft in units of the target's training cost: MagicDec 0 (no training), SPIRe
+    ``spire_cost`` (paper: 0.25), vanilla N_d / N_t (its share of the body, trained on as many tokens;
+    an assumption: the paper gives no figure for it)."""
+    check_draft_kind(draft_kind)
+    if draft_kind == "magicdec":
+        return 0.0
+    if draft_kind == "spire":
+        return spire_cost
+    return preset.drafts["vanilla"].body_params() / preset.target.body_params()
+
+
+def resident_bytes(target: ModelShape, draft: ModelShape, draft_kind: str, costs: RoundCosts,
+                   options: CostOptions = PAPER_OPTIONS) -> float:
+    """Bytes resident in device memory for a round (CASES.md 10): target weights + target KV + draft
+    weights + draft KV. MagicDec's draft is the target over its own cache and adds nothing; with
+    ``options.embeddings`` the embedding tables count too (a SPIRe draft shares the target's)."""
+    wb = options.weight_bytes
+    resident = target.body_params() * wb + costs.target.KV
+    if options.embeddings:
+        resident += target.embedding_params() * wb
+    if draft_kind != "magicdec":
+        resident += draft.body_params() * wb + costs.draft.KV
+        if options.embeddings and draft_kind == "vanilla":
+            resident += draft.embedding_params() * wb
+    return resident
+
+
 def throughput_rows(
     preset: Preset,
-    Bs: Iterable[int],
-    Ls: Iterable[int],
+    Bs: Iterable[int] = (64,),
+    Ls: Iterable[int] = (512,),
     k: int = 4,
     hoi: float = HOI,
     combine: str = "max",
     taus: Mapping[str, float] | None = None,
     memory_bytes: float | None = None,
-    bytes_per_value: int = 1,
+    bytes_per_value: float = 1,
     sink: int = 1,
     window_divisor: int = 8,
+    *,
+    options: CostOptions | None = None,
+    contexts: Sequence[int] | None = None,
+    alphas: Mapping[str, float] | None = None,
+    best_k_max: int | None = None,
+    flops_per_s: float | None = None,
+    cost_analysis: bool = False,
+    training_cost: float = 0.25,
 ) -> list[dict[str, Any]]:
     """The cost model over a grid: one row per draft (vanilla, magicdec, spire) per (B, L), B outermost.
 
@@ -230,51 +380,94 @@ def throughput_rows(
     "k", "hoi", "combine", "tau_source", "memory_bytes_needed" and "fits".
 
     taus: overrides of the preset's τ per draft kind (1 ≤ τ ≤ k+1). memory_bytes: device memory in bytes;
-    a point whose resident set (:func:`memory_values` · bytes_per_value) exceeds it gets "fits": false and
-    null "delta_t" and "multiplier". Without memory_bytes, "fits" is None (not checked).
+    a point whose resident set (:func:`resident_bytes`) exceeds it gets "fits": false and null "delta_t"
+    and "multiplier" (CASES.md 10). Without memory_bytes, "fits" is None (not checked).
+
+    Beyond the paper (all off by default):
+    - options: :class:`CostOptions` (bytes per weight / KV value, attention FLOPs, embeddings, window);
+      without it, ``bytes_per_value`` (weights and KV), ``sink`` and ``window_divisor`` build one;
+    - contexts: per-request context lengths of ONE mixed batch (replaces Bs and Ls); rows get B = len,
+      L = the rounded mean, "contexts" (min / mean / max) and "uniform_multiplier" at B × mean L;
+    - alphas: acceptance rate α per draft; τ becomes τ(k) = (1 − α^{k+1})/(1 − α) ("tau_source" alpha);
+      with best_k_max, rows add "best_k", "best_k_tau", "best_k_multiplier" over k = 1..best_k_max;
+    - flops_per_s: the chip's FLOP/s, for "ad_tokens_per_s" and "sd_tokens_per_s";
+    - cost_analysis: adds "saving_units" = 10·(1 − 1/m) − training_cost (paper's cost analysis).
     """
-    Bs, Ls = list(Bs), list(Ls)
-    for name, values in (("B", Bs), ("L", Ls)):
-        if not values:
-            raise ConfigError(f"give at least one {name}")
-        for value in values:
-            _check_positive_int(name, value)
+    if options is None:
+        options = CostOptions(weight_bytes=_check_positive("bytes_per_value", bytes_per_value),
+                              kv_bytes=bytes_per_value, sink=sink, window_divisor=window_divisor)
     _check_positive_int("k", k)
-    _check_positive_int("bytes_per_value", bytes_per_value)
     _check_positive("hoi", hoi)
     _check_combine(combine)
     if memory_bytes is not None:
         _check_positive("memory_bytes", memory_bytes)
-    resolved = _resolve_taus(preset, k, taus or {})
+    if flops_per_s is not None:
+        _check_positive("flops_per_s", flops_per_s)
+    if best_k_max is not None:
+        _check_positive_int("best_k_max", best_k_max)
+    alphas = dict(alphas or {})
+    both = sorted(set(alphas) & set(taus or {}))
+    if both:
+        raise ConfigError(f"give tau or alpha for {both[0]}, not both")
+    for draft in alphas:
+        check_draft_kind(draft)
+    resolved = _resolve_taus(preset, k, {**(taus or {}), **{d: tau_from_alpha(a, k) for d, a in alphas.items()}})
+    for draft, a in alphas.items():
+        resolved[draft] = (resolved[draft][0], f"alpha={a:g}")
+
+    if contexts is not None:
+        contexts = _check_contexts(contexts)
+        n = len(contexts)
+        points = [(n, round(sum(contexts) / n), contexts)]
+    else:
+        Bs, Ls = list(Bs), list(Ls)
+        for name, values in (("B", Bs), ("L", Ls)):
+            if not values:
+                raise ConfigError(f"give at least one {name}")
+            for value in values:
+                _check_positive_int(name, value)
+        points = [(B, L, None) for B in Bs for L in Ls]
+
+    def costs_at(draft: str, B: int, L: int, batch: list[int] | None, k_: int) -> RoundCosts:
+        shapes = (preset.target, preset.draft_shape(draft))
+        if batch is None:
+            return round_costs(*shapes, draft, B, L, k_, options=options)
+        return batch_costs(*shapes, draft, batch, k_, options)
 
     rows = []
-    for B in Bs:
-        for L in Ls:
-            for draft in DRAFTS:
-                tau, tau_source = resolved[draft]
-                costs = round_costs(preset.target, preset.draft_shape(draft), draft, B, L, k, sink, window_divisor)
-                needed = memory_values(costs, draft) * bytes_per_value
-                fits = None if memory_bytes is None else needed <= memory_bytes
-                dt = m = None
-                if fits is not False:
-                    dt = _delta_t(costs, k, hoi, combine)
-                    m = multiplier(tau, dt)
-                rows.append(
-                    {
-                        "draft": draft,
-                        "B": B,
-                        "L": L,
-                        "tau": tau,
-                        "delta_t": dt,
-                        "multiplier": m,
-                        "k": k,
-                        "hoi": hoi,
-                        "combine": combine,
-                        "tau_source": tau_source,
-                        "memory_bytes_needed": needed,
-                        "fits": fits,
-                    }
+    for B, L, batch in points:
+        for draft in DRAFTS:
+            tau, tau_source = resolved[draft]
+            costs = costs_at(draft, B, L, batch, k)
+            needed = resident_bytes(preset.target, preset.draft_shape(draft), draft, costs, options)
+            fits = None if memory_bytes is None else needed <= memory_bytes
+            dt = m = None
+            if fits is not False:
+                dt = _delta_t(costs, k, hoi, combine)
+                m = multiplier(tau, dt)
+            row = {
+                "draft": draft, "B": B, "L": L, "tau": tau, "delta_t": dt, "multiplier": m, "k": k, "hoi": hoi,
+                "combine": combine, "tau_source": tau_source, "memory_bytes_needed": needed, "fits": fits,
+            }  # fmt: skip
+            if batch is not None:
+                row["contexts"] = {"n": B, "min": min(batch), "mean": sum(batch) / B, "max": max(batch)}
+                uniform = round_costs(preset.target, preset.draft_shape(draft), draft, B, L, k, options=options)
+                row["uniform_multiplier"] = None if m is None else multiplier(tau, _delta_t(uniform, k, hoi, combine))
+            if flops_per_s is not None and m is not None:
+                t_ad = forward_time(costs.target.C, costs.target.N, costs.target.KV, hoi, combine) / flops_per_s
+                row["ad_tokens_per_s"] = B / t_ad
+                row["sd_tokens_per_s"] = B / t_ad * m
+            if cost_analysis and m is not None:
+                row["saving_units"] = saving_units(m, draft_training_cost(preset, draft, training_cost))
+            if best_k_max is not None and draft in alphas and m is not None:
+                best = max(
+                    ((k_, tau_from_alpha(alphas[draft], k_)) for k_ in range(1, best_k_max + 1)),
+                    key=lambda kt: kt[1] / _delta_t(costs_at(draft, B, L, batch, kt[0]), kt[0], hoi, combine),
                 )
+                row["best_k"], row["best_k_tau"] = best
+                row["best_k_multiplier"] = best[1] / _delta_t(costs_at(draft, B, L, batch, best[0]), best[0], hoi,
+                                                              combine)
+            rows.append(row)
     return rows
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 
+from spire.paths import atomic_write
 from spire.errors import ConfigError
 
 Row = dict[str, Any]
@@ -37,19 +37,8 @@ def _value(row: Row) -> float:
 
 
 def _save_atomic(fig: Figure, path: str | os.PathLike) -> Path:
-    """Write ``fig`` as a PNG to ``path`` atomically (temp file in the same folder, then os.replace)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            FigureCanvasAgg(fig).print_png(f)
-        os.chmod(tmp, 0o644)  # mkstemp makes it 0600
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return path
+    """Write ``fig`` as a PNG to ``path`` atomically."""
+    return atomic_write(path, lambda f: FigureCanvasAgg(fig).print_png(f))
 
 
 def plot_multiplier_heatmaps(rows: Sequence[Row], path: str | os.PathLike, title: str = "") -> Path:
@@ -129,3 +118,51 @@ def _colormap():
 def _text_colour(value: float, vmin: float, vmax: float) -> str:
     """White text on the dark half of viridis, black on the light half."""
     return "white" if vmax == vmin or (value - vmin) / (vmax - vmin) < 0.6 else "black"
+
+
+def plot_operational_intensity(data: dict[str, Any], path: str | os.PathLike, title: str = "") -> Path:
+    """Paper Figure 3: operational intensity of verification OI(B) (FLOPs/byte, log axes) per context
+    length L, against the hardware's HOI; B_crit (where a curve crosses HOI) is marked.
+
+    ``data`` comes from :func:`spire.throughput.analysis.operational_intensity_data`.
+    """
+    fig = Figure(figsize=(6.5, 4.5), layout="constrained")
+    ax = fig.subplots()
+    Bs = data["B"]
+    for curve in data["curves"]:
+        label = f"L = {curve['L']}" + (f" (B_crit = {curve['B_crit']})" if curve["B_crit"] else " (never)")
+        (line,) = ax.plot(Bs, curve["oi"], label=label)
+        if curve["B_crit"] and Bs[0] <= curve["B_crit"] <= Bs[-1]:
+            ax.plot([curve["B_crit"]], [data["hoi"]], marker="o", color=line.get_color())
+    ax.axhline(data["hoi"], color="black", linestyle="--", linewidth=1.2, label=f"HOI = {data['hoi']:g}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size B")
+    ax.set_ylabel("verification operational intensity (FLOPs / byte)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    L_crit = data.get("L_crit")
+    ax.set_title(title or f"k = {data['k']}: compute-bound only for L ≤ {L_crit}")
+    return _save_atomic(fig, path)
+
+
+def plot_ablation(rows: Sequence[Row], path: str | os.PathLike, title: str = "") -> Path:
+    """Paper Figure 5: throughput multiplier against L (log2 axis) per ablated SPIRe variant; the analytic
+    "without sparse KV cache" curve is dashed. ``rows`` from :func:`spire.throughput.analysis.ablation_rows`."""
+    if not rows:
+        raise ConfigError("nothing to plot: no rows")
+    fig = Figure(figsize=(9.5, 4.5), layout="constrained")
+    ax = fig.subplots()
+    for variant in dict.fromkeys(r["variant"] for r in rows):
+        points = sorted((r["L"], r["multiplier"]) for r in rows if r["variant"] == variant)
+        tau = next(r["tau"] for r in rows if r["variant"] == variant)
+        style = "--" if variant.startswith("without") else "-"
+        ax.plot(*zip(*points), style, marker="o", markersize=3, label=f"{variant} (τ = {tau:.3f})")
+    ax.axhline(1.0, color="0.3", linestyle=":", linewidth=1, label="AD")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length L")
+    ax.set_ylabel("throughput multiplier τ/Δt")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_title(title or f"ablations, B = {rows[0]['B']}")
+    return _save_atomic(fig, path)

@@ -6,7 +6,10 @@ Parameter and KV counts are in *values*; at the paper's 1 byte per value they ar
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, Mapping
 
 from spire.errors import ConfigError
@@ -20,7 +23,8 @@ class ModelShape:
     """Body shape of a GQA SwiGLU transformer (paper notation).
 
     n_layers: transformer blocks; d_model: residual width; q_per_kv: query heads per KV head;
-    n_kv: KV heads; d_head: width of one head; d_ff: SwiGLU hidden width.
+    n_kv: KV heads; d_head: width of one head; d_ff: SwiGLU hidden width. vocab_size (0 = unknown) and
+    tie_embeddings matter only when the cost model counts embedding / unembedding (off in the paper).
     """
 
     n_layers: int
@@ -29,6 +33,21 @@ class ModelShape:
     n_kv: int
     d_head: int
     d_ff: int
+    vocab_size: int = 0
+    tie_embeddings: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "d_model", "q_per_kv", "n_kv", "d_head", "d_ff"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"model shape: {name} must be a positive integer, got {value!r}")
+        if isinstance(self.vocab_size, bool) or not isinstance(self.vocab_size, int) or self.vocab_size < 0:
+            raise ConfigError(f"model shape: vocab_size must be a non-negative integer, got {self.vocab_size!r}")
+
+    @property
+    def n_heads(self) -> int:
+        """Query heads = q_per_kv · n_kv."""
+        return self.q_per_kv * self.n_kv
 
     def body_params_per_layer(self) -> int:
         """Values in one block: 2 norm scales + q, k, v + o + SwiGLU gate, up, down (paper convention)."""
@@ -47,51 +66,152 @@ class ModelShape:
         """x: KV-cache values one token occupies over all layers = 2 · n_layers · n_kv · d_head."""
         return 2 * self.n_layers * self.n_kv * self.d_head
 
+    def embedding_params(self) -> int:
+        """Embedding plus unembedding values: vocab·d_model, twice when they are not tied (not in the paper)."""
+        return self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+
+    def unembedding_params(self) -> int:
+        """Values of the unembedding matrix, read in full by every forward pass: vocab·d_model."""
+        return self.vocab_size * self.d_model
+
+    def attention_flops_per_token(self, L: int) -> int:
+        """Attention-score FLOPs of one new token over a context of L tokens, all layers (not in the paper):
+        q·Kᵀ and p·V each cost 2·n_heads·d_head·L multiply-adds per layer → 4·n_layers·n_heads·d_head·L."""
+        return 4 * self.n_layers * self.n_heads * self.d_head * L
+
     def with_layers(self, n_layers: int) -> ModelShape:
         """The same width with ``n_layers`` blocks (a pruned or shallow draft)."""
         return replace(self, n_layers=n_layers)
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any]) -> ModelShape:
-        """Shape from a Llama-style Hugging Face ``config.json`` dict.
+        """Shape from a Hugging Face ``config.json`` dict (Llama, Mistral, Qwen2/Qwen3, Gemma 1/2/3, SmolLM).
 
-        ``head_dim`` defaults to hidden_size // num_attention_heads and ``num_key_value_heads`` to
-        num_attention_heads (multi-head attention), as in transformers' LlamaConfig.
+        Multimodal configs with a ``text_config`` use it. ``head_dim`` defaults to
+        hidden_size // num_attention_heads (Gemma and Qwen3 set it explicitly, and it need not equal
+        that), ``num_key_value_heads`` to num_attention_heads (multi-head attention, as in transformers),
+        ``tie_word_embeddings`` to true for Gemma and false otherwise (transformers' defaults).
+        Gemma's GeGLU MLP has the same three matrices as SwiGLU; biases (Qwen2's q/k/v) and Gemma 2/3's
+        extra norms are not counted, as in the paper's convention.
         """
+        if not isinstance(config, Mapping):
+            raise ConfigError("model config must be a JSON object")
+        if isinstance(config.get("text_config"), Mapping):
+            config = {"model_type": config.get("model_type", ""), **config["text_config"]}
         try:
-            n_heads = int(config["num_attention_heads"])
-            n_kv = int(config.get("num_key_value_heads") or n_heads)
-            d_model = int(config["hidden_size"])
-            shape = cls(
-                n_layers=int(config["num_hidden_layers"]),
-                d_model=d_model,
-                q_per_kv=n_heads // n_kv,
-                n_kv=n_kv,
-                d_head=int(config.get("head_dim") or d_model // n_heads),
-                d_ff=int(config["intermediate_size"]),
-            )
+            n_heads = _config_int(config, "num_attention_heads")
+            n_kv = _config_int(config, "num_key_value_heads", n_heads)
+            d_model = _config_int(config, "hidden_size")
+            n_layers = _config_int(config, "num_hidden_layers")
+            d_ff = _config_int(config, "intermediate_size")
+            d_head = _config_int(config, "head_dim", d_model // n_heads)
+            vocab = _config_int(config, "vocab_size", 0, positive=False)
         except KeyError as e:
             raise ConfigError(f"model config lacks the key {e.args[0]!r}") from None
         if n_heads % n_kv:
             raise ConfigError(f"num_attention_heads {n_heads} is not a multiple of num_key_value_heads {n_kv}")
-        return shape
+        tied = config.get("tie_word_embeddings")
+        if tied is None:
+            tied = str(config.get("model_type", "")).startswith("gemma")
+        return cls(n_layers, d_model, n_heads // n_kv, n_kv, d_head, d_ff, vocab, bool(tied))
+
+    @classmethod
+    def from_hf_config_file(cls, path: str | Path) -> ModelShape:
+        """:meth:`from_hf_config` on a ``config.json`` file, or a folder that holds one."""
+        return cls.from_hf_config(read_json(path, "config.json"))
+
+
+def _config_int(config: Mapping[str, Any], key: str, default: int | None = None, positive: bool = True) -> int:
+    value = config.get(key)
+    if value is None:
+        if default is None:
+            raise KeyError(key)
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < (1 if positive else 0):
+        raise ConfigError(f"model config: {key} must be a {'positive' if positive else 'non-negative'} "
+                          f"integer, got {value!r}")
+    return value
+
+
+def read_json(path: str | Path, default_name: str = "config.json") -> Any:
+    """Parse a JSON file (``path/default_name`` for a folder); :class:`ConfigError` if missing or invalid."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / default_name
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
+def spire_draft_from_config(target: ModelShape, config: Mapping[str, Any] | str | Path) -> tuple[ModelShape, int, int]:
+    """(draft shape, sink, window) of a SPIRe draft described by spire's own :class:`SpireConfig`.
+
+    ``config`` is a dict with ``n_draft_layers`` (and optionally ``sink``, ``window``), a JSON file of one,
+    or a draft ``.safetensors`` saved by spire (its ``spire`` metadata holds ``spire_config``). The draft is
+    the target's last n_draft_layers blocks at the target's width (paper, pruned initialization).
+    """
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if path.suffix == ".safetensors":
+            try:
+                from safetensors import safe_open
+
+                with safe_open(str(path), "np") as f:
+                    config = json.loads((f.metadata() or {})["spire"])
+            except (OSError, KeyError, ValueError, Exception) as e:  # safetensors raises its own error types
+                raise ConfigError(f"cannot read a spire draft config from {path}: {str(e).splitlines()[0]}") from None
+        else:
+            config = read_json(path)
+    if not isinstance(config, Mapping):
+        raise ConfigError("spire draft config must be a JSON object")
+    config = config.get("spire_config", config)
+    try:
+        n = _config_int(config, "n_draft_layers")
+        sink = _config_int(config, "sink", 1, positive=False)
+        window = _config_int(config, "window", 64)
+    except KeyError as e:
+        raise ConfigError(f"spire draft config lacks the key {e.args[0]!r}") from None
+    if n > target.n_layers:
+        raise ConfigError(f"spire draft config: n_draft_layers {n} exceeds the target's {target.n_layers} layers")
+    return target.with_layers(n), sink, window
 
 
 # Shapes from the paper (SPIRE.md §2): (layers, d_model, q_per_kv, n_kv, d_head, d_ff).
 TARGET_67M = ModelShape(8, 512, 1, 8, 128, 4096)  # 67,117,056 body params
 VANILLA_67M = ModelShape(4, 256, 1, 8, 64, 2048)  # 8,390,656
 SPIRE_67M = TARGET_67M.with_layers(2)  # 16,779,264 = N_t / 4 (target layers 7, 8)
-LLAMA3_70B = ModelShape(80, 8192, 8, 8, 128, 28672)
-LLAMA3_8B = ModelShape(32, 4096, 4, 8, 128, 14336)  # the vanilla draft for Llama 3 70B
+LLAMA3_70B = ModelShape(80, 8192, 8, 8, 128, 28672, vocab_size=128_256, tie_embeddings=False)
+LLAMA3_8B = ModelShape(32, 4096, 4, 8, 128, 14336, vocab_size=128_256, tie_embeddings=False)  # vanilla draft
 SPIRE_70B = LLAMA3_70B.with_layers(20)
 
 # HuggingFaceTB/SmolLM2-135M: 30 layers, 9 query / 3 KV heads of 64, 3,540,096 body params per layer.
-SMOLLM2_135M = ModelShape(30, 576, 3, 3, 64, 1536)
+SMOLLM2_135M = ModelShape(30, 576, 3, 3, 64, 1536, vocab_size=49_152, tie_embeddings=True)
 SPIRE_SMOLLM2 = SMOLLM2_135M.with_layers(8)  # its last 8 of 30 layers
 VANILLA_SMOLLM2 = SMOLLM2_135M.with_layers(4)  # ~1/8 of the target body (4/30)
 
 PAPER_TAUS = {"vanilla": 2.647, "magicdec": 3.891, "spire": 3.401}
 """τ the paper measured at L = 512, k = 4 with its 67M target (SPIRE.md §2)."""
+
+PAPER_TAU_TABLE = {
+    256: {"vanilla": 2.637, "magicdec": 4.005, "spire": 3.427},
+    512: {"vanilla": 2.647, "magicdec": 3.891, "spire": 3.401},
+    960: {"vanilla": 2.644, "magicdec": 3.793, "spire": 3.382},
+}
+"""τ per context length L the paper measured (k = 4, 64 generated tokens, LongCrawl64 validation)."""
+
+ABLATION_TAUS = {
+    "SPIRe": 3.401,
+    "no feedback memory": 3.352,
+    "no feedback, no target activations": 2.959,
+    "MixedLoss ω=1 (distillation)": 3.375,
+    "HardTargetLoss": 3.069,
+    "random initialization": 3.105,
+}
+"""τ of the paper's ablated SPIRe drafts (Figure 5, L = 512, k = 4). All keep the sparse KV cache;
+"without sparse KV cache" is computed analytically (SPIRe's τ, full draft KV): see analysis.ablation_rows."""
 
 
 @dataclass(frozen=True)
@@ -131,11 +251,11 @@ PRESETS: dict[str, Preset] = {
             description="the paper's 67M target, 8.4M vanilla draft and 2-layer SPIRe draft",
         ),
         Preset(
-            name="paper-70b",
+            name="llama3-70b",
             target=LLAMA3_70B,
             drafts={"vanilla": LLAMA3_8B, "spire": SPIRE_70B},
             taus=PAPER_TAUS,
-            tau_source="paper, 67M target (L=512, k=4)",
+            tau_source="paper, 67M target (L=512, k=4); the paper's Figure 6 extrapolation",
             description="Llama 3 70B target, Llama 3 8B vanilla draft, 20-layer SPIRe draft",
         ),
         Preset(
@@ -150,9 +270,40 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+ALIASES = {"paper-70b": "llama3-70b"}
+"""Other names of presets (the skeleton's ``paper-70b``)."""
+
+
 def get_preset(name: str) -> Preset:
-    """The preset called ``name``; :class:`ConfigError` naming the known presets otherwise."""
+    """The preset called ``name`` (or an alias); :class:`ConfigError` naming the known presets otherwise."""
     try:
-        return PRESETS[name]
+        return PRESETS[ALIASES.get(name, name)]
     except KeyError:
-        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join([*PRESETS, *ALIASES])}") from None
+
+
+def preset_from_configs(
+    target: ModelShape,
+    vanilla: ModelShape | None = None,
+    spire: ModelShape | None = None,
+    taus: Mapping[str, float] | None = None,
+    name: str = "custom",
+) -> Preset:
+    """A preset for any target. Defaults: the vanilla draft is the target with ceil(n_layers/8) layers
+    (about 1/8 of its body, as the paper's vanilla draft), the SPIRe draft its last ceil(n_layers/4)
+    layers (the paper's 2 of 8), and τ the paper's L = 512 values (override them with measured ones)."""
+    vanilla = vanilla or target.with_layers(math.ceil(target.n_layers / 8))
+    spire = spire or target.with_layers(math.ceil(target.n_layers / 4))
+    for label, shape in (("vanilla", vanilla), ("spire", spire)):
+        if shape.vocab_size and target.vocab_size and shape.vocab_size != target.vocab_size:
+            raise ConfigError(f"{label} draft vocab_size {shape.vocab_size} differs from the target's "
+                              f"{target.vocab_size}")
+    return Preset(
+        name=name,
+        target=target,
+        drafts={"vanilla": vanilla, "spire": spire},
+        taus=dict(taus or PAPER_TAUS),
+        tau_source="given" if taus else "paper (L=512, k=4); pass measured τ",
+        description=f"target {target.body_params() / 1e6:.1f}M body params, vanilla "
+        f"{vanilla.body_params() / 1e6:.1f}M, SPIRe {spire.n_layers} layers",
+    )

@@ -14,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 from spire.drafts.spire import SpireConfig, SpireDraftModel
 from spire.errors import ConfigError
 from spire.model import Transformer
+from spire.paths import atomic_write
 from spire.training.losses import acceptance_alpha, mixed_loss
 
 DRAFT_FILE = "draft.safetensors"
@@ -38,6 +37,7 @@ class TrainConfig:
     cosine decay to 10% over the budget. omega: MixedLoss weight (1 = pure distillation)."""
 
     budget_s: float = 1200.0
+    max_steps: int | None = None  # also stop after this many optimizer steps (None: only the time budget)
     batch_size: int = 4
     seq_len: int = 256
     k: int = 4
@@ -83,13 +83,6 @@ def target_pass(target: Transformer, tokens: torch.Tensor, layers: tuple[int, ..
     return out.logits.float(), {j: h.float() for j, h in out.hidden.items()}
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def _lr_at(cfg: TrainConfig, step: int, frac: float) -> float:
     warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
     return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
@@ -125,8 +118,9 @@ def train_spire(target: Transformer, data, out_dir: Path, cfg: TrainConfig = Tra
     cfg_dict = asdict(cfg)
     model = SpireDraftModel(target, cfg.spire)
     if state is not None:
-        saved = {k: v for k, v in state["config"].items() if k not in ("budget_s", "checkpoint_every")}
-        now = {k: v for k, v in cfg_dict.items() if k not in ("budget_s", "checkpoint_every")}
+        budget_keys = ("budget_s", "max_steps", "checkpoint_every")
+        saved = {k: v for k, v in state["config"].items() if k not in budget_keys}
+        now = {k: v for k, v in cfg_dict.items() if k not in budget_keys}
         if saved != now:
             raise ConfigError(f"{out_dir} holds a run with other settings; use another --out or delete it")
         model = SpireDraftModel.load(out_dir / DRAFT_FILE, target)
@@ -134,7 +128,10 @@ def train_spire(target: Transformer, data, out_dir: Path, cfg: TrainConfig = Tra
         state = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "finished": False, "history": []}
     state["config"] = cfg_dict
     model.train()
-    if state["elapsed_s"] >= cfg.budget_s:
+    def done() -> bool:
+        return state["elapsed_s"] >= cfg.budget_s or (cfg.max_steps is not None and state["step"] >= cfg.max_steps)
+
+    if done():
         state["finished"] = True
         return model.eval(), state
 
@@ -146,11 +143,8 @@ def train_spire(target: Transformer, data, out_dir: Path, cfg: TrainConfig = Tra
 
     def checkpoint() -> None:
         model.save(out_dir / DRAFT_FILE, {"train": {"step": state["step"], "tokens": state["tokens"]}})
-        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".tmp")
-        os.close(fd)
-        torch.save(opt.state_dict(), tmp)
-        os.replace(tmp, out_dir / OPTIM_FILE)
-        _atomic_write_text(out_dir / STATE_FILE, json.dumps(state, indent=1))
+        atomic_write(out_dir / OPTIM_FILE, lambda f: torch.save(opt.state_dict(), f))
+        atomic_write(out_dir / STATE_FILE, None, json.dumps(state, indent=1))
 
     bar = None
     if progress:
@@ -160,7 +154,7 @@ def train_spire(target: Transformer, data, out_dir: Path, cfg: TrainConfig = Tra
                    desc="train SPIRe draft", dynamic_ncols=True)
     t_last_ckpt = time.time()
     ema_loss = ema_alpha = None
-    while state["elapsed_s"] < cfg.budget_s:
+    while not done():
         t0 = time.time()
         tokens = data.sample_train_batch(cfg.batch_size, cfg.seq_len, gen).to(device)
         p_logits, hidden = target_pass(target, tokens, model.source_layers, cfg.bf16)
@@ -179,7 +173,7 @@ def train_spire(target: Transformer, data, out_dir: Path, cfg: TrainConfig = Tra
         state["elapsed_s"] += dt
         ema_loss = terms.loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * terms.loss.item()
         ema_alpha = terms.alpha if ema_alpha is None else 0.95 * ema_alpha + 0.05 * terms.alpha
-        if state["step"] % 10 == 0 or state["elapsed_s"] >= cfg.budget_s:
+        if state["step"] % 10 == 0 or done():
             state["history"].append({"step": state["step"], "tokens": state["tokens"],
                                      "elapsed_s": round(state["elapsed_s"], 2), "loss": round(ema_loss, 4),
                                      "alpha": round(ema_alpha, 4), "distill": round(terms.distill, 4)})

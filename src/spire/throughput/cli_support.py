@@ -1,0 +1,195 @@
+"""The logic behind ``spire throughput`` and ``spire throughput-figures`` (kept out of spire.cli)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spire.errors import ConfigError
+from spire.throughput.analysis import growing_rows, read_contexts, sample_contexts
+from spire.throughput.cost_model import HOI, CostOptions, throughput_rows
+from spire.throughput.hardware import DTYPE_BYTES, Hardware, check_dtype, custom_hardware, get_hardware
+from spire.throughput.shapes import ModelShape, Preset, get_preset, preset_from_configs, spire_draft_from_config
+
+
+@dataclass
+class ThroughputArgs:
+    """Every option of ``spire throughput``, already split into Python values (None = not given)."""
+
+    preset: str = "paper-67m"
+    Bs: list[int] = field(default_factory=lambda: [64])
+    Ls: list[int] = field(default_factory=lambda: [512])
+    k: int = 4
+    hoi: float | None = None
+    combine: str = "max"
+    taus: dict[str, float] = field(default_factory=dict)
+    alphas: dict[str, float] = field(default_factory=dict)
+    best_k: int | None = None
+    memory_gb: float | None = None
+    bytes_per_value: float | None = None
+    dtype: str | None = None
+    kv_dtype: str | None = None
+    hardware: str | None = None
+    flops: float | None = None
+    bandwidth: float | None = None
+    attention_flops: bool = False
+    embeddings: bool = False
+    draft_window: int | None = None
+    config: Path | None = None
+    vanilla_config: Path | None = None
+    spire_config: Path | None = None
+    spire_layers: int | None = None
+    contexts: list[int] | None = None
+    contexts_file: Path | None = None
+    context_dist: str | None = None
+    seed: int = 0
+    grow: int | None = None
+    cost_analysis: bool = False
+
+
+def resolve_preset(a: ThroughputArgs) -> tuple[Preset, int | None, int]:
+    """The preset, with the target / drafts replaced from HF or spire configs; (preset, window, sink)."""
+    base = get_preset(a.preset)
+    window, sink = a.draft_window, 1
+    if not (a.config or a.vanilla_config or a.spire_config or a.spire_layers):
+        return base, window, sink
+    target = ModelShape.from_hf_config_file(a.config) if a.config else base.target
+    vanilla = ModelShape.from_hf_config_file(a.vanilla_config) if a.vanilla_config else None
+    spire = None
+    if a.spire_config:
+        spire, sink, cfg_window = spire_draft_from_config(target, a.spire_config)
+        window = window or cfg_window
+    elif a.spire_layers is not None:
+        if not 1 <= a.spire_layers <= target.n_layers:
+            raise ConfigError(f"--spire-layers must be in [1, {target.n_layers}], got {a.spire_layers}")
+        spire = target.with_layers(a.spire_layers)
+    if not a.config:  # keep the preset's drafts unless a new target is given
+        vanilla = vanilla or base.drafts["vanilla"]
+        spire = spire or base.drafts["spire"]
+    name = base.name
+    if a.config:
+        path = Path(a.config)
+        name = (path.name if path.is_dir() else path.resolve().parent.name) or "custom"
+    preset = preset_from_configs(target, vanilla, spire, dict(base.taus), name=name)
+    return preset, window, sink
+
+
+def resolve_hardware(a: ThroughputArgs) -> Hardware | None:
+    if a.hardware and (a.flops or a.bandwidth):
+        raise ConfigError("give --hardware or --flops/--bandwidth, not both")
+    if a.hardware:
+        return get_hardware(a.hardware)
+    if a.flops is not None or a.bandwidth is not None:
+        if a.flops is None or a.bandwidth is None:
+            raise ConfigError("custom hardware needs both --flops (FLOP/s) and --bandwidth (bytes/s)")
+        return custom_hardware(a.flops, a.bandwidth, None, a.dtype or "fp8")
+    return None
+
+
+def build(a: ThroughputArgs) -> tuple[dict[str, Any], list[dict[str, Any]], Preset]:
+    """(summary, rows, preset) for ``spire throughput``; the summary is the JSON object's other keys."""
+    preset, window, sink = resolve_preset(a)
+    hw = resolve_hardware(a)
+    for dtype in (a.dtype, a.kv_dtype):
+        if dtype is not None:
+            check_dtype(dtype)
+    if a.bytes_per_value is not None and a.dtype is not None:
+        raise ConfigError("give --dtype or --bytes-per-value, not both")
+    weight_bytes = DTYPE_BYTES[a.dtype] if a.dtype else (a.bytes_per_value or 1)
+    kv_bytes = DTYPE_BYTES[a.kv_dtype] if a.kv_dtype else weight_bytes
+    hoi = a.hoi
+    if hoi is None:
+        hoi = hw.hoi(a.dtype or "fp8") if hw else HOI
+    if a.memory_gb is not None and not a.memory_gb > 0:
+        raise ConfigError(f"--memory-gb must be positive, got {a.memory_gb}")
+    memory_bytes = a.memory_gb * 1e9 if a.memory_gb is not None else (hw.memory_bytes if hw else None)
+    options = CostOptions(weight_bytes=weight_bytes, kv_bytes=kv_bytes, attention_flops=a.attention_flops,
+                          embeddings=a.embeddings, sink=sink, window=window)
+    sources = [s for s in (a.contexts, a.contexts_file, a.context_dist) if s is not None]
+    if len(sources) > 1:
+        raise ConfigError("give one of --contexts, --contexts-file, --context-dist")
+    contexts = a.contexts
+    if a.contexts_file is not None:
+        contexts = read_contexts(a.contexts_file)
+    elif a.context_dist is not None:
+        if len(a.Bs) != 1:
+            raise ConfigError("--context-dist draws one batch: give a single -B")
+        contexts = sample_contexts(a.context_dist, a.Bs[0], a.seed)
+    flops_per_s = hw.flops_for(a.dtype or "fp8") if hw else None
+    rows = throughput_rows(
+        preset, a.Bs, a.Ls, k=a.k, hoi=hoi, combine=a.combine, taus=a.taus, memory_bytes=memory_bytes,
+        options=options, contexts=contexts, alphas=a.alphas, best_k_max=a.best_k, flops_per_s=flops_per_s,
+        cost_analysis=a.cost_analysis,
+    )  # fmt: skip
+    if a.grow is not None:
+        if contexts is not None:
+            raise ConfigError("--grow works on a (B, L) grid, not on a mixed batch")
+        taus = {r["draft"]: r["tau"] for r in rows}
+        grown = growing_rows(preset, a.Bs, a.Ls, a.grow, a.k, hoi, a.combine, taus, options)
+        for row, g in zip(rows, grown):
+            row["G"] = a.grow
+            row["growing_multiplier"] = g["multiplier"] if row["multiplier"] is not None else None
+    summary = {
+        "preset": preset.name, "k": a.k, "hoi": hoi, "combine": a.combine, "memory_bytes": memory_bytes,
+        "hardware": hw.name if hw else None, "weight_bytes": weight_bytes, "kv_bytes": kv_bytes,
+        "attention_flops": a.attention_flops, "embeddings": a.embeddings,
+        "draft_window": window, "target_body_params": preset.target.body_params(),
+    }  # fmt: skip
+    return summary, rows, preset
+
+
+def to_json(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """One JSON object: the summary's keys and "rows" (the skeleton issue's contract)."""
+    return json.dumps({**summary, "rows": rows})
+
+
+def to_csv(rows: list[dict[str, Any]]) -> str:
+    """CSV with a header; nested "contexts" becomes contexts_n, contexts_min, contexts_mean, contexts_max."""
+    flat = []
+    for r in rows:
+        r = dict(r)
+        for key, value in (r.pop("contexts", None) or {}).items():
+            r[f"contexts_{key}"] = value
+        flat.append(r)
+    columns = list(dict.fromkeys(key for r in flat for key in r))
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(flat)
+    return buffer.getvalue()
+
+
+EXTRA_COLUMNS = [  # (row key, header, format)
+    ("growing_multiplier", "grow G", "{:.2f}"),
+    ("best_k", "best k", "{}"),
+    ("best_k_multiplier", "best-k mult.", "{:.2f}"),
+    ("saving_units", "saving", "{:.2f}"),
+    ("sd_tokens_per_s", "SD tok/s", "{:,.0f}"),
+]
+
+
+def print_table(name: str, description: str, rows: list[dict[str, Any]]) -> None:
+    """A rich table of the rows; extra columns appear when a row has them."""
+    from rich.console import Console
+    from rich.table import Table
+
+    extras = [c for c in EXTRA_COLUMNS if any(c[0] in r for r in rows)]
+    table = Table(title=f"{name}: {description}", caption="multiplier = τ / Δt (throughput over AD)")
+    for column in ("draft", "B", "L", "τ", "Δt", "multiplier", "memory (GB)", *(c[1] for c in extras)):
+        table.add_column(column, justify="left" if column == "draft" else "right")
+    for r in rows:
+        memory = f"{r['memory_bytes_needed'] / 1e9:.3g}"
+        if r["fits"] is False:
+            dt, m, memory = "-", "does not fit", f"[red]{memory}[/red]"
+        else:
+            dt, m = f"{r['delta_t']:.3f}", f"{r['multiplier']:.2f}"
+        L = f"{r['L']} (mean)" if "contexts" in r else str(r["L"])
+        cells = [fmt.format(r[key]) if r.get(key) is not None else "-" for key, _, fmt in extras]
+        table.add_row(r["draft"], str(r["B"]), L, f"{r['tau']:.3f}", dt, m, memory, *cells)
+    import sys
+
+    Console(width=None if sys.stdout.isatty() else 160).print(table)  # no truncated columns in pipes
