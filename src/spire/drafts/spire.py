@@ -12,9 +12,15 @@ SPIRe paper §3 (Neelam et al. 2025, arXiv 2504.06419):
 4. For the verified past, memory vectors are replaced by the target's activations: layer i uses the
    residual stream entering target layer j. Only drafted positions use the draft's own memory.
 
-The current token always attends to its own key/value (computed from its layer input, as in a normal
-block); every earlier position is read as a memory key/value. The embedding and unembedding are shared
-with the target and frozen; the blocks, final norm and mixing logits are trained.
+By default the current token also attends to its own key/value (computed from its layer input, as in a
+normal block); every earlier position is read as a memory key/value. The embedding and unembedding are
+shared with the target and frozen; the blocks, final norm and mixing logits are trained.
+
+Ablation switches (paper Figure 5; :class:`SpireConfig`): ``feedback_memory=False`` (a drafted position's
+memory is its own layer input, i.e. an ordinary KV cache), ``target_activations=False`` (with no feedback
+memory: an ordinary pruned transformer that runs over the verified tokens itself), ``window=None`` (full KV
+cache instead of sink + window), ``init="random"``, and ``self_attend=False`` (a drafted position reads
+only earlier positions). The loss ablations (omega = 1, HardTargetLoss) live in the trainer.
 """
 
 from __future__ import annotations
@@ -36,16 +42,66 @@ from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
 from spire.model import ForwardOutput, Transformer, rope_cos_sin
 
 
+INIT_KINDS = ("pruned", "random")
+
+
 @dataclass
 class SpireConfig:
-    """n_draft_layers: blocks pruned from the target's end (paper: 2 of 8; default here 8 of 30 ≈ 1/4 of
-    the body parameters). mix_init: initial softmax logit given to each layer's own input in w, so that at
-    initialization a drafted token's memory is close to what the target layer would have read."""
+    """Architecture of a SPIRe draft.
+
+    n_draft_layers: blocks pruned from the target (paper: 2 of 8; default here 8 of 30 ≈ 1/4 of the body
+        parameters). layers: which target layers (default: the last n_draft_layers), in draft order.
+    sink, window: the StreamingLLM view (tokens); window None = full KV cache (ablation).
+    mix_init: initial softmax logit given to each layer's own input in w, so that at initialization a
+        drafted token's memory is close to what the target layer would have read.
+    init: "pruned" (copy the target's layers) or "random" (normal(0, 0.02), norms 1; ablation).
+    feedback_memory / target_activations / self_attend: see the module docstring.
+    """
 
     n_draft_layers: int = 8
     sink: int = 1
-    window: int = 64
+    window: int | None = 64
     mix_init: float = 4.0
+    layers: tuple[int, ...] | None = None
+    init: str = "pruned"
+    feedback_memory: bool = True
+    target_activations: bool = True
+    self_attend: bool = True
+
+    def __post_init__(self) -> None:
+        if self.layers is not None:
+            self.layers = tuple(int(j) for j in self.layers)
+            self.n_draft_layers = len(self.layers)
+
+    def validate(self, n_target_layers: int) -> None:
+        """Raise ConfigError for settings that cannot be built for a target of n_target_layers layers."""
+        n_t = n_target_layers
+        if not 1 <= self.n_draft_layers <= n_t:
+            raise ConfigError(f"n_draft_layers must be in [1, {n_t}], got {self.n_draft_layers}")
+        if self.layers is not None and (len(set(self.layers)) != len(self.layers)
+                                        or any(not 0 <= j < n_t for j in self.layers)):
+            raise ConfigError(f"draft layers must be distinct target layers in [0, {n_t - 1}], got {list(self.layers)}")
+        if self.init not in INIT_KINDS:
+            raise ConfigError(f"init must be one of {', '.join(INIT_KINDS)}, got {self.init!r}")
+        if self.window is not None and self.window < 1 or self.sink < 0:
+            raise ConfigError(f"sink must be >= 0 and window >= 1 (or None), got {self.sink}, {self.window}")
+        if not self.target_activations and self.feedback_memory:
+            raise ConfigError("target_activations=False needs feedback_memory=False (the paper's ablation "
+                              "'no feedback memory and no target activations'): feedback memory over the "
+                              "draft's own past would make training sequential")
+        if not self.target_activations and not self.self_attend:
+            raise ConfigError("self_attend=False applies to the memory of target activations only")
+
+    def source_layers(self, n_target_layers: int) -> tuple[int, ...]:
+        """Target layer j of each draft layer i."""
+        if self.layers is not None:
+            return self.layers
+        return tuple(range(n_target_layers - self.n_draft_layers, n_target_layers))
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["layers"] = None if self.layers is None else list(self.layers)
+        return d
 
 
 def _fingerprint(target: Transformer) -> dict:
@@ -61,15 +117,18 @@ class SpireDraftModel(nn.Module):
     Raises ConfigError when n_draft_layers is not in [1, target layers].
     """
 
-    def __init__(self, target: Transformer, cfg: SpireConfig = SpireConfig()) -> None:
+    def __init__(self, target: Transformer, cfg: SpireConfig | None = None) -> None:
         super().__init__()
-        n_t = target.cfg.n_layers
-        if not 1 <= cfg.n_draft_layers <= n_t:
-            raise ConfigError(f"n_draft_layers must be in [1, {n_t}], got {cfg.n_draft_layers}")
+        cfg = SpireConfig() if cfg is None else cfg
+        cfg.validate(target.cfg.n_layers)
         self.cfg = cfg
-        self.source_layers = tuple(range(n_t - cfg.n_draft_layers, n_t))  # target layer j of draft layer i
+        self.source_layers = cfg.source_layers(target.cfg.n_layers)  # target layer j of draft layer i
         self.layers = nn.ModuleList(copy.deepcopy(target.layers[j]) for j in self.source_layers)
         self.norm = copy.deepcopy(target.model.norm)
+        if cfg.init == "random":
+            with torch.no_grad():
+                for name, p in list(self.layers.named_parameters()) + list(self.norm.named_parameters()):
+                    p.normal_(0.0, 0.02) if p.dim() == 2 else p.fill_(1.0)
         n = cfg.n_draft_layers
         mix = torch.zeros(n, n + 1)
         mix[torch.arange(n), torch.arange(n)] = cfg.mix_init  # layer i's memory starts near its own input
@@ -77,7 +136,7 @@ class SpireDraftModel(nn.Module):
         self.layers.requires_grad_(True)
         self.norm.requires_grad_(True)
         object.__setattr__(self, "target", target)  # not a submodule: shared, frozen, never saved
-        self.view = SinkWindow(cfg.sink, cfg.window)
+        self.view = None if cfg.window is None else SinkWindow(cfg.sink, cfg.window)
 
     # -- pieces shared by inference and training ---------------------------------------------------
     def _rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,9 +148,18 @@ class SpireDraftModel(nn.Module):
         return self.target.lm_head(self.norm(x)).float()
 
     def memory(self, xs: list[torch.Tensor]) -> torch.Tensor:
-        """Feedback memory. xs: n_d + 1 activations (B, T, d) -> (n_d, B, T, d), m^i = sum_l softmax(w_i)_l x^l."""
+        """Feedback memory. xs: n_d + 1 activations (B, T, d) -> (n_d, B, T, d), m^i = sum_l softmax(w_i)_l x^l.
+        Without feedback memory, m^i = x^i (layer i's own input: an ordinary KV cache)."""
+        if not self.cfg.feedback_memory:
+            return torch.stack(xs[:-1])
         w = self.mix_logits.softmax(-1).to(xs[0].dtype)  # (n_d, n_d + 1), rows sum to 1
         return torch.einsum("il,lbtd->ibtd", w, torch.stack(xs))
+
+    def self_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """q_pos (..., T), k_pos (..., S) -> (..., T, S) bool: False where a query at p > 0 meets its own key
+        at p (used when self_attend=False; a query at position 0 has nothing else to read)."""
+        qp, kp = q_pos[..., :, None], k_pos[..., None, :]
+        return (kp != qp) | (qp == 0)
 
     def memory_kv(self, i: int, m: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Layer i's keys/values (B, KV, T, D) of memory vectors m: (B, T, d)."""
@@ -119,6 +187,12 @@ class SpireDraftModel(nn.Module):
         dev, dtype = tokens.device, self.target.dtype
         pos = torch.arange(T, device=dev)
         cos_all, sin_all = self._rope(pos[None], dtype)
+        if not self.cfg.target_activations:  # an ordinary transformer: one causal pass is exact
+            x = self.target.model.embed_tokens(tokens)
+            mask = attention_mask(pos[None], pos, self.view)
+            for layer in self.layers:
+                x = layer(x, cos_all, sin_all, lambda kk, vv: (kk, vv), mask)
+            return self.logits(x)
         # target memory keys/values of every position, per draft layer: (B, KV, T, D)
         kt, vt = zip(*(self.memory_kv(i, target_hidden[j], cos_all, sin_all)
                        for i, j in enumerate(self.source_layers)))
@@ -135,6 +209,8 @@ class SpireDraftModel(nn.Module):
             d_pos = torch.cat([starts + jj for jj in range(j + 1)])  # (T/k * (j+1),)
             d_blk = blocks.repeat(j + 1)
             m_draft = (d_blk[None] == blocks[:, None]) & attention_mask(q_pos[None], d_pos, self.view)[0, 0]
+            if not self.cfg.self_attend:
+                m_draft = m_draft & self.self_mask(q_pos, d_pos)
             mask = torch.cat([m_target, m_draft], -1)[None, None]  # (1, 1, T/k, T + (j+1) T/k)
             cos, sin = self._rope(q_pos[None], dtype)
             x = self.target.model.embed_tokens(tokens[:, q_pos])  # (B, T/k, d)
@@ -158,7 +234,7 @@ class SpireDraftModel(nn.Module):
         """Write weights (safetensors) and a JSON sidecar atomically to ``path`` (a .safetensors file)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"spire_config": asdict(self.cfg), "target": _fingerprint(self.target), **(extra or {})}
+        meta = {"spire_config": self.cfg.to_dict(), "target": _fingerprint(self.target), **(extra or {})}
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         os.close(fd)
@@ -185,46 +261,92 @@ class SpireDraftModel(nn.Module):
         fp, want = meta.get("target", {}), _fingerprint(target)
         if fp != want:
             raise TokenizerMismatchError(f"draft {path} was trained for target {fp}, but the target is {want}")
-        model = cls(target, SpireConfig(**meta["spire_config"]))
+        try:
+            cfg = SpireConfig(**meta["spire_config"])
+        except TypeError as e:
+            raise CheckpointError(f"draft {path} has an unknown configuration ({e}); was it written by a newer "
+                                  "spire?") from None
+        model = cls(target, cfg)
         model.load_state_dict(state)
         return model.to(target.dtype)
 
 
 class SpireDraft(Draft):
-    """Inference wrapper: a :class:`SpireDraftModel` with its own constant-size sink + window KV cache
-    (:class:`RingKVCache`, sink + window + k + 1 slots per layer, whatever the context length).
+    """Inference wrapper: a :class:`SpireDraftModel` with its own KV cache: constant-size sink + window
+    (:class:`RingKVCache`, sink + window + k + 1 slots per layer, whatever the context length), or a dense
+    :class:`KVCache` when the draft has no window (full-KV ablation).
 
     The draft cache holds, per draft layer and absolute position, the keys/values of the memory vectors:
     projected from target activations for verified positions (:meth:`observe`), from the draft's own
-    feedback memory for drafted positions (:meth:`step`).
+    feedback memory for drafted positions (:meth:`step`). Without target activations (ablation) the draft
+    is an ordinary transformer: :meth:`observe` runs it over the verified tokens, like a vanilla draft.
     """
 
     name = "spire"
 
     def __init__(self, model: SpireDraftModel) -> None:
         self.model = model
-        self.hidden_layers = model.source_layers
-        self._cache: RingKVCache | None = None
+        self.hidden_layers = model.source_layers if model.cfg.target_activations else ()
+        self._cache: RingKVCache | KVCache | None = None
 
     def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int, k: int) -> None:
-        t = target.cfg
-        self._cache = RingKVCache(len(self.model.layers), batch_size, t.n_kv_heads, self.model.view, k + 1,
-                                  t.d_head, dtype=target.dtype, device=target.device)
+        t, view = target.cfg, self.model.view
+        if view is None:
+            self._cache = KVCache(len(self.model.layers), batch_size, t.n_kv_heads, max_len, t.d_head,
+                                  dtype=target.dtype, device=target.device)
+        else:
+            self._cache = RingKVCache(len(self.model.layers), batch_size, t.n_kv_heads, view, k + 1, t.d_head,
+                                      dtype=target.dtype, device=target.device)
+
+    def _key_positions(self, batch_size: int) -> torch.Tensor:
+        kp = self._cache.key_positions()
+        return kp if kp.dim() == 2 else kp[None].expand(batch_size, -1)
 
     @torch.no_grad()
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
                 valid: torch.Tensor | None = None) -> None:
+        if not self.model.cfg.target_activations:
+            self._run(tokens, pos, valid)
+            return
         cos, sin = self.model._rope(pos, self.model.target.dtype)
         for i, j in enumerate(self.model.source_layers):
             self._cache.write(i, pos, *self.model.memory_kv(i, target_out.hidden[j], cos, sin), valid=valid)
 
+    def _run(self, tokens: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Ordinary transformer forward over (B, T) tokens at contiguous positions per row, reading the cache
+        for earlier positions and then storing the new keys/values. Works for a ring cache of any T: the new
+        keys are attended from the call's own tensors, not from the ring. Returns the last position's (B, d)."""
+        m, cache = self.model, self._cache
+        x = m.target.model.embed_tokens(tokens)
+        cos, sin = m._rope(pos, x.dtype)
+        B = tokens.shape[0]
+        old = self._key_positions(B)  # entries at or past a row's first new position are stale: hide them
+        old = torch.where(old < pos[:, :1], old, torch.full_like(old, 1 << 40))
+        mask = attention_mask(pos, torch.cat([old, pos], 1), m.view)
+        for i, layer in enumerate(m.layers):
+            new: list[torch.Tensor] = []
+
+            def kv_source(k_new, v_new, i=i, new=new):  # the cache's past, then the call's own keys
+                new += [k_new, v_new]
+                k_old, v_old = cache.read(i)
+                return torch.cat([k_old.to(k_new.dtype), k_new], 2), torch.cat([v_old.to(v_new.dtype), v_new], 2)
+            x = layer(x, cos, sin, kv_source, mask)
+            cache.write(i, pos, *new, valid=valid)
+        return x
+
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         m, cache = self.model, self._cache
+        if not m.cfg.target_activations:
+            return m.logits(self._run(tokens, pos))[:, -1]
         x = m.target.model.embed_tokens(tokens)  # (B, 1, d)
         cos, sin = m._rope(pos, x.dtype)
-        cache.claim(pos)  # the slots of the new position now hold it (its keys/values follow, per layer)
-        mask = attention_mask(pos, cache.key_positions(), m.view)
+        if isinstance(cache, RingKVCache):
+            cache.claim(pos)  # the slots of the new position now hold it (its keys/values follow, per layer)
+        kp = self._key_positions(tokens.shape[0])
+        mask = attention_mask(pos, kp, m.view)  # (B, 1, 1, S)
+        if not m.cfg.self_attend:
+            mask = mask & m.self_mask(pos, kp)[:, None]
         xs = [x]
         for i, layer in enumerate(m.layers):
             def kv_source(k_self, v_self, i=i):  # the token's own key/value, then everything up to it
@@ -232,7 +354,8 @@ class SpireDraft(Draft):
                 return cache.read(i)
             x = layer(x, cos, sin, kv_source, mask)
             xs.append(x)
-        mem = m.memory(xs)  # later tokens read this token as memory, not as its self key/value
-        for i in range(len(m.layers)):
-            cache.write(i, pos, *m.memory_kv(i, mem[i], cos, sin))
+        if m.cfg.feedback_memory:  # later tokens read this token as memory, not as its self key/value
+            mem = m.memory(xs)
+            for i in range(len(m.layers)):
+                cache.write(i, pos, *m.memory_kv(i, mem[i], cos, sin))
         return m.logits(x)[:, -1]
