@@ -7,17 +7,7 @@ from spire.drafts.spire import SpireConfig
 from spire.errors import ConfigError
 from spire.training.distill import TrainConfig, evaluate_alpha, load_state, train_spire
 from spire.training.losses import acceptance_alpha, mixed_loss
-
-
-class RepeatingData:
-    """Windows of a fixed random 'language': a few sequences repeated, so a draft can learn them."""
-
-    def __init__(self, vocab=97, n=8, T=32, seed=0):
-        self.seqs = torch.randint(0, vocab, (n, T), generator=torch.Generator().manual_seed(seed))
-
-    def sample_train_batch(self, batch_size, seq_len, generator):
-        idx = torch.randint(0, len(self.seqs), (batch_size,), generator=generator)
-        return self.seqs[idx, :seq_len]
+from tests.train_worker import RepeatingData
 
 
 def test_mixed_loss_values():

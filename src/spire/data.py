@@ -818,3 +818,89 @@ def data_summary_table(token_data: TokenData) -> str:
     if s["path"]:
         foot += f", {s['path']}"
     return "\n".join(lines + [foot])
+
+
+# ------------------------------------------------------------------------------------------- user text
+
+TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".json", ".jsonl", ".tex", ".html", ".c", ".h", ".rs", ".js")
+PART_CHARS = 100_000  # a file longer than 2 parts is cut into parts of about this many characters
+
+
+def _text_files(paths: Sequence[str | os.PathLike]) -> list[Path]:
+    files: list[Path] = []
+    for p in map(lambda x: Path(x).expanduser(), paths):
+        if p.is_dir():
+            files += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES)
+        elif p.is_file():
+            files.append(p)
+        else:
+            raise DataError(f"data path not found: {p}")
+    return files
+
+
+def _file_documents(files: list[Path]) -> list[Document]:
+    """One document per file; a long file (> 2 parts) is cut at paragraph breaks into parts of about
+    PART_CHARS characters so that a single book still gives training and held-out documents."""
+    docs: list[Document] = []
+    for f in files:
+        text = _read_text(f)
+        if not text.strip():
+            continue
+        if len(text) <= 2 * PART_CHARS:
+            docs.append(Document(str(f), "files", text))
+            continue
+        part, start = 0, 0
+        while start < len(text):
+            end = min(len(text), start + PART_CHARS)
+            cut = text.rfind("\n\n", start + PART_CHARS // 2, end) if end < len(text) else -1
+            end = cut + 2 if cut > 0 else end
+            docs.append(Document(f"{f}#{part}", "files", text[start:end]))
+            start, part = end, part + 1
+    return docs
+
+
+def prepare_text_files(tokenizer: Any, paths: Sequence[str | os.PathLike], cache_dir: str | os.PathLike | None = None,
+                       heldout_fraction: float = 0.1, seed: int = 0, progress: bool = True,
+                       eos_id: int | None = None) -> TokenData:
+    """Token data from the user's own text files (folders are searched for :data:`TEXT_SUFFIXES`), split by
+    document (files, or parts of long files) and cached under ``<cache>/data/files-<key>/`` keyed by the files'
+    paths, sizes and modification times. Raises :class:`DataError` for a missing path, no text, or a split
+    that leaves no training or no held-out document."""
+    files = _text_files(paths)
+    if not files:
+        raise DataError(f"no text files in {', '.join(map(str, paths))} (looked for {', '.join(TEXT_SUFFIXES)})")
+    if not 0.0 < heldout_fraction < 1.0:
+        raise DataError(f"heldout_fraction must be in (0, 1) (got {heldout_fraction})")
+    if eos_id is None:
+        eos_id = getattr(tokenizer, "eos_token_id", None)
+    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key_inputs = {"data_version": DATA_VERSION, "tokenizer": _tokenizer_fingerprint(tokenizer), "eos_id": eos_id,
+                  "files": stats, "heldout_fraction": heldout_fraction, "seed": seed, "part_chars": PART_CHARS}
+    key = hashlib.sha256(json.dumps(key_inputs, sort_keys=True).encode()).hexdigest()[:16]
+    folder = _cache_root(cache_dir) / "data" / f"files-{key}"
+    if (folder / "manifest.json").is_file():
+        return load_token_data(folder)
+    docs = _file_documents(files)
+    if not docs:
+        raise DataError(f"the data files are empty: {', '.join(map(str, paths))}")
+    train_docs, heldout_docs = split_documents(docs, heldout_fraction, seed, min_heldout_chars=0)
+    if not train_docs or not heldout_docs:
+        raise DataError(f"{len(docs)} document(s) cannot be split into training and held-out text: give more "
+                        "files (or longer ones)")
+    train_arrays, max_train = _tokenize_docs(tokenizer, train_docs, eos_id, progress, "tokenize train")
+    held_arrays, max_held = _tokenize_docs(tokenizer, heldout_docs, eos_id, progress, "tokenize held-out")
+    n_ids = max(_vocab_size(tokenizer) or 0, max(max_train, max_held) + 1)
+    dtype = np.dtype(np.uint16) if n_ids <= 65535 else np.dtype(np.uint32)
+    train, heldout = _build_split(train_arrays, train_docs, dtype), _build_split(held_arrays, heldout_docs, dtype)
+    manifest: dict[str, Any] = {
+        "key": f"files-{key}", "key_inputs": key_inputs, "vocab_size": _vocab_size(tokenizer), "dtype": dtype.name,
+        "eos_id": eos_id,
+        "splits": {name: {"documents": len(s), "tokens": s.n_tokens, "names": s.names, "sources": s.sources,
+                          "doc_tokens": [int(x) for x in s.lengths]} for name, s in (("train", train),
+                                                                                     ("heldout", heldout))},
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    _save_split(folder, "train", train)
+    _save_split(folder, "heldout", heldout)
+    atomic_write(folder / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+    return TokenData(train, heldout, manifest, folder)

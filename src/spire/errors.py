@@ -19,3 +19,7 @@ class DataError(SpireError):
 
 class TokenizerMismatchError(SpireError):
     """Draft and target do not share a tokenizer / vocabulary."""
+
+
+class TrainingError(SpireError):
+    """Training cannot go on (a non-finite loss); the last good checkpoint is kept."""

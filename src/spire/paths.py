@@ -39,3 +39,46 @@ def atomic_write(path: str | os.PathLike, write, text: str | None = None) -> Pat
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def replace_dir(path: str | os.PathLike, write) -> Path:
+    """Replace the folder ``path`` by a new one so that a reader (or a run killed at any point) finds the
+    old folder or the whole new one.
+
+    ``write(tmp)`` fills a fresh temporary folder beside ``path``; its files are fsynced, then the old folder
+    is renamed to ``<path>.old``, the new one to ``path``, and the old one removed. :func:`existing_dir`
+    finds ``<path>.old`` if a crash fell between the two renames.
+    """
+    import shutil
+    import tempfile
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    old = path.with_name(path.name + ".old")
+    try:
+        write(tmp)
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        os.chmod(tmp, 0o755)
+        if path.exists():
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def existing_dir(path: str | os.PathLike) -> Path | None:
+    """``path`` if it exists, else the ``<path>.old`` that :func:`replace_dir` left if interrupted, else None."""
+    path = Path(path)
+    if path.is_dir():
+        return path
+    old = path.with_name(path.name + ".old")
+    return old if old.is_dir() else None

@@ -10,37 +10,59 @@ from spire.errors import CheckpointError, ConfigError
 DRAFT_KINDS = ("none", "vanilla", "magicdec", "spire")
 
 
-def find_trained_spire(target) -> Path | None:
-    """The most recently written finished SPIRe draft in the cache that fits ``target``, or None."""
+def _finished(run_dir: Path) -> bool:
+    """Whether the training run in run_dir finished (new layout: checkpoint/train_state.json; older runs:
+    train_state.json beside the draft; a draft without any state was saved by hand and counts as finished)."""
     import json
 
+    from spire.paths import existing_dir
+
+    ckpt = existing_dir(run_dir / "checkpoint")
+    for state in ([ckpt / "train_state.json"] if ckpt else []) + [run_dir / "train_state.json"]:
+        if state.is_file():
+            return bool(json.loads(state.read_text()).get("finished", False))
+    return True
+
+
+def find_trained_spire(target) -> Path | None:
+    """The most recently written finished full-method (not ablated) SPIRe draft in the cache that fits
+    ``target``, or None."""
+    from spire.drafts.spire import _fingerprint, read_draft_file
     from spire.paths import spire_cache_dir
-    from spire.drafts.spire import _fingerprint
 
     want = _fingerprint(target)
     found = []
     for f in (spire_cache_dir() / "drafts").glob("*/draft.safetensors"):
-        state = f.parent / "train_state.json"
         try:
-            from safetensors import safe_open
-
-            with safe_open(str(f), "pt") as h:
-                meta = json.loads(h.metadata()["spire"])
-            finished = json.loads(state.read_text()).get("finished", False) if state.is_file() else True
-        except Exception:
+            meta, _ = read_draft_file(f)
+            finished = _finished(f.parent)
+        except Exception:  # an unreadable or foreign file is not a candidate
             continue
-        if meta.get("target") == want and finished:
+        if meta.get("target") == want and finished and meta.get("ablation", "none") == "none":
             found.append(f)
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def resolve_draft_path(kind: str, path: str | Path) -> Path:
+    """A draft path as given, or the draft inside a `spire train` run folder (``draft.safetensors`` for
+    SPIRe, ``draft/`` for vanilla). Raises CheckpointError when nothing is there."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        inner = p / ("draft.safetensors" if kind == "spire" else "draft")
+        if inner.exists():
+            return inner
+    if not p.exists():
+        raise CheckpointError(f"draft not found: {p}")
+    return p
 
 
 def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink: int = 1, window: int = 64,
                dtype=None) -> Draft | None:
     """Build a draft by name for ``target``.
 
-    kind: "none" (AD, returns None), "magicdec" (sink/window), "spire" (path: a trained draft .safetensors;
-    default the newest finished one in the cache), "vanilla" (path: a .gguf or HF folder sharing the
-    target's tokenizer). Raises ConfigError / CheckpointError / TokenizerMismatchError.
+    kind: "none" (AD, returns None), "magicdec" (sink/window), "spire" (path: a trained draft .safetensors
+    or a `spire train` run folder; default the newest finished one in the cache), "vanilla" (path: a .gguf,
+    an HF folder sharing the target's tokenizer, or a `spire train --draft vanilla` run folder). Raises ConfigError / CheckpointError / TokenizerMismatchError.
     """
     if kind not in DRAFT_KINDS:
         raise ConfigError(f"unknown draft {kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
@@ -53,7 +75,7 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
     if kind == "spire":
         from spire.drafts.spire import SpireDraft, SpireDraftModel
 
-        file = Path(path) if path else find_trained_spire(target)
+        file = resolve_draft_path(kind, path) if path else find_trained_spire(target)
         if file is None:
             raise CheckpointError("no trained SPIRe draft for this target in the cache: run `spire reproduce` "
                                   "(or pass --draft-path)")
@@ -64,6 +86,7 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
     if not path:
         raise ConfigError("--draft vanilla needs --draft-path (a .gguf file or HF folder of a small model "
                           "with the target's tokenizer)")
+    path = resolve_draft_path(kind, path)
     model, draft_tok, _ = load_target(path, dtype=dtype or target.dtype, device=str(target.device))
     if tokenizer is not None:
         check_same_vocabulary(tokenizer, draft_tok, "target", f"draft {path}")

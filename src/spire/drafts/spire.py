@@ -111,6 +111,27 @@ def _fingerprint(target: Transformer) -> dict:
             "embedding_checksum": round(float(emb[:64].double().sum()), 3)}
 
 
+def read_draft_file(path: Path, target: Transformer | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(spire metadata, tensors) of a draft .safetensors written by spire. With ``target``, check that the
+    draft was trained for it. Raises CheckpointError (missing/unreadable) or TokenizerMismatchError."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"draft checkpoint not found: {path}")
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["spire"])
+        state = load_file(str(path))
+    except Exception as e:
+        raise CheckpointError(f"cannot read draft checkpoint {path}: {e}".splitlines()[0]) from None
+    if target is not None:
+        fp, want = meta.get("target", {}), _fingerprint(target)
+        if fp != want:
+            raise TokenizerMismatchError(f"draft {path} was trained for target {fp}, but the target is {want}")
+    return meta, state
+
+
 class SpireDraftModel(nn.Module):
     """Trainable SPIRe draft weights, bound to a (frozen) target for its embedding and unembedding.
 
@@ -247,20 +268,7 @@ class SpireDraftModel(nn.Module):
 
         Raises CheckpointError (missing/unreadable) or TokenizerMismatchError (trained for another target).
         """
-        path = Path(path)
-        if not path.is_file():
-            raise CheckpointError(f"draft checkpoint not found: {path}")
-        try:
-            from safetensors import safe_open
-
-            with safe_open(str(path), "pt") as f:
-                meta = json.loads(f.metadata()["spire"])
-            state = load_file(str(path))
-        except Exception as e:
-            raise CheckpointError(f"cannot read draft checkpoint {path}: {e}".splitlines()[0]) from None
-        fp, want = meta.get("target", {}), _fingerprint(target)
-        if fp != want:
-            raise TokenizerMismatchError(f"draft {path} was trained for target {fp}, but the target is {want}")
+        meta, state = read_draft_file(path, target)
         try:
             cfg = SpireConfig(**meta["spire_config"])
         except TypeError as e:

@@ -8,7 +8,7 @@ import torch
 from spire.drafts.base import Draft
 from spire.errors import TokenizerMismatchError
 from spire.kv_cache import KVCache
-from spire.model import ForwardOutput, Transformer
+from spire.model import ForwardOutput, ModelConfig, Transformer
 
 
 def check_same_vocabulary(target_tok, draft_tok, target_name: str = "target", draft_name: str = "draft") -> None:
@@ -45,3 +45,73 @@ class VanillaDraft(Draft):
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.model(tokens, pos, self._cache).logits[:, -1]
+
+
+def vanilla_config(target: Transformer, n_layers: int | None = None) -> ModelConfig:
+    """The vanilla baseline's shape (SPIRe paper §4): the target's width, heads and vocabulary with
+    ``n_layers`` blocks; default round(target layers / 8), about 1/8 of the target's body parameters.
+    Raises ConfigError when n_layers < 1."""
+    import dataclasses
+
+    from spire.errors import ConfigError
+
+    n = max(1, round(target.cfg.n_layers / 8)) if n_layers is None else int(n_layers)
+    if n < 1:
+        raise ConfigError(f"the vanilla draft needs at least one layer, got {n}")
+    return dataclasses.replace(target.cfg, n_layers=n, tie_embeddings=True)
+
+
+def build_vanilla(target: Transformer, n_layers: int | None = None, seed: int = 0) -> Transformer:
+    """A randomly initialized vanilla draft (normal(0, 0.02) weights, unit norms, tied embeddings), float32,
+    on the target's device, trainable."""
+    cfg = vanilla_config(target, n_layers)
+    g = torch.Generator().manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            else:
+                p.fill_(1.0)
+    return model.to(target.device).train().requires_grad_(True)
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+    """An HF ``LlamaForCausalLM`` config.json dict for a :class:`ModelConfig` (used when no target folder
+    gives one to copy)."""
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.d_head, "intermediate_size": cfg.d_ff,
+            "rope_theta": cfg.rope_theta, "rms_norm_eps": cfg.rms_eps, "max_position_embeddings": cfg.max_positions,
+            "tie_word_embeddings": cfg.tie_embeddings, "bos_token_id": cfg.bos_id,
+            "eos_token_id": cfg.eos_ids[0] if len(cfg.eos_ids) == 1 else (cfg.eos_ids or None),
+            "hidden_act": "silu", "torch_dtype": "float32"}
+
+
+def save_vanilla(model: Transformer, folder, target_folder, meta: dict) -> None:
+    """Write the draft as a Hugging Face Llama folder (config.json from the target's with the draft's
+    layer count, model.safetensors, the target's tokenizer files, spire_train.json), replacing ``folder``
+    atomically. Loadable by :func:`spire.loading.load_target` and by transformers' AutoModelForCausalLM."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from spire.paths import replace_dir
+
+    target_folder = Path(target_folder) if target_folder is not None else None
+    cfg = json.loads((target_folder / "config.json").read_text()) if target_folder else hf_config(model.cfg)
+    cfg.update(num_hidden_layers=model.cfg.n_layers, tie_word_embeddings=True)
+    cfg["architectures"] = ["LlamaForCausalLM"]
+
+    def write(tmp: Path) -> None:
+        sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        (tmp / "spire_train.json").write_text(json.dumps(meta, indent=1, default=str))
+        for f in target_folder.iterdir() if target_folder else ():
+            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "spire_train.json"):
+                shutil.copy2(f, tmp / f.name)
+
+    replace_dir(folder, write)

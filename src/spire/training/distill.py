@@ -1,12 +1,26 @@
-"""Train a SPIRe draft by distillation from its target (SPIRe paper §3.5-3.6), for a wall-clock budget.
+"""Train a draft (SPIRe, or the vanilla baseline) against its target (SPIRe paper §3.5-3.6, §4).
 
-Each step: the frozen target runs on a batch of training windows (under bf16 autocast when asked) and
-returns its logits p and the residual streams entering the draft's source layers; the draft runs the k-pass
-procedure (:meth:`SpireDraftModel.forward_train`) and is trained with MixedLoss(omega) by AdamW.
+Each step: a global batch of training windows is drawn from a generator seeded by (seed, step); the frozen
+target runs on it when the draft needs its activations or the loss needs its distribution (under bf16
+autocast when asked); the draft computes teacher-forced logits (SPIRe: the k-pass procedure of
+:meth:`SpireDraftModel.forward_train`; vanilla: one causal pass) and is trained by AdamW with linear warmup
+and cosine decay to 10 %, gradient clipping, and MixedLoss(omega) or HardTargetLoss.
 
-The run is resumable: every ``checkpoint_every`` seconds the draft weights, the optimizer state and a JSON
-state (step, tokens seen, elapsed seconds, history) are written atomically to ``out_dir``; calling
-:func:`train_spire` again continues from there, and a run that has used its budget returns at once.
+Runs are resumable and exact: the batch of step s depends only on (seed, s), the learning rate on s (when
+``max_steps`` is set; with only a time budget it follows the saved elapsed time), and the checkpoint holds
+the draft, the AdamW state and the JSON state. A checkpoint is a folder replaced atomically
+(:func:`spire.paths.replace_dir`), so a run killed at any instant resumes from the last complete one; a
+non-finite loss stops the run with :class:`TrainingError` and keeps that checkpoint.
+
+Data parallel: under ``torchrun`` (``torch.distributed`` initialized, gloo on CPU, NCCL on GPU) every
+process draws the same global batch, takes its own equal share of the rows, and gradients are averaged
+across processes before each update, so N processes follow the same trajectory as one process with the
+same global batch (tests/test_trainer.py). Only rank 0 writes files.
+
+Run folder layout: ``checkpoint/`` (draft.safetensors, optimizer.pt, train_state.json), ``train_log.jsonl``
+(one JSON object per logged step and per held-out evaluation) and the exported draft:
+``draft.safetensors`` (SPIRe; ``spire generate --draft spire --draft-path``) or ``draft/`` (vanilla, an HF
+Llama folder; ``--draft vanilla --draft-path``).
 """
 
 from __future__ import annotations
@@ -20,46 +34,109 @@ from pathlib import Path
 
 import torch
 
-from spire.drafts.spire import SpireConfig, SpireDraftModel
-from spire.errors import ConfigError
+from spire.drafts.spire import SpireConfig, SpireDraftModel, _fingerprint, read_draft_file
+from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.model import Transformer
-from spire.paths import atomic_write
-from spire.training.losses import acceptance_alpha, mixed_loss
+from spire.paths import atomic_write, existing_dir, replace_dir
+from spire.training.losses import acceptance_alpha, hard_target_loss, mixed_loss
 
+CHECKPOINT_DIR = "checkpoint"
 DRAFT_FILE = "draft.safetensors"
 STATE_FILE = "train_state.json"
 OPTIM_FILE = "optimizer.pt"
+LOG_FILE = "train_log.jsonl"
+DRAFT_KINDS = ("spire", "vanilla")
+LOSSES = ("mixed", "hard")
+
+# The paper's Figure 5 ablations: name -> (SpireConfig overrides, TrainConfig overrides), and the paper's
+# tau for each (SPIRE.md §3.7; full-kv changes the cost, not tau, in the paper's figure).
+ABLATIONS: dict[str, tuple[dict, dict]] = {
+    "none": ({}, {}),
+    "no-feedback": ({"feedback_memory": False}, {}),
+    "no-feedback-no-target": ({"feedback_memory": False, "target_activations": False}, {}),
+    "omega1": ({}, {"omega": 1.0}),
+    "hard-loss": ({}, {"loss": "hard"}),
+    "random-init": ({"init": "random"}, {}),
+    "full-kv": ({"window": None}, {}),
+}
+PAPER_ABLATION_TAU = {"none": 3.401, "no-feedback": 3.352, "no-feedback-no-target": 2.959, "omega1": 3.375,
+                      "hard-loss": 3.069, "random-init": 3.105}
 
 
 @dataclass
 class TrainConfig:
-    """budget_s: training wall-clock seconds (excluding evaluation). lr: AdamW peak learning rate, warmup then
-    cosine decay to 10% over the budget. omega: MixedLoss weight (1 = pure distillation)."""
+    """Settings of one training run.
 
+    draft: "spire" or "vanilla". budget_s: training wall-clock seconds (evaluation and checkpoints
+    excluded); max_steps: also stop after this many optimizer steps (and then the cosine schedule runs
+    over steps, which makes resumed runs exact). batch_size: global batch (rows) per step; seq_len: tokens
+    per row (a multiple of k). lr: AdamW peak learning rate. loss: "mixed" (MixedLoss(omega); omega = 1 is
+    pure distillation) or "hard" (HardTargetLoss); None picks the method's default (SPIRe: mixed,
+    vanilla: hard). bf16: autocast (None: on where bf16 is fast). eval_every: steps between held-out
+    evaluations (0: at the end only). ablation: a name of :data:`ABLATIONS`, recorded in the checkpoint.
+    vanilla_layers: the vanilla draft's blocks (None: round(target layers / 8)).
+    """
+
+    draft: str = "spire"
     budget_s: float = 1200.0
-    max_steps: int | None = None  # also stop after this many optimizer steps (None: only the time budget)
+    max_steps: int | None = None
     batch_size: int = 4
     seq_len: int = 256
     k: int = 4
     lr: float = 1e-3
     warmup_steps: int = 20
     weight_decay: float = 0.0
+    loss: str | None = None
     omega: float = 0.5
     grad_clip: float = 1.0
-    bf16: bool | None = None  # None: on when the device has fast bf16 (CUDA, or a CPU with AMX / AVX512-BF16)
+    bf16: bool | None = None
     seed: int = 0
     checkpoint_every: float = 60.0
+    eval_every: int = 0
+    ablation: str = "none"
     spire: SpireConfig = field(default_factory=SpireConfig)
+    vanilla_layers: int | None = None
+
+    def resolved_loss(self) -> str:
+        return self.loss or ("hard" if self.draft == "vanilla" else "mixed")
 
     def validate(self) -> None:
-        if self.budget_s <= 0:
+        """Raise ConfigError for impossible settings."""
+        if self.draft not in DRAFT_KINDS:
+            raise ConfigError(f"draft must be one of {', '.join(DRAFT_KINDS)}, got {self.draft!r}")
+        if not self.budget_s > 0:
             raise ConfigError(f"training budget must be positive, got {self.budget_s} s")
-        if self.k < 1 or self.batch_size < 1:
-            raise ConfigError("k and batch size must be >= 1")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
+        if self.k < 1 or self.batch_size < 1 or self.seq_len < 2:
+            raise ConfigError("k and batch size must be >= 1 and seq_len >= 2")
         if self.seq_len % self.k:
             raise ConfigError(f"seq_len {self.seq_len} must be a multiple of k={self.k}")
         if not 0 <= self.omega <= 1:
             raise ConfigError(f"omega must be in [0, 1], got {self.omega}")
+        if self.resolved_loss() not in LOSSES:
+            raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if not self.lr > 0 or self.warmup_steps < 0 or self.grad_clip <= 0 or self.eval_every < 0:
+            raise ConfigError("lr and grad_clip must be positive, warmup_steps and eval_every >= 0")
+        if self.ablation not in ABLATIONS:
+            raise ConfigError(f"unknown ablation {self.ablation!r}; choose one of {', '.join(ABLATIONS)}")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["spire"] = self.spire.to_dict()
+        d["loss"] = self.resolved_loss()
+        return d
+
+
+def ablation_config(name: str, **train_kw) -> TrainConfig:
+    """A SPIRe TrainConfig with the paper's Figure 5 ablation ``name`` applied (see :data:`ABLATIONS`);
+    settings given in ``train_kw`` win over the ablation's. Raises ConfigError for an unknown name."""
+    if name not in ABLATIONS:
+        raise ConfigError(f"unknown ablation {name!r}; choose one of {', '.join(ABLATIONS)}")
+    spire_kw, cfg_kw = ABLATIONS[name]
+    spire = train_kw.pop("spire", SpireConfig())
+    spire = SpireConfig(**{**spire.to_dict(), **spire_kw})
+    return TrainConfig(**{**cfg_kw, **train_kw, "draft": "spire", "ablation": name, "spire": spire})
 
 
 def fast_bf16(device: torch.device) -> bool:
@@ -83,130 +160,348 @@ def target_pass(target: Transformer, tokens: torch.Tensor, layers: tuple[int, ..
     return out.logits.float(), {j: h.float() for j, h in out.hidden.items()}
 
 
+def draft_logits(model: torch.nn.Module, tokens: torch.Tensor, hidden: dict, k: int) -> torch.Tensor:
+    """Teacher-forced draft logits (B, T, V), position t predicting token t + 1, as inference computes them:
+    the k-pass procedure for a SPIRe draft, one causal pass for a vanilla draft (a Transformer)."""
+    if isinstance(model, SpireDraftModel):
+        return model.forward_train(tokens, hidden, k)
+    pos = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
+    return model(tokens, pos).logits
+
+
+def _needs_hidden(model: torch.nn.Module) -> tuple[int, ...]:
+    if isinstance(model, SpireDraftModel) and model.cfg.target_activations:
+        return model.source_layers
+    return ()
+
+
 def _lr_at(cfg: TrainConfig, step: int, frac: float) -> float:
+    """Linear warmup over warmup_steps, then cosine decay from lr to 0.1 lr over the run (frac in [0, 1])."""
     warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
     return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The RNG that draws step ``step``'s batch: a function of (seed, step) only, so resumed runs are exact."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
+
+
 def load_state(out_dir: Path) -> dict | None:
-    """The JSON training state of a run folder, or None when no run was saved there."""
-    f = Path(out_dir) / STATE_FILE
-    return json.loads(f.read_text()) if f.is_file() else None
+    """The JSON training state of a run folder's last complete checkpoint, or None when there is none."""
+    ckpt = existing_dir(Path(out_dir) / CHECKPOINT_DIR)
+    if ckpt is None or not (ckpt / STATE_FILE).is_file():
+        return None
+    return json.loads((ckpt / STATE_FILE).read_text())
 
 
-def train_spire(target: Transformer, data, out_dir: Path, cfg: TrainConfig = TrainConfig(),
-                progress: bool = True, log=print) -> tuple[SpireDraftModel, dict]:
-    """Train (or resume, or just load when finished) a SPIRe draft in ``out_dir``.
+def _distributed():
+    """(torch.distributed or None, rank, world size)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist, dist.get_rank(), dist.get_world_size()
+    return None, 0, 1
+
+
+def init_distributed() -> tuple[int, int]:
+    """Initialize torch.distributed from torchrun's environment (WORLD_SIZE > 1): gloo on CPU, NCCL on CUDA.
+    Returns (rank, world size); (0, 1) outside torchrun."""
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    _, rank, world = _distributed()
+    return rank, world
+
+
+def _build_model(target: Transformer, cfg: TrainConfig) -> torch.nn.Module:
+    if cfg.draft == "spire":
+        torch.manual_seed(cfg.seed)  # the random-init ablation draws its weights here
+        return SpireDraftModel(target, cfg.spire)
+    from spire.drafts.vanilla import build_vanilla
+
+    return build_vanilla(target, cfg.vanilla_layers, cfg.seed)
+
+
+def _save_weights(model: torch.nn.Module, target: Transformer, path: Path, meta: dict) -> None:
+    if isinstance(model, SpireDraftModel):
+        model.save(path, meta)
+        return
+    from safetensors.torch import save_file
+
+    meta = {"vanilla_config": model.cfg.to_dict(), "target": _fingerprint(target), **meta}
+    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(sd, str(path), metadata={"spire": json.dumps(meta)})
+
+
+def _load_weights(model: torch.nn.Module, target: Transformer, path: Path) -> None:
+    """Load checkpoint weights into ``model``. Raises CheckpointError / TokenizerMismatchError."""
+    if isinstance(model, SpireDraftModel):
+        model.load_state_dict(SpireDraftModel.load(path, target).state_dict())
+        return
+    _, sd = read_draft_file(path, target)
+    model.load_state_dict(sd, strict=False)
+
+
+def export_draft(model: torch.nn.Module, target: Transformer, out_dir: Path, meta: dict,
+                 target_folder: Path | None = None) -> Path:
+    """Write the user-facing draft of a run: ``draft.safetensors`` (SPIRe) or ``draft/`` (vanilla HF folder,
+    with the target's tokenizer files when ``target_folder`` is given). Returns its path."""
+    if isinstance(model, SpireDraftModel):
+        model.save(out_dir / DRAFT_FILE, meta)
+        return out_dir / DRAFT_FILE
+    from spire.drafts.vanilla import save_vanilla
+
+    save_vanilla(model, out_dir / "draft", target_folder, {"target": _fingerprint(target), **meta})
+    return out_dir / "draft"
+
+
+def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | None = None,
+                heldout: torch.Tensor | None = None, resume: bool | None = None, target_folder: Path | None = None,
+                progress: bool = True, log=print) -> tuple[torch.nn.Module, dict]:
+    """Train (or resume, or just load when finished) a draft in ``out_dir``.
 
     Args:
         target: frozen target model (float32 weights; bf16 autocast is used when cfg.bf16).
         data: an object with ``sample_train_batch(batch_size, seq_len, generator) -> (B, T) LongTensor``.
-        out_dir: run folder (created). Holds draft.safetensors, optimizer.pt, train_state.json.
+        out_dir: run folder (created); see the module docstring for its layout.
         cfg: :class:`TrainConfig`.
+        heldout: optional (N, T) held-out windows (T a multiple of k) for the logged held-out loss and alpha.
+        resume: True: continue the run in out_dir (CheckpointError if there is none); False: start a new run
+            (ConfigError if out_dir already holds one); None: continue if there is one, else start.
+        target_folder: the target's HF folder (its tokenizer files go into an exported vanilla draft).
     Returns:
-        (draft model, state dict with "step", "tokens", "elapsed_s", "finished", "history").
+        (draft model in eval mode, state dict with "step", "tokens", "elapsed_s", "finished", "history",
+        "heldout" (the last evaluation), "config").
     Raises:
-        ConfigError: invalid settings, or a saved run in out_dir with different settings.
+        ConfigError: invalid settings, a batch not divisible by the number of processes, or a saved run in
+            out_dir with different settings. TrainingError: a non-finite loss (the last checkpoint is kept).
+        CheckpointError / TokenizerMismatchError: unreadable checkpoint, or one for another target.
+        DataError: the data cannot give windows of seq_len tokens.
     """
+    cfg = TrainConfig() if cfg is None else cfg
     cfg.validate()
     if cfg.bf16 is None:
         cfg.bf16 = fast_bf16(target.device)
+    dist, rank, world = _distributed()
+    if cfg.batch_size % world:
+        raise ConfigError(f"the global batch {cfg.batch_size} must be divisible by the {world} processes")
+    if heldout is not None and heldout.shape[1] % cfg.k:
+        raise ConfigError(f"held-out windows of {heldout.shape[1]} tokens are not a multiple of k={cfg.k}")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     device = target.device
     state = load_state(out_dir)
-    cfg_dict = asdict(cfg)
-    model = SpireDraftModel(target, cfg.spire)
+    cfg_dict = json.loads(json.dumps(cfg.to_dict()))
+    if resume is True and state is None:
+        raise CheckpointError(f"nothing to resume: {out_dir} holds no checkpoint")
+    if resume is False and state is not None:
+        raise ConfigError(f"{out_dir} already holds a run (step {state['step']}); pass --resume to continue it "
+                          "or choose another --out")
+    model = _build_model(target, cfg)
     if state is not None:
-        budget_keys = ("budget_s", "max_steps", "checkpoint_every")
+        budget_keys = ("budget_s", "max_steps", "checkpoint_every", "eval_every")
         saved = {k: v for k, v in state["config"].items() if k not in budget_keys}
         now = {k: v for k, v in cfg_dict.items() if k not in budget_keys}
         if saved != now:
-            raise ConfigError(f"{out_dir} holds a run with other settings; use another --out or delete it")
-        model = SpireDraftModel.load(out_dir / DRAFT_FILE, target)
+            diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+            raise ConfigError(f"{out_dir} holds a run with other settings ({', '.join(diff)}); use another --out "
+                              "or delete it")
+        _load_weights(model, target, existing_dir(out_dir / CHECKPOINT_DIR) / DRAFT_FILE)
     else:
-        state = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "finished": False, "history": []}
+        state = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "finished": False, "history": [], "heldout": None}
+        if rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write(out_dir / LOG_FILE, None, "")
     state["config"] = cfg_dict
     model.train()
+    meta = {"ablation": cfg.ablation, "loss": cfg.resolved_loss(), "omega": cfg.omega}
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    ckpt = existing_dir(out_dir / CHECKPOINT_DIR)
+    if ckpt is not None and state["step"] > 0:
+        opt.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=True))
+    if rank == 0 and (out_dir / LOG_FILE).is_file():  # drop log lines written after the checkpoint
+        lines = [ln for ln in (out_dir / LOG_FILE).read_text().splitlines()
+                 if ln.strip() and json.loads(ln)["step"] <= state["step"]]
+        atomic_write(out_dir / LOG_FILE, None, "".join(ln + "\n" for ln in lines))
+
     def done() -> bool:
         return state["elapsed_s"] >= cfg.budget_s or (cfg.max_steps is not None and state["step"] >= cfg.max_steps)
 
-    if done():
-        state["finished"] = True
-        return model.eval(), state
+    def write_log(entry: dict) -> None:
+        if rank == 0:
+            with open(out_dir / LOG_FILE, "a") as f:
+                f.write(json.dumps(entry) + "\n")
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    if (out_dir / OPTIM_FILE).is_file() and state["step"] > 0:
-        opt.load_state_dict(torch.load(out_dir / OPTIM_FILE, weights_only=True))
-    gen = torch.Generator().manual_seed(cfg.seed + state["step"])  # resumed runs draw new windows
+    def evaluate() -> None:
+        if heldout is None:
+            return
+        ev = evaluate_heldout(model, target, heldout, cfg)
+        model.train()
+        state["heldout"] = {"step": state["step"], **ev}
+        write_log({"event": "eval", "step": state["step"], "tokens": state["tokens"], **ev})
+        if bar is not None:
+            bar.write(f"step {state['step']}: held-out loss {ev['loss']:.4f}, alpha "
+                      + " ".join(f"{a:.3f}" for a in ev["alpha_per_position"]))
 
     def checkpoint() -> None:
-        model.save(out_dir / DRAFT_FILE, {"train": {"step": state["step"], "tokens": state["tokens"]}})
-        atomic_write(out_dir / OPTIM_FILE, lambda f: torch.save(opt.state_dict(), f))
-        atomic_write(out_dir / STATE_FILE, None, json.dumps(state, indent=1))
+        if rank == 0:
+            def write(tmp: Path) -> None:
+                _save_weights(model, target, tmp / DRAFT_FILE, {"train": {"step": state["step"]}, **meta})
+                torch.save(opt.state_dict(), tmp / OPTIM_FILE)
+                (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+            replace_dir(out_dir / CHECKPOINT_DIR, write)
+            export_draft(model, target, out_dir, {"train": {"step": state["step"], "tokens": state["tokens"],
+                                                            "finished": state["finished"]}, **meta}, target_folder)
+        if dist is not None:
+            dist.barrier()
 
     bar = None
-    if progress:
+    if progress and rank == 0:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=round(cfg.budget_s), initial=round(state["elapsed_s"]), unit="s",
-                   desc="train SPIRe draft", dynamic_ncols=True)
+        if cfg.max_steps is not None:
+            bar = tqdm(total=cfg.max_steps, initial=state["step"], unit="step", dynamic_ncols=True,
+                       desc=f"train {cfg.draft} draft")
+        else:
+            bar = tqdm(total=round(cfg.budget_s), initial=round(state["elapsed_s"]), unit="s", dynamic_ncols=True,
+                       desc=f"train {cfg.draft} draft")
+    def finish() -> tuple[torch.nn.Module, dict]:
+        if not state["finished"]:
+            state["finished"] = True
+            evaluate()
+            checkpoint()
+        if bar is not None:
+            bar.close()
+        return model.eval().requires_grad_(False), state
+
+    if done():
+        return finish()
+    state["finished"] = False  # a finished run given a larger budget goes on
+
+    hidden_layers = _needs_hidden(model)
+    loss_kind = cfg.resolved_loss()
+    rows = slice(rank * cfg.batch_size // world, (rank + 1) * cfg.batch_size // world)
     t_last_ckpt = time.time()
     ema_loss = ema_alpha = None
     while not done():
         t0 = time.time()
-        tokens = data.sample_train_batch(cfg.batch_size, cfg.seq_len, gen).to(device)
-        p_logits, hidden = target_pass(target, tokens, model.source_layers, cfg.bf16)
+        tokens = data.sample_train_batch(cfg.batch_size, cfg.seq_len, step_generator(cfg.seed, state["step"]))
+        tokens = tokens[rows].to(device)
+        frac = state["step"] / cfg.max_steps if cfg.max_steps is not None else state["elapsed_s"] / cfg.budget_s
+        lr = _lr_at(cfg, state["step"], frac)
         for g in opt.param_groups:
-            g["lr"] = _lr_at(cfg, state["step"], state["elapsed_s"] / cfg.budget_s)
+            g["lr"] = lr
+        p_logits, hidden = None, {}
+        if hidden_layers or loss_kind == "mixed":
+            p_logits, hidden = target_pass(target, tokens, hidden_layers, cfg.bf16)
         with _autocast(cfg.bf16, device):
-            q_logits = model.forward_train(tokens, hidden, cfg.k)
-        terms = mixed_loss(q_logits, p_logits, cfg.omega)
+            q_logits = draft_logits(model, tokens, hidden, cfg.k)
+        if loss_kind == "mixed":
+            terms = mixed_loss(q_logits, p_logits, cfg.omega)
+            loss, alpha = terms.loss, terms.alpha
+        else:
+            loss = hard_target_loss(q_logits[:, :-1], tokens[:, 1:])
+            alpha = float(acceptance_alpha(q_logits, p_logits).mean()) if p_logits is not None else float("nan")
         opt.zero_grad(set_to_none=True)
-        terms.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        loss.backward()
+        stats = torch.tensor([loss.item(), alpha])
+        if dist is not None:  # average gradients (and the logged values) over the processes
+            grads = [p.grad for p in params if p.grad is not None]
+            flat = torch.cat([g.flatten() for g in grads])
+            dist.all_reduce(flat)
+            flat /= world
+            for g, new in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(new)
+            dist.all_reduce(stats)
+            stats /= world
+        loss_value, alpha = float(stats[0]), float(stats[1])
+        if not math.isfinite(loss_value):
+            if bar is not None:
+                bar.close()
+            last = load_state(out_dir)
+            raise TrainingError(f"non-finite loss ({loss_value}) at step {state['step'] + 1} (lr {lr:.2e}); the "
+                                f"last good checkpoint (step {last['step'] if last else 0}) in {out_dir} is kept: "
+                                "lower --lr or check the data")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
         opt.step()
         dt = time.time() - t0
+        if dist is not None:  # every process stops at the same step: rank 0's clock decides
+            t = torch.tensor([dt])
+            dist.broadcast(t, 0)
+            dt = float(t)
         state["step"] += 1
-        state["tokens"] += tokens.numel()
+        state["tokens"] += cfg.batch_size * cfg.seq_len
         state["elapsed_s"] += dt
-        ema_loss = terms.loss.item() if ema_loss is None else 0.95 * ema_loss + 0.05 * terms.loss.item()
-        ema_alpha = terms.alpha if ema_alpha is None else 0.95 * ema_alpha + 0.05 * terms.alpha
+        ema_loss = loss_value if ema_loss is None else 0.95 * ema_loss + 0.05 * loss_value
+        if math.isfinite(alpha):
+            ema_alpha = alpha if ema_alpha is None else 0.95 * ema_alpha + 0.05 * alpha
+        entry = {"event": "train", "step": state["step"], "tokens": state["tokens"],
+                 "elapsed_s": round(state["elapsed_s"], 3), "lr": lr, "loss": loss_value,
+                 "alpha": alpha if math.isfinite(alpha) else None, "grad_norm": grad_norm,
+                 "tokens_per_s": cfg.batch_size * cfg.seq_len / dt}
+        write_log(entry)
         if state["step"] % 10 == 0 or done():
             state["history"].append({"step": state["step"], "tokens": state["tokens"],
                                      "elapsed_s": round(state["elapsed_s"], 2), "loss": round(ema_loss, 4),
-                                     "alpha": round(ema_alpha, 4), "distill": round(terms.distill, 4)})
+                                     "alpha": None if ema_alpha is None else round(ema_alpha, 4)})
         if bar is not None:
-            bar.update(round(state["elapsed_s"]) - bar.n)
-            bar.set_postfix(step=state["step"], alpha=f"{ema_alpha:.3f}", loss=f"{ema_loss:.3f}",
-                            tok_s=f"{tokens.numel() / dt:.0f}")
-        if time.time() - t_last_ckpt > cfg.checkpoint_every:
+            bar.update((state["step"] if cfg.max_steps is not None else round(state["elapsed_s"])) - bar.n)
+            bar.set_postfix(loss=f"{ema_loss:.3f}", alpha="-" if ema_alpha is None else f"{ema_alpha:.3f}",
+                            tok_s=f"{entry['tokens_per_s']:.0f}")
+        if cfg.eval_every and state["step"] % cfg.eval_every == 0 and not done():
+            evaluate()
+        if time.time() - t_last_ckpt > cfg.checkpoint_every and not done():
             checkpoint()
             t_last_ckpt = time.time()
-    state["finished"] = True
-    checkpoint()
-    if bar is not None:
-        bar.close()
-    return model.eval(), state
+    return finish()
+
+
+def train_spire(target: Transformer, data, out_dir: Path, cfg: TrainConfig | None = None, progress: bool = True,
+                log=print, **kw) -> tuple[SpireDraftModel, dict]:
+    """:func:`train_draft` for a SPIRe draft (kept for the pipeline and the library's first users)."""
+    cfg = TrainConfig() if cfg is None else cfg
+    return train_draft(target, data, out_dir, cfg, progress=progress, log=log, **kw)
 
 
 @torch.no_grad()
-def evaluate_alpha(model: SpireDraftModel, target: Transformer, windows: torch.Tensor, k: int,
+def evaluate_heldout(model: torch.nn.Module, target: Transformer, windows: torch.Tensor, cfg: TrainConfig,
+                     batch_size: int = 4) -> dict:
+    """Held-out loss (the training loss), cross-entropy against the data, and alpha per drafted position.
+
+    windows: (N, T) token ids, T a multiple of cfg.k. Returns {"loss", "ce", "alpha", "alpha_per_position"}.
+    """
+    model.eval()
+    k = cfg.k
+    sums, loss_sum, ce_sum, n_batches, count = torch.zeros(k), 0.0, 0.0, 0, 0
+    for i in range(0, windows.shape[0], batch_size):
+        tokens = windows[i: i + batch_size].to(target.device)
+        p_logits, hidden = target_pass(target, tokens, _needs_hidden(model), cfg.bf16 or False)
+        with _autocast(bool(cfg.bf16), target.device):
+            q_logits = draft_logits(model, tokens, hidden, k)
+        ce = float(hard_target_loss(q_logits[:, :-1], tokens[:, 1:]))
+        loss = ce if cfg.resolved_loss() == "hard" else float(mixed_loss(q_logits, p_logits, cfg.omega).loss)
+        a = acceptance_alpha(q_logits, p_logits)  # (B, T)
+        sums += a.view(a.shape[0], -1, k).sum((0, 1)).cpu()
+        count += a.shape[0] * (a.shape[1] // k)
+        loss_sum, ce_sum, n_batches = loss_sum + loss, ce_sum + ce, n_batches + 1
+    per_pos = (sums / count).tolist()
+    return {"loss": loss_sum / n_batches, "ce": ce_sum / n_batches, "alpha": sum(per_pos) / k,
+            "alpha_per_position": per_pos}
+
+
+@torch.no_grad()
+def evaluate_alpha(model: torch.nn.Module, target: Transformer, windows: torch.Tensor, k: int,
                    bf16: bool = False, batch_size: int = 4) -> list[float]:
     """Expected acceptance alpha = E[sum min(p, q)] per drafted position j = 1..k on held-out windows.
 
     windows: (N, T) token ids with T a multiple of k. Returns k floats (position 1 = first drafted token).
     """
-    model.eval()
-    sums = torch.zeros(k)
-    count = 0
-    for i in range(0, windows.shape[0], batch_size):
-        tokens = windows[i: i + batch_size].to(target.device)
-        p_logits, hidden = target_pass(target, tokens, model.source_layers, bf16)
-        with _autocast(bf16, target.device):
-            q_logits = model.forward_train(tokens, hidden, k)
-        a = acceptance_alpha(q_logits, p_logits)  # (B, T)
-        sums += a.view(a.shape[0], -1, k).sum((0, 1)).cpu()
-        count += a.shape[0] * (a.shape[1] // k)
-    return (sums / count).tolist()
+    cfg = TrainConfig(k=k, bf16=bf16, seq_len=windows.shape[1] - windows.shape[1] % k or k)
+    return evaluate_heldout(model, target, windows, cfg, batch_size)["alpha_per_position"]
