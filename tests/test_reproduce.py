@@ -59,17 +59,31 @@ def test_missing_checkpoint_for_data(tmp_path, env):
 def test_reproduce_end_to_end_tiny_budget(tmp_path, env, smollm2):
     out = tmp_path / "out"
     res = _run(["reproduce", "--quick", "--out", str(out), "--budget", "8", "--n-contexts", "2", "-L", "64",
-                "-G", "8"], env)
+                "-G", "8", "--vanilla-budget", "4", "--ablations", "no-feedback,full-kv", "--ablation-budget", "3",
+                "--tau-L", "32,96", "--tau-L-contexts", "2"], env)
     assert res.returncode == 0, res.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     taus = {(t["draft"], t["temperature"]): t for t in results["tau"]}
-    assert set(taus) == {("magicdec", 0.0), ("spire", 0.0), ("magicdec", 1.0), ("spire", 1.0)}
+    drafts = {"magicdec", "vanilla", "spire", "spire-no-feedback", "spire-full-kv"}
+    assert set(taus) == {(d, T) for d in drafts for T in (0.0, 1.0)}
     for t in taus.values():
         assert 1.0 <= t["ci_low"] <= t["tau"] <= t["ci_high"] <= 5.0
-    assert results["training"]["steps"] >= 1
+    assert {(r["draft"], r["L"]) for r in results["tau_vs_L"]} == {(d, L) for d in ("magicdec", "vanilla", "spire")
+                                                                  for L in (32, 96)}
+    for label in ("spire", "vanilla", "spire-no-feedback", "spire-full-kv"):
+        tr = results["trainings"][label]
+        assert tr["steps"] >= 1 and len(tr["heldout_alpha_per_position"]) == 4
+    assert results["trainings"]["vanilla"]["loss"] == "hard"
+    assert results["trainings"]["spire-full-kv"]["ablation"] == "full-kv"
     rows = results["throughput"]["measured"]["T=0"]
-    assert {r["draft"] for r in rows} == {"magicdec", "spire"}
+    assert {r["draft"] for r in rows} == {"magicdec", "spire", "vanilla"}
+    goal = results["throughput"]["goal"]["T=0"]
+    at = {r["draft"]: r["multiplier"] for r in rows if r["B"] == 64 and r["L"] == 64}
+    assert goal["spire_vs_magicdec"] == pytest.approx(at["spire"] / at["magicdec"])
+    variants = {r["variant"] for r in results["throughput"]["ablations"]["T=0"]}
+    assert variants == {"SPIRe", "no feedback memory", "full KV cache (no sparse KV)"}
     report = (out / "REPORT.md").read_text()
     assert "τ (average tokens per round" in report and "2.78 / 1.36 / 2.05" in report
+    assert "τ against context length" in report and "Order of importance" in report and "Goal check" in report
     for f in results["figures"]:
         assert (out / f).stat().st_size > 1000

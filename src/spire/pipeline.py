@@ -22,17 +22,26 @@ PRESETS = {"smollm2-135m": "smollm2-135m"}  # reproduce preset -> target checkpo
 
 @dataclass
 class ReproduceConfig:
-    """Settings of the main job. budget_s: SPIRe training seconds. n_contexts: held-out contexts per τ."""
+    """Settings of the main job (budgets sized for 2 CPU cores by default; raise them by flag).
+
+    budget_s: SPIRe training seconds; vanilla_budget_s: the vanilla baseline's; ablations: names of
+    :data:`spire.training.distill.ABLATIONS` to train (each for ablation_budget_s) and measure. n_contexts:
+    held-out contexts per τ at L; tau_Ls / tau_L_contexts: the τ-vs-L sweep (greedy, every draft)."""
 
     preset: str = "smollm2-135m"
     target: str | None = None  # a .gguf file or HF Llama-family folder instead of the preset's checkpoint
     out: Path = Path("spire-out")
     budget_s: float = 1200.0
+    vanilla_budget_s: float = 300.0
+    ablations: tuple[str, ...] = ()
+    ablation_budget_s: float = 300.0
     L: int = 512
     G: int = 64
     k: int = 4
     n_contexts: int = 32
     temperatures: tuple[float, ...] = (0.0, 1.0)
+    tau_Ls: tuple[int, ...] = (256, 512, 960, 2048, 4096)
+    tau_L_contexts: int = 8
     batch_size: int = 8
     n_draft_layers: int = 8
     sink: int = 1
@@ -46,21 +55,30 @@ class ReproduceConfig:
     @classmethod
     def quick_config(cls, **kw) -> "ReproduceConfig":
         """Smoke-test settings: finishes in a few minutes on 2 CPU cores."""
-        base = dict(budget_s=60.0, n_contexts=8, L=256, G=32, alpha_windows=4, quick=True)
+        base = dict(budget_s=60.0, vanilla_budget_s=30.0, ablation_budget_s=20.0, n_contexts=8, L=256, G=32,
+                    tau_Ls=(128, 256), tau_L_contexts=4, alpha_windows=4, quick=True)
         base.update(kw)
         return cls(**base)
 
     def validate(self) -> None:
+        from spire.training.distill import ABLATIONS
+
         if self.preset not in PRESETS:
             raise ConfigError(f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
-        for name in ("L", "G", "k", "n_contexts", "batch_size", "n_draft_layers", "window"):
+        for name in ("L", "G", "k", "n_contexts", "batch_size", "n_draft_layers", "window", "tau_L_contexts"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if not self.budget_s > 0:
             raise ConfigError(f"training budget must be positive, got {self.budget_s} s")
+        if not (self.vanilla_budget_s > 0 and self.ablation_budget_s > 0):
+            raise ConfigError("the vanilla and ablation budgets must be positive")
+        unknown = [a for a in self.ablations if a not in ABLATIONS or a == "none"]
+        if unknown:
+            raise ConfigError(f"unknown ablation {unknown[0]!r}; choose from "
+                              f"{', '.join(a for a in ABLATIONS if a != 'none')} (or all)")
         if any(not t >= 0 for t in self.temperatures):
             raise ConfigError("temperatures must be >= 0")
-        if any(b < 1 for b in self.grid_B) or any(x < 1 for x in self.grid_L):
+        if any(b < 1 for b in self.grid_B) or any(x < 1 for x in self.grid_L) or any(x < 1 for x in self.tau_Ls):
             raise ConfigError("the B and L grids take positive integers")
 
 
@@ -73,11 +91,16 @@ def document_separator_id(tokenizer) -> int | None:
     return tokenizer.eos_token_id
 
 
-def _draft_dir(cfg: ReproduceConfig, train_cfg, folder: Path) -> Path:
+def _draft_dir(cfg: ReproduceConfig, train_cfg, folder: Path, label: str = "spire") -> Path:
     name = cfg.preset if cfg.target is None else Path(folder).name
-    key = hashlib.sha1(json.dumps({"target": str(Path(folder).resolve()), "train": asdict(train_cfg)},
+    key = hashlib.sha1(json.dumps({"target": str(Path(folder).resolve()), "train": train_cfg.to_dict()},
                                   sort_keys=True, default=str).encode()).hexdigest()[:10]
-    return spire_cache_dir() / "drafts" / f"{name}-spire-{key}"
+    return spire_cache_dir() / "drafts" / f"{name}-{label}-{key}"
+
+
+def _tau_batch(cfg: ReproduceConfig, L: int) -> int:
+    """Contexts decoded together: fewer at long L (the prefill's logits take B x L x V floats)."""
+    return max(1, min(cfg.batch_size, 8192 // L))
 
 
 def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
@@ -89,57 +112,97 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     from spire.data import prepare_data
     from spire.drafts.magicdec import MagicDecDraft
     from spire.drafts.spire import SpireConfig, SpireDraft
+    from spire.drafts.vanilla import VanillaDraft
     from spire.evaluation.report import write_report
     from spire.evaluation.tau import measure_tau
     from spire.loading import load_target
     from spire.sampling import SamplingParams
-    from spire.training.distill import TrainConfig, evaluate_alpha, train_spire
+    from spire.training.distill import TrainConfig, ablation_config, train_draft
 
     cfg.validate()
     t_start = time.time()
     timings: dict[str, float] = {}
     torch.manual_seed(cfg.seed)
 
-    log(f"[1/5] target: {cfg.target or cfg.preset}")
+    log(f"[1/6] target: {cfg.target or cfg.preset}")
     t = time.time()
     target, tokenizer, folder = load_target(cfg.target or PRESETS[cfg.preset], progress=progress)
-    if cfg.L + cfg.G + cfg.k + 1 > target.cfg.max_positions:
-        raise ConfigError(f"context L={cfg.L} + G={cfg.G} + k+1 exceeds the target's "
+    longest = max(cfg.L, *cfg.tau_Ls)
+    if longest + cfg.G + cfg.k + 1 > target.cfg.max_positions:
+        raise ConfigError(f"context L={longest} + G={cfg.G} + k+1 exceeds the target's "
                           f"{target.cfg.max_positions} positions")
     timings["load_target_s"] = time.time() - t
 
-    log("[2/5] data: registry texts, held-out split by document")
+    log("[2/6] data: registry texts, held-out split by document")
     t = time.time()
     data = prepare_data(tokenizer, eos_id=document_separator_id(tokenizer), progress=progress)
     contexts = data.heldout_contexts(cfg.L, cfg.G, cfg.n_contexts, seed=cfg.seed)[:, : cfg.L]
+    sweep = {L: data.heldout_contexts(L, cfg.G, cfg.tau_L_contexts, seed=cfg.seed)[:, :L] for L in cfg.tau_Ls}
+    windows = data.heldout_contexts(192, 64, cfg.alpha_windows, seed=cfg.seed + 1)  # 256-token windows
     timings["data_s"] = time.time() - t
 
-    train_cfg = TrainConfig(budget_s=cfg.budget_s, k=cfg.k, seed=cfg.seed,
-                            spire=SpireConfig(n_draft_layers=cfg.n_draft_layers, sink=cfg.sink, window=cfg.window))
-    run_dir = _draft_dir(cfg, train_cfg, folder)
-    log(f"[3/5] SPIRe draft: {cfg.n_draft_layers} of {target.cfg.n_layers} target layers, "
-        f"{cfg.budget_s:.0f} s budget, run folder {run_dir}")
+    spire_arch = SpireConfig(n_draft_layers=cfg.n_draft_layers, sink=cfg.sink, window=cfg.window)
+    runs = [("spire", TrainConfig(budget_s=cfg.budget_s, k=cfg.k, seed=cfg.seed, spire=spire_arch)),
+            ("vanilla", TrainConfig(draft="vanilla", budget_s=cfg.vanilla_budget_s, k=cfg.k, seed=cfg.seed))]
+    runs += [(f"spire-{a}", ablation_config(a, budget_s=cfg.ablation_budget_s, k=cfg.k, seed=cfg.seed,
+                                            spire=spire_arch)) for a in cfg.ablations]
+    log(f"[3/6] drafts: SPIRe ({cfg.n_draft_layers} of {target.cfg.n_layers} target layers, {cfg.budget_s:.0f} s), "
+        f"vanilla ({cfg.vanilla_budget_s:.0f} s)"
+        + (f", {len(cfg.ablations)} ablations ({cfg.ablation_budget_s:.0f} s each)" if cfg.ablations else ""))
     t = time.time()
-    spire_model, state = train_spire(target, data, run_dir, train_cfg, progress=progress)
+    trained, training = {}, {}
+    for label, train_cfg in runs:
+        run_dir = _draft_dir(cfg, train_cfg, folder, label)
+        model, state = train_draft(target, data, run_dir, train_cfg, heldout=windows, target_folder=folder,
+                                   progress=progress, log=log)
+        alpha = state["heldout"]["alpha_per_position"]
+        log(f"      {label}: {state['step']} steps, {state['tokens']:,} tokens, held-out alpha per drafted position "
+            f"{', '.join(f'{a:.3f}' for a in alpha)}")
+        trained[label] = model
+        training[label] = {
+            "run_dir": str(run_dir), "draft": train_cfg.draft, "ablation": train_cfg.ablation,
+            "steps": state["step"], "tokens": state["tokens"], "elapsed_s": state["elapsed_s"],
+            "tokens_per_s": state["tokens"] / max(state["elapsed_s"], 1e-9), "bf16": train_cfg.bf16,
+            "lr": train_cfg.lr, "loss": train_cfg.resolved_loss(), "omega": train_cfg.omega,
+            "batch_size": train_cfg.batch_size, "seq_len": train_cfg.seq_len,
+            "draft_body_params": sum(p.numel() for p in model.layers.parameters()),
+            "heldout_alpha_per_position": alpha, "heldout_loss": state["heldout"]["loss"],
+            "history": state["history"]}
     timings["train_s"] = time.time() - t
-    windows = data.heldout_contexts(192, 64, cfg.alpha_windows, seed=cfg.seed + 1)  # 256-token windows
-    alpha = evaluate_alpha(spire_model, target, windows, cfg.k)
-    log(f"      held-out alpha per drafted position: {', '.join(f'{a:.3f}' for a in alpha)}")
 
-    log(f"[4/5] tau: {cfg.n_contexts} held-out contexts, L={cfg.L}, G={cfg.G}, k={cfg.k}")
+    def draft_of(name: str):
+        if name == "magicdec":
+            return MagicDecDraft(cfg.sink, cfg.window)
+        return VanillaDraft(trained[name]) if name == "vanilla" else SpireDraft(trained[name])
+
+    def measure(name: str, ctx: torch.Tensor, temperature: float) -> dict:
+        r = measure_tau(target, draft_of(name), ctx, G=cfg.G, k=cfg.k, params=SamplingParams(temperature),
+                        batch_size=_tau_batch(cfg, ctx.shape[1]), seed=cfg.seed, progress=progress)
+        return {**r.to_dict(), "draft": name}
+
+    names = ["magicdec", "vanilla", "spire"] + [label for label, _ in runs[2:]]
+    log(f"[4/6] tau: {cfg.n_contexts} held-out contexts, L={cfg.L}, G={cfg.G}, k={cfg.k}")
     t = time.time()
-    drafts = [MagicDecDraft(cfg.sink, cfg.window), SpireDraft(spire_model)]
     taus = []
     for temperature in cfg.temperatures:
-        for draft in drafts:
-            r = measure_tau(target, draft, contexts, G=cfg.G, k=cfg.k, params=SamplingParams(temperature),
-                            batch_size=cfg.batch_size, seed=cfg.seed, progress=progress)
-            log(f"      {r.draft:8s} T={temperature:g}: tau {r.tau:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}] "
-                f"({r.wall_s:.0f} s)")
+        for name in names:
+            r = measure(name, contexts, temperature)
+            log(f"      {name:28s} T={temperature:g}: tau {r['tau']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] "
+                f"({r['wall_s']:.0f} s)")
             taus.append(r)
     timings["tau_s"] = time.time() - t
 
-    log("[5/5] throughput model and report")
+    log(f"[5/6] tau vs L: L in {list(cfg.tau_Ls)}, {cfg.tau_L_contexts} contexts each, greedy")
+    t = time.time()
+    tau_vs_L = []
+    for L, ctx in sweep.items():
+        for name in ("magicdec", "vanilla", "spire"):
+            r = measure(name, ctx, 0.0)
+            log(f"      L={L:5d} {name:9s}: tau {r['tau']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
+            tau_vs_L.append(r)
+    timings["tau_vs_L_s"] = time.time() - t
+
+    log("[6/6] throughput model and report")
     results = {
         "preset": cfg.preset,
         "config": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
@@ -151,12 +214,10 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
                    "layers": target.cfg.n_layers, "d_model": target.cfg.d_model,
                    "body_params": target.num_body_params()},
         "data": data.summary(),
-        "training": {"run_dir": str(run_dir), "steps": state["step"], "tokens": state["tokens"],
-                     "elapsed_s": state["elapsed_s"], "bf16": train_cfg.bf16, "lr": train_cfg.lr,
-                     "omega": train_cfg.omega, "batch_size": train_cfg.batch_size, "seq_len": train_cfg.seq_len,
-                     "draft_body_params": sum(p.numel() for p in spire_model.layers.parameters()),
-                     "heldout_alpha_per_position": alpha, "history": state["history"]},
-        "tau": [r.to_dict() for r in taus],
+        "training": training["spire"],  # kept for readers of earlier results.json
+        "trainings": training,
+        "tau": taus,
+        "tau_vs_L": tau_vs_L,
         "timings": timings,
     }
     write_report(results, cfg, t_start)

@@ -1,0 +1,105 @@
+"""Training throughput and what a fixed budget buys: SPIRe vs the vanilla baseline on this machine.
+
+For each draft, in one run: training tokens/s (median over timed steps after warm-up, same batch shape), then
+a run of ``--budget`` seconds from scratch, the held-out alpha per drafted position and τ (greedy and T = 1)
+on held-out contexts. Prints one table and writes JSON.
+
+    python benchmarks/train_throughput.py                       # 300 s per draft, about 15 minutes on 2 cores
+    python benchmarks/train_throughput.py --budget 60 --n-contexts 4 --out bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from spire.drafts.spire import SpireDraft
+from spire.drafts.vanilla import VanillaDraft
+from spire.evaluation.tau import measure_tau
+from spire.loading import load_target
+from spire.pipeline import document_separator_id
+from spire.sampling import SamplingParams
+from spire.training import distill
+from spire.training.distill import TrainConfig, train_draft
+from spire.data import prepare_data
+
+
+def step_rate(target, data, cfg: TrainConfig, steps: int) -> float:
+    """Median training tokens/s over ``steps`` timed steps (after one warm-up step)."""
+    model = distill._build_model(target, cfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr)
+    layers = distill._needs_hidden(model)
+    times = []
+    for s in range(steps + 1):
+        tokens = data.sample_train_batch(cfg.batch_size, cfg.seq_len, distill.step_generator(0, s))
+        t0 = time.perf_counter()
+        p, hidden = (distill.target_pass(target, tokens, layers, False)
+                     if layers or cfg.resolved_loss() == "mixed" else (None, {}))
+        q = distill.draft_logits(model, tokens, hidden, cfg.k)
+        if cfg.resolved_loss() == "mixed":
+            loss = distill.mixed_loss(q, p, cfg.omega).loss
+        else:
+            loss = distill.hard_target_loss(q[:, :-1], tokens[:, 1:])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if s:
+            times.append(time.perf_counter() - t0)
+    return cfg.batch_size * cfg.seq_len / statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--budget", type=float, default=300.0, help="training seconds per draft")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps for tokens/s")
+    ap.add_argument("--n-contexts", type=int, default=8)
+    ap.add_argument("-L", type=int, default=512)
+    ap.add_argument("-G", type=int, default=64)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--runs", type=Path, default=None, help="keep the run folders here (default: temporary)")
+    a = ap.parse_args()
+
+    target, tokenizer, folder = load_target()
+    data = prepare_data(tokenizer, eos_id=document_separator_id(tokenizer))
+    heldout = data.heldout_contexts(192, 64, 8, seed=1)
+    contexts = data.heldout_contexts(a.L, a.G, a.n_contexts, seed=0)[:, : a.L]
+    runs = a.runs or Path(tempfile.mkdtemp(prefix="spire-bench-"))
+    rows = []
+    for kind in ("spire", "vanilla"):
+        cfg = TrainConfig(draft=kind, budget_s=a.budget, checkpoint_every=1e9, bf16=False)
+        rate = step_rate(target, data, cfg, a.steps)
+        model, state = train_draft(target, data, runs / kind, cfg, heldout=heldout, resume=None,
+                                   target_folder=folder)
+        draft = SpireDraft(model) if kind == "spire" else VanillaDraft(model)
+        taus = {T: measure_tau(target, draft, contexts, G=a.G, k=4, params=SamplingParams(T), batch_size=8)
+                for T in (0.0, 1.0)}
+        rows.append({"draft": kind, "body_params": sum(p.numel() for p in model.layers.parameters()),
+                     "tokens_per_s": rate, "budget_s": a.budget, "steps": state["step"], "tokens": state["tokens"],
+                     "heldout_alpha": state["heldout"]["alpha_per_position"],
+                     "tau_T0": [taus[0.0].tau, taus[0.0].ci_low, taus[0.0].ci_high],
+                     "tau_T1": [taus[1.0].tau, taus[1.0].ci_low, taus[1.0].ci_high]})
+    print(f"\ntraining on {torch.get_num_threads()} threads, float32, batch 4 x 256, L={a.L}, G={a.G}, k=4, "
+          f"{a.n_contexts} contexts")
+    print(f"{'draft':8s} {'body params':>12s} {'tokens/s':>9s} {'steps':>6s} {'tokens':>8s}  "
+          f"{'held-out alpha (pos 1..4)':28s} {'tau T=0':>22s} {'tau T=1':>22s}")
+    for r in rows:
+        print(f"{r['draft']:8s} {r['body_params']:12,d} {r['tokens_per_s']:9.0f} {r['steps']:6d} {r['tokens']:8,d}  "
+              f"{' '.join(f'{x:.3f}' for x in r['heldout_alpha']):28s} "
+              f"{r['tau_T0'][0]:6.3f} [{r['tau_T0'][1]:.2f}, {r['tau_T0'][2]:.2f}]  "
+              f"{r['tau_T1'][0]:6.3f} [{r['tau_T1'][1]:.2f}, {r['tau_T1'][2]:.2f}]")
+    s, v = rows
+    print(f"ratio spire/vanilla: tokens/s {s['tokens_per_s'] / v['tokens_per_s']:.2f}, tau T=0 "
+          f"{s['tau_T0'][0] / v['tau_T0'][0]:.2f}, tau T=1 {s['tau_T1'][0] / v['tau_T1'][0]:.2f}")
+    if a.out:
+        a.out.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(a).items()}}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
