@@ -25,7 +25,9 @@ class ReproduceConfig:
     """Settings of the main job (budgets sized for 2 CPU cores by default; raise them by flag).
 
     budget_s: SPIRe training seconds; vanilla_budget_s: the vanilla baseline's; ablations: names of
-    :data:`spire.training.distill.ABLATIONS` to train (each for ablation_budget_s) and measure. n_contexts:
+    :data:`spire.training.distill.ABLATIONS` to train (each for ablation_budget_s) and measure ("none" is the full
+    method at the ablation budget: the fair reference). steps / vanilla_steps / ablation_steps: train for that
+    many optimizer steps instead of seconds. n_contexts:
     held-out contexts per τ at L; tau_Ls / tau_L_contexts: the τ-vs-L sweep (greedy, every draft)."""
 
     preset: str = "smollm2-135m"
@@ -35,6 +37,9 @@ class ReproduceConfig:
     vanilla_budget_s: float = 300.0
     ablations: tuple[str, ...] = ()
     ablation_budget_s: float = 300.0
+    steps: int | None = None  # optimizer steps instead of seconds (then contention on the machine does not
+    vanilla_steps: int | None = None  # change what is trained); ablation_steps likewise
+    ablation_steps: int | None = None
     L: int = 512
     G: int = 64
     k: int = 4
@@ -72,10 +77,12 @@ class ReproduceConfig:
             raise ConfigError(f"training budget must be positive, got {self.budget_s} s")
         if not (self.vanilla_budget_s > 0 and self.ablation_budget_s > 0):
             raise ConfigError("the vanilla and ablation budgets must be positive")
-        unknown = [a for a in self.ablations if a not in ABLATIONS or a == "none"]
+        unknown = [a for a in self.ablations if a not in ABLATIONS]
         if unknown:
             raise ConfigError(f"unknown ablation {unknown[0]!r}; choose from "
-                              f"{', '.join(a for a in ABLATIONS if a != 'none')} (or all)")
+                              f"{', '.join(ABLATIONS)} (or all)")
+        if any(x is not None and x < 1 for x in (self.steps, self.vanilla_steps, self.ablation_steps)):
+            raise ConfigError("step counts must be >= 1")
         if any(not t >= 0 for t in self.temperatures):
             raise ConfigError("temperatures must be >= 0")
         if any(b < 1 for b in self.grid_B) or any(x < 1 for x in self.grid_L) or any(x < 1 for x in self.tau_Ls):
@@ -142,13 +149,22 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     timings["data_s"] = time.time() - t
 
     spire_arch = SpireConfig(n_draft_layers=cfg.n_draft_layers, sink=cfg.sink, window=cfg.window)
-    runs = [("spire", TrainConfig(budget_s=cfg.budget_s, k=cfg.k, seed=cfg.seed, spire=spire_arch)),
-            ("vanilla", TrainConfig(draft="vanilla", budget_s=cfg.vanilla_budget_s, k=cfg.k, seed=cfg.seed))]
-    runs += [(f"spire-{a}", ablation_config(a, budget_s=cfg.ablation_budget_s, k=cfg.k, seed=cfg.seed,
-                                            spire=spire_arch)) for a in cfg.ablations]
-    log(f"[3/6] drafts: SPIRe ({cfg.n_draft_layers} of {target.cfg.n_layers} target layers, {cfg.budget_s:.0f} s), "
-        f"vanilla ({cfg.vanilla_budget_s:.0f} s)"
-        + (f", {len(cfg.ablations)} ablations ({cfg.ablation_budget_s:.0f} s each)" if cfg.ablations else ""))
+    def limits(budget: float, steps: int | None) -> dict:
+        return {"budget_s": budget} if steps is None else {"budget_s": 1e9, "max_steps": steps}
+
+    runs = [("spire", TrainConfig(k=cfg.k, seed=cfg.seed, spire=spire_arch, **limits(cfg.budget_s, cfg.steps))),
+            ("vanilla", TrainConfig(draft="vanilla", k=cfg.k, seed=cfg.seed,
+                                    **limits(cfg.vanilla_budget_s, cfg.vanilla_steps)))]
+    runs += [(f"spire-{a}", ablation_config(a, k=cfg.k, seed=cfg.seed, spire=spire_arch,
+                                            **limits(cfg.ablation_budget_s, cfg.ablation_steps)))
+             for a in cfg.ablations]
+    def amount(budget: float, steps: int | None) -> str:
+        return f"{budget:.0f} s" if steps is None else f"{steps} steps"
+
+    log(f"[3/6] drafts: SPIRe ({cfg.n_draft_layers} of {target.cfg.n_layers} target layers, "
+        f"{amount(cfg.budget_s, cfg.steps)}), vanilla ({amount(cfg.vanilla_budget_s, cfg.vanilla_steps)})"
+        + (f", {len(cfg.ablations)} ablations ({amount(cfg.ablation_budget_s, cfg.ablation_steps)} each)"
+           if cfg.ablations else ""))
     t = time.time()
     trained, training = {}, {}
     for label, train_cfg in runs:

@@ -13,7 +13,7 @@ from spire.throughput.plots import plot_multiplier_heatmaps, plot_multiplier_vs_
 
 MEASURED = ("vanilla", "magicdec", "spire")  # the drafts whose τ the main job measures
 PAPER_TAU = {"magicdec": 3.891, "spire": 3.401, "vanilla": 2.647}  # paper, 67M target, L = 512
-ABLATION_LABELS = {"no-feedback": "no feedback memory", "no-feedback-no-target": "no feedback, no target activations",
+ABLATION_LABELS = {"none": "SPIRe (same budget)", "no-feedback": "no feedback memory", "no-feedback-no-target": "no feedback, no target activations",
                    "omega1": "ω = 1 (pure distillation)", "hard-loss": "HardTargetLoss",
                    "random-init": "random initialization", "full-kv": "full KV cache (no sparse KV)"}
 
@@ -104,9 +104,10 @@ def _ablation_rows(results: dict, cfg, preset: Preset, temperature: float) -> li
     full draft KV cache in the cost model, the others with SPIRe's sink + window costs)."""
     from spire.throughput.analysis import NO_SPARSE_KV, ablation_rows
 
-    taus = {"SPIRe": _tau_of(results, "spire", temperature)["tau"]}
+    ref = "spire-none" if "none" in cfg.ablations else "spire"
+    taus = {"SPIRe": _tau_of(results, ref, temperature)["tau"]}
     for a in cfg.ablations:
-        if a != "full-kv":
+        if a not in ("full-kv", "none"):
             taus[ABLATION_LABELS[a]] = _tau_of(results, f"spire-{a}", temperature)["tau"]
     Ls = sorted(set(cfg.grid_L) | {cfg.L})
     rows = [r for r in ablation_rows(preset, Ls, 64, cfg.k, taus=taus) if r["variant"] != NO_SPARSE_KV]
@@ -201,20 +202,26 @@ def _ablation_lines(results: dict, cfg) -> list[str]:
     if not cfg.ablations:
         return ["No ablations in this run (`spire reproduce --ablations all` trains and measures each of the "
                 "paper's Figure 5 ablations with `--ablation-budget` seconds).", ""]
-    lines = [f"Each ablated draft trained for {cfg.ablation_budget_s:.0f} s (full SPIRe: {cfg.budget_s:.0f} s; the "
-             f"comparison is fair only when the two budgets are equal), τ at L = {cfg.L}.", "",
+    ref = "spire-none" if "none" in cfg.ablations else "spire"
+    amount = (f"{cfg.ablation_steps} steps" if cfg.ablation_steps else f"{cfg.ablation_budget_s:.0f} s")
+    lines = [f"Each ablated draft trained for {amount}; the reference is "
+             + ("the full method trained the same way (`none`)" if ref == "spire-none" else
+                "the main SPIRe draft (a fair comparison only if its budget equals the ablations')")
+             + f"; τ at L = {cfg.L}.", "",
              "| draft | " + " | ".join(f"τ T = {t:g}" for t in cfg.temperatures) + " | paper τ | paper drop |",
              "|---|" + "---|" * (len(cfg.temperatures) + 2)]
     full = PAPER_ABLATION_TAU["none"]
-    lines.append("| SPIRe (full) | " + " | ".join(_fmt_tau(_tau_of(results, "spire", t)) for t in cfg.temperatures)
+    lines.append("| SPIRe (reference) | " + " | ".join(_fmt_tau(_tau_of(results, ref, t)) for t in cfg.temperatures)
                  + f" | {full:.3f} | – |")
     drops = {}
     for a in cfg.ablations:
+        if a == "none":
+            continue
         paper = PAPER_ABLATION_TAU.get(a)
         lines.append(f"| {ABLATION_LABELS[a]} | " + " | ".join(_fmt_tau(_tau_of(results, f"spire-{a}", t))
                                                                for t in cfg.temperatures)
                      + (f" | {paper:.3f} | {full - paper:+.3f} |" if paper else " | (cost only) | – |"))
-        drops[a] = _tau_of(results, "spire", cfg.temperatures[0])["tau"] - \
+        drops[a] = _tau_of(results, ref, cfg.temperatures[0])["tau"] - \
             _tau_of(results, f"spire-{a}", cfg.temperatures[0])["tau"]
     ours = sorted(drops, key=lambda a: -drops[a])
     paper_order = [a for a in sorted(PAPER_ABLATION_TAU, key=PAPER_ABLATION_TAU.get) if a in drops]
