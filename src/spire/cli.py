@@ -62,6 +62,17 @@ def _taus(values: list[str]) -> dict[str, float]:
     return _floats(values, "--tau")
 
 
+def _names(values: list[str]) -> dict[str, str]:
+    """``KIND=NAME`` strings -> {kind: name}, for --tau-draft."""
+    out = {}
+    for value in values:
+        kind, sep, name = value.partition("=")
+        if not sep or not kind.strip() or not name.strip():
+            raise ConfigError(f"--tau-draft expects KIND=NAME (e.g. spire=nofeedback), got {value!r}")
+        out[kind.strip()] = name.strip()
+    return out
+
+
 _OPT = typer.Option
 
 
@@ -77,6 +88,13 @@ def throughput(
     combine: Annotated[Literal["max", "sum"], _OPT(help="Overlap compute and memory fully (max) or not at all (sum).")]
     = "max",
     tau: Annotated[list[str], _OPT(metavar="DRAFT=VALUE", help="Override τ of vanilla, magicdec or spire; repeatable.")]
+    = [],
+    tau_from: Annotated[Optional[Path], _OPT(metavar="FILE", help="Measured τ from `spire tau --out FILE`, per draft "
+                                                                  "and L (interpolated in log L); --tau wins.")]
+    = None,
+    tau_temperature: Annotated[float, _OPT(help="With --tau-from: the temperature whose τ is used.")] = 0.0,
+    tau_draft: Annotated[list[str], _OPT(metavar="KIND=NAME", help="With --tau-from: which measured draft gives "
+                                                                   "the τ of a kind (e.g. spire=nofeedback).")]
     = [],
     alpha: Annotated[list[str], _OPT(metavar="DRAFT=VALUE", help="Acceptance rate α of a draft: τ = (1−α^(k+1))/(1−α).")]
     = [],
@@ -125,7 +143,8 @@ def throughput(
         attention_flops=attention_flops, embeddings=embeddings, draft_window=draft_window, config=config,
         vanilla_config=vanilla_config, spire_config=spire_config, spire_layers=spire_layers,
         contexts=None if contexts is None else _ints("--contexts", [contexts]), contexts_file=contexts_file,
-        context_dist=context_dist, seed=seed, grow=grow, cost_analysis=cost_analysis,
+        context_dist=context_dist, seed=seed, grow=grow, cost_analysis=cost_analysis, tau_from=tau_from,
+        tau_temperature=tau_temperature, tau_drafts=_names(tau_draft),
     )  # fmt: skip
     summary, rows, chosen = build(args)
     if plot is not None:
@@ -163,6 +182,170 @@ def throughput_figures(
 
 
 @app.command()
+def tau(
+    draft: Annotated[list[str], _OPT(metavar="KIND[,KIND...]", help="magicdec, spire or vanilla; repeatable "
+                                                                    "(default: magicdec).")] = [],
+    draft_path: Annotated[Optional[str], _OPT(help="Checkpoint of the one --draft spire (.safetensors; default "
+                                                   "the newest trained) or vanilla (.gguf / HF folder).")] = None,
+    spire_draft: Annotated[list[str], _OPT(metavar="NAME=PATH", help="A named SPIRe draft; repeatable.")] = [],
+    vanilla_draft: Annotated[list[str], _OPT(metavar="NAME=PATH", help="A named vanilla draft; repeatable.")]
+    = [],
+    L: Annotated[list[str], _OPT("-L", "--context", metavar="INT[,INT...]", help="Context lengths; repeat or "
+                                                                               "comma-separate: -L 256,512.")]
+    = ["512"],
+    G: Annotated[int, _OPT("-G", "--generate", help="Tokens generated per context.")] = 64,
+    k: Annotated[int, _OPT("--k", "-k", help="Draft tokens per round.")] = 4,
+    temperature: Annotated[list[str], _OPT(metavar="T[,T...]", help="Sampling temperatures (0 = greedy); "
+                                                                    "repeatable (default: 0,1).")] = [],
+    n_contexts: Annotated[int, _OPT(help="Held-out contexts per measurement.")] = 16,
+    batch_size: Annotated[int, _OPT(help="Contexts decoded together (fewer at long L, see --max-batch-tokens).")]
+    = 8,
+    max_batch_tokens: Annotated[int, _OPT(help="Cap on batch × L per batch (prefill logits memory).")] = 8192,
+    seed: Annotated[int, _OPT(help="Seed of the held-out windows and of sampling.")] = 0,
+    target: Annotated[str, _OPT(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
+    sink: Annotated[int, _OPT(help="MagicDec sink tokens.")] = 1,
+    window: Annotated[int, _OPT(help="MagicDec window (tokens).")] = 64,
+    nested: Annotated[bool, _OPT("--nested", help="Same windows for every L: a shorter context is the end of the "
+                                                  "longest one (paired comparison across L).")] = False,
+    nested_length: Annotated[Optional[int], _OPT(help="With --nested: cut the windows for this L [default: the "
+                                                      "largest -L], to reuse another run's contexts.")] = None,
+    out: Annotated[Optional[Path], _OPT(help="Write the JSON object here (atomically).")] = None,
+    fmt: Annotated[Literal["table", "json", "markdown"], _OPT("--format", help="Rich table, the JSON object or a "
+                                                                             "Markdown table on stdout.")]
+    = "table",
+    show: Annotated[list[Path], _OPT(metavar="FILE", help="Measure nothing: print (and with --out merge) the rows "
+                                                          "of earlier --out files; repeatable.")] = [],
+    threads: Annotated[Optional[int], _OPT(help="CPU threads for torch (1 is fastest on a busy machine).")]
+    = None,
+    no_progress: Annotated[bool, _OPT("--no-progress", help="No progress bars or log lines.")] = False,
+) -> None:
+    """τ (tokens per round) with a 95 % CI on held-out text: several drafts, L and temperatures in one run."""
+    from spire.evaluation.tau_cli import merge_files, print_table, table_markdown, write_json
+
+    if show:
+        result = merge_files(show)
+        if out is not None:
+            typer.echo(f"wrote {write_json(out, result)}", err=True)
+    else:
+        result = _measure_tau(draft, draft_path, spire_draft, vanilla_draft, L, G, k, temperature, n_contexts,
+                              batch_size, max_batch_tokens, seed, target, sink, window, nested, nested_length,
+                              threads, no_progress, out)
+    if fmt == "json":
+        typer.echo(json.dumps(result))
+    elif fmt == "markdown":
+        typer.echo(table_markdown(result["rows"]))
+    else:
+        print_table(result)
+
+
+def _measure_tau(draft, draft_path, spire_draft, vanilla_draft, L, G, k, temperature, n_contexts, batch_size,
+                 max_batch_tokens, seed, target, sink, window, nested, nested_length, threads, no_progress,
+                 out) -> dict:
+    from spire.evaluation.tau_cli import TauArgs, parse_drafts, run_tau, validate
+
+    temps: list[float] = []
+    for value in temperature or ["0,1"]:
+        for item in value.split(","):
+            try:
+                temps.append(float(item))
+            except ValueError:
+                raise ConfigError(f"--temperature: {item.strip()!r} is not a number") from None
+    args = TauArgs(drafts=parse_drafts(draft, draft_path, spire_draft, vanilla_draft), Ls=_ints("-L", L), G=G,
+                   k=k, temperatures=temps, n_contexts=n_contexts, batch_size=batch_size,
+                   max_batch_tokens=max_batch_tokens, seed=seed, target=target, sink=sink, window=window,
+                   nested=nested, nested_length=nested_length, threads=threads)
+    validate(args)
+    result = run_tau(args, progress=not no_progress, log=None if no_progress else lambda m: typer.echo(m, err=True),
+                     out=out)
+    if out is not None:
+        typer.echo(f"wrote {out}", err=True)
+    return result
+
+
+@app.command()
+def train(
+    draft: Annotated[Literal["spire", "vanilla"], _OPT(help="SPIRe (pruned from the target) or the vanilla "
+                                                            "baseline (small, random init, full KV).")] = "spire",
+    target: Annotated[str, _OPT(help="Target: smollm2-135m, a .gguf file or an HF Llama-family folder.")]
+    = "smollm2-135m",
+    data: Annotated[list[str], _OPT(metavar="registry|PATH", help="Text: 'registry' (the registry texts of "
+                                                                   "`spire data`) or text files / folders; "
+                                                                   "repeatable.")] = ["registry"],
+    out: Annotated[Optional[Path], _OPT(help="Run folder [default: spire-runs/<draft>[-<ablation>]].")] = None,
+    resume: Annotated[bool, _OPT("--resume", help="Continue the run in --out exactly where it stopped.")] = False,
+    ablation: Annotated[str, _OPT(help="Paper Figure 5 ablation: none, no-feedback, no-feedback-no-target, omega1, "
+                                       "hard-loss, random-init, full-kv.")] = "none",
+    budget: Annotated[float, _OPT(help="Training seconds (evaluation excluded).")] = 1200.0,
+    max_steps: Annotated[Optional[int], _OPT(help="Stop after this many steps (the cosine schedule then runs over "
+                                                  "steps: resumed runs are exact).")] = None,
+    batch_size: Annotated[int, _OPT(help="Global batch: rows per step (split over torchrun processes).")] = 4,
+    seq_len: Annotated[int, _OPT(help="Tokens per row (a multiple of k).")] = 256,
+    k: Annotated[int, _OPT("--k", "-k", help="Speculation depth the draft is trained for.")] = 4,
+    lr: Annotated[float, _OPT(help="AdamW peak learning rate (warmup, then cosine to 10 %).")] = 1e-3,
+    warmup_steps: Annotated[int, _OPT(help="Linear warmup steps.")] = 20,
+    weight_decay: Annotated[float, _OPT(help="AdamW weight decay.")] = 0.0,
+    loss: Annotated[Optional[str], _OPT(help="mixed (MixedLoss(omega)) or hard (HardTargetLoss) [default: mixed "
+                                             "for spire, hard for vanilla].")] = None,
+    omega: Annotated[Optional[float], _OPT(help="MixedLoss weight of distillation (1 = pure distillation) "
+                                                "[default: 0.5].")] = None,
+    grad_clip: Annotated[float, _OPT(help="Gradient-norm clip.")] = 1.0,
+    bf16: Annotated[Optional[bool], _OPT("--bf16/--no-bf16", help="bf16 autocast [default: where it is fast].")]
+    = None,
+    seed: Annotated[int, _OPT(help="Seed of batches and initialization.")] = 0,
+    checkpoint_every: Annotated[float, _OPT(help="Seconds between checkpoints.")] = 60.0,
+    eval_every: Annotated[int, _OPT(help="Steps between held-out evaluations (0: at the end).")] = 100,
+    eval_windows: Annotated[int, _OPT(help="Held-out windows per evaluation.")] = 16,
+    n_draft_layers: Annotated[Optional[int], _OPT(help="SPIRe: target layers pruned into the draft [8].")] = None,
+    layers: Annotated[Optional[str], _OPT(metavar="J,J,...", help="SPIRe: which target layers [the last N].")]
+    = None,
+    init: Annotated[Optional[str], _OPT(help="SPIRe: pruned or random.")] = None,
+    sink: Annotated[Optional[int], _OPT(help="SPIRe: sink tokens [1].")] = None,
+    window: Annotated[Optional[int], _OPT(help="SPIRe: window tokens [64].")] = None,
+    full_kv: Annotated[bool, _OPT("--full-kv", help="SPIRe: full KV cache instead of sink + window.")] = False,
+    no_feedback_memory: Annotated[bool, _OPT("--no-feedback-memory", help="SPIRe: no feedback memory.")] = False,
+    no_target_activations: Annotated[bool, _OPT("--no-target-activations", help="SPIRe: the draft reads its own "
+                                                "activations (needs --no-feedback-memory).")] = False,
+    no_self_attend: Annotated[bool, _OPT("--no-self-attend", help="SPIRe: a drafted token does not read its "
+                                                                  "own layer input.")] = False,
+    vanilla_layers: Annotated[Optional[int], _OPT(help="Vanilla: blocks [target layers / 8].")] = None,
+    device: Annotated[str, _OPT(help="auto, cpu or cuda.")] = "auto",
+) -> None:
+    """Train a draft (SPIRe or vanilla) against the target; resumable; data parallel under torchrun."""
+    from spire.training.run import TrainRunArgs, run
+
+    spire_kw = {name: value for name, value in (("n_draft_layers", n_draft_layers), ("init", init),
+                                                 ("sink", sink), ("window", window)) if value is not None}
+    if layers is not None:
+        spire_kw["layers"] = tuple(_ints("--layers", [layers]))
+    if full_kv:
+        spire_kw["window"] = None
+    if no_feedback_memory:
+        spire_kw["feedback_memory"] = False
+    if no_target_activations:
+        spire_kw["target_activations"] = False
+    if no_self_attend:
+        spire_kw["self_attend"] = False
+    train_kw = dict(budget_s=budget, max_steps=max_steps, batch_size=batch_size, seq_len=seq_len, k=k, lr=lr,
+                    warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, bf16=bf16, seed=seed,
+                    checkpoint_every=checkpoint_every, eval_every=eval_every, vanilla_layers=vanilla_layers)
+    if loss is not None:
+        train_kw["loss"] = loss
+    if omega is not None:
+        train_kw["omega"] = omega
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
+    args = TrainRunArgs(draft=draft, target=target, data=data, out=out, ablation=ablation, resume=resume,
+                        device=device, eval_windows=eval_windows, spire_overrides=spire_kw, train_overrides=train_kw)
+    summary = run(args, log=lambda m: typer.echo(m, err=True))
+    if summary.get("rank", 0) == 0:
+        h = summary["heldout"] or {}
+        alpha = " ".join(f"{a:.3f}" for a in h.get("alpha_per_position", []))
+        typer.echo(f"{summary['draft']} draft: {summary['steps']} steps, {summary['tokens']:,} tokens, "
+                   f"{summary['tokens_per_s']:.0f} tokens/s; held-out alpha per position {alpha or '-'}; "
+                   f"draft at {summary['draft_path']}")
+
+
+@app.command()
 def reproduce(
     preset: Annotated[str, typer.Option(help="Target preset (the embedded default: smollm2-135m).")] = "smollm2-135m",
     target: Annotated[Optional[str], typer.Option(help="A .gguf file or HF Llama-family folder to use instead "
@@ -170,6 +353,19 @@ def reproduce(
     out: Annotated[Path, typer.Option(help="Output folder for REPORT.md, results.json and PNGs.")] = Path("spire-out"),
     quick: Annotated[bool, typer.Option("--quick", help="Smoke-test settings: about 5 minutes on 2 cores.")] = False,
     budget: Annotated[Optional[float], typer.Option(help="SPIRe training budget in seconds.")] = None,
+    vanilla_budget: Annotated[Optional[float], typer.Option(help="Vanilla draft training seconds [300].")] = None,
+    ablations: Annotated[Optional[str], typer.Option(metavar="NAME[,NAME...]|all", help="Figure 5 ablations to "
+                                                     "train and measure: none (full SPIRe at the ablation budget), "
+                                                     "no-feedback, no-feedback-no-target, omega1, hard-loss, "
+                                                     "random-init, full-kv, or all.")] = None,
+    ablation_budget: Annotated[Optional[float], typer.Option(help="Training seconds per ablation [300].")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="Train SPIRe for this many steps instead of --budget.")] = None,
+    vanilla_steps: Annotated[Optional[int], typer.Option(help="Vanilla: steps instead of seconds.")] = None,
+    ablation_steps: Annotated[Optional[int], typer.Option(help="Ablations: steps instead of seconds (equal "
+                                                                "training for every variant).")] = None,
+    tau_L: Annotated[Optional[str], typer.Option("--tau-L", metavar="L[,L...]", help="Context lengths of the τ-vs-L "
+                                                 "sweep [256,512,960,2048,4096].")] = None,
+    tau_L_contexts: Annotated[Optional[int], typer.Option(help="Contexts per L in the sweep [8].")] = None,
     n_contexts: Annotated[Optional[int], typer.Option(help="Held-out contexts per τ measurement.")] = None,
     L: Annotated[Optional[int], typer.Option("-L", "--context", help="Context length for τ (tokens).")] = None,
     G: Annotated[Optional[int], typer.Option("-G", "--generate", help="Tokens generated per context.")] = None,
@@ -177,11 +373,22 @@ def reproduce(
     n_draft_layers: Annotated[int, typer.Option(help="Target layers pruned into the SPIRe draft.")] = 8,
     seed: Annotated[int, typer.Option(help="Seed for data windows, training and sampling.")] = 0,
 ) -> None:
-    """The main job: data, SPIRe training, τ for MagicDec and SPIRe, cost model, REPORT.md."""
+    """The main job: data, SPIRe + vanilla (+ ablation) training, τ tables, cost model, REPORT.md."""
     from spire.pipeline import ReproduceConfig, reproduce as run
 
+    from spire.training.distill import ABLATIONS
+
     overrides = {name: value for name, value in (("budget_s", budget), ("n_contexts", n_contexts), ("L", L),
-                                                  ("G", G)) if value is not None}
+                                                  ("G", G), ("vanilla_budget_s", vanilla_budget),
+                                                  ("ablation_budget_s", ablation_budget),
+                                                  ("tau_L_contexts", tau_L_contexts), ("steps", steps),
+                                                  ("vanilla_steps", vanilla_steps),
+                                                  ("ablation_steps", ablation_steps)) if value is not None}
+    if ablations is not None:
+        names = [a.strip() for a in ablations.split(",") if a.strip()]
+        overrides["ablations"] = tuple(ABLATIONS) if names == ["all"] else tuple(names)
+    if tau_L is not None:
+        overrides["tau_Ls"] = tuple(_ints("--tau-L", [tau_L]))
     overrides.update(preset=preset, target=target, out=out, k=k, n_draft_layers=n_draft_layers, seed=seed)
     cfg = ReproduceConfig.quick_config(**overrides) if quick else ReproduceConfig(**overrides)
     run(cfg, log=lambda msg: typer.echo(msg, err=True))
@@ -314,6 +521,107 @@ def _print_table(name: str, description: str, rows: list[dict]) -> None:
     from spire.throughput.cli_support import print_table
 
     print_table(name, description, rows)
+
+
+# ------------------------------------------------------------------------------------------- spire bench
+bench_app = typer.Typer(
+    help="Measured SD vs AD throughput on this machine against the cost model; `spire bench calibrate` "
+         "measures the roofline.",
+    invoke_without_command=True,
+    no_args_is_help=False,
+)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.callback()
+def bench(
+    ctx: typer.Context,
+    B: Annotated[list[str], _OPT("-B", "--batch", metavar="INT[,INT...]", help="Batch sizes (default: 1,4,16). "
+                                 + GRID_HELP)] = [],
+    L: Annotated[list[str], _OPT("-L", "--context", metavar="INT[,INT...]", help="Context lengths (default: "
+                                 "512,2048,4096).")] = [],
+    k: Annotated[int, _OPT("--k", "-k", help="Draft tokens per round.")] = 4,
+    G: Annotated[Optional[int], _OPT("-G", "--generate", help="Tokens generated per row in the τ / tokens/s runs "
+                                                             "(default: 32).")] = None,
+    reps: Annotated[Optional[int], _OPT(help="Timed forwards per t_* (median) (default: 5).")] = None,
+    target: Annotated[str, _OPT(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
+    dtype: Annotated[Literal["fp32", "bf16", "fp16"], _OPT(help="Weights, activations and KV cache.")] = "fp32",
+    device: Annotated[str, _OPT(help="auto (cuda when present), cpu, cuda, cuda:N.")] = "auto",
+    threads: Annotated[Optional[int], _OPT(help="torch intra-op threads (default: torch's).")] = None,
+    spire_draft: Annotated[Optional[str], _OPT(help="SPIRe draft .safetensors (default: the newest trained one in "
+                                                    "the cache, skipped if none).")] = None,
+    no_spire: Annotated[bool, _OPT("--no-spire", help="Skip the SPIRe draft.")] = False,
+    vanilla_draft: Annotated[Optional[str], _OPT(help="Vanilla draft: HF folder (config.json, model.safetensors, "
+                                                      "tokenizer) [skipped when not given].")] = None,
+    sink: Annotated[int, _OPT(help="MagicDec sink tokens.")] = 1,
+    window: Annotated[int, _OPT(help="MagicDec window (tokens).")] = 64,
+    calibration: Annotated[Optional[Path], _OPT(help="Calibration JSON (default: this device's cached one, else "
+                                                     "measured now).")] = None,
+    out: Annotated[Path, _OPT(help="Folder for bench.json and BENCH.md.")] = Path("spire-bench"),
+    quick: Annotated[bool, _OPT("--quick", help="Smoke-test grid: B 1,2; L 64,128; G 8; 2 reps.")] = False,
+    seed: Annotated[int, _OPT(help="Seed of the held-out windows.")] = 0,
+    combine: Annotated[Literal["max", "sum"], _OPT(help="Cost model: overlap compute and memory (max) or not.")]
+    = "max",
+    fmt: Annotated[Literal["table", "json"], _OPT("--format", help="Rich table or the JSON object on stdout.")]
+    = "table",
+) -> None:
+    """Measure t_AD, t_verify, t_draft, Δt, τ and SD/AD tokens/s over a (B, L) grid on held-out contexts, beside
+    the cost model's prediction; writes bench.json and BENCH.md."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from spire.bench.cli_support import BenchArgs, run
+    from spire.bench.report import print_table, write_outputs
+
+    args = BenchArgs(Bs=_ints("-B", B) or None, Ls=_ints("-L", L) or None, k=k, G=G, reps=reps, target=target,
+                     dtype=dtype, device=device, threads=threads, spire_draft=spire_draft, no_spire=no_spire,
+                     vanilla_draft=vanilla_draft, sink=sink, window=window, calibration=calibration, out=out,
+                     quick=quick, seed=seed, combine=combine)
+    result, summary = run(args, log=lambda msg: typer.echo(msg, err=True))
+    j, m = write_outputs(result, summary, out)
+    if fmt == "json":
+        typer.echo(json.dumps({**result, "summary": summary}))
+    else:
+        print_table(result, title=f"spire bench: {target}, {dtype}, {result['device']}")
+    typer.echo(f"wrote {j} and {m}", err=True)
+
+
+@bench_app.command("calibrate")
+def bench_calibrate(
+    dtype: Annotated[list[str], _OPT(metavar="DTYPE[,DTYPE...]", help="fp32, bf16, fp16 (default: fp32,bf16).")]
+    = [],
+    device: Annotated[str, _OPT(help="auto (cuda when present), cpu, cuda, cuda:N.")] = "auto",
+    threads: Annotated[Optional[int], _OPT(help="torch intra-op threads (default: torch's).")] = None,
+    quick: Annotated[bool, _OPT("--quick", help="Tiny sizes (seconds; cache-resident numbers, for tests).")] = False,
+    buffer_mb: Annotated[Optional[float], _OPT(help="Bandwidth buffer in MiB (default: 256 CPU, 1024 GPU).")]
+    = None,
+    out: Annotated[Optional[Path], _OPT(help="Also write the JSON here.")] = None,
+    no_save: Annotated[bool, _OPT("--no-save", help="Do not write it to the spire cache.")] = False,
+    fmt: Annotated[Literal["table", "json"], _OPT("--format", help="Summary lines or the JSON object.")]
+    = "table",
+) -> None:
+    """Measure this machine's sustained matmul FLOP/s and memory bandwidth per dtype; saved for `spire bench`
+    and `spire throughput --calibration FILE`."""
+    from spire.bench.calibrate import calibrate
+    from spire.bench.cli_support import set_threads
+
+    names = [d.strip() for v in dtype for d in v.split(",") if d.strip()] or ["fp32", "bf16"]
+    if buffer_mb is not None and not buffer_mb > 0:
+        raise ConfigError(f"--buffer-mb must be positive, got {buffer_mb}")
+    set_threads(threads)
+    cal = calibrate(names, device, quick=quick, buffer_bytes=None if buffer_mb is None else int(buffer_mb * 2**20),
+                    log=None if fmt == "json" else lambda msg: typer.echo(msg, err=True))
+    written = []
+    if not no_save and not quick:
+        written.append(cal.save())
+    if out is not None:
+        written.append(cal.save(out))
+    if fmt == "json":
+        typer.echo(json.dumps(cal.to_dict()))
+    else:
+        for name in cal.dtypes:
+            typer.echo(f"{cal.device_name} {name}: HOI {cal.hoi(name):.2f} FLOP/byte")
+    for path in written:
+        typer.echo(f"wrote {path}", err=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from spire.errors import ConfigError
+from spire.evaluation.tau_file import L_RULE, read_tau_file, select_taus
 from spire.throughput.analysis import growing_rows, read_contexts, sample_contexts
 from spire.throughput.cost_model import HOI, CostOptions, throughput_rows
 from spire.throughput.hardware import DTYPE_BYTES, Hardware, check_dtype, custom_hardware, get_hardware
@@ -49,6 +50,9 @@ class ThroughputArgs:
     seed: int = 0
     grow: int | None = None
     cost_analysis: bool = False
+    tau_from: Path | None = None  # a `spire tau --out` JSON file: measured τ per draft (explicit taus win)
+    tau_temperature: float = 0.0  # which temperature's rows of tau_from
+    tau_drafts: dict[str, str] = field(default_factory=dict)  # kind -> measured draft name in tau_from
 
 
 def resolve_preset(a: ThroughputArgs) -> tuple[Preset, int | None, int]:
@@ -120,16 +124,35 @@ def build(a: ThroughputArgs) -> tuple[dict[str, Any], list[dict[str, Any]], Pres
             raise ConfigError("--context-dist draws one batch: give a single -B")
         contexts = sample_contexts(a.context_dist, a.Bs[0], a.seed)
     flops_per_s = hw.flops_for(a.dtype or "fp8") if hw else None
-    rows = throughput_rows(
-        preset, a.Bs, a.Ls, k=a.k, hoi=hoi, combine=a.combine, taus=a.taus, memory_bytes=memory_bytes,
-        options=options, contexts=contexts, alphas=a.alphas, best_k_max=a.best_k, flops_per_s=flops_per_s,
-        cost_analysis=a.cost_analysis,
-    )  # fmt: skip
+    curves = _tau_curves(a)
+
+    def rows_at(Ls: list[int], taus: dict[str, float]) -> list[dict[str, Any]]:
+        return throughput_rows(
+            preset, a.Bs, Ls, k=a.k, hoi=hoi, combine=a.combine, taus=taus, memory_bytes=memory_bytes,
+            options=options, contexts=contexts, alphas=a.alphas, best_k_max=a.best_k, flops_per_s=flops_per_s,
+            cost_analysis=a.cost_analysis,
+        )  # fmt: skip
+
+    if not curves or not (a.Bs and a.Ls):
+        rows = rows_at(a.Ls, a.taus)
+    elif contexts is not None:  # one mixed batch: τ at its rounded mean context length
+        rows = rows_at(a.Ls, _file_taus(curves, round(sum(contexts) / len(contexts)), a.taus))
+        _mark_file_taus(rows, curves, a)
+    else:
+        rows = _per_L(a.Bs, a.Ls, lambda L: rows_at([L], _file_taus(curves, L, a.taus)))
+        _mark_file_taus(rows, curves, a)
     if a.grow is not None:
         if contexts is not None:
             raise ConfigError("--grow works on a (B, L) grid, not on a mixed batch")
-        taus = {r["draft"]: r["tau"] for r in rows}
-        grown = growing_rows(preset, a.Bs, a.Ls, a.grow, a.k, hoi, a.combine, taus, options)
+        if curves:
+            def grown_at(L: int) -> list[dict[str, Any]]:
+                taus = {r["draft"]: r["tau"] for r in rows if r["L"] == L}
+                return growing_rows(preset, a.Bs, [L], a.grow, a.k, hoi, a.combine, taus, options)
+
+            grown = _per_L(a.Bs, a.Ls, grown_at)
+        else:
+            taus = {r["draft"]: r["tau"] for r in rows}
+            grown = growing_rows(preset, a.Bs, a.Ls, a.grow, a.k, hoi, a.combine, taus, options)
         for row, g in zip(rows, grown):
             row["G"] = a.grow
             row["growing_multiplier"] = g["multiplier"] if row["multiplier"] is not None else None
@@ -139,7 +162,47 @@ def build(a: ThroughputArgs) -> tuple[dict[str, Any], list[dict[str, Any]], Pres
         "attention_flops": a.attention_flops, "embeddings": a.embeddings,
         "draft_window": window, "target_body_params": preset.target.body_params(),
     }  # fmt: skip
+    if curves:
+        summary["tau_from"] = {"file": str(a.tau_from), "temperature": a.tau_temperature, "L_rule": L_RULE,
+                               "drafts": {kind: c.name for kind, c in curves.items()},
+                               "measured_L": {kind: [p[0] for p in c.points] for kind, c in curves.items()}}
     return summary, rows, preset
+
+
+def _tau_curves(a: ThroughputArgs) -> dict:
+    """Measured τ curves from --tau-from for the drafts without an explicit --tau / --alpha ({} without it)."""
+    if a.tau_from is None:
+        if a.tau_drafts:
+            raise ConfigError("--tau-draft needs --tau-from")
+        return {}
+    if not a.tau_temperature >= 0:
+        raise ConfigError(f"--tau-temperature must be >= 0, got {a.tau_temperature}")
+    curves = select_taus(read_tau_file(a.tau_from), a.tau_temperature, a.k, a.tau_drafts, path=a.tau_from)
+    return {kind: c for kind, c in curves.items() if kind not in a.taus and kind not in a.alphas}
+
+
+def _file_taus(curves: dict, L: int, explicit: dict[str, float]) -> dict[str, float]:
+    """τ overrides at context length L: the file's (interpolated) τ, then the explicit --tau on top."""
+    return {**{kind: c.at(L)[0] for kind, c in curves.items()}, **explicit}
+
+
+def _mark_file_taus(rows: list[dict[str, Any]], curves: dict, a: ThroughputArgs) -> None:
+    """Rows whose τ came from the file: tau_source says which measurement, plus its 95 % CI."""
+    for r in rows:
+        c = curves.get(r["draft"])
+        if c is None:
+            continue
+        _, lo, hi, how = c.at(r["L"])  # a mixed batch's row has L = its rounded mean context length
+        r["tau_source"] = f"measured {Path(a.tau_from).name}: {c.name}, T={c.temperature:g}, {how}"
+        r["tau_ci_low"], r["tau_ci_high"] = lo, hi
+
+
+def _per_L(Bs: list[int], Ls: list[int], rows_for_L) -> list[dict[str, Any]]:
+    """Rows of a (B, L) grid built one L at a time (``rows_for_L(L)``: rows for every B at that L, B
+    outermost, then draft), reassembled in throughput_rows' order: B outermost, then L, then draft."""
+    per = {L: rows_for_L(L) for L in dict.fromkeys(Ls)}
+    n = len(per[Ls[0]]) // len(Bs)  # rows per (B, L): one per draft
+    return [dict(r) for i in range(len(Bs)) for L in Ls for r in per[L][i * n: (i + 1) * n]]
 
 
 def to_json(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
