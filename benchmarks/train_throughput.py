@@ -64,10 +64,18 @@ def main() -> None:
     ap.add_argument("-G", type=int, default=64)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--runs", type=Path, default=None, help="keep the run folders here (default: temporary)")
+    ap.add_argument("--rate-only", action="store_true", help="only the tokens/s of both drafts (about a minute)")
     a = ap.parse_args()
 
     target, tokenizer, folder = load_target()
     data = prepare_data(tokenizer, eos_id=document_separator_id(tokenizer))
+    if a.rate_only:
+        rates = {kind: step_rate(target, data, TrainConfig(draft=kind, bf16=False), a.steps)
+                 for kind in ("spire", "vanilla")}
+        print(f"training tokens/s on {torch.get_num_threads()} threads, float32, batch 4 x 256: "
+              + ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
+              + f"; ratio spire/vanilla {rates['spire'] / rates['vanilla']:.2f}")
+        return
     heldout = data.heldout_contexts(192, 64, 8, seed=1)
     contexts = data.heldout_contexts(a.L, a.G, a.n_contexts, seed=0)[:, : a.L]
     runs = a.runs or Path(tempfile.mkdtemp(prefix="spire-bench-"))

@@ -129,6 +129,9 @@ def throughput(
                                                           "generated tokens.")] = None,
     cost_analysis: Annotated[bool, _OPT("--cost-analysis", help="Add saving = 10·(1 − 1/m) − training cost.")]
     = False,
+    calibration: Annotated[Optional[Path], _OPT(help="Measured hardware from `spire bench calibrate` (JSON): its "
+                                                     "FLOP/s and bandwidth, and --dtype's bytes per value "
+                                                     "(default fp32).")] = None,
     fmt: Annotated[Literal["table", "json", "csv"], _OPT("--format", help="Rich table, one JSON object, or CSV.")]
     = "table",
     plot: Annotated[Optional[Path], _OPT(help="Also write a PNG heatmap of the multiplier here.")] = None,
@@ -144,7 +147,7 @@ def throughput(
         vanilla_config=vanilla_config, spire_config=spire_config, spire_layers=spire_layers,
         contexts=None if contexts is None else _ints("--contexts", [contexts]), contexts_file=contexts_file,
         context_dist=context_dist, seed=seed, grow=grow, cost_analysis=cost_analysis, tau_from=tau_from,
-        tau_temperature=tau_temperature, tau_drafts=_names(tau_draft),
+        tau_temperature=tau_temperature, tau_drafts=_names(tau_draft), calibration=calibration,
     )  # fmt: skip
     summary, rows, chosen = build(args)
     if plot is not None:
@@ -559,9 +562,15 @@ def bench(
                                                      "measured now).")] = None,
     out: Annotated[Path, _OPT(help="Folder for bench.json and BENCH.md.")] = Path("spire-bench"),
     quick: Annotated[bool, _OPT("--quick", help="Smoke-test grid: B 1,2; L 64,128; G 8; 2 reps.")] = False,
+    random_weights: Annotated[bool, _OPT("--random-weights", help="A random SmolLM2-shaped target and random "
+                                                                  "contexts: timings only, where the weights are "
+                                                                  "absent (e.g. a GPU box).")] = False,
     seed: Annotated[int, _OPT(help="Seed of the held-out windows.")] = 0,
     combine: Annotated[Literal["max", "sum"], _OPT(help="Cost model: overlap compute and memory (max) or not.")]
     = "max",
+    clock: Annotated[Literal["wall", "cpu"], _OPT(help="Time forwards by wall clock, or by process CPU time "
+                                                       "(single-threaded CPU runs on a shared machine).")]
+    = "wall",
     fmt: Annotated[Literal["table", "json"], _OPT("--format", help="Rich table or the JSON object on stdout.")]
     = "table",
 ) -> None:
@@ -575,7 +584,7 @@ def bench(
     args = BenchArgs(Bs=_ints("-B", B) or None, Ls=_ints("-L", L) or None, k=k, G=G, reps=reps, target=target,
                      dtype=dtype, device=device, threads=threads, spire_draft=spire_draft, no_spire=no_spire,
                      vanilla_draft=vanilla_draft, sink=sink, window=window, calibration=calibration, out=out,
-                     quick=quick, seed=seed, combine=combine)
+                     quick=quick, random_weights=random_weights, seed=seed, combine=combine, clock=clock)
     result, summary = run(args, log=lambda msg: typer.echo(msg, err=True))
     j, m = write_outputs(result, summary, out)
     if fmt == "json":
@@ -596,6 +605,8 @@ def bench_calibrate(
     = None,
     out: Annotated[Optional[Path], _OPT(help="Also write the JSON here.")] = None,
     no_save: Annotated[bool, _OPT("--no-save", help="Do not write it to the spire cache.")] = False,
+    clock: Annotated[Literal["wall", "cpu"], _OPT(help="Wall clock, or process CPU time (single-threaded runs on "
+                                                       "a shared machine).")] = "wall",
     fmt: Annotated[Literal["table", "json"], _OPT("--format", help="Summary lines or the JSON object.")]
     = "table",
 ) -> None:
@@ -609,7 +620,7 @@ def bench_calibrate(
         raise ConfigError(f"--buffer-mb must be positive, got {buffer_mb}")
     set_threads(threads)
     cal = calibrate(names, device, quick=quick, buffer_bytes=None if buffer_mb is None else int(buffer_mb * 2**20),
-                    log=None if fmt == "json" else lambda msg: typer.echo(msg, err=True))
+                    log=None if fmt == "json" else lambda msg: typer.echo(msg, err=True), clock=clock)
     written = []
     if not no_save and not quick:
         written.append(cal.save())

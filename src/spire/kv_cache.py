@@ -117,6 +117,13 @@ class KVCache:
         """(S,) absolute positions of the entries :meth:`read` returns."""
         return self.positions if upto is None else self.positions[:upto]
 
+    def clone(self) -> "KVCache":
+        """An independent copy (same shape, dtype, device, contents)."""
+        new = KVCache.__new__(KVCache)
+        new.k, new.v = [t.clone() for t in self.k], [t.clone() for t in self.v]
+        new.max_len, new.positions = self.max_len, self.positions
+        return new
+
 
 EMPTY = 1 << 40  # position tag of a never-written ring slot: larger than any query position, so never visible
 

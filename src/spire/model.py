@@ -6,12 +6,32 @@ safetensors checkpoint loads without renaming (see :mod:`spire.loading`). Logits
 to 1e-4 in float32 (tests/test_model.py).
 
 Shapes: B batch, T new tokens, S key positions, H query heads, KV key/value heads, D head dim, V vocab.
+
+Inference fast path (no autograd needed: ``torch.no_grad()`` or frozen weights). The same arithmetic with
+fewer, better-shaped kernels (docs/bench.md has the measurements):
+
+- q/k/v and gate/up projections run as one matmul each over weights concatenated along the output dimension;
+- on CPU in float32 the matmul follows the number of rows M = B·T: M = 1 multiplies by a transposed
+  (in, out) copy of the weights (a GEMV MKL streams faster than ``F.linear``'s), 2 ≤ M ≤ 32 uses spire's
+  skinny-matmul kernel (:mod:`spire.kernels`, one pass over each weight for all rows; MKL re-packs the
+  weight on every call), larger M ``F.linear`` on the fused weights; other devices and dtypes ``F.linear``
+  on the fused weights;
+- RoPE is applied to q and k in one op set; the cache is written by slice when every row writes the same
+  contiguous positions; the attention mask is dropped when nothing is masked; a sink + window view
+  (MagicDec) gathers only its sink + window (+ T - 1) entries, so its cost does not grow with the context;
+- logits are computed lazily (:class:`ForwardOutput`), so a prefill whose logits nobody reads skips the
+  unembedding.
+
+The fused / transposed weight copies are built on first use and rebuilt whenever a source parameter changes
+(data pointer, version counter, dtype, device), so training in place stays correct; they are not buffers
+(never saved) and a deepcopy starts without them. They cost up to one extra copy of the weights in memory.
+With autograd active on trainable weights every layer runs the plain reference path.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -84,9 +104,21 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+_INV_FREQ: dict[tuple, torch.Tensor] = {}
+
+
+def _inv_freq(d_head: int, theta: float, device: torch.device) -> torch.Tensor:
+    """RoPE inverse frequencies theta^(-2i/D), i < D/2 (float32), computed once per (D, theta, device)."""
+    key = (d_head, float(theta), str(device))
+    f = _INV_FREQ.get(key)
+    if f is None:
+        f = _INV_FREQ[key] = 1.0 / (theta ** (torch.arange(0, d_head, 2, device=device, dtype=torch.float32) / d_head))
+    return f
+
+
 def rope_cos_sin(pos: torch.Tensor, d_head: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE tables for absolute positions. pos: (B, T) -> cos, sin: (B, 1, T, D) (half-split layout, as HF)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d_head, 2, device=pos.device, dtype=torch.float32) / d_head))
+    inv_freq = _inv_freq(d_head, theta, pos.device)
     freqs = pos.float()[..., None] * inv_freq  # (B, T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, D)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -98,6 +130,94 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+# ---------------------------------------------------------------------------------------- inference fast path
+
+KERNEL_MAX_M = 32
+"""On CPU in float32, matmuls with 2 ≤ M ≤ KERNEL_MAX_M rows use :func:`spire.kernels.skinny_linear` when it
+is available (one pass over each weight for all rows, no weight copy); more rows use F.linear (BLAS)."""
+
+TRANSPOSED_GEMV = True
+"""On CPU in float32, M = 1 multiplies by a transposed (in, out) copy of the weights: MKL streams that GEMV
+about 1.2-1.4x faster than F.linear's (one extra copy of the weights in memory)."""
+
+
+ATTENTION_KERNEL = True
+ATTENTION_KERNEL_ROWS = 4
+"""On CPU in float32, attention with at most ATTENTION_KERNEL_ROWS query rows per key/value head (a decode
+step: the query heads sharing a KV head) uses :func:`spire.kernels.decode_attention` (each key and value row
+read once for all of them); verify passes and prefills use torch's SDPA."""
+
+
+class WeightCache:
+    """Inference copies of one or more ``nn.Linear`` weights: concatenated along the output dimension, in
+    (out, in) layout ("N") and/or transposed to a contiguous (in, out) layout ("T").
+
+    A copy is rebuilt whenever a source parameter changes: its key holds each weight's data pointer,
+    version counter (bumped by every in-place update, e.g. an optimizer step or ``load_state_dict``), dtype
+    and device. Not an ``nn.Module`` buffer, so never saved; ``copy.deepcopy`` gives an empty cache.
+    """
+
+    def __init__(self) -> None:
+        self._store: dict[str, tuple[tuple, torch.Tensor]] = {}
+
+    def __deepcopy__(self, memo) -> "WeightCache":
+        return WeightCache()
+
+    def clear(self) -> None:
+        self._store.clear()
+
+    def get(self, linears: Sequence[nn.Linear], layout: str) -> torch.Tensor:
+        """The (out_total, in) ("N") or (in, out_total) ("T") weight of ``linears`` concatenated."""
+        ws = [lin.weight for lin in linears]
+        if layout == "N" and len(ws) == 1:
+            return ws[0]
+        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in ws)
+        hit = self._store.get(layout)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        self._store.pop(layout, None)  # free the stale copy before building the new one
+        with torch.no_grad():
+            w = ws[0].detach() if len(ws) == 1 else torch.cat([w.detach() for w in ws])
+            w = w.t().contiguous() if layout == "T" else w.contiguous()
+        self._store[layout] = (key, w)
+        return w
+
+
+def _needs_autograd(linears: Sequence[nn.Linear], x: torch.Tensor | None = None) -> bool:
+    """Whether autograd must see this computation: grad mode on and a weight (or the input) requires grad.
+    The fast path (native kernels, cached weight copies) is taken only when it need not."""
+    return torch.is_grad_enabled() and (any(lin.weight.requires_grad for lin in linears)
+                                        or (x is not None and x.requires_grad))
+
+
+def fast_linear(x: torch.Tensor, linears: Sequence[nn.Linear], cache: WeightCache) -> torch.Tensor:
+    """x: (..., in) -> (..., sum of out) = concat of ``lin(x)`` over ``linears`` (no bias), for inference.
+
+    The layout is picked by the row count M = x.numel() / in (module docstring). Mathematically the same
+    product as ``F.linear``; the float32 summation order may differ (differences ~1e-7 relative).
+    """
+    lead, d_in = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, d_in)
+    M = x2.shape[0]
+    y = None
+    if x.device.type == "cpu" and x2.dtype == torch.float32:
+        if M == 1 and TRANSPOSED_GEMV:
+            y = x2 @ cache.get(linears, "T")
+        elif M <= KERNEL_MAX_M:
+            from spire import kernels
+
+            y = kernels.skinny_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), [lin.weight for lin in linears])
+    if y is None:
+        y = F.linear(x2, cache.get(linears, "N"))
+    return y.reshape(*lead, y.shape[-1])
+
+
+def _rope_qk(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """apply_rope over a (B, heads, T, D) stack of query and key heads at once (same arithmetic)."""
+    half = y.shape[-1] // 2
+    return y * cos + torch.cat((-y[..., half:], y[..., :half]), -1) * sin
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -106,6 +226,43 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=False)
+        self._wc = {"qkv": WeightCache(), "o": WeightCache()}
+
+    def fast(self, h: torch.Tensor | None = None) -> bool:
+        """Whether the inference fast path applies (no autograd through these weights or the input h)."""
+        return not _needs_autograd((self.q_proj, self.k_proj, self.v_proj, self.o_proj), h)
+
+    def project_qkv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inference: ``project_q`` and ``project_kv`` in one fused matmul. h: (B, T, d_model) normed input ->
+        rotated q (B, H, T, D), rotated k and v (B, KV, T, D)."""
+        B, T, _ = h.shape
+        H, KV = self.n_heads, self.n_kv
+        y = fast_linear(h, (self.q_proj, self.k_proj, self.v_proj), self._wc["qkv"])
+        y = y.view(B, T, H + 2 * KV, self.d_head).transpose(1, 2)  # (B, H + 2 KV, T, D)
+        qk = _rope_qk(y[:, : H + KV], cos, sin)
+        return qk[:, :H], qk[:, H:], y[:, H + KV:]
+
+    def attend_fast(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+                    ) -> torch.Tensor:
+        """Inference ``attend``; mask may be None (nothing masked). Query heads are grouped per KV head
+        (H = KV·g, head h reads KV head h // g, as HF's repeat_kv) so no K/V copy is made for GQA."""
+        B, H, T, D = q.shape
+        KV = k.shape[1]
+        g = H // KV
+        if g > 1:
+            q = q.reshape(B, KV, g * T, D)
+            if mask is not None:
+                mask = mask.expand(mask.shape[0], 1, T, mask.shape[-1]).repeat(1, 1, g, 1)
+        y = None
+        if ATTENTION_KERNEL and q.device.type == "cpu" and q.dtype == torch.float32 and g * T <= ATTENTION_KERNEL_ROWS:
+            from spire import kernels
+
+            y = kernels.decode_attention(q, k, v, mask, D ** -0.5)
+        if y is None:
+            y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+        y = y.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
+        return fast_linear(y, (self.o_proj,), self._wc["o"]).view(B, T, -1)
 
     def _heads(self, y: torch.Tensor, n: int) -> torch.Tensor:
         B, T, _ = y.shape
@@ -136,9 +293,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
         self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self._wc = {"gu": WeightCache(), "down": WeightCache()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if _needs_autograd((self.gate_proj, self.up_proj, self.down_proj), x):
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gu = fast_linear(x, (self.gate_proj, self.up_proj), self._wc["gu"])
+        d_ff = self.gate_proj.out_features
+        return fast_linear(F.silu(gu[..., :d_ff]) * gu[..., d_ff:], (self.down_proj,), self._wc["down"])
 
 
 # A KV source: given this block's new keys/values (B, KV, T, D), return the keys/values to attend over
@@ -158,11 +320,20 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_source: KVSource,
                 mask: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, d_model) residual stream entering the block -> leaving it."""
+        """x: (B, T, d_model) residual stream entering the block -> leaving it. mask: (B|1, 1, T, S) bool, or
+        None when no key is masked (inference fast path only)."""
         h = self.input_layernorm(x)
-        q = self.self_attn.project_q(h, cos, sin)
-        k, v = kv_source(*self.self_attn.project_kv(h, cos, sin))
-        x = x + self.self_attn.attend(q, k, v, mask)
+        attn = self.self_attn
+        if attn.fast(h):
+            q, k, v = attn.project_qkv(h, cos, sin)
+            k, v = kv_source(k, v)
+            x = x + attn.attend_fast(q, k, v, mask)
+        else:
+            q = attn.project_q(h, cos, sin)
+            k, v = kv_source(*attn.project_kv(h, cos, sin))
+            if mask is None:
+                mask = torch.ones(1, 1, q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
+            x = x + attn.attend(q, k, v, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def memory_kv(self, m: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,12 +341,36 @@ class Block(nn.Module):
         return self.self_attn.project_kv(self.input_layernorm(m), cos, sin)
 
 
-@dataclass
 class ForwardOutput:
-    """logits: (B, T, V) float32; hidden: target layer index -> (B, T, d_model) residual stream entering it."""
+    """logits: (B, T, V) float32; hidden: target layer index -> (B, T, d_model) residual stream entering it.
 
-    logits: torch.Tensor
-    hidden: dict[int, torch.Tensor]
+    ``ForwardOutput(logits, hidden)`` holds given logits. :meth:`Transformer.forward` instead passes
+    ``compute_logits`` and the logits are computed on first access of ``.logits`` (then kept), so a forward
+    whose logits nobody reads (a prefill) skips the unembedding (V·d_model multiply-adds per position).
+    """
+
+    __slots__ = ("_logits", "_compute", "hidden")
+
+    def __init__(self, logits: torch.Tensor | None = None, hidden: dict[int, torch.Tensor] | None = None,
+                 compute_logits: Callable[[], torch.Tensor] | None = None) -> None:
+        if logits is None and compute_logits is None:
+            raise ValueError("ForwardOutput needs logits or compute_logits")
+        self._logits, self._compute = logits, compute_logits
+        self.hidden = {} if hidden is None else hidden
+
+    @property
+    def logits(self) -> torch.Tensor:
+        if self._logits is None:
+            self._logits, self._compute = self._compute(), None
+        return self._logits
+
+    @logits.setter
+    def logits(self, value: torch.Tensor) -> None:
+        self._logits, self._compute = value, None
+
+    def __repr__(self) -> str:
+        state = tuple(self._logits.shape) if self._logits is not None else "lazy"
+        return f"ForwardOutput(logits={state}, hidden={sorted(self.hidden)})"
 
 
 class Transformer(nn.Module):
@@ -199,6 +394,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self._head_wc = WeightCache()
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -221,28 +417,40 @@ class Transformer(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm + unembedding: (B, T, d_model) -> float32 logits (B, T, V)."""
-        return self.lm_head(self.model.norm(x)).float()
+        h = self.model.norm(x)
+        if _needs_autograd((self.lm_head,), h):
+            return self.lm_head(h).float()
+        return fast_linear(h, (self.lm_head,), self._head_wc).float()
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None,
                 view: SinkWindow | None = None, hidden_layers: Iterable[int] = (),
                 k_start: torch.Tensor | None = None) -> ForwardOutput:
+        """See the class docstring. Raises ConfigError when a position is beyond the cache's length.
+        Logits are computed lazily (:class:`ForwardOutput`)."""
         want = set(hidden_layers)
         x = self.model.embed_tokens(tokens)  # (B, T, d_model)
         cos, sin = rope_cos_sin(pos, self.cfg.d_head, self.cfg.rope_theta, x.dtype)
         if cache is None:
             mask = attention_mask(pos, pos, view, k_start)  # keys are the T tokens themselves
+            sources = [lambda k, v: (k, v)] * len(self.layers)
         else:
-            upto = int(pos.max()) + 1  # keys past the newest query are masked anyway: don't read them
-            mask = attention_mask(pos, cache.positions[:upto], view, k_start)
+            mask, sources = _CacheAccess(cache, pos, view, k_start).plan(len(self.layers))
         hidden: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):
             if i in want:
                 hidden[i] = x
-            x = block(x, cos, sin, self._kv_source(cache, i, pos), mask)
-        return ForwardOutput(self.logits(x), hidden)
+            x = block(x, cos, sin, sources[i], mask)
+        grad = torch.is_grad_enabled()  # the lazy logits see the autograd mode of this call
+
+        def compute_logits() -> torch.Tensor:
+            with torch.set_grad_enabled(grad):
+                return self.logits(x)
+
+        return ForwardOutput(hidden=hidden, compute_logits=compute_logits)
 
     @staticmethod
     def _kv_source(cache: KVCache | None, layer: int, pos: torch.Tensor) -> KVSource:
+        """The reference KV source (write all of pos, read positions < max(pos) + 1)."""
         if cache is None:
             return lambda k, v: (k, v)
 
@@ -255,3 +463,85 @@ class Transformer(nn.Module):
     def num_body_params(self) -> int:
         """Parameters of the transformer blocks (no embedding/unembedding), the paper's N convention."""
         return sum(p.numel() for p in self.layers.parameters())
+
+
+class _CacheAccess:
+    """How one forward writes its keys/values into a dense :class:`KVCache` and what each layer reads back,
+    planned once per forward (not per layer).
+
+    Writes: a slice copy when every row writes the same contiguous positions, else one advanced-index
+    assignment. Reads: positions < upto = max(pos) + 1 only. With a :class:`SinkWindow` view and a history
+    longer than the view, the keys/values are gathered: per row the ``sink`` first positions and the
+    ``window + (T - 1)`` positions ending at the row's last query, so a MagicDec step reads
+    B·(sink + window) entries per layer whatever the context length. The mask is then built from the
+    gathered positions (entries before 0, or duplicating a sink position, are masked out). With no view
+    and no k_start, T = 1 and every row at the same position nothing is masked and the mask is None.
+    """
+
+    def __init__(self, cache: KVCache, pos: torch.Tensor, view: SinkWindow | None, k_start: torch.Tensor | None
+                 ) -> None:
+        self.cache, self.pos = cache, pos
+        B, T = pos.shape
+        dev = pos.device
+        p_first, p_last = pos[:, 0], pos[:, -1]
+        lo, hi = int(pos.min()), int(pos.max())
+        if hi >= cache.max_len:
+            raise ConfigError(f"position {hi} is beyond the cache length {cache.max_len}")
+        self.upto = hi + 1
+        ar = torch.arange(T, device=dev)
+        contiguous = bool(((pos - p_first[:, None]) == ar).all())
+        self.slice_at = int(p_first[0]) if contiguous and bool((p_first == p_first[0]).all()) else None
+        self.rows = None if self.slice_at is not None else torch.arange(B, device=dev)[:, None].expand(B, T)
+        self.gather = None
+        span = (p_last - p_first).max() if contiguous else None
+        if view is not None and contiguous:
+            n_win = view.window + int(span)  # window entries of the row's last query ∪ ... of its first
+            if view.sink + n_win < self.upto:
+                g = torch.cat([torch.arange(view.sink, device=dev).expand(B, view.sink),
+                               (p_last - n_win + 1)[:, None] + torch.arange(n_win, device=dev)], 1)  # (B, S')
+                valid = g >= 0
+                valid[:, view.sink:] &= g[:, view.sink:] >= view.sink
+                self.gather = g.clamp_min(0)
+                self.mask = attention_mask(pos, g, view, k_start) & valid[:, None, None, :]
+                start = int(p_last[0]) - n_win + 1
+                # every row reads the same positions (e.g. B = 1): two slices instead of an indexed copy
+                self.slices = (view.sink, start) if self.slice_at is not None and start >= view.sink else None
+                self.rows_g = torch.arange(B, device=dev)[:, None]
+                return
+        if view is None and k_start is None and T == 1 and lo == hi:
+            self.mask = None
+        else:
+            self.mask = attention_mask(pos, cache.positions[: self.upto], view, k_start)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        c = self.cache
+        if self.slice_at is not None:
+            s = self.slice_at
+            c.k[layer][:, :, s: s + k.shape[2]] = k
+            c.v[layer][:, :, s: s + v.shape[2]] = v
+        else:
+            c.k[layer][self.rows, :, self.pos] = k.transpose(1, 2).to(c.k[layer].dtype)
+            c.v[layer][self.rows, :, self.pos] = v.transpose(1, 2).to(c.v[layer].dtype)
+
+    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.cache
+        if self.gather is None:
+            return c.read(layer, self.upto)
+        K, V = c.k[layer], c.v[layer]
+        if self.slices is not None:
+            sink, start = self.slices
+            end = start + self.gather.shape[1] - sink
+            return (torch.cat([K[:, :, :sink], K[:, :, start:end]], 2),
+                    torch.cat([V[:, :, :sink], V[:, :, start:end]], 2))
+        # (B, S', KV, D) rows copied whole, viewed as (B, KV, S', D)
+        return K[self.rows_g, :, self.gather].transpose(1, 2), V[self.rows_g, :, self.gather].transpose(1, 2)
+
+    def plan(self, n_layers: int) -> tuple[torch.Tensor | None, list[KVSource]]:
+        def source(layer: int) -> KVSource:
+            def write_then_read(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                self.write(layer, k, v)
+                return self.read(layer)
+
+            return write_then_read
+
+        return self.mask, [source(i) for i in range(n_layers)]

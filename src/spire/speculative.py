@@ -12,10 +12,14 @@ forward writes its positions before any query reads them, and a query reads only
 entries of rejected tokens (and of right-padding in prefill) are overwritten before they are ever read.
 
 ``draft=None`` runs autoregressive decoding (AD) with the same prefill and stopping rules.
+
+:func:`generate` = :func:`prefill` + :func:`decode`; the two halves are public so that a benchmark can run
+several decoders (AD, each draft) from one prefill (``Prefilled.clone_cache``).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -23,7 +27,8 @@ import torch
 
 from spire.drafts.base import Draft
 from spire.errors import ConfigError
-from spire.model import Transformer
+from spire.kv_cache import KVCache
+from spire.model import ForwardOutput, Transformer
 from spire.sampling import SamplingParams, probs_from_logits, sample
 from spire.verification import verify
 
@@ -31,13 +36,19 @@ from spire.verification import verify
 @dataclass
 class GenerationResult:
     """tokens: per row, the emitted tokens (prompt excluded); finish_reasons: "stop" (EOS) or "length";
-    rounds / emitted: per-row counts of rounds run while the row was active and tokens emitted."""
+    rounds / emitted: per-row counts of rounds run while the row was active and tokens emitted;
+    prefill_s / decode_s: wall-clock seconds of the prefill and of the round loop (device-synchronized);
+    decode_cpu_s: CPU seconds the process spent in the round loop (all its threads; on a shared machine a
+    single-threaded run's CPU time is what the loop would take on an idle core)."""
 
     tokens: list[list[int]]
     finish_reasons: list[str]
     rounds: list[int]
     emitted: list[int]
     accepted_per_round: list[list[int]] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_cpu_s: float = 0.0
 
     @property
     def tau(self) -> float:
@@ -48,6 +59,29 @@ class GenerationResult:
         return self.emitted[b] / max(1, self.rounds[b])
 
 
+@dataclass
+class Prefilled:
+    """A batch after its prefill (all but the last prompt token of each row are in ``cache``).
+
+    rows: the prompts; max_len: cache length (tokens); tokens, pos, valid: (B, W) right-padded prefill
+    tokens, their positions and a real-token mask (None when every prompt has one token); out: the prefill's
+    :class:`ForwardOutput` (hidden states of ``hidden_layers``) for :meth:`Draft.observe`; prefill_s: seconds.
+    """
+
+    rows: list[list[int]]
+    cache: KVCache
+    max_len: int
+    tokens: torch.Tensor | None
+    pos: torch.Tensor | None
+    valid: torch.Tensor | None
+    out: ForwardOutput | None
+    prefill_s: float = 0.0
+
+    def clone_cache(self) -> KVCache:
+        """A copy of the prefilled target cache (to run several decoders from one prefill)."""
+        return self.cache.clone()
+
+
 def _as_rows(prompts: torch.Tensor | Sequence[Sequence[int]]) -> list[list[int]]:
     rows = prompts.tolist() if isinstance(prompts, torch.Tensor) else [list(map(int, p)) for p in prompts]
     if not rows:
@@ -55,6 +89,57 @@ def _as_rows(prompts: torch.Tensor | Sequence[Sequence[int]]) -> list[list[int]]
     if any(len(r) == 0 for r in rows):
         raise ConfigError("empty prompt: every prompt needs at least one token")
     return rows
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cache_length(target: Transformer, rows: Sequence[Sequence[int]], max_new_tokens: int, depth: int) -> int:
+    """Cache length (tokens) for prompts ``rows``, ``max_new_tokens`` new tokens and ``depth`` draft tokens
+    per round (0 for AD): longest prompt + max_new_tokens + depth + 1. Raises ConfigError beyond the
+    target's positions."""
+    longest = max(len(r) for r in rows)
+    max_len = longest + max_new_tokens + depth + 1
+    if max_len - 1 > target.cfg.max_positions:
+        raise ConfigError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the "
+                          f"target's {target.cfg.max_positions} positions")
+    return max_len
+
+
+@torch.no_grad()
+def prefill(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]], max_len: int,
+            hidden_layers: Sequence[int] = (), cache: KVCache | None = None) -> Prefilled:
+    """Run the target over all but the last token of every prompt (right-padded; pad entries lie past each
+    row's committed length and are overwritten before being read).
+
+    Args:
+        target: the target model.
+        prompts: (B, L) token ids or B lists of ids.
+        max_len: cache length (see :func:`cache_length`).
+        hidden_layers: target layers whose input residual streams the drafts need (``Draft.hidden_layers``).
+        cache: a fresh cache to fill (default: ``target.new_cache(B, max_len)``).
+    Raises:
+        ConfigError: empty prompts, or max_len beyond the target's positions.
+    """
+    rows = _as_rows(prompts)
+    B, dev = len(rows), target.device
+    cache = target.new_cache(B, max_len) if cache is None else cache
+    lens = torch.tensor([len(r) for r in rows], device=dev)
+    width = int(lens.max()) - 1
+    _sync(dev)
+    t0 = time.perf_counter()
+    padded = pos = valid = out = None
+    if width > 0:
+        padded = torch.zeros(B, width, dtype=torch.long, device=dev)
+        for b, r in enumerate(rows):
+            padded[b, : len(r) - 1] = torch.tensor(r[:-1], device=dev)
+        pos = torch.arange(width, device=dev)[None].expand(B, width)
+        valid = pos < (lens - 1)[:, None]
+        out = target(padded, pos, cache, hidden_layers=hidden_layers)
+    _sync(dev)
+    return Prefilled(rows, cache, max_len, padded, pos, valid, out, time.perf_counter() - t0)
 
 
 @torch.no_grad()
@@ -78,34 +163,48 @@ def generate(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]
     Raises:
         ConfigError: k < 1, max_new_tokens < 1, empty prompt, or a context beyond the target's positions.
     """
+    _check(k, max_new_tokens)
+    rows = _as_rows(prompts)
+    max_len = cache_length(target, rows, max_new_tokens, k if draft is not None else 0)
+    cache = target.new_cache(len(rows), max_len)
+    if draft is not None:
+        draft.start(target, cache, len(rows), max_len, k)
+    state = prefill(target, rows, max_len, draft.hidden_layers if draft is not None else (), cache)
+    if draft is not None and state.out is not None:
+        draft.observe(state.tokens, state.pos, state.out, valid=state.valid)
+    return decode(target, state, max_new_tokens, draft, k, params, generator, eos_ids, stop, progress)
+
+
+def _check(k: int, max_new_tokens: int) -> None:
     if k < 1:
         raise ConfigError(f"k must be >= 1, got {k}")
     if max_new_tokens < 1:
         raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    rows = _as_rows(prompts)
+
+
+@torch.no_grad()
+def decode(target: Transformer, state: Prefilled, max_new_tokens: int, draft: Draft | None = None, k: int = 4,
+           params: SamplingParams = SamplingParams(), generator: torch.Generator | None = None,
+           eos_ids: Sequence[int] = (), stop: "StopStrings | None" = None, progress=None,
+           cache: KVCache | None = None) -> GenerationResult:
+    """The round loop after :func:`prefill` (arguments as :func:`generate`). ``cache`` (default
+    ``state.cache``) is the target cache to continue from; a draft must already be started on it and have
+    observed the prefill. Greedy decoding (temperature 0) takes argmaxes directly: the same tokens as
+    rejection sampling with one-hot p and q (a draft token is accepted iff it is the target's argmax; the
+    correction / bonus is the target's argmax), without building (B, k, V) distributions.
+
+    Raises ConfigError for k < 1 or max_new_tokens < 1, or a cache too short for max_new_tokens.
+    """
+    _check(k, max_new_tokens)
+    cache = state.cache if cache is None else cache
+    rows = state.rows
     B, dev = len(rows), target.device
+    need = cache_length(target, rows, max_new_tokens, k if draft is not None else 0)
+    if need > cache.max_len:
+        raise ConfigError(f"the cache holds {cache.max_len} positions, {need} are needed")
     lens = torch.tensor([len(r) for r in rows], device=dev)
-    depth = k if draft is not None else 0
-    max_len = int(lens.max()) + max_new_tokens + depth + 1
-    if max_len - 1 > target.cfg.max_positions:
-        raise ConfigError(f"prompt of {int(lens.max())} tokens + {max_new_tokens} new tokens exceeds the "
-                          f"target's {target.cfg.max_positions} positions")
-    cache = target.new_cache(B, max_len)
-    hidden_layers = draft.hidden_layers if draft is not None else ()
-    if draft is not None:
-        draft.start(target, cache, B, max_len, k)
-
-    # prefill all but the last prompt token (right-padded; pad entries are overwritten before being read)
-    width = int(lens.max()) - 1
-    if width > 0:
-        padded = torch.zeros(B, width, dtype=torch.long, device=dev)
-        for b, r in enumerate(rows):
-            padded[b, : len(r) - 1] = torch.tensor(r[:-1], device=dev)
-        pos = torch.arange(width, device=dev)[None].expand(B, width)
-        out = target(padded, pos, cache, hidden_layers=hidden_layers)
-        if draft is not None:
-            draft.observe(padded, pos, out, valid=pos < (lens - 1)[:, None])
-
+    _sync(dev)
+    t0, c0 = time.perf_counter(), time.process_time()
     n = lens.clone()  # committed length per row
     pending = torch.tensor([r[-1] for r in rows], device=dev)  # (B,) last committed token, not yet in cache
     eos_set = set(int(t) for t in eos_ids)
@@ -113,31 +212,47 @@ def generate(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]
     finish = ["length"] * B
     rounds, accepted_log = [0] * B, []
     active = [True] * B
+    hidden_layers = draft.hidden_layers if draft is not None else ()
+    arange_b = torch.arange(B, device=dev)
+    offsets = torch.arange(k + 1, device=dev)
 
     while any(active):
         pos0 = n - 1  # (B,) position of the pending token
         if draft is None:
             logits = target(pending[:, None], pos0[:, None], cache).logits  # (B, 1, V)
             n_acc = torch.zeros(B, dtype=torch.long, device=dev)
-            next_tok = sample(probs_from_logits(logits[:, -1], params), generator)
+            if params.greedy:
+                next_tok = logits[:, -1].argmax(-1)
+            else:
+                next_tok = sample(probs_from_logits(logits[:, -1], params), generator)
             block = next_tok[:, None]
         else:
-            d_tokens, q = _propose(draft, pending, pos0, k, params, generator)  # (B, k), (B, k, V)
+            if params.greedy:
+                d_tokens = _propose_greedy(draft, pending, pos0, k)  # (B, k)
+            else:
+                d_tokens, q = _propose(draft, pending, pos0, k, params, generator)  # (B, k), (B, k, V)
             verify_in = torch.cat([pending[:, None], d_tokens], 1)  # (B, k+1)
-            vpos = pos0[:, None] + torch.arange(k + 1, device=dev)  # (B, k+1)
+            vpos = pos0[:, None] + offsets  # (B, k+1)
             out = target(verify_in, vpos, cache, hidden_layers=hidden_layers)
-            p = probs_from_logits(out.logits, params)  # (B, k+1, V)
-            n_acc, next_tok = verify(d_tokens, q, p, generator)
+            if params.greedy:
+                best = out.logits.argmax(-1)  # (B, k+1) the target's choice at every position
+                n_acc = (d_tokens == best[:, :k]).long().cumprod(-1).sum(-1)
+                next_tok = best[arange_b, n_acc]
+            else:
+                p = probs_from_logits(out.logits, params)  # (B, k+1, V)
+                n_acc, next_tok = verify(d_tokens, q, p, generator)
             draft.observe(verify_in, vpos, out)
             block = torch.cat([d_tokens, torch.zeros_like(d_tokens[:, :1])], 1)
-            block[torch.arange(B), n_acc] = next_tok  # row b emits block[b, : n_acc[b] + 1]
-        accepted_log.append(n_acc.tolist())
+            block[arange_b, n_acc] = next_tok  # row b emits block[b, : n_acc[b] + 1]
+        n_acc_list = n_acc.tolist()
+        accepted_log.append(n_acc_list)
+        block_list = block.tolist()
         new_total = 0
         for b in range(B):
             if not active[b]:
                 continue
             rounds[b] += 1
-            toks = block[b, : int(n_acc[b]) + 1].tolist()
+            toks = block_list[b][: n_acc_list[b] + 1]
             toks = toks[: max_new_tokens - len(emitted[b])]
             cut = next((i + 1 for i, t in enumerate(toks) if t in eos_set), None)
             if stop is not None:
@@ -157,7 +272,10 @@ def generate(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]
         act = torch.tensor(active, device=dev)
         n = torch.where(act, n + n_acc + 1, n)
         pending = torch.where(act, next_tok, pending)
-    return GenerationResult(emitted, finish, rounds, [len(e) for e in emitted], accepted_log)
+    _sync(dev)
+    return GenerationResult(emitted, finish, rounds, [len(e) for e in emitted], accepted_log,
+                            prefill_s=state.prefill_s, decode_s=time.perf_counter() - t0,
+                            decode_cpu_s=time.process_time() - c0)
 
 
 class StopStrings:
@@ -189,6 +307,15 @@ class StopStrings:
         """The text before the first stop string (the text a user is shown)."""
         hits = [text.find(st) for st in self.strings if st in text]
         return text[: min(hits)] if hits else text
+
+
+def _propose_greedy(draft: Draft, pending: torch.Tensor, pos0: torch.Tensor, k: int) -> torch.Tensor:
+    """k greedy draft forwards -> draft tokens (B, k) (the argmax of each step's logits)."""
+    tok, tokens = pending, []
+    for j in range(k):
+        tok = draft.step(tok[:, None], (pos0 + j)[:, None]).argmax(-1)
+        tokens.append(tok)
+    return torch.stack(tokens, 1)
 
 
 def _propose(draft: Draft, pending: torch.Tensor, pos0: torch.Tensor, k: int, params: SamplingParams,

@@ -50,6 +50,7 @@ class ThroughputArgs:
     seed: int = 0
     grow: int | None = None
     cost_analysis: bool = False
+    calibration: Path | None = None  # a `spire bench calibrate` JSON: measured FLOP/s and bandwidth
     tau_from: Path | None = None  # a `spire tau --out` JSON file: measured τ per draft (explicit taus win)
     tau_temperature: float = 0.0  # which temperature's rows of tau_from
     tau_drafts: dict[str, str] = field(default_factory=dict)  # kind -> measured draft name in tau_from
@@ -83,6 +84,13 @@ def resolve_preset(a: ThroughputArgs) -> tuple[Preset, int | None, int]:
 
 
 def resolve_hardware(a: ThroughputArgs) -> Hardware | None:
+    if a.calibration is not None:  # measured on this machine (spire.bench.calibrate)
+        if a.hardware or a.flops is not None or a.bandwidth is not None:
+            raise ConfigError("give --calibration or --hardware / --flops / --bandwidth, not several")
+        from spire.bench.calibrate import load_calibration
+
+        cal = load_calibration(a.calibration)
+        return cal.hardware(a.dtype if a.dtype is not None and a.dtype in cal.dtypes else None)
     if a.hardware and (a.flops or a.bandwidth):
         raise ConfigError("give --hardware or --flops/--bandwidth, not both")
     if a.hardware:
@@ -98,6 +106,10 @@ def build(a: ThroughputArgs) -> tuple[dict[str, Any], list[dict[str, Any]], Pres
     """(summary, rows, preset) for ``spire throughput``; the summary is the JSON object's other keys."""
     preset, window, sink = resolve_preset(a)
     hw = resolve_hardware(a)
+    if a.calibration is not None and a.dtype is None and a.bytes_per_value is None:
+        import dataclasses  # measured hardware: real bytes per value of the dtype it was measured with
+
+        a = dataclasses.replace(a, dtype="fp32" if "fp32" in hw.flops else next(iter(hw.flops)))
     for dtype in (a.dtype, a.kv_dtype):
         if dtype is not None:
             check_dtype(dtype)

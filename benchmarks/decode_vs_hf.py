@@ -1,0 +1,104 @@
+"""spire's AD and SD (MagicDec) decoding against HF transformers ``generate`` on the same model, side by side.
+
+    .venv/bin/python benchmarks/decode_vs_hf.py                      # B = 1 and 8, float32, 128-token prompts
+    .venv/bin/python benchmarks/decode_vs_hf.py -B 1 -B 8 -L 128 -G 64 --repeats 3 --threads 2
+    .venv/bin/python benchmarks/decode_vs_hf.py --vanilla-draft PATH  # + HF assisted generation at B = 1
+    .venv/bin/python benchmarks/decode_vs_hf.py --device cuda --dtype bfloat16
+
+The model is SmolLM2-135M-Instruct from ``spire.loading.load_target()``; HF loads the converted
+safetensors folder that call returns (``AutoModelForCausalLM.from_pretrained(folder)``), so both run the
+same weights in the same dtype on the same device. Prompts are real held-out contexts of equal length
+(``spire.data``), so no padding is involved. Greedy; every output is checked token by token against HF's.
+Prints a table (tokens/s, ratio spire / HF, decode-only rates, identical) and optionally writes JSON.
+See spire.bench.hf_compare for the method. Exit status 1 when an output differs from HF's in float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-B", "--batch", type=int, action="append", help="batch size; repeatable (default 1 and 8)")
+    ap.add_argument("-L", "--prompt-len", type=int, default=128, help="prompt tokens (default 128)")
+    ap.add_argument("-G", "--new-tokens", type=int, default=64, help="tokens generated per row (default 64)")
+    ap.add_argument("-k", type=int, default=4, help="draft tokens per round (default 4)")
+    ap.add_argument("--window", type=int, default=64, help="MagicDec window (default 64)")
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds; best is kept (default 3)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's)")
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--vanilla-draft", default=None, help="HF folder of a vanilla draft (B = 1 assisted rows)")
+    ap.add_argument("--json", default=None, help="write the rows here")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="wall clock, or process CPU time (single-threaded CPU runs on a shared machine)")
+    ap.add_argument("--random-weights", action="store_true",
+                    help="SmolLM2-shaped random weights and random prompts (timings only; for machines without "
+                         "the checkpoint, e.g. a GPU box)")
+    a = ap.parse_args(argv)
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from spire.bench.calibrate import resolve_device
+    from spire.bench.cli_support import set_threads
+    from spire.bench.hf_compare import HFCompareConfig, compare, print_rows
+    from spire.data import prepare_data
+    from spire.errors import SpireError
+    from spire.loading import load_target
+    from spire.pipeline import document_separator_id
+
+    try:
+        set_threads(a.threads)
+        dev = resolve_device(a.device)
+        dtype = getattr(torch, a.dtype)
+        cfg = HFCompareConfig(Bs=a.batch or [1, 8], L=a.prompt_len, G=a.new_tokens, k=a.k, window=a.window,
+                              repeats=a.repeats, seed=a.seed, clock=a.clock)
+        vanilla = hf_vanilla = None
+        if a.random_weights:
+            from spire.bench.hf_compare import random_pair
+
+            target, hf = random_pair(dtype, dev, a.seed)
+            g = torch.Generator().manual_seed(a.seed)
+            contexts = torch.randint(0, target.cfg.vocab_size, (max(cfg.Bs), cfg.L), generator=g)
+        else:
+            target, tok, folder = load_target(a.target, dtype=dtype, device=str(dev), progress=False)
+            hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(dev).eval()
+            data = prepare_data(tok, eos_id=document_separator_id(tok), progress=False)
+            contexts = data.heldout_contexts(cfg.L, cfg.G, max(cfg.Bs), seed=cfg.seed)[:, : cfg.L]
+        if a.vanilla_draft and not a.random_weights:
+            from spire.drafts import make_draft
+
+            from pathlib import Path
+
+            vanilla = make_draft("vanilla", target, tok, a.vanilla_draft).model
+            folder = Path(a.vanilla_draft)  # an HF folder, or a `spire train` run folder holding draft/
+            folder = folder / "draft" if (folder / "draft" / "config.json").is_file() else folder
+            hf_vanilla = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(dev).eval()
+        else:
+            print("vanilla rows skipped: no --vanilla-draft PATH given", file=sys.stderr)
+        rows = compare(target, hf, contexts, cfg, vanilla, hf_vanilla,
+                       log=lambda m: print(m, file=sys.stderr, flush=True))
+    except SpireError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_rows(rows, f"{a.target} {a.dtype} on {dev}, {torch.get_num_threads()} threads, {a.clock} clock: "
+                     f"L={cfg.L}, G={cfg.G}, k={cfg.k}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"config": vars(a), "threads": torch.get_num_threads(), "device": str(dev), "rows": rows}, f,
+                      indent=1)
+    bad = [r for r in rows if not r["identical"]]
+    if bad and a.dtype == "float32":
+        print(f"outputs differ from HF generate: {[(r['B'], r['method']) for r in bad]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""The logic behind ``spire bench`` and ``spire bench calibrate`` (kept out of spire.cli)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from spire.bench.calibrate import (TORCH_DTYPES, Calibration, cached_calibration, calibrate, load_calibration,
+                                   resolve_device)
+from spire.bench.run import BenchConfig, run_bench, summarize
+from spire.errors import ConfigError
+
+QUICK = dict(Bs=[1, 2], Ls=[64, 128], G=8, reps=2)
+"""``--quick``: a smoke-test grid (about a minute on 2 CPU cores with SmolLM2)."""
+
+
+@dataclass
+class BenchArgs:
+    """Every option of ``spire bench`` (None = not given)."""
+
+    Bs: list[int] | None = None
+    Ls: list[int] | None = None
+    k: int = 4
+    G: int | None = None
+    reps: int | None = None
+    target: str = "smollm2-135m"
+    dtype: str = "fp32"
+    device: str = "auto"
+    threads: int | None = None
+    spire_draft: str | None = None
+    no_spire: bool = False
+    vanilla_draft: str | None = None
+    sink: int = 1
+    window: int = 64
+    calibration: Path | None = None
+    out: Path | None = Path("spire-bench")
+    quick: bool = False
+    random_weights: bool = False
+    seed: int = 0
+    combine: str = "max"
+    clock: str = "wall"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def config(self) -> BenchConfig:
+        base = BenchConfig(**QUICK) if self.quick else BenchConfig()
+        for name, value in (("Bs", self.Bs), ("Ls", self.Ls), ("G", self.G), ("reps", self.reps)):
+            if value is not None:
+                setattr(base, name, value)
+        base.k, base.sink, base.window, base.seed, base.combine = self.k, self.sink, self.window, self.seed, self.combine
+        base.clock = self.clock
+        base.validate()
+        return base
+
+
+def set_threads(threads: int | None) -> None:
+    """torch intra-op threads (None: leave torch's default). Raises ConfigError when < 1."""
+    if threads is not None:
+        if threads < 1:
+            raise ConfigError(f"--threads must be >= 1, got {threads}")
+        torch.set_num_threads(threads)
+
+
+def get_calibration(path: Path | None, device: torch.device, dtype: str, quick: bool,
+                    log: Callable[[str], None]) -> Calibration:
+    """The calibration to predict with: ``path``; else the cached one of this device (if it has ``dtype``);
+    else a fresh one for ``dtype`` (quick when ``quick``), saved to the cache unless quick."""
+    if path is not None:
+        cal = load_calibration(path)
+        cal.hardware(dtype)  # ConfigError when the dtype is missing
+        return cal
+    cal = cached_calibration(device)
+    if cal is not None and dtype in cal.dtypes and (quick or not cal.quick):
+        log(f"calibration: cached {cal.device_name} ({cal.created})")
+        return cal
+    log(f"calibration: measuring {dtype} on {device} (`spire bench calibrate` saves one to reuse)")
+    cal = calibrate([dtype], device, quick=quick, log=log)
+    if not quick:
+        log(f"calibration saved to {cal.save()}")
+    return cal
+
+
+def load_drafts(args: BenchArgs, target, tokenizer, log: Callable[[str], None]) -> tuple[dict, list[str], dict]:
+    """name -> draft for the run, messages for the drafts skipped, name -> where each draft came from."""
+    from spire.drafts import find_trained_spire, make_draft
+    from spire.drafts.magicdec import MagicDecDraft
+
+    drafts: dict[str, Any] = {"magicdec": MagicDecDraft(args.sink, args.window)}
+    sources = {"magicdec": f"target over sink {args.sink} + window {args.window}"}
+    skipped: list[str] = []
+    if args.no_spire:
+        skipped.append("spire: --no-spire")
+    elif args.spire_draft:
+        drafts["spire"] = make_draft("spire", target, tokenizer, args.spire_draft)
+        sources["spire"] = str(args.spire_draft)
+    else:
+        found = find_trained_spire(target)
+        if found is None:
+            skipped.append("spire: no trained SPIRe draft for this target in the cache and no --spire-draft PATH")
+        else:
+            log(f"SPIRe draft: {found}")
+            drafts["spire"] = make_draft("spire", target, tokenizer, str(found))
+            sources["spire"] = f"{found} (newest trained in the cache)"
+    if args.vanilla_draft:
+        drafts["vanilla"] = make_draft("vanilla", target, tokenizer, args.vanilla_draft)
+        sources["vanilla"] = str(args.vanilla_draft)
+    else:
+        skipped.append("vanilla: no --vanilla-draft PATH given (an HF folder of a small model with the target's "
+                       "tokenizer)")
+    for msg in skipped:
+        log(f"skipped {msg}")
+    return drafts, skipped, sources
+
+
+def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Load everything, run the grid, return (result, summary). Raises SpireError subclasses."""
+    cfg = args.config()
+    if args.dtype not in TORCH_DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {args.dtype!r}")
+    set_threads(args.threads)
+    device = resolve_device(args.device)
+    cal = get_calibration(args.calibration, device, args.dtype, args.quick, log)
+    if args.random_weights:
+        from spire.bench.run import random_target
+        from spire.drafts.magicdec import MagicDecDraft
+        from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
+
+        target, folder = random_target(TORCH_DTYPES[args.dtype], device, args.seed), None
+        n_draft = max(1, round(target.cfg.n_layers * 8 / 30))  # SmolLM2: its last 8 of 30 layers
+        drafts = {"magicdec": MagicDecDraft(args.sink, args.window),
+                  "spire": SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=n_draft)))}
+        skipped = ["random weights: τ and tokens/s of SD are meaningless (timings and Δt are real); the SPIRe "
+                   "draft is an untrained pruned copy", "vanilla: not with --random-weights"]
+        sources = {"magicdec": f"target over sink {args.sink} + window {args.window}",
+                   "spire": f"untrained pruned copy of the last {n_draft} layers"}
+        log(f"random-weights {args.target}-shaped target: timings only")
+        gen = torch.Generator().manual_seed(cfg.seed)
+
+        def contexts_for(L: int, n: int) -> torch.Tensor:
+            return torch.randint(0, target.cfg.vocab_size, (n, L), generator=gen)
+    else:
+        from spire.data import prepare_data
+        from spire.loading import load_target
+        from spire.pipeline import document_separator_id
+
+        target, tokenizer, folder = load_target(args.target, dtype=TORCH_DTYPES[args.dtype], device=str(device),
+                                                progress=False)
+        drafts, skipped, sources = load_drafts(args, target, tokenizer, log)
+        data = prepare_data(tokenizer, eos_id=document_separator_id(tokenizer), progress=False)
+
+        def contexts_for(L: int, n: int) -> torch.Tensor:
+            return data.heldout_contexts(L, cfg.G, n, seed=cfg.seed)[:, :L]
+    longest = max(cfg.Ls) + cfg.G + cfg.k + 1
+    if longest > target.cfg.max_positions:
+        raise ConfigError(f"L={max(cfg.Ls)} + G={cfg.G} + k+1={cfg.k + 1} exceeds the target's "
+                          f"{target.cfg.max_positions} positions")
+
+    hw = cal.hardware(args.dtype)
+    result = run_bench(target, contexts_for, drafts, cfg, hoi=hw.hoi(args.dtype), flops_per_s=hw.flops_for(args.dtype),
+                       dtype_name=args.dtype, progress=log)
+    result.update(target=str(args.target) + (" (random weights)" if args.random_weights else ""),
+                  folder=None if folder is None else str(folder), calibration=cal.to_dict(), skipped=skipped,
+                  drafts=sources,
+                  threads=torch.get_num_threads(), torch_version=torch.__version__)
+    return result, summarize(result)

