@@ -108,4 +108,7 @@ def run(args: TrainRunArgs, log=print) -> dict:
     }
     if rank == 0:
         (Path(out) / "summary.json").write_text(json.dumps(summary, indent=1))
+    if world > 1:  # leave the process group cleanly (gloo aborts a peer that exits while others still talk)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return summary
