@@ -248,3 +248,19 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
     assert sorted(ddp) == list(range(1, 7))
     for step in ddp:
         assert ddp[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
+def test_resume_takes_the_saved_settings(tmp_path, tiny):
+    """`spire train --resume` rebuilds the run's config from its checkpoint; only the limits are new."""
+    from spire.training.run import saved_config
+
+    cfg = config("spire", 2, 2)
+    cfg.lr, cfg.seq_len = 2e-3, 16
+    train_draft(tiny, RepeatingData(), tmp_path, cfg, progress=False)
+    again = saved_config(tmp_path, {"max_steps": 3, "checkpoint_every": 5.0})
+    assert (again.lr, again.seq_len, again.max_steps, again.checkpoint_every) == (2e-3, 16, 3, 5.0)
+    assert again.spire == cfg.spire
+    _, state = train_draft(tiny, RepeatingData(), tmp_path, again, resume=True, progress=False)
+    assert state["step"] == 3
+    with pytest.raises(CheckpointError, match="nothing to resume"):
+        saved_config(tmp_path / "empty", {})

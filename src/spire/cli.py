@@ -275,10 +275,12 @@ def train(
                                                                    "`spire data`) or text files / folders; "
                                                                    "repeatable.")] = ["registry"],
     out: Annotated[Optional[Path], _OPT(help="Run folder [default: spire-runs/<draft>[-<ablation>]].")] = None,
-    resume: Annotated[bool, _OPT("--resume", help="Continue the run in --out exactly where it stopped.")] = False,
+    resume: Annotated[bool, _OPT("--resume", help="Continue the run in --out exactly where it stopped, with its "
+                                                  "saved settings (only --budget, --max-steps, --checkpoint-every and "
+                                                  "--eval-every apply).")] = False,
     ablation: Annotated[str, _OPT(help="Paper Figure 5 ablation: none, no-feedback, no-feedback-no-target, omega1, "
                                        "hard-loss, random-init, full-kv.")] = "none",
-    budget: Annotated[float, _OPT(help="Training seconds (evaluation excluded).")] = 1200.0,
+    budget: Annotated[Optional[float], _OPT(help="Training seconds (evaluation excluded) [1200].")] = None,
     max_steps: Annotated[Optional[int], _OPT(help="Stop after this many steps (the cosine schedule then runs over "
                                                   "steps: resumed runs are exact).")] = None,
     batch_size: Annotated[int, _OPT(help="Global batch: rows per step (split over torchrun processes).")] = 4,
@@ -328,7 +330,7 @@ def train(
         spire_kw["target_activations"] = False
     if no_self_attend:
         spire_kw["self_attend"] = False
-    train_kw = dict(budget_s=budget, max_steps=max_steps, batch_size=batch_size, seq_len=seq_len, k=k, lr=lr,
+    train_kw = dict(budget_s=1200.0 if budget is None else budget, max_steps=max_steps, batch_size=batch_size, seq_len=seq_len, k=k, lr=lr,
                     warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, bf16=bf16, seed=seed,
                     checkpoint_every=checkpoint_every, eval_every=eval_every, vanilla_layers=vanilla_layers)
     if loss is not None:
@@ -337,8 +339,10 @@ def train(
         train_kw["omega"] = omega
     if device not in ("auto", "cpu", "cuda"):
         raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
+    limits = {name: value for name, value in (("budget_s", budget), ("max_steps", max_steps)) if value is not None}
     args = TrainRunArgs(draft=draft, target=target, data=data, out=out, ablation=ablation, resume=resume,
-                        device=device, eval_windows=eval_windows, spire_overrides=spire_kw, train_overrides=train_kw)
+                        device=device, eval_windows=eval_windows, spire_overrides=spire_kw, train_overrides=train_kw,
+                        resume_limits={**limits, "checkpoint_every": checkpoint_every, "eval_every": eval_every})
     summary = run(args, log=lambda m: typer.echo(m, err=True))
     if summary.get("rank", 0) == 0:
         h = summary["heldout"] or {}

@@ -47,12 +47,18 @@ def resolve_draft_path(kind: str, path: str | Path) -> Path:
     """A draft path as given, or the draft inside a `spire train` run folder (``draft.safetensors`` for
     SPIRe, ``draft/`` for vanilla). Raises CheckpointError when nothing is there."""
     p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"draft not found: {p}")
     if p.is_dir():
         inner = p / ("draft.safetensors" if kind == "spire" else "draft")
         if inner.exists():
             return inner
-    if not p.exists():
-        raise CheckpointError(f"draft not found: {p}")
+        if kind == "spire" and not (p / "config.json").is_file() and (p / "draft").is_dir():
+            raise CheckpointError(f"{p} is a vanilla draft run (it has draft/, no draft.safetensors): use --draft vanilla")
+        if kind == "spire":
+            raise CheckpointError(f"{p} holds no SPIRe draft (draft.safetensors)"
+                                  + (": it is an HF model folder; use --draft vanilla" if (p / "config.json").is_file()
+                                     else ""))
     return p
 
 

@@ -121,8 +121,14 @@ def read_draft_file(path: Path, target: Transformer | None = None) -> tuple[dict
         from safetensors import safe_open
 
         with safe_open(str(path), "pt") as f:
-            meta = json.loads(f.metadata()["spire"])
+            meta = (f.metadata() or {}).get("spire")
+        if meta is None:
+            raise CheckpointError(f"{path} is not a spire draft checkpoint (no spire metadata; a vanilla draft's "
+                                  "weights? use --draft vanilla with its folder)")
+        meta = json.loads(meta)
         state = load_file(str(path))
+    except CheckpointError:
+        raise
     except Exception as e:
         raise CheckpointError(f"cannot read draft checkpoint {path}: {e}".splitlines()[0]) from None
     if target is not None:

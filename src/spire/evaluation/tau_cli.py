@@ -158,7 +158,7 @@ def _draft_window(draft) -> tuple[int | None, int | None]:
 
 def build_drafts(target, tokenizer, a: TauArgs) -> list[tuple[DraftSpec, Any]]:
     """(spec, draft) per spec; a spire spec without a path gets the newest trained draft in the cache."""
-    from spire.drafts import find_trained_spire, make_draft
+    from spire.drafts import find_trained_spire, make_draft, resolve_draft_path
     from spire.errors import CheckpointError
 
     out = []
@@ -166,11 +166,14 @@ def build_drafts(target, tokenizer, a: TauArgs) -> list[tuple[DraftSpec, Any]]:
         if spec.kind == "spire" and not spec.path:
             found = find_trained_spire(target)
             if found is None:
-                raise CheckpointError("no trained SPIRe draft for this target in the cache: run `spire reproduce` "
-                                      "(or pass --draft-path / --spire-draft NAME=PATH)")
+                raise CheckpointError("--draft spire: no trained SPIRe draft for this target in the cache: run "
+                                      "`spire reproduce` or `spire train`, pass --draft-path, or name drafts with "
+                                      "--spire-draft NAME=PATH and leave spire out of --draft")
             spec = DraftSpec(spec.kind, spec.name, str(found))
+        if spec.path:
+            spec = DraftSpec(spec.kind, spec.name, str(resolve_draft_path(spec.kind, spec.path)))
         if spec.path and spec.kind == "spire" and not Path(spec.path).is_file():
-            raise CheckpointError(f"SPIRe draft {spec.name!r}: no such file {spec.path}")
+            raise CheckpointError(f"SPIRe draft {spec.name!r}: no draft.safetensors at {spec.path}")
         out.append((spec, make_draft(spec.kind, target, tokenizer, spec.path, sink=a.sink, window=a.window)))
     return out
 

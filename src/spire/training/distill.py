@@ -74,7 +74,8 @@ class TrainConfig:
     pure distillation) or "hard" (HardTargetLoss); None picks the method's default (SPIRe: mixed,
     vanilla: hard). bf16: autocast (None: on where bf16 is fast). eval_every: steps between held-out
     evaluations (0: at the end only). ablation: a name of :data:`ABLATIONS`, recorded in the checkpoint.
-    vanilla_layers: the vanilla draft's blocks (None: round(target layers / 8)).
+    vanilla_layers: the vanilla draft's blocks (None: round(target layers / 8)). data: the training text's
+    identity (set by `spire train`; a resume on other text is refused).
     """
 
     draft: str = "spire"
@@ -96,6 +97,7 @@ class TrainConfig:
     ablation: str = "none"
     spire: SpireConfig = field(default_factory=SpireConfig)
     vanilla_layers: int | None = None
+    data: str | None = None  # identity of the training text (its cache key), recorded so a resume can check it
 
     def resolved_loss(self) -> str:
         return self.loss or ("hard" if self.draft == "vanilla" else "mixed")

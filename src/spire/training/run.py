@@ -31,6 +31,7 @@ class TrainRunArgs:
     eval_windows: int = 16
     spire_overrides: dict = field(default_factory=dict)
     train_overrides: dict = field(default_factory=dict)
+    resume_limits: dict = field(default_factory=dict)  # with resume: the new budget / step limit / intervals
 
 
 def default_out(args: TrainRunArgs) -> Path:
@@ -57,6 +58,22 @@ def build_config(args: TrainRunArgs):
     return cfg
 
 
+def saved_config(out: Path, limits: dict):
+    """The TrainConfig of the run saved in ``out``, with new limits (budget_s, max_steps, checkpoint_every,
+    eval_every) applied. Raises CheckpointError when there is nothing to resume."""
+    from spire.drafts.spire import SpireConfig
+    from spire.errors import CheckpointError
+    from spire.training.distill import TrainConfig, load_state
+
+    state = load_state(out)
+    if state is None:
+        raise CheckpointError(f"nothing to resume: {out} holds no checkpoint")
+    saved = dict(state["config"])
+    saved["spire"] = SpireConfig(**saved["spire"])
+    saved.update(limits)
+    return TrainConfig(**saved)
+
+
 def load_data(spec: list[str], tokenizer, progress: bool):
     """Registry texts (``["registry"]``) or the user's files. Raises DataError."""
     from spire.data import prepare_data, prepare_text_files
@@ -81,16 +98,17 @@ def run(args: TrainRunArgs, log=print) -> dict:
     from spire.loading import load_target
     from spire.training.distill import init_distributed, train_draft
 
-    cfg = build_config(args)
+    out = args.out or default_out(args)
+    cfg = saved_config(out, args.resume_limits) if args.resume else build_config(args)
     rank, world = init_distributed()
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and world > 1:
         device = f"cuda:{torch.cuda.current_device()}"
-    out = args.out or default_out(args)
     target, tokenizer, folder = load_target(args.target, device=device, progress=rank == 0)
     data = load_data(args.data, tokenizer, progress=rank == 0)
+    cfg.data = data.manifest.get("key")
     heldout = heldout_windows(data, cfg.seq_len, args.eval_windows)
     if rank == 0:
         log(f"training a {cfg.draft} draft{'' if cfg.ablation == 'none' else f' (ablation {cfg.ablation})'} for "
