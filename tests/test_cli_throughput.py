@@ -18,9 +18,13 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
     return exit_info.value.code or 0, out, err
 
 
-def test_console_script_json_contract():
+@pytest.mark.parametrize("entry", ["console script", "python -m spire"])
+def test_console_script_json_contract(entry):
     script = Path(sys.executable).with_name("spire")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "spire.cli"]
+    if entry == "console script":
+        command = [str(script)] if script.exists() else [sys.executable, "-m", "spire.cli"]
+    else:
+        command = [sys.executable, "-m", "spire"]
     result = subprocess.run(
         [*command, "throughput", "--preset", "paper-67m", "-B", "64", "-L", "512", "--format", "json"],
         capture_output=True, text=True, check=True,
