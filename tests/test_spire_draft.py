@@ -26,14 +26,20 @@ def test_training_forward_matches_inference(tiny, k, window):
     torch.manual_seed(0)
     T = 8 * k
     tokens = torch.randint(0, tiny.cfg.vocab_size, (2, T))
-    model = _draft(tiny, n=2, window=window)
-    pos = torch.arange(T)[None].expand(2, T)
+    _assert_training_matches_inference(tiny, _draft(tiny, n=2, window=window), tokens, k)
+
+
+def _assert_training_matches_inference(target, model, tokens, k):
+    """For every block start s (verified prefix = positions < s), the drafting loop through the real caches
+    gives the k-pass training logits at s .. s + k - 1 (float32, 1e-4)."""
+    B, T = tokens.shape
+    pos = torch.arange(T)[None].expand(B, T)
     with torch.no_grad():
-        out = tiny(tokens, pos, hidden_layers=model.source_layers)
+        out = target(tokens, pos, hidden_layers=model.source_layers)
         train_logits = model.forward_train(tokens, out.hidden, k)
     draft = SpireDraft(model)
-    for s in range(0, T, k):  # block starting at s: verified prefix is positions < s
-        draft.start(tiny, None, 2, T + 1, k)
+    for s in range(0, T, k):
+        draft.start(target, None, B, T + 1, k)
         if s > 0:
             hid = {j: h[:, :s] for j, h in out.hidden.items()}
             draft.observe(tokens[:, :s], pos[:, :s], ForwardOutput(out.logits[:, :s], hid))
@@ -109,19 +115,7 @@ def test_ablated_training_forward_matches_inference(tiny, name):
             p.add_(0.05 * torch.randn_like(p))
     model.eval()
     tokens = torch.randint(0, tiny.cfg.vocab_size, (B, T))
-    pos = torch.arange(T)[None].expand(B, T)
-    with torch.no_grad():
-        out = tiny(tokens, pos, hidden_layers=model.source_layers)
-        train_logits = model.forward_train(tokens, out.hidden, k)
-    draft = SpireDraft(model)
-    for s in range(0, T, k):
-        draft.start(tiny, None, B, T + 1, k)
-        if s > 0:
-            hid = {j: h[:, :s] for j, h in out.hidden.items()}
-            draft.observe(tokens[:, :s], pos[:, :s], ForwardOutput(out.logits[:, :s], hid))
-        for j in range(k):
-            step_logits = draft.step(tokens[:, s + j: s + j + 1], pos[:, s + j: s + j + 1])
-            torch.testing.assert_close(step_logits, train_logits[:, s + j], atol=1e-4, rtol=1e-4)
+    _assert_training_matches_inference(tiny, model, tokens, k)
 
 
 def test_ablation_switches_change_the_draft(tiny):

@@ -113,6 +113,9 @@ class KVCache:
             return self.k[layer], self.v[layer]
         return self.k[layer][:, :, :upto], self.v[layer][:, :, :upto]
 
+    def claim(self, pos: torch.Tensor) -> None:
+        """Nothing to do: a dense cache's slot of position p is p (interface parity with :class:`RingKVCache`)."""
+
     def key_positions(self, upto: int | None = None) -> torch.Tensor:
         """(S,) absolute positions of the entries :meth:`read` returns."""
         return self.positions if upto is None else self.positions[:upto]

@@ -27,19 +27,18 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
 from spire.model import ForwardOutput, Transformer, rope_cos_sin
+from spire.paths import atomic_write
 
 
 INIT_KINDS = ("pruned", "random")
@@ -109,6 +108,14 @@ def _fingerprint(target: Transformer) -> dict:
     emb = target.model.embed_tokens.weight
     return {"vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
             "embedding_checksum": round(float(emb[:64].double().sum()), 3)}
+
+
+def write_draft_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Write tensors with spire's JSON metadata (read back by :func:`read_draft_file`) atomically to ``path``."""
+    from safetensors.torch import save
+
+    data = save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata={"spire": json.dumps(meta)})
+    atomic_write(path, lambda f: f.write(data))
 
 
 def read_draft_file(path: Path, target: Transformer | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -259,14 +266,8 @@ class SpireDraftModel(nn.Module):
     # -- persistence ----------------------------------------------------------------------------------
     def save(self, path: Path, extra: dict | None = None) -> None:
         """Write weights (safetensors) and a JSON sidecar atomically to ``path`` (a .safetensors file)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         meta = {"spire_config": self.cfg.to_dict(), "target": _fingerprint(self.target), **(extra or {})}
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-        os.close(fd)
-        save_file(state, tmp, metadata={"spire": json.dumps(meta)})
-        os.replace(tmp, path)
+        write_draft_file(path, self.state_dict(), meta)
 
     @classmethod
     def load(cls, path: Path, target: Transformer) -> "SpireDraftModel":
@@ -355,8 +356,7 @@ class SpireDraft(Draft):
             return m.logits(self._run(tokens, pos))[:, -1]
         x = m.target.model.embed_tokens(tokens)  # (B, 1, d)
         cos, sin = m._rope(pos, x.dtype)
-        if isinstance(cache, RingKVCache):
-            cache.claim(pos)  # the slots of the new position now hold it (its keys/values follow, per layer)
+        cache.claim(pos)  # the slots of the new position now hold it (its keys/values follow, per layer)
         kp = self._key_positions(tokens.shape[0])
         mask = attention_mask(pos, kp, m.view)  # (B, 1, 1, S)
         if not m.cfg.self_attend:

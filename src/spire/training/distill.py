@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from spire.drafts.spire import SpireConfig, SpireDraftModel, _fingerprint, read_draft_file
+from spire.drafts.spire import SpireConfig, SpireDraftModel, _fingerprint, read_draft_file, write_draft_file
 from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.model import Transformer
 from spire.paths import atomic_write, existing_dir, replace_dir
@@ -235,11 +235,8 @@ def _save_weights(model: torch.nn.Module, target: Transformer, path: Path, meta:
     if isinstance(model, SpireDraftModel):
         model.save(path, meta)
         return
-    from safetensors.torch import save_file
-
     meta = {"vanilla_config": model.cfg.to_dict(), "target": _fingerprint(target), **meta}
-    sd = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(sd, str(path), metadata={"spire": json.dumps(meta)})
+    write_draft_file(path, {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, meta)
 
 
 def _load_weights(model: torch.nn.Module, target: Transformer, path: Path) -> None:
