@@ -4,6 +4,7 @@
     .venv/bin/python benchmarks/decode_vs_hf.py -B 1 -B 8 -L 128 -G 64 --repeats 3 --threads 2
     .venv/bin/python benchmarks/decode_vs_hf.py --vanilla-draft PATH  # + HF assisted generation at B = 1
     .venv/bin/python benchmarks/decode_vs_hf.py --device cuda --dtype bfloat16
+    .venv/bin/python benchmarks/decode_vs_hf.py --weights both    # + weight-only bf16 rows (CPU, float32 math)
 
 The model is SmolLM2-135M-Instruct from ``spire.loading.load_target()``; HF loads the converted
 safetensors folder that call returns (``AutoModelForCausalLM.from_pretrained(folder)``), so both run the
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=64, help="MagicDec window (default 64)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds; best is kept (default 3)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--weights", choices=["float32", "bf16", "both"], default="float32",
+                    help="bf16: weight-only bf16 on CPU (spire.model.use_bf16_weights: spire streams bf16 weights "
+                         "through its kernels, float32 arithmetic; HF runs the same rounded weights in float32); "
+                         "both: float32 rows, then bf16 rows, in one run (default float32)")
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default torch's)")
     ap.add_argument("--target", default="smollm2-135m")
@@ -49,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from spire.bench.cli_support import set_threads
     from spire.bench.hf_compare import HFCompareConfig, compare, print_rows
     from spire.data import prepare_data
-    from spire.errors import SpireError
+    from spire.errors import ConfigError, SpireError
     from spire.loading import load_target
     from spire.pipeline import document_separator_id
 
@@ -82,13 +87,39 @@ def main(argv: list[str] | None = None) -> int:
             hf_vanilla = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(dev).eval()
         else:
             print("vanilla rows skipped: no --vanilla-draft PATH given", file=sys.stderr)
-        rows = compare(target, hf, contexts, cfg, vanilla, hf_vanilla,
-                       log=lambda m: print(m, file=sys.stderr, flush=True))
+        modes = ["float32", "bf16"] if a.weights == "both" else [a.weights]
+        if "bf16" in modes and (dtype != torch.float32 or dev.type != "cpu"):
+            raise ConfigError("--weights bf16 is for float32 models on the CPU (use --dtype bfloat16 on a GPU)")
+        rows = []
+        for mode in modes:
+            if mode == "bf16":  # the same rounded weights for spire and HF: outputs stay comparable token by token
+                from spire.model import use_bf16_weights
+
+                for m in (target, hf, vanilla, hf_vanilla):
+                    if m is not None:
+                        use_bf16_weights(m)
+            for r in compare(target, hf, contexts, cfg, vanilla, hf_vanilla,
+                             log=lambda m: print(m, file=sys.stderr, flush=True)):
+                r["weights"] = mode
+                if mode == "bf16":
+                    r["method"] += " (bf16 weights)"
+                rows.append(r)
+        if len(modes) == 2:  # spire's bf16-weight rows against HF's own float32 model: the user's real choice
+            for r in rows:
+                hf32 = next(x for x in rows if x["B"] == r["B"] and x["weights"] == "float32"
+                            and x["method"] == "HF generate (AD)")
+                r["ratio_vs_hf_float32"] = r["tokens_per_s"] / hf32["tokens_per_s"]
+                if r.get("decode_tokens_per_s") and hf32.get("decode_tokens_per_s"):
+                    r["decode_ratio_vs_hf_float32"] = r["decode_tokens_per_s"] / hf32["decode_tokens_per_s"]
     except SpireError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print_rows(rows, f"{a.target} {a.dtype} on {dev}, {torch.get_num_threads()} threads, {a.clock} clock: "
+    print_rows(rows, f"{a.target} {a.dtype} ({a.weights} weights) on {dev}, {torch.get_num_threads()} threads, {a.clock} clock: "
                      f"L={cfg.L}, G={cfg.G}, k={cfg.k}")
+    for r in rows:
+        if r.get("weights") == "bf16" and "ratio_vs_hf_float32" in r and r["method"].startswith("spire"):
+            print(f"B={r['B']} {r['method']}: {r['ratio_vs_hf_float32']:.2f}x HF generate's float32 tokens/s "
+                  f"(decode {r.get('decode_ratio_vs_hf_float32') or float('nan'):.2f}x)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"config": vars(a), "threads": torch.get_num_threads(), "device": str(dev), "rows": rows}, f,

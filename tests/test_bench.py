@@ -291,3 +291,64 @@ def test_bench_cli_smoke(tmp_path, monkeypatch, capsys, tiny):
     assert data["config"]["clock"] == "cpu" and data["threads"] == 1
     assert all(r["delta_t_measured"] > 0 and r["identical_to_ad"] for r in data["rows"])
     assert (tmp_path / "out" / "bench.json").is_file() and "## Goals" in (tmp_path / "out" / "BENCH.md").read_text()
+
+
+def test_skinny_kernel_bf16_weights():
+    """bf16 weights are widened exactly: the product equals float32 arithmetic on the bf16 values."""
+    from spire import kernels
+
+    if not kernels.available():
+        pytest.skip(f"kernel unavailable: {kernels.unavailable_reason()}")
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(37, 72, generator=g).bfloat16(), torch.randn(5, 72, generator=g).bfloat16()]
+    for M in (1, 2, 5, 32):
+        x = torch.randn(M, 72, generator=g)
+        ref = torch.cat([F.linear(x.double(), w.double()) for w in ws], -1).float()
+        torch.testing.assert_close(kernels.skinny_linear(x, ws), ref, atol=1e-5, rtol=1e-5)
+    x = torch.randn(3, 70, generator=g)  # scalar tail
+    w = torch.randn(6, 70, generator=g).bfloat16()
+    torch.testing.assert_close(kernels.skinny_linear(x, [w]), F.linear(x, w.float()), atol=1e-5, rtol=1e-5)
+    assert kernels.skinny_linear(x, [w, w.float()]) is None  # mixed weight dtypes: caller falls back
+
+
+def test_bf16_weights_model_is_the_rounded_model(tiny):
+    """use_bf16_weights rounds every matmul weight to bf16 (and nothing else); decoding through the bf16
+    kernel path equals the reference path on those rounded weights, and greedy SD stays identical to AD."""
+    import copy
+
+    from spire.drafts.magicdec import MagicDecDraft
+    from spire.errors import ConfigError
+    from spire.model import use_bf16_weights
+    from spire.speculative import generate
+
+    model = copy.deepcopy(tiny)
+    norm_before = model.layers[0].input_layernorm.weight.clone()
+    n = use_bf16_weights(model)
+    assert n == 4 * 7 + 1  # q, k, v, o, gate, up, down per layer + the tied embedding / head
+    for m in model.modules():
+        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            assert torch.equal(m.weight, m.weight.bfloat16().float())
+    assert not torch.equal(model.layers[0].mlp.up_proj.weight, tiny.layers[0].mlp.up_proj.weight)
+    assert torch.equal(model.layers[0].input_layernorm.weight, norm_before)  # norms stay float32
+    ref = copy.deepcopy(model).requires_grad_(True)  # autograd -> plain F.linear on the same rounded weights
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(2))
+    outs = []
+    for m, grad in ((model, False), (ref, True)):
+        cache = m.new_cache(2, 48)
+        with torch.set_grad_enabled(grad):
+            m(ids[:, :30], torch.arange(30)[None].expand(2, 30), cache)
+            steps = [m(ids[:, 30 + t: 31 + t], torch.full((2, 1), 30 + t), cache).logits.detach() for t in range(3)]
+            pos = torch.arange(33, 38)[None].expand(2, 5)
+            steps.append(m(ids[:, 33:38], pos, cache).logits.detach())
+        outs.append(torch.cat(steps, 1))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    from spire import kernels
+
+    if kernels.available():  # the decode matmuls really streamed the bf16 copies
+        assert model.layers[0].mlp._wc["gu"]._store["B"][1].dtype == torch.bfloat16
+    prompts = ids[:, :20].tolist()
+    ad = generate(model, prompts, 24)
+    sd = generate(model, prompts, 24, draft=MagicDecDraft(1, 4), k=3)
+    assert sd.tokens == ad.tokens
+    with pytest.raises(ConfigError, match="float32 model on the CPU"):
+        use_bf16_weights(copy.deepcopy(tiny).to(torch.bfloat16))

@@ -87,3 +87,19 @@ def test_reproduce_end_to_end_tiny_budget(tmp_path, env, smollm2):
     assert "τ against context length" in report and "Order of importance" in report and "Goal check" in report
     for f in results["figures"]:
         assert (out / f).stat().st_size > 1000
+    # the same job again, with ablation "none" at the main draft's budget: every draft is found finished, the
+    # "none" run is the main run (not trained twice), and every τ comes from the measurement cache unchanged
+    res = _run(["reproduce", "--quick", "--out", str(tmp_path / "again"), "--budget", "8", "--n-contexts", "2",
+                "-L", "64", "-G", "8", "--vanilla-budget", "4", "--ablations", "none", "--ablation-budget", "8",
+                "--tau-L", "32,96", "--tau-L-contexts", "2"], env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "spire-none: the same settings as spire, not trained again" in res.stderr
+    again = json.loads((tmp_path / "again" / "results.json").read_text())
+    assert again["trainings"]["spire-none"]["run_dir"] == results["trainings"]["spire"]["run_dir"]
+    taus2 = {(t["draft"], t["temperature"]): t for t in again["tau"]}
+    for (draft, T), t in taus.items():
+        if draft in ("magicdec", "vanilla", "spire"):
+            assert taus2[(draft, T)].get("cached") and taus2[(draft, T)]["tau"] == t["tau"]
+    for T in (0.0, 1.0):
+        assert taus2[("spire-none", T)]["tau"] == taus[("spire", T)]["tau"]
+    assert all(r.get("cached") for r in again["tau_vs_L"])

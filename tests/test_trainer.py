@@ -264,3 +264,25 @@ def test_resume_takes_the_saved_settings(tmp_path, tiny):
     assert state["step"] == 3
     with pytest.raises(CheckpointError, match="nothing to resume"):
         saved_config(tmp_path / "empty", {})
+
+
+def test_resume_a_run_saved_before_a_setting_existed(tmp_path, tiny):
+    """A checkpoint written before a TrainConfig field was added (here: data) resumes when the field has
+    its default; a real difference is still named."""
+    import json as _json
+
+    train_draft(tiny, RepeatingData(), tmp_path, config("spire", 2, 2), progress=False)
+    state_file = tmp_path / "checkpoint" / "train_state.json"
+    saved = _json.loads(state_file.read_text())
+    assert "data" in saved["config"] and saved["config"]["data"] is None
+    del saved["config"]["data"]
+    state_file.write_text(_json.dumps(saved))
+    _, state = train_draft(tiny, RepeatingData(), tmp_path, config("spire", 3, 2), resume=True, progress=False)
+    assert state["step"] == 3
+    del saved["config"]["omega"]  # absent reads as the default 0.5; the run says 0.9
+    saved["step"] = 3
+    state_file.write_text(_json.dumps(saved))
+    changed = config("spire", 4, 2)
+    changed.omega = 0.9
+    with pytest.raises(ConfigError, match=r"other settings \(omega\)"):
+        train_draft(tiny, RepeatingData(), tmp_path, changed, resume=True, progress=False)

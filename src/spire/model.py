@@ -157,17 +157,19 @@ class WeightCache:
     and device. Not an ``nn.Module`` buffer, so never saved; ``copy.deepcopy`` gives an empty cache.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, weight_dtype: torch.dtype | None = None) -> None:
         self._store: dict[str, tuple[tuple, torch.Tensor]] = {}
+        self.weight_dtype = weight_dtype  # torch.bfloat16: weight-only bf16 (see use_bf16_weights)
 
     def __deepcopy__(self, memo) -> "WeightCache":
-        return WeightCache()
+        return WeightCache(self.weight_dtype)
 
     def clear(self) -> None:
         self._store.clear()
 
     def get(self, linears: Sequence[nn.Linear], layout: str) -> torch.Tensor:
-        """The (out_total, in) ("N") or (in, out_total) ("T") weight of ``linears`` concatenated."""
+        """The (out_total, in) ("N"), (in, out_total) ("T") or bf16 (out_total, in) ("B") weight of
+        ``linears`` concatenated."""
         ws = [lin.weight for lin in linears]
         if layout == "N" and len(ws) == 1:
             return ws[0]
@@ -178,7 +180,8 @@ class WeightCache:
         self._store.pop(layout, None)  # free the stale copy before building the new one
         with torch.no_grad():
             w = ws[0].detach() if len(ws) == 1 else torch.cat([w.detach() for w in ws])
-            w = w.t().contiguous() if layout == "T" else w.contiguous()
+            w = (w.t().contiguous() if layout == "T" else w.to(torch.bfloat16).contiguous() if layout == "B"
+                 else w.contiguous())
         self._store[layout] = (key, w)
         return w
 
@@ -201,7 +204,11 @@ def fast_linear(x: torch.Tensor, linears: Sequence[nn.Linear], cache: WeightCach
     M = x2.shape[0]
     y = None
     if x.device.type == "cpu" and x2.dtype == torch.float32:
-        if M == 1 and TRANSPOSED_GEMV:
+        if cache.weight_dtype == torch.bfloat16 and M <= KERNEL_MAX_M:
+            from spire import kernels
+
+            y = kernels.skinny_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), [cache.get(linears, "B")])
+        elif M == 1 and TRANSPOSED_GEMV:
             y = x2 @ cache.get(linears, "T")
         elif M <= KERNEL_MAX_M:
             from spire import kernels
@@ -210,6 +217,32 @@ def fast_linear(x: torch.Tensor, linears: Sequence[nn.Linear], cache: WeightCach
     if y is None:
         y = F.linear(x2, cache.get(linears, "N"))
     return y.reshape(*lead, y.shape[-1])
+
+
+def use_bf16_weights(module: nn.Module) -> int:
+    """Weight-only bf16 for float32 CPU inference: round every ``nn.Linear`` and ``nn.Embedding`` weight of
+    ``module`` (a target or a draft) to the nearest bf16 value, in place, and let decoding matmuls (M ≤
+    KERNEL_MAX_M rows) stream a bf16 copy through :mod:`spire.kernels` -- half the weight bytes of float32,
+    float32 activations and arithmetic. Larger matmuls (prefill) use the float32 weights, which now hold the
+    same bf16 values, so every path computes the same model. The rounding is irreversible (reload the
+    checkpoint for the float32 model); norms and caches stay float32. Without the kernels (no AVX2 or C
+    compiler, SPIRE_KERNELS=0) the model is still rounded and runs through torch at float32 speed.
+
+    Returns the number of weight tensors rounded. Raises ConfigError on a non-float32 or non-CPU module.
+    """
+    params = {id(m.weight): m.weight for m in module.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    for w in params.values():
+        if w.dtype != torch.float32 or w.device.type != "cpu":
+            raise ConfigError(f"bf16 weights need a float32 model on the CPU, got {w.dtype} on {w.device.type}")
+    with torch.no_grad():
+        for w in params.values():
+            w.copy_(w.to(torch.bfloat16).float())
+    for m in module.modules():
+        for wc in [*getattr(m, "_wc", {}).values(), getattr(m, "_head_wc", None)]:
+            if isinstance(wc, WeightCache):
+                wc.weight_dtype = torch.bfloat16
+                wc.clear()
+    return len(params)
 
 
 def _rope_qk(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

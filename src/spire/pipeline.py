@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from spire.errors import ConfigError
-from spire.paths import spire_cache_dir
+from spire.paths import atomic_write, spire_cache_dir
 
 PRESETS = {"smollm2-135m": "smollm2-135m"}  # reproduce preset -> target checkpoint spec
 
@@ -100,7 +100,10 @@ def document_separator_id(tokenizer) -> int | None:
 
 def _draft_dir(cfg: ReproduceConfig, train_cfg, folder: Path, label: str = "spire") -> Path:
     name = cfg.preset if cfg.target is None else Path(folder).name
-    key = hashlib.sha1(json.dumps({"target": str(Path(folder).resolve()), "train": train_cfg.to_dict()},
+    train = train_cfg.to_dict()
+    if train.get("data") is None:  # registry text: keyed as before the field existed, so older runs are found
+        train.pop("data", None)
+    key = hashlib.sha1(json.dumps({"target": str(Path(folder).resolve()), "train": train},
                                   sort_keys=True, default=str).encode()).hexdigest()[:10]
     return spire_cache_dir() / "drafts" / f"{name}-{label}-{key}"
 
@@ -108,6 +111,36 @@ def _draft_dir(cfg: ReproduceConfig, train_cfg, folder: Path, label: str = "spir
 def _tau_batch(cfg: ReproduceConfig, L: int) -> int:
     """Contexts decoded together: fewer at long L (the prefill's logits take B x L x V floats)."""
     return max(1, min(cfg.batch_size, 8192 // L))
+
+
+TAU_CACHE_VERSION = 1  # bump when a change to decoding or sampling changes what a τ measurement returns
+
+
+def _tau_key(target_folder: Path, draft: dict, contexts: torch.Tensor, cfg: ReproduceConfig, temperature: float,
+             batch_size: int) -> str:
+    """Content key of one τ measurement: target, draft (settings or run folder and step), the exact context
+    tokens, G, k, temperature, batch and seed."""
+    h = hashlib.sha1(contexts.to(torch.int64).cpu().numpy().tobytes())
+    h.update(json.dumps({"v": TAU_CACHE_VERSION, "target": str(Path(target_folder).resolve()), "draft": draft,
+                         "G": cfg.G, "k": cfg.k, "T": temperature, "batch": batch_size, "seed": cfg.seed},
+                        sort_keys=True).encode())
+    return h.hexdigest()[:20]
+
+
+def _tau_cache_get(key: str) -> dict | None:
+    path = spire_cache_dir() / "tau" / f"{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _tau_cache_put(key: str, row: dict) -> None:
+    """Keep a finished τ measurement, so that an interrupted or extended `spire reproduce` (another L, more
+    ablations) measures only what is new."""
+    folder = spire_cache_dir() / "tau"
+    folder.mkdir(parents=True, exist_ok=True)
+    atomic_write(folder / f"{key}.json", None, text=json.dumps(row))
 
 
 def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
@@ -166,11 +199,18 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
         + (f", {len(cfg.ablations)} ablations ({amount(cfg.ablation_budget_s, cfg.ablation_steps)} each)"
            if cfg.ablations else ""))
     t = time.time()
-    trained, training = {}, {}
+    trained, training, states, by_config = {}, {}, {}, {}
     for label, train_cfg in runs:
+        same = by_config.get(json.dumps(train_cfg.to_dict(), sort_keys=True, default=str))
+        if same is not None:  # e.g. ablation "none" at the main draft's budget: the same run, trained once
+            log(f"      {label}: the same settings as {same}, not trained again")
+            trained[label], training[label], states[label] = trained[same], training[same], states[same]
+            continue
+        by_config[json.dumps(train_cfg.to_dict(), sort_keys=True, default=str)] = label
         run_dir = _draft_dir(cfg, train_cfg, folder, label)
         model, state = train_draft(target, data, run_dir, train_cfg, heldout=windows, target_folder=folder,
                                    progress=progress, log=log)
+        states[label] = state
         alpha = state["heldout"]["alpha_per_position"]
         log(f"      {label}: {state['step']} steps, {state['tokens']:,} tokens, held-out alpha per drafted position "
             f"{', '.join(f'{a:.3f}' for a in alpha)}")
@@ -192,9 +232,20 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
         return VanillaDraft(trained[name]) if name == "vanilla" else SpireDraft(trained[name])
 
     def measure(name: str, ctx: torch.Tensor, temperature: float) -> dict:
+        batch = _tau_batch(cfg, ctx.shape[1])
+        if name == "magicdec":
+            identity = {"magicdec": [cfg.sink, cfg.window]}
+        else:
+            identity = {"run_dir": training[name]["run_dir"], "step": states[name]["step"]}
+        key = _tau_key(folder, identity, ctx, cfg, temperature, batch)
+        cached = _tau_cache_get(key)
+        if cached is not None:
+            return {**cached, "draft": name, "cached": True}
         r = measure_tau(target, draft_of(name), ctx, G=cfg.G, k=cfg.k, params=SamplingParams(temperature),
-                        batch_size=_tau_batch(cfg, ctx.shape[1]), seed=cfg.seed, progress=progress)
-        return {**r.to_dict(), "draft": name}
+                        batch_size=batch, seed=cfg.seed, progress=progress)
+        row = r.to_dict()
+        _tau_cache_put(key, row)
+        return {**row, "draft": name}
 
     names = ["magicdec", "vanilla", "spire"] + [label for label, _ in runs[2:]]
     log(f"[4/6] tau: {cfg.n_contexts} held-out contexts, L={cfg.L}, G={cfg.G}, k={cfg.k}")

@@ -85,10 +85,10 @@ def load() -> ctypes.CDLL | None:
         if not path.is_file():
             _build(path)
         lib = ctypes.CDLL(str(path))
-        fn = lib.spire_skinny_gemm
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
-                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        for fn in (lib.spire_skinny_gemm, lib.spire_skinny_gemm_bf16):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
+                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
         for name in ("spire_attn_scores", "spire_attn_pv"):
             getattr(lib, name).restype = ctypes.c_int
         lib.spire_attn_scores.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
@@ -112,23 +112,27 @@ def available() -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """x: (M, K) float32 CPU with unit inner stride, M ≤ MAX_ROWS; weights: (N_i, K) contiguous float32 CPU
-    -> (M, ΣN_i) = concat of x @ W_iᵀ; None when the kernel does not apply (caller falls back to torch)."""
+    """x: (M, K) float32 CPU with unit inner stride, M ≤ MAX_ROWS; weights: (N_i, K) contiguous CPU tensors,
+    all float32 or all bfloat16 -> (M, ΣN_i) float32 = concat of x @ W_iᵀ (bf16 weights are widened exactly,
+    arithmetic in float32); None when the kernel does not apply (caller falls back to torch)."""
     M, K = x.shape
     if (M > MAX_ROWS or M == 0 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1
-            or len(weights) > 16):
+            or len(weights) > 16 or not weights):
         return None
+    wdtype = weights[0].dtype
     for w in weights:
-        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous() or w.shape[1] != K:
+        if (w.dtype != wdtype or wdtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu"
+                or not w.is_contiguous() or w.shape[1] != K):
             return None
     lib = load()
     if lib is None:
         return None
+    gemm = lib.spire_skinny_gemm if wdtype == torch.float32 else lib.spire_skinny_gemm_bf16
     ns = [w.shape[0] for w in weights]
     y = torch.empty(M, sum(ns), dtype=torch.float32)
     ptrs = (ctypes.c_void_p * len(weights))(*[w.data_ptr() for w in weights])
     sizes = (ctypes.c_int64 * len(weights))(*ns)
-    lib.spire_skinny_gemm(x.data_ptr(), x.stride(0), M, K, len(weights), ptrs, sizes, y.data_ptr(), y.shape[1])
+    gemm(x.data_ptr(), x.stride(0), M, K, len(weights), ptrs, sizes, y.data_ptr(), y.shape[1])
     return y
 
 

@@ -1,4 +1,6 @@
-/* Skinny fp32 matmul for decoding on x86-64 CPUs with AVX2 + FMA (spire.kernels).
+/* Skinny matmul for decoding on x86-64 CPUs with AVX2 + FMA (spire.kernels): float32 activations times
+ * float32 weights (spire_skinny_gemm) or bf16 weights (spire_skinny_gemm_bf16: half the weight bytes to
+ * stream, widened to float32 in registers, float32 arithmetic).
  *
  *   y[m, off_i + n] = sum_k x[m, k] * W_i[n, k]      for every weight W_i (N_i x K, row-major: nn.Linear's
  *                                                     own layout, no copy), m < M, n < N_i
@@ -10,7 +12,8 @@
  * floats with fused multiply-adds, then a horizontal sum. Rows are split over OpenMP threads (torch's own
  * libgomp, loaded first, so the thread pool and omp_set_num_threads are shared with torch).
  *
- * Summation order differs from BLAS: results agree to float32 rounding (about 1e-6 relative).
+ * Summation order differs from BLAS: results agree to float32 rounding (about 1e-6 relative); with bf16
+ * weights, to float32 rounding of the product with the bf16 values (the widening is exact).
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -31,51 +34,123 @@ static inline float hsum8(__m256 v) {
  * past the end of a matrix are harmless (they never fault). */
 #define PF_ROWS 8
 
-/* R weight rows (R <= 4) times MB activation rows (MB <= 2); K8 = K rounded down to a multiple of 8. */
-static inline __attribute__((always_inline)) void tile(const float *restrict x, int64_t ldx,
-                                                       const float *const *w, int64_t K, float *restrict y,
-                                                       int64_t ldy, int R, int MB, int pf) {
-    __m256 acc[4][2];
-    for (int r = 0; r < 4; r++) {
-        acc[r][0] = _mm256_setzero_ps();
-        acc[r][1] = _mm256_setzero_ps();
-    }
-    int64_t K8 = K & ~(int64_t)7;
-    for (int64_t k = 0; k < K8; k += 8) {
-        if (pf && (k & 15) == 0) /* first pass over these rows: fetch the rows PF_ROWS further on meanwhile */
-            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w[0] + (PF_ROWS + r) * K + k), _MM_HINT_T0);
-        __m256 x0 = _mm256_loadu_ps(x + k);
-        __m256 x1 = MB > 1 ? _mm256_loadu_ps(x + ldx + k) : x0;
-        for (int r = 0; r < R; r++) {
-            __m256 wv = _mm256_loadu_ps(w[r] + k);
-            acc[r][0] = _mm256_fmadd_ps(wv, x0, acc[r][0]);
-            if (MB > 1) acc[r][1] = _mm256_fmadd_ps(wv, x1, acc[r][1]);
-        }
-    }
-    if (R == 4 && MB == 2 && K8 == K) {
-        /* the eight horizontal sums at once: sums[j * 4 + r] = sum of the lanes of acc[r][j] */
-        __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][0], acc[1][0]), _mm256_hadd_ps(acc[2][0], acc[3][0]));
-        __m256 v = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][1], acc[1][1]), _mm256_hadd_ps(acc[2][1], acc[3][1]));
-        __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u, v, 0x20), _mm256_permute2f128_ps(u, v, 0x31));
-        _mm_storeu_ps(y, _mm256_castps256_ps128(sums));
-        _mm_storeu_ps(y + ldy, _mm256_extractf128_ps(sums, 1));
-        return;
-    }
-    if (R == 4 && MB == 1 && K8 == K) {
-        __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][0], acc[1][0]), _mm256_hadd_ps(acc[2][0], acc[3][0]));
-        _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
-        return;
-    }
-    for (int r = 0; r < R; r++) {
-        for (int j = 0; j < MB; j++) {
-            float s = hsum8(acc[r][j]);
-            for (int64_t k = K8; k < K; k++) s += w[r][k] * x[j * ldx + k];
-            y[j * ldy + r] = s;
-        }
-    }
+/* Weight loads: eight consecutive weights as floats. bf16 is the top half of a float32, so widening is a
+ * zero-extension and a shift (exact). */
+static inline __m256 load_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load_bf16(const uint16_t *p) {
+    __m256i i32 = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(i32, 16));
+}
+static inline float scalar_f32(const float *p) { return *p; }
+static inline float scalar_bf16(const uint16_t *p) {
+    union { uint32_t u; float f; } v = {(uint32_t)*p << 16};
+    return v.f;
 }
 
-#define TILE(R, MB) tile(xm, ldx, w, K, ym, ldy, R, MB, m == 0)
+/* DEFINE_SKINNY(SUF, WT): tile_SUF, rows_block_SUF and spire_skinny_gemm[_SUF] for weights of type WT
+ * (float32, or bf16 stored as uint16_t; activations and results are float32 either way). */
+#define DEFINE_SKINNY(SUF, WT, GEMM_NAME)                                                                      \
+/* R weight rows (R <= 4) times MB activation rows (MB <= 2); K8 = K rounded down to a multiple of 8. */      \
+static inline __attribute__((always_inline)) void tile_##SUF(const float *restrict x, int64_t ldx,           \
+                                                             const WT *const *w, int64_t K,                   \
+                                                             float *restrict y, int64_t ldy, int R, int MB,   \
+                                                             int pf) {                                        \
+    __m256 acc[4][2];                                                                                         \
+    for (int r = 0; r < 4; r++) {                                                                             \
+        acc[r][0] = _mm256_setzero_ps();                                                                      \
+        acc[r][1] = _mm256_setzero_ps();                                                                      \
+    }                                                                                                         \
+    int64_t K8 = K & ~(int64_t)7;                                                                             \
+    for (int64_t k = 0; k < K8; k += 8) {                                                                     \
+        /* first pass over these rows: fetch the rows PF_ROWS further on meanwhile (one line per 64 bytes) */ \
+        if (pf && (k & (64 / (int64_t)sizeof(WT) - 1)) == 0)                                                  \
+            for (int r = 0; r < 4; r++) _mm_prefetch((const char *)(w[0] + (PF_ROWS + r) * K + k), _MM_HINT_T0); \
+        __m256 x0 = _mm256_loadu_ps(x + k);                                                                   \
+        __m256 x1 = MB > 1 ? _mm256_loadu_ps(x + ldx + k) : x0;                                               \
+        for (int r = 0; r < R; r++) {                                                                         \
+            __m256 wv = load_##SUF(w[r] + k);                                                                 \
+            acc[r][0] = _mm256_fmadd_ps(wv, x0, acc[r][0]);                                                   \
+            if (MB > 1) acc[r][1] = _mm256_fmadd_ps(wv, x1, acc[r][1]);                                       \
+        }                                                                                                     \
+    }                                                                                                         \
+    if (R == 4 && MB == 2 && K8 == K) {                                                                       \
+        /* the eight horizontal sums at once: sums[j * 4 + r] = sum of the lanes of acc[r][j] */             \
+        __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][0], acc[1][0]), _mm256_hadd_ps(acc[2][0], acc[3][0])); \
+        __m256 v = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][1], acc[1][1]), _mm256_hadd_ps(acc[2][1], acc[3][1])); \
+        __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(u, v, 0x20), _mm256_permute2f128_ps(u, v, 0x31)); \
+        _mm_storeu_ps(y, _mm256_castps256_ps128(sums));                                                       \
+        _mm_storeu_ps(y + ldy, _mm256_extractf128_ps(sums, 1));                                               \
+        return;                                                                                               \
+    }                                                                                                         \
+    if (R == 4 && MB == 1 && K8 == K) {                                                                       \
+        __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[0][0], acc[1][0]), _mm256_hadd_ps(acc[2][0], acc[3][0])); \
+        _mm_storeu_ps(y, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));                \
+        return;                                                                                               \
+    }                                                                                                         \
+    for (int r = 0; r < R; r++) {                                                                             \
+        for (int j = 0; j < MB; j++) {                                                                        \
+            float s = hsum8(acc[r][j]);                                                                       \
+            for (int64_t k = K8; k < K; k++) s += scalar_##SUF(w[r] + k) * x[j * ldx + k];                    \
+            y[j * ldy + r] = s;                                                                               \
+        }                                                                                                     \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
+/* One block of up to four consecutive output columns (weight rows) against all M activation rows. */         \
+static void rows_block_##SUF(const float *x, int64_t ldx, int64_t M, const WT *const *w, int R, int64_t K,    \
+                             float *y, int64_t ldy) {                                                         \
+    int64_t m = 0;                                                                                            \
+    for (; m + 2 <= M; m += 2) {                                                                              \
+        const float *xm = x + m * ldx;                                                                        \
+        float *ym = y + m * ldy;                                                                              \
+        switch (R) {                                                                                          \
+            case 4: tile_##SUF(xm, ldx, w, K, ym, ldy, 4, 2, m == 0); break;                                  \
+            case 3: tile_##SUF(xm, ldx, w, K, ym, ldy, 3, 2, m == 0); break;                                  \
+            case 2: tile_##SUF(xm, ldx, w, K, ym, ldy, 2, 2, m == 0); break;                                  \
+            default: tile_##SUF(xm, ldx, w, K, ym, ldy, 1, 2, m == 0); break;                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+    if (m < M) {                                                                                              \
+        const float *xm = x + m * ldx;                                                                        \
+        float *ym = y + m * ldy;                                                                              \
+        switch (R) {                                                                                          \
+            case 4: tile_##SUF(xm, ldx, w, K, ym, ldy, 4, 1, m == 0); break;                                  \
+            case 3: tile_##SUF(xm, ldx, w, K, ym, ldy, 3, 1, m == 0); break;                                  \
+            case 2: tile_##SUF(xm, ldx, w, K, ym, ldy, 2, 1, m == 0); break;                                  \
+            default: tile_##SUF(xm, ldx, w, K, ym, ldy, 1, 1, m == 0); break;                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
+/* y (M x ldy, row-major) columns [off_i, off_i + N_i) = x (M x K, row stride ldx) @ W_i^T, i < n_w.          \
+ * weights: n_w pointers to row-major (N_i x K) matrices; ns: their N_i. Returns 0 (-1: n_w > 16). */        \
+int GEMM_NAME(const float *x, int64_t ldx, int64_t M, int64_t K, int n_w, const WT *const *weights,           \
+              const int64_t *ns, float *y, int64_t ldy) {                                                     \
+    int64_t offs[16], blocks[17];                                                                             \
+    if (n_w > 16) return -1;                                                                                  \
+    blocks[0] = 0;                                                                                            \
+    int64_t off = 0;                                                                                          \
+    for (int i = 0; i < n_w; i++) {                                                                           \
+        offs[i] = off;                                                                                        \
+        off += ns[i];                                                                                         \
+        blocks[i + 1] = blocks[i] + (ns[i] + 3) / 4;                                                          \
+    }                                                                                                         \
+    int64_t total = blocks[n_w];                                                                              \
+    _Pragma("omp parallel for schedule(static)")                                                              \
+    for (int64_t b = 0; b < total; b++) {                                                                     \
+        int i = 0;                                                                                            \
+        while (b >= blocks[i + 1]) i++;                                                                       \
+        int64_t n = (b - blocks[i]) * 4;                                                                      \
+        int R = (int)(ns[i] - n < 4 ? ns[i] - n : 4);                                                         \
+        const WT *w[4];                                                                                       \
+        for (int r = 0; r < 4; r++) w[r] = weights[i] + (n + (r < R ? r : 0)) * K;                            \
+        rows_block_##SUF(x, ldx, M, w, R, K, y + offs[i] + n, ldy);                                           \
+    }                                                                                                         \
+    return 0;                                                                                                 \
+}
+
+DEFINE_SKINNY(f32, float, spire_skinny_gemm)
+DEFINE_SKINNY(bf16, uint16_t, spire_skinny_gemm_bf16)
 
 /* Rows at arbitrary addresses (key rows of a cache): no prefetch (rows need not follow one another). */
 static void rows_block_strided(const float *x, int64_t ldx, int64_t M, const float *const *w, int R, int64_t K,
@@ -85,75 +160,22 @@ static void rows_block_strided(const float *x, int64_t ldx, int64_t M, const flo
         const float *xm = x + m * ldx;
         float *ym = y + m * ldy;
         switch (R) {
-            case 4: tile(xm, ldx, w, K, ym, ldy, 4, 2, 0); break;
-            case 3: tile(xm, ldx, w, K, ym, ldy, 3, 2, 0); break;
-            case 2: tile(xm, ldx, w, K, ym, ldy, 2, 2, 0); break;
-            default: tile(xm, ldx, w, K, ym, ldy, 1, 2, 0); break;
+            case 4: tile_f32(xm, ldx, w, K, ym, ldy, 4, 2, 0); break;
+            case 3: tile_f32(xm, ldx, w, K, ym, ldy, 3, 2, 0); break;
+            case 2: tile_f32(xm, ldx, w, K, ym, ldy, 2, 2, 0); break;
+            default: tile_f32(xm, ldx, w, K, ym, ldy, 1, 2, 0); break;
         }
     }
     if (m < M) {
         const float *xm = x + m * ldx;
         float *ym = y + m * ldy;
         switch (R) {
-            case 4: tile(xm, ldx, w, K, ym, ldy, 4, 1, 0); break;
-            case 3: tile(xm, ldx, w, K, ym, ldy, 3, 1, 0); break;
-            case 2: tile(xm, ldx, w, K, ym, ldy, 2, 1, 0); break;
-            default: tile(xm, ldx, w, K, ym, ldy, 1, 1, 0); break;
+            case 4: tile_f32(xm, ldx, w, K, ym, ldy, 4, 1, 0); break;
+            case 3: tile_f32(xm, ldx, w, K, ym, ldy, 3, 1, 0); break;
+            case 2: tile_f32(xm, ldx, w, K, ym, ldy, 2, 1, 0); break;
+            default: tile_f32(xm, ldx, w, K, ym, ldy, 1, 1, 0); break;
         }
     }
-}
-
-/* One block of up to four consecutive output columns (weight rows) against all M activation rows. */
-static void rows_block(const float *x, int64_t ldx, int64_t M, const float *const *w, int R, int64_t K,
-                       float *y, int64_t ldy) {
-    int64_t m = 0;
-    for (; m + 2 <= M; m += 2) {
-        const float *xm = x + m * ldx;
-        float *ym = y + m * ldy;
-        switch (R) {
-            case 4: TILE(4, 2); break;
-            case 3: TILE(3, 2); break;
-            case 2: TILE(2, 2); break;
-            default: TILE(1, 2); break;
-        }
-    }
-    if (m < M) {
-        const float *xm = x + m * ldx;
-        float *ym = y + m * ldy;
-        switch (R) {
-            case 4: TILE(4, 1); break;
-            case 3: TILE(3, 1); break;
-            case 2: TILE(2, 1); break;
-            default: TILE(1, 1); break;
-        }
-    }
-}
-
-/* y (M x ldy, row-major) columns [off_i, off_i + N_i) = x (M x K, row stride ldx) @ W_i^T, i < n_w.
- * weights: n_w pointers to row-major (N_i x K) matrices; ns: their N_i. Returns 0. */
-int spire_skinny_gemm(const float *x, int64_t ldx, int64_t M, int64_t K, int n_w, const float *const *weights,
-                      const int64_t *ns, float *y, int64_t ldy) {
-    int64_t offs[16], blocks[17];
-    if (n_w > 16) return -1;
-    blocks[0] = 0;
-    int64_t off = 0;
-    for (int i = 0; i < n_w; i++) {
-        offs[i] = off;
-        off += ns[i];
-        blocks[i + 1] = blocks[i] + (ns[i] + 3) / 4;
-    }
-    int64_t total = blocks[n_w];
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < total; b++) {
-        int i = 0;
-        while (b >= blocks[i + 1]) i++;
-        int64_t n = (b - blocks[i]) * 4;
-        int R = (int)(ns[i] - n < 4 ? ns[i] - n : 4);
-        const float *w[4];
-        for (int r = 0; r < 4; r++) w[r] = weights[i] + (n + (r < R ? r : 0)) * K;
-        rows_block(x, ldx, M, w, R, K, y + offs[i] + n, ldy);
-    }
-    return 0;
 }
 
 /* ------------------------------------------------------------------------------------------------------

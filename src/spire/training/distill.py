@@ -305,7 +305,8 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
     model = _build_model(target, cfg)
     if state is not None:
         budget_keys = ("budget_s", "max_steps", "checkpoint_every", "eval_every")
-        saved = {k: v for k, v in state["config"].items() if k not in budget_keys}
+        defaults = json.loads(json.dumps(TrainConfig().to_dict()))  # a field added since the run was saved
+        saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in budget_keys}
         now = {k: v for k, v in cfg_dict.items() if k not in budget_keys}
         if saved != now:
             diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
