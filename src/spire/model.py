@@ -259,7 +259,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=False)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=False)
-        self._wc = {"qkv": WeightCache(), "o": WeightCache()}
+        self._wc = {"qkv": WeightCache(), "o": WeightCache(), "kv": WeightCache()}
 
     def fast(self, h: torch.Tensor | None = None) -> bool:
         """Whether the inference fast path applies (no autograd through these weights or the input h)."""
@@ -307,8 +307,11 @@ class Attention(nn.Module):
 
     def project_kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: (B, T, d_model) normed input -> rotated keys, values (B, KV, T, D)."""
-        k = apply_rope(self._heads(self.k_proj(h), self.n_kv), cos, sin)
-        return k, self._heads(self.v_proj(h), self.n_kv)
+        if _needs_autograd((self.k_proj, self.v_proj), h):
+            k, v = self.k_proj(h), self.v_proj(h)
+        else:  # inference (SPIRe's memory keys/values): one fused matmul on the fast path
+            k, v = fast_linear(h, (self.k_proj, self.v_proj), self._wc["kv"]).split(self.n_kv * self.d_head, -1)
+        return apply_rope(self._heads(k, self.n_kv), cos, sin), self._heads(v, self.n_kv)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q: (B, H, T, D); k, v: (B, KV, S, D); mask: (B|1, 1, T, S) bool -> (B, T, d_model)."""
