@@ -39,6 +39,18 @@ def test_json_contract_and_greedy_equals_ad(folder):
     assert outs["magicdec"] == outs["none"] == outs["vanilla"]
 
 
+def test_bf16_weights_greedy_equals_ad(folder):
+    """--weights bf16 is a (slightly) different model; speculative decoding stays lossless against it."""
+    prompts = ["The capital of France is", "def add(a, b):"]
+    outs = {}
+    for draft in ("none", "magicdec"):
+        res = _run([*prompts, "--draft", draft, "--weights", "bf16", "--max-new-tokens", "12", "--format", "json",
+                    "--window", "8"])
+        assert res.returncode == 0, res.stderr
+        outs[draft] = [o["token_ids"] for o in json.loads(res.stdout)["outputs"]]
+    assert outs["magicdec"] == outs["none"] and all(len(t) > 0 for t in outs["none"])
+
+
 def test_stdin_and_stop_string(folder):
     res = _run(["--draft", "magicdec", "--max-new-tokens", "40", "--stop", ",", "--format", "json"],
                stdin="Apples, pears, plums, cherries\n")

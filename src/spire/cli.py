@@ -442,6 +442,10 @@ def generate(
     window: Annotated[int, typer.Option(help="MagicDec window (tokens).")] = 64,
     fmt: Annotated[Literal["text", "json"], typer.Option("--format", help="Plain text or one JSON object.")]
     = "text",
+    weights: Annotated[Literal["float32", "bf16"], typer.Option(
+        help="bf16: weight-only bf16 on the CPU (target and draft weights rounded to bf16 and streamed at half the "
+             "bytes; float32 arithmetic). A slightly different model: compare with --weights bf16 --draft none.")]
+    = "float32",
 ) -> None:
     """Generate with speculative decoding (lossless: greedy output equals --draft none)."""
     import torch
@@ -474,6 +478,12 @@ def generate(
         ids = [tokenizer(t).input_ids for t in texts]
     ids = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
     d = make_draft(draft, model, tokenizer, draft_path, window=window)
+    if weights == "bf16":
+        from spire.model import use_bf16_weights
+
+        use_bf16_weights(model)
+        if getattr(d, "model", None) is not None:
+            use_bf16_weights(d.model)
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     stopper = StopStrings(stop, tokenizer.decode) if stop else None
     res = run(model, ids, max_new_tokens, draft=d, k=k, params=params,
