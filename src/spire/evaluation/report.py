@@ -171,6 +171,23 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
     return report
 
 
+def _flatness_lines(rows: list[dict]) -> list[str]:
+    """Does τ stay flat with L? Per draft: flat when one value lies inside every L's 95 % CI (the CIs share
+    a point), else the L with the lowest and highest τ. Each L uses its own contexts, so content differs too."""
+    lines = ["Does τ stay flat with L (the paper's assumption)?", ""]
+    for d in MEASURED:
+        by_L = sorted((r for r in rows if r["draft"] == d), key=lambda r: r["L"])
+        if len(by_L) < 2:
+            continue
+        lo, hi = min(by_L, key=lambda r: r["tau"]), max(by_L, key=lambda r: r["tau"])
+        span = f"τ {lo['tau']:.2f} at L = {lo['L']} to {hi['tau']:.2f} at L = {hi['L']}"
+        if max(r["ci_low"] for r in by_L) <= min(r["ci_high"] for r in by_L):
+            lines.append(f"- {d}: flat within the 95 % CIs over L = {by_L[0]['L']}..{by_L[-1]['L']} ({span}).")
+        else:
+            lines.append(f"- {d}: not flat: {span}; some CIs do not overlap.")
+    return lines + [""]
+
+
 def _fmt_tau(t: dict | None) -> str:
     return "–" if t is None else f"{t['tau']:.3f} [{t['ci_low']:.3f}, {t['ci_high']:.3f}]"
 
@@ -263,6 +280,7 @@ def _markdown(results: dict, cfg) -> str:
             by_L = {r["L"]: r for r in results["tau_vs_L"] if r["draft"] == d}
             if by_L:
                 lines.append(f"| {d} | " + " | ".join(_fmt_tau(by_L.get(x)) for x in Ls) + " |")
+        lines += [""] + _flatness_lines(results["tau_vs_L"])
     lines += ["", "## Draft training", ""] + _training_lines(results, cfg)
     lines += ["## Ablations (paper Figure 5)", ""] + _ablation_lines(results, cfg)
     lines += [
