@@ -293,6 +293,34 @@ def test_bench_cli_smoke(tmp_path, monkeypatch, capsys, tiny):
     assert (tmp_path / "out" / "bench.json").is_file() and "## Goals" in (tmp_path / "out" / "BENCH.md").read_text()
 
 
+def test_bench_cli_bf16_weights(tmp_path, monkeypatch, capsys, tiny):
+    """`spire bench --weights bf16`: the target is rounded to bf16 weights, SD stays identical to AD, and the
+    prediction counts 2 bytes per weight value (a smaller predicted t_AD than with 4)."""
+    import copy
+
+    import spire.bench.run as bench_run
+
+    model = copy.deepcopy(tiny)
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bench_run, "random_target", lambda dtype, device, seed=0: model)
+    outs = {}
+    for weights in ("fp32", "bf16"):
+        with pytest.raises(SystemExit) as e:
+            main(["bench", "--random-weights", "--quick", "-B", "1", "-L", "12", "-G", "3", "--reps", "1",
+                  "--window", "4", "--device", "cpu", "--threads", "1", "--weights", weights, "--out",
+                  str(tmp_path / weights), "--format", "json"])
+        captured = capsys.readouterr()
+        assert (e.value.code or 0) == 0, captured.err
+        outs[weights] = json.loads(captured.out)
+    assert (outs["fp32"]["weight_bytes"], outs["bf16"]["weight_bytes"]) == (4, 2)
+    assert all(r["identical_to_ad"] for r in outs["bf16"]["rows"])
+    t32, t16 = outs["fp32"]["rows"][0]["predicted_t_ad_s"], outs["bf16"]["rows"][0]["predicted_t_ad_s"]
+    assert t16 < t32
+    up = model.layers[0].mlp.up_proj.weight
+    assert torch.equal(up, up.bfloat16().float()) and not torch.equal(up, tiny.layers[0].mlp.up_proj.weight)
+    assert "weight-only bf16" in (tmp_path / "bf16" / "BENCH.md").read_text()
+
+
 def test_skinny_kernel_bf16_weights():
     """bf16 weights are widened exactly: the product equals float32 arithmetic on the bf16 values."""
     from spire import kernels

@@ -563,6 +563,9 @@ def bench(
     reps: Annotated[Optional[int], _OPT(help="Timed forwards per t_* (median) (default: 5).")] = None,
     target: Annotated[str, _OPT(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
     dtype: Annotated[Literal["fp32", "bf16", "fp16"], _OPT(help="Weights, activations and KV cache.")] = "fp32",
+    weights: Annotated[Literal["fp32", "bf16"], _OPT(help="bf16: weight-only bf16 on the CPU (fp32 dtype): weights "
+                                                     "rounded and streamed at 2 bytes, predicted with 2 bytes per "
+                                                     "weight value.")] = "fp32",
     device: Annotated[str, _OPT(help="auto (cuda when present), cpu, cuda, cuda:N.")] = "auto",
     threads: Annotated[Optional[int], _OPT(help="torch intra-op threads (default: torch's).")] = None,
     spire_draft: Annotated[Optional[str], _OPT(help="SPIRe draft .safetensors (default: the newest trained one in "
@@ -596,7 +599,7 @@ def bench(
     from spire.bench.report import print_table, write_outputs
 
     args = BenchArgs(Bs=_ints("-B", B) or None, Ls=_ints("-L", L) or None, k=k, G=G, reps=reps, target=target,
-                     dtype=dtype, device=device, threads=threads, spire_draft=spire_draft, no_spire=no_spire,
+                     dtype=dtype, weights=weights, device=device, threads=threads, spire_draft=spire_draft, no_spire=no_spire,
                      vanilla_draft=vanilla_draft, sink=sink, window=window, calibration=calibration, out=out,
                      quick=quick, random_weights=random_weights, seed=seed, combine=combine, clock=clock)
     result, summary = run(args, log=lambda msg: typer.echo(msg, err=True))
@@ -604,7 +607,8 @@ def bench(
     if fmt == "json":
         typer.echo(json.dumps({**result, "summary": summary}))
     else:
-        print_table(result, title=f"spire bench: {target}, {dtype}, {result['device']}")
+        print_table(result, title=f"spire bench: {target}, {dtype}"
+                                  + (" (bf16 weights)" if weights == "bf16" else "") + f", {result['device']}")
     typer.echo(f"wrote {j} and {m}", err=True)
 
 

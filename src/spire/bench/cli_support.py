@@ -28,6 +28,7 @@ class BenchArgs:
     reps: int | None = None
     target: str = "smollm2-135m"
     dtype: str = "fp32"
+    weights: str = "fp32"  # "bf16": weight-only bf16 (CPU, fp32 dtype)
     device: str = "auto"
     threads: int | None = None
     spire_draft: str | None = None
@@ -152,6 +153,20 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
 
         def contexts_for(L: int, n: int) -> torch.Tensor:
             return data.heldout_contexts(L, cfg.G, n, seed=cfg.seed)[:, :L]
+    weight_bytes = None
+    if args.weights == "bf16":
+        if args.dtype != "fp32" or device.type != "cpu":
+            raise ConfigError("--weights bf16 is weight-only bf16 for --dtype fp32 on the CPU")
+        from spire.model import use_bf16_weights
+
+        use_bf16_weights(target)
+        for d in drafts.values():
+            if getattr(d, "model", None) is not None:
+                use_bf16_weights(d.model)
+        weight_bytes = 2.0
+        log("weight-only bf16: target and draft weights rounded to bf16, streamed at 2 bytes per value")
+    elif args.weights != "fp32":
+        raise ConfigError(f"--weights must be fp32 or bf16, got {args.weights!r}")
     longest = max(cfg.Ls) + cfg.G + cfg.k + 1
     if longest > target.cfg.max_positions:
         raise ConfigError(f"L={max(cfg.Ls)} + G={cfg.G} + k+1={cfg.k + 1} exceeds the target's "
@@ -159,7 +174,7 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
 
     hw = cal.hardware(args.dtype)
     result = run_bench(target, contexts_for, drafts, cfg, hoi=hw.hoi(args.dtype), flops_per_s=hw.flops_for(args.dtype),
-                       dtype_name=args.dtype, progress=log)
+                       dtype_name=args.dtype, progress=log, weight_bytes=weight_bytes)
     result.update(target=str(args.target) + (" (random weights)" if args.random_weights else ""),
                   folder=None if folder is None else str(folder), calibration=cal.to_dict(), skipped=skipped,
                   drafts=sources,

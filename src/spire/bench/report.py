@@ -65,7 +65,9 @@ def markdown(result: dict[str, Any], summary: dict[str, Any]) -> str:
     cfg = result["config"]
     hw = result.get("calibration") or {}
     lines = ["# spire bench: measured vs predicted throughput", ""]
-    lines.append(f"Target `{result.get('target', '?')}`, dtype {result['dtype']}, device {result['device']}"
+    wb = result.get("weight_bytes")
+    bf16w = " with weight-only bf16 (2 bytes per weight value)" if wb == 2 and result["dtype"] == "fp32" else ""
+    lines.append(f"Target `{result.get('target', '?')}`, dtype {result['dtype']}{bf16w}, device {result['device']}"
                  + (f" ({hw.get('device_name')})" if hw else "") + f", k = {cfg['k']}, G = {cfg['G']} tokens per "
                  f"row, MagicDec sink {cfg['sink']} + window {cfg['window']}, {cfg['reps']} timed reps per forward.")
     if hw:

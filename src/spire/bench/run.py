@@ -194,7 +194,7 @@ def _fmt_reason(row: dict[str, Any]) -> str:
 def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tensor],
               drafts: dict[str, Draft], cfg: BenchConfig, hoi: float | None = None,
               flops_per_s: float | None = None, dtype_name: str = "fp32",
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+              progress: Callable[[str], None] | None = None, weight_bytes: float | None = None) -> dict[str, Any]:
     """Run the benchmark grid.
 
     Args:
@@ -204,6 +204,8 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
         cfg: grid and settings (:class:`BenchConfig`).
         hoi, flops_per_s: calibrated hardware (FLOP/byte and FLOP/s); hoi None uses the paper's 600.
         dtype_name: the weights' and cache's dtype name for bytes per value ("fp32", "bf16", ...).
+        weight_bytes: bytes per weight value when it differs from the dtype's (2 for weight-only bf16,
+            :func:`spire.model.use_bf16_weights`); the KV cache keeps the dtype's.
     Returns:
         {"config", "rows": one dict per (B, L, draft) (see the module docstring for the fields),
          "ad": one dict per (B, L) with the AD run's tokens/s}.
@@ -236,7 +238,8 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
                             "ad_tokens_per_s": cell["ad_tps"], "prefill_s": state.prefill_s})
             for name, m in cell["drafts"].items():
                 kind, d_shape, sink, window = kinds[name]
-                opts = CostOptions(weight_bytes=bytes_per, kv_bytes=bytes_per, attention_flops=True, embeddings=True,
+                opts = CostOptions(weight_bytes=weight_bytes or bytes_per, kv_bytes=bytes_per, attention_flops=True,
+                                   embeddings=True,
                                    sink=sink, window=window)
                 pred = predict(t_shape, d_shape, kind, B, L, cfg.k, hoi_used, flops_per_s, opts, cfg.combine)
                 other = "sum" if cfg.combine == "max" else "max"
@@ -266,6 +269,7 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
                 rows.append(row)
             state = None  # free the prefill
     return {"config": asdict(cfg), "hoi": hoi_used, "flops_per_s": flops_per_s, "dtype": dtype_name,
+            "weight_bytes": weight_bytes or bytes_per,
             "device": str(dev), "rows": rows, "ad": ad_rows}
 
 
