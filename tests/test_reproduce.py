@@ -85,6 +85,7 @@ def test_reproduce_end_to_end_tiny_budget(tmp_path, env, smollm2):
     report = (out / "REPORT.md").read_text()
     assert "τ (average tokens per round" in report and "2.78 / 1.36 / 2.05" in report
     assert "τ against context length" in report and "Order of importance" in report and "Goal check" in report
+    assert "By held-out α drop" in report and "Does τ stay flat with L" in report
     for f in results["figures"]:
         assert (out / f).stat().st_size > 1000
     # the same job again, with ablation "none" at the main draft's budget: every draft is found finished, the

@@ -225,26 +225,43 @@ def _ablation_lines(results: dict, cfg) -> list[str]:
              + ("the full method trained the same way (`none`)" if ref == "spire-none" else
                 "the main SPIRe draft (a fair comparison only if its budget equals the ablations')")
              + f"; τ at L = {cfg.L}.", "",
-             "| draft | " + " | ".join(f"τ T = {t:g}" for t in cfg.temperatures) + " | paper τ | paper drop |",
-             "|---|" + "---|" * (len(cfg.temperatures) + 2)]
+             "| draft | " + " | ".join(f"τ T = {t:g}" for t in cfg.temperatures)
+             + " | held-out α (mean over drafted positions) | paper τ | paper drop |",
+             "|---|" + "---|" * (len(cfg.temperatures) + 3)]
     full = PAPER_ABLATION_TAU["none"]
+    trainings = results.get("trainings") or {}
+
+    def alpha(label: str) -> float | None:
+        a = (trainings.get(label) or {}).get("heldout_alpha_per_position")
+        return sum(a) / len(a) if a else None
+
+    def fmt_alpha(label: str) -> str:
+        return "–" if alpha(label) is None else f"{alpha(label):.3f}"
+
     lines.append("| SPIRe (reference) | " + " | ".join(_fmt_tau(_tau_of(results, ref, t)) for t in cfg.temperatures)
-                 + f" | {full:.3f} | – |")
-    drops = {}
+                 + f" | {fmt_alpha(ref)} | {full:.3f} | – |")
+    drops, alpha_drops = {}, {}
     for a in cfg.ablations:
         if a == "none":
             continue
         paper = PAPER_ABLATION_TAU.get(a)
         lines.append(f"| {ABLATION_LABELS[a]} | " + " | ".join(_fmt_tau(_tau_of(results, f"spire-{a}", t))
                                                                for t in cfg.temperatures)
+                     + f" | {fmt_alpha(f'spire-{a}')}"
                      + (f" | {paper:.3f} | {full - paper:+.3f} |" if paper else " | (cost only) | – |"))
         drops[a] = _tau_of(results, ref, cfg.temperatures[0])["tau"] - \
             _tau_of(results, f"spire-{a}", cfg.temperatures[0])["tau"]
+        if alpha(ref) is not None and alpha(f"spire-{a}") is not None:
+            alpha_drops[a] = alpha(ref) - alpha(f"spire-{a}")
     ours = sorted(drops, key=lambda a: -drops[a])
     paper_order = [a for a in sorted(PAPER_ABLATION_TAU, key=PAPER_ABLATION_TAU.get) if a in drops]
     lines += ["", f"Order of importance by measured τ drop (T = {cfg.temperatures[0]:g}, largest first): "
-              + " > ".join(f"{ABLATION_LABELS[a]} ({drops[a]:+.3f})" for a in ours) + ".",
-              "Paper's order by τ drop among these: " + " > ".join(ABLATION_LABELS[a] for a in paper_order)
+              + " > ".join(f"{ABLATION_LABELS[a]} ({drops[a]:+.3f})" for a in ours) + "."]
+    if alpha_drops:
+        lines.append("By held-out α drop (finer: every position of the held-out windows, largest first): "
+                     + " > ".join(f"{ABLATION_LABELS[a]} ({alpha_drops[a]:+.3f})"
+                                  for a in sorted(alpha_drops, key=lambda a: -alpha_drops[a])) + ".")
+    lines += ["Paper's order by τ drop among these: " + " > ".join(ABLATION_LABELS[a] for a in paper_order)
               + " (the paper ranks the sparse KV cache first through its cost, not its τ).", ""]
     return lines
 
