@@ -7,9 +7,12 @@
  *
  * Decoding multiplies a few activation rows (M = batch x new tokens, 1..64) by large weight matrices. BLAS
  * libraries pack the weight for every call, extra memory traffic that small M cannot amortize; here every
- * weight row is read from memory once and multiplied with all M rows while it sits in
- * L1: rows are taken four at a time, activation rows two at a time (8 ymm accumulators), k in steps of 8
- * floats with fused multiply-adds, then a horizontal sum. Rows are split over OpenMP threads (torch's own
+ * weight row is read from memory once. Up to STREAM_MAX_M = 8 rows, one pass per weight row multiplies it
+ * with every activation row as it streams in (one accumulator per activation row), so memory and arithmetic
+ * overlap; this made M = 5 (a verify pass at B = 1) 15-25 % faster than the blocked scheme on an AVX2 core.
+ * Beyond, rows are taken four at a time and multiplied with all M rows while they sit in L1, activation rows
+ * two at a time (8 ymm accumulators). k goes in steps of 8 floats with fused multiply-adds, then a
+ * horizontal sum. Rows are split over OpenMP threads (torch's own
  * libgomp, loaded first, so the thread pool and omp_set_num_threads are shared with torch).
  *
  * Summation order differs from BLAS: results agree to float32 rounding (about 1e-6 relative); with bf16
@@ -33,6 +36,11 @@ static inline float hsum8(__m256 v) {
  * multiplied with a block, the block after next streams in, so memory and arithmetic overlap. Prefetches
  * past the end of a matrix are harmless (they never fault). */
 #define PF_ROWS 8
+
+/* Up to this many activation rows, one pass per weight row (stream_*); beyond, 4-row blocks reused from L1. */
+#ifndef STREAM_MAX_M
+#define STREAM_MAX_M 8
+#endif
 
 /* Weight loads: eight consecutive weights as floats. bf16 is the top half of a float32, so widening is a
  * zero-extension and a shift (exact). */
@@ -96,6 +104,46 @@ static inline __attribute__((always_inline)) void tile_##SUF(const float *restri
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
+/* One weight row against MB <= 8 activation rows in a single pass over k: the row is read once, straight  \
+ * from the memory stream, so loading weights and multiplying overlap (no L1 re-reads, one stream). */       \
+static inline __attribute__((always_inline)) void stream_##SUF(const float *restrict x, int64_t ldx,         \
+                                                               const WT *restrict w, int64_t K,              \
+                                                               float *restrict y, int64_t ldy, int MB) {     \
+    __m256 acc[8];                                                                                            \
+    for (int j = 0; j < MB; j++) acc[j] = _mm256_setzero_ps();                                                \
+    int64_t K8 = K & ~(int64_t)7;                                                                             \
+    for (int64_t k = 0; k < K8; k += 8) {                                                                     \
+        __m256 wv = load_##SUF(w + k);                                                                        \
+        for (int j = 0; j < MB; j++) acc[j] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * ldx + k), acc[j]);  \
+    }                                                                                                         \
+    for (int j = 0; j < MB; j++) {                                                                            \
+        float s = hsum8(acc[j]);                                                                              \
+        for (int64_t k = K8; k < K; k++) s += scalar_##SUF(w + k) * x[j * ldx + k];                           \
+        y[j * ldy] = s;                                                                                       \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
+static void stream_rows_##SUF(const float *x, int64_t ldx, int64_t M, const WT *w, int64_t n_rows, int64_t K, \
+                              float *y, int64_t ldy) {                                                       \
+    for (int64_t n = 0; n < n_rows; n++) {                                                                    \
+        const WT *wr = w + n * K;                                                                             \
+        for (int64_t m = 0; m < M; m += 8) { /* past 8 rows: the weight row is re-read from L1 */             \
+            const float *xm = x + m * ldx;                                                                    \
+            float *ym = y + m * ldy + n;                                                                      \
+            switch (M - m < 8 ? M - m : 8) {                                                                  \
+                case 1: stream_##SUF(xm, ldx, wr, K, ym, ldy, 1); break;                                      \
+                case 2: stream_##SUF(xm, ldx, wr, K, ym, ldy, 2); break;                                      \
+                case 3: stream_##SUF(xm, ldx, wr, K, ym, ldy, 3); break;                                      \
+                case 4: stream_##SUF(xm, ldx, wr, K, ym, ldy, 4); break;                                      \
+                case 5: stream_##SUF(xm, ldx, wr, K, ym, ldy, 5); break;                                      \
+                case 6: stream_##SUF(xm, ldx, wr, K, ym, ldy, 6); break;                                      \
+                case 7: stream_##SUF(xm, ldx, wr, K, ym, ldy, 7); break;                                      \
+                default: stream_##SUF(xm, ldx, wr, K, ym, ldy, 8); break;                                     \
+            }                                                                                                 \
+        }                                                                                                     \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
 /* One block of up to four consecutive output columns (weight rows) against all M activation rows. */         \
 static void rows_block_##SUF(const float *x, int64_t ldx, int64_t M, const WT *const *w, int R, int64_t K,    \
                              float *y, int64_t ldy) {                                                         \
@@ -136,6 +184,17 @@ int GEMM_NAME(const float *x, int64_t ldx, int64_t M, int64_t K, int n_w, const 
         blocks[i + 1] = blocks[i] + (ns[i] + 3) / 4;                                                          \
     }                                                                                                         \
     int64_t total = blocks[n_w];                                                                              \
+    if (M <= STREAM_MAX_M) {                                                                                  \
+        _Pragma("omp parallel for schedule(static)")                                                          \
+        for (int64_t b = 0; b < total; b++) {                                                                 \
+            int i = 0;                                                                                        \
+            while (b >= blocks[i + 1]) i++;                                                                   \
+            int64_t n = (b - blocks[i]) * 4;                                                                  \
+            int64_t R = ns[i] - n < 4 ? ns[i] - n : 4;                                                        \
+            stream_rows_##SUF(x, ldx, M, weights[i] + n * K, R, K, y + offs[i] + n, ldy);                     \
+        }                                                                                                     \
+        return 0;                                                                                             \
+    }                                                                                                         \
     _Pragma("omp parallel for schedule(static)")                                                              \
     for (int64_t b = 0; b < total; b++) {                                                                     \
         int i = 0;                                                                                            \
