@@ -380,3 +380,19 @@ def test_bf16_weights_model_is_the_rounded_model(tiny):
     assert sd.tokens == ad.tokens
     with pytest.raises(ConfigError, match="float32 model on the CPU"):
         use_bf16_weights(copy.deepcopy(tiny).to(torch.bfloat16))
+
+
+def test_rms_norm_kernel_matches_reference():
+    import spire.model as model_mod
+    from spire import kernels
+
+    if not kernels.available():
+        pytest.skip(f"kernel unavailable: {kernels.unavailable_reason()}")
+    norm = model_mod.RMSNorm(70, 1e-5).requires_grad_(False)
+    with torch.no_grad():
+        norm.weight.normal_(generator=torch.Generator().manual_seed(0))
+    x = torch.randn(4, 9, 70, generator=torch.Generator().manual_seed(1))[:, 2:7]  # strided rows, d % 8 != 0
+    fast = norm(x)
+    ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    assert kernels.rms_norm(x.double(), norm.weight.double(), 1e-5) is None

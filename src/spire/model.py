@@ -98,11 +98,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (x.device.type == "cpu" and x.dtype == torch.float32 and RMSNORM_KERNEL
+                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
+            from spire import kernels
+
+            y = kernels.rms_norm(x, self.weight, self.eps)
+            if y is not None:
+                return y
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+
+RMSNORM_KERNEL = True
+"""On CPU in float32 inference, RMSNorm is one call of :func:`spire.kernels.rms_norm` (~7 small torch ops)."""
 
 _INV_FREQ: dict[tuple, torch.Tensor] = {}
 

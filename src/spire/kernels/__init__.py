@@ -89,6 +89,9 @@ def load() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        lib.spire_rms_norm.restype = ctypes.c_int
+        lib.spire_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                       ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
         for name in ("spire_attn_scores", "spire_attn_pv"):
             getattr(lib, name).restype = ctypes.c_int
         lib.spire_attn_scores.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
@@ -134,6 +137,24 @@ def skinny_linear(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Ten
     sizes = (ctypes.c_int64 * len(weights))(*ns)
     gemm(x.data_ptr(), x.stride(0), M, K, len(weights), ptrs, sizes, y.data_ptr(), y.shape[1])
     return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """x: (..., d) float32 CPU with unit inner stride, weight: (d,) -> x / sqrt(mean(x²) + eps) · weight, a new
+    contiguous tensor of x's shape; None when the kernel does not apply (caller falls back to torch)."""
+    d = x.shape[-1]
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or weight.device.type != "cpu" or x.stride(-1) != 1 or not weight.is_contiguous() or x.numel() == 0):
+        return None
+    x2 = x.reshape(-1, d)  # a view when rows are evenly strided
+    if x2.stride(-1) != 1:
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    y = torch.empty(x2.shape, dtype=torch.float32)
+    lib.spire_rms_norm(x2.data_ptr(), x2.stride(0), weight.data_ptr(), y.data_ptr(), x2.shape[0], d, eps)
+    return y.view(x.shape)
 
 
 MAX_QUERY_ROWS = 64
