@@ -59,9 +59,16 @@ def main(argv: list[str] | None = None) -> int:
     from spire.pipeline import document_separator_id
 
     try:
+        for flag, value in (("-B", min(a.batch or [1])), ("-L", a.prompt_len), ("-G", a.new_tokens), ("-k", a.k),
+                            ("--window", a.window), ("--repeats", a.repeats)):
+            if value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")
         set_threads(a.threads)
         dev = resolve_device(a.device)
         dtype = getattr(torch, a.dtype)
+        if a.weights != "float32" and (dtype != torch.float32 or dev.type != "cpu"):
+            raise ConfigError("--weights bf16/both is weight-only bf16 for float32 models on the CPU "
+                              "(leave --weights float32 with --dtype bfloat16)")
         cfg = HFCompareConfig(Bs=a.batch or [1, 8], L=a.prompt_len, G=a.new_tokens, k=a.k, window=a.window,
                               repeats=a.repeats, seed=a.seed, clock=a.clock)
         vanilla = hf_vanilla = None
@@ -88,8 +95,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("vanilla rows skipped: no --vanilla-draft PATH given", file=sys.stderr)
         modes = ["float32", "bf16"] if a.weights == "both" else [a.weights]
-        if "bf16" in modes and (dtype != torch.float32 or dev.type != "cpu"):
-            raise ConfigError("--weights bf16 is for float32 models on the CPU (use --dtype bfloat16 on a GPU)")
         rows = []
         for mode in modes:
             if mode == "bf16":  # the same rounded weights for spire and HF: outputs stay comparable token by token
@@ -114,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     except SpireError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print_rows(rows, f"{a.target} {a.dtype} ({a.weights} weights) on {dev}, {torch.get_num_threads()} threads, {a.clock} clock: "
+    print_rows(rows, f"{a.target} {a.dtype}" + ("" if a.weights == "float32" else f", weights {a.weights}")
+               + f" on {dev}, {torch.get_num_threads()} threads, {a.clock} clock: "
                      f"L={cfg.L}, G={cfg.G}, k={cfg.k}")
     for r in rows:
         if r.get("weights") == "bf16" and "ratio_vs_hf_float32" in r and r["method"].startswith("spire"):

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from spire.cli import main
 from spire.data import TokenData, TokenSplit
@@ -257,3 +258,25 @@ def test_show_merges_files_and_prints_markdown(tmp_path, capsys):
     assert [r["tau"] for r in obj["rows"]] == [3.0, 2.9, 2.1] and len(obj["merged_from"]) == 2
     code, _, err = run(capsys, "tau", "--show", str(tmp_path / "none.json"))
     assert code == 2 and err.startswith("error: --show: no such file")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_shared_prefill_equals_separate_runs(temperature):
+    """measure_tau_shared (one prefill per batch, every draft from a copy) gives each draft exactly the
+    rounds and tokens of its own measure_tau run, greedy and sampled."""
+    from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
+    from spire.evaluation.tau import measure_tau, measure_tau_shared
+    from spire.sampling import SamplingParams
+
+    target = make_tiny(seed=4)
+    drafts = {"magicdec": MagicDecDraft(1, 6),
+              "spire": SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=2, window=8)).eval()),
+              "noisy": NoisyTargetDraft(0.3)}
+    ctx = torch.randint(0, 97, (5, 40), generator=torch.Generator().manual_seed(7))
+    params = SamplingParams(temperature)
+    shared = measure_tau_shared(target, drafts, ctx, G=12, k=3, params=params, batch_size=2, seed=3,
+                                progress=False)
+    for name, d in drafts.items():
+        alone = measure_tau(target, d, ctx, G=12, k=3, params=params, batch_size=2, seed=3, progress=False)
+        assert (shared[name].rounds, shared[name].emitted) == (alone.rounds, alone.emitted), name
+        assert shared[name].tau == alone.tau and 1.0 <= alone.tau <= 4.0

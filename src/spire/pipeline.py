@@ -77,6 +77,7 @@ class ReproduceConfig:
             raise ConfigError(f"training budget must be positive, got {self.budget_s} s")
         if not (self.vanilla_budget_s > 0 and self.ablation_budget_s > 0):
             raise ConfigError("the vanilla and ablation budgets must be positive")
+        self.ablations = tuple(dict.fromkeys(self.ablations))  # each once, in the order given
         unknown = [a for a in self.ablations if a not in ABLATIONS]
         if unknown:
             raise ConfigError(f"unknown ablation {unknown[0]!r}; choose from "
@@ -154,7 +155,7 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     from spire.drafts.spire import SpireConfig, SpireDraft
     from spire.drafts.vanilla import VanillaDraft
     from spire.evaluation.report import write_report
-    from spire.evaluation.tau import measure_tau
+    from spire.evaluation.tau import measure_tau_shared
     from spire.loading import load_target
     from spire.sampling import SamplingParams
     from spire.training.distill import TrainConfig, ablation_config, train_draft
@@ -231,31 +232,43 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
             return MagicDecDraft(cfg.sink, cfg.window)
         return VanillaDraft(trained[name]) if name == "vanilla" else SpireDraft(trained[name])
 
-    def measure(name: str, ctx: torch.Tensor, temperature: float) -> dict:
+    def measure(names: list[str], ctx: torch.Tensor, temperature: float) -> list[dict]:
+        """τ rows of ``names`` on ``ctx``: from the measurement cache when there, the rest measured together
+        from one prefill per batch (:func:`measure_tau_shared`)."""
         batch = _tau_batch(cfg, ctx.shape[1])
-        if name == "magicdec":
-            identity = {"magicdec": [cfg.sink, cfg.window]}
-        else:
-            identity = {"run_dir": training[name]["run_dir"], "step": states[name]["step"]}
-        key = _tau_key(folder, identity, ctx, cfg, temperature, batch)
-        cached = _tau_cache_get(key)
-        if cached is not None:
-            return {**cached, "draft": name, "cached": True}
-        r = measure_tau(target, draft_of(name), ctx, G=cfg.G, k=cfg.k, params=SamplingParams(temperature),
-                        batch_size=batch, seed=cfg.seed, progress=progress)
-        row = r.to_dict()
-        _tau_cache_put(key, row)
-        return {**row, "draft": name}
+        rows, todo = {}, {}
+        for name in names:
+            if name == "magicdec":
+                identity = {"magicdec": [cfg.sink, cfg.window]}
+            else:
+                identity = {"run_dir": training[name]["run_dir"], "step": states[name]["step"]}
+            key = _tau_key(folder, identity, ctx, cfg, temperature, batch)
+            cached = _tau_cache_get(key)
+            if cached is not None:
+                rows[name] = {**cached, "draft": name, "cached": True}
+            else:
+                todo[name] = key
+        first = {}  # key -> the first name with it (e.g. "spire-none" is "spire" at the same budget)
+        for name, key in todo.items():
+            first.setdefault(key, name)
+        if first:
+            measured = measure_tau_shared(target, {name: draft_of(name) for name in first.values()}, ctx, G=cfg.G,
+                                          k=cfg.k, params=SamplingParams(temperature), batch_size=batch,
+                                          seed=cfg.seed, progress=progress)
+            for key, name in first.items():
+                _tau_cache_put(key, measured[name].to_dict())
+            for name, key in todo.items():
+                rows[name] = {**measured[first[key]].to_dict(), "draft": name}
+        return [rows[name] for name in names]
 
     names = ["magicdec", "vanilla", "spire"] + [label for label, _ in runs[2:]]
     log(f"[4/6] tau: {cfg.n_contexts} held-out contexts, L={cfg.L}, G={cfg.G}, k={cfg.k}")
     t = time.time()
     taus = []
     for temperature in cfg.temperatures:
-        for name in names:
-            r = measure(name, contexts, temperature)
-            log(f"      {name:28s} T={temperature:g}: tau {r['tau']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}] "
-                f"({r['wall_s']:.0f} s)")
+        for r in measure(names, contexts, temperature):
+            log(f"      {r['draft']:28s} T={temperature:g}: tau {r['tau']:.3f} [{r['ci_low']:.3f}, "
+                f"{r['ci_high']:.3f}] " + ("(cached)" if r.get("cached") else f"({r['wall_s']:.0f} s)"))
             taus.append(r)
     timings["tau_s"] = time.time() - t
 
@@ -263,9 +276,9 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     t = time.time()
     tau_vs_L = []
     for L, ctx in sweep.items():
-        for name in ("magicdec", "vanilla", "spire"):
-            r = measure(name, ctx, 0.0)
-            log(f"      L={L:5d} {name:9s}: tau {r['tau']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]")
+        for r in measure(["magicdec", "vanilla", "spire"], ctx, 0.0):
+            log(f"      L={L:5d} {r['draft']:9s}: tau {r['tau']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
+                + (" (cached)" if r.get("cached") else ""))
             tau_vs_L.append(r)
     timings["tau_vs_L_s"] = time.time() - t
 

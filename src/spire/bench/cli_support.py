@@ -122,6 +122,11 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
         raise ConfigError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {args.dtype!r}")
     set_threads(args.threads)
     device = resolve_device(args.device)
+    if args.weights not in ("fp32", "bf16"):
+        raise ConfigError(f"--weights must be fp32 or bf16, got {args.weights!r}")
+    if args.weights == "bf16" and (args.dtype != "fp32" or device.type != "cpu"):
+        raise ConfigError("--weights bf16 is weight-only bf16 for --dtype fp32 on the CPU "
+                          "(on a GPU use --dtype bf16)")
     cal = get_calibration(args.calibration, device, args.dtype, args.quick, log)
     if args.random_weights:
         from spire.bench.run import random_target
@@ -155,8 +160,6 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
             return data.heldout_contexts(L, cfg.G, n, seed=cfg.seed)[:, :L]
     weight_bytes = None
     if args.weights == "bf16":
-        if args.dtype != "fp32" or device.type != "cpu":
-            raise ConfigError("--weights bf16 is weight-only bf16 for --dtype fp32 on the CPU")
         from spire.model import use_bf16_weights
 
         use_bf16_weights(target)
@@ -165,8 +168,6 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
                 use_bf16_weights(d.model)
         weight_bytes = 2.0
         log("weight-only bf16: target and draft weights rounded to bf16, streamed at 2 bytes per value")
-    elif args.weights != "fp32":
-        raise ConfigError(f"--weights must be fp32 or bf16, got {args.weights!r}")
     longest = max(cfg.Ls) + cfg.G + cfg.k + 1
     if longest > target.cfg.max_positions:
         raise ConfigError(f"L={max(cfg.Ls)} + G={cfg.G} + k+1={cfg.k + 1} exceeds the target's "

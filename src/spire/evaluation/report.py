@@ -188,6 +188,17 @@ def _flatness_lines(rows: list[dict]) -> list[str]:
     return lines + [""]
 
 
+def _reuse_note(results: dict) -> str:
+    """Say which numbers this run took from the caches (finished drafts, earlier τ measurements)."""
+    rows = results.get("tau", []) + results.get("tau_vs_L", [])
+    n_cached = sum(1 for r in rows if r.get("cached"))
+    if not n_cached:
+        return ""
+    return (f" {n_cached} of {len(rows)} τ measurements were taken from the measurement cache "
+            "(`~/.cache/spire/tau`, same target, draft run, contexts and settings) rather than measured again, "
+            "so the wall time is not the cost of the job.")
+
+
 def _fmt_tau(t: dict | None) -> str:
     return "–" if t is None else f"{t['tau']:.3f} [{t['ci_low']:.3f}, {t['ci_high']:.3f}]"
 
@@ -253,6 +264,8 @@ def _ablation_lines(results: dict, cfg) -> list[str]:
             _tau_of(results, f"spire-{a}", cfg.temperatures[0])["tau"]
         if alpha(ref) is not None and alpha(f"spire-{a}") is not None:
             alpha_drops[a] = alpha(ref) - alpha(f"spire-{a}")
+    if not drops:
+        return lines + ["", "(Only the reference was trained: add ablations to rank them.)", ""]
     ours = sorted(drops, key=lambda a: -drops[a])
     paper_order = [a for a in sorted(PAPER_ABLATION_TAU, key=PAPER_ABLATION_TAU.get) if a in drops]
     lines += ["", f"Order of importance by measured τ drop (T = {cfg.temperatures[0]:g}, largest first): "
@@ -273,8 +286,9 @@ def _markdown(results: dict, cfg) -> str:
         f"# spire reproduce: SPIRe vs MagicDec vs vanilla on {results['target']['name']}",
         "",
         f"Target `{results['target']['checkpoint']}`{' (--quick: smoke-test settings, not a measurement)' if cfg.quick else ''}. "
-        f"Wall time {tm['total_s'] / 60:.1f} min on {env['processor']} ({env['threads']} threads, torch "
-        f"{env['torch']}, {env['device']}).",
+        f"Wall time {tm['total_s'] / 60:.1f} min on {env['processor']} ({env['threads']} "
+        f"thread{'s' if env['threads'] != 1 else ''}, torch {env['torch']}, {env['device']})."
+        + _reuse_note(results),
         "",
         "## τ (average tokens per round, bonus included)",
         "",

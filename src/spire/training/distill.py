@@ -363,6 +363,10 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
             dist.barrier()
 
     bar = None
+    if done() and state["finished"]:
+        if log is not None and rank == 0:
+            log(f"      {out_dir.name}: finished run found ({state['step']} steps), not trained again")
+        progress = False  # nothing to train: no bar
     if progress and rank == 0:
         from tqdm.auto import tqdm
 
