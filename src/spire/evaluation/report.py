@@ -174,7 +174,9 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
 def _flatness_lines(rows: list[dict]) -> list[str]:
     """Does τ stay flat with L? Per draft: flat when one value lies inside every L's 95 % CI (the CIs share
     a point), else the L with the lowest and highest τ. Each L uses its own contexts, so content differs too."""
-    lines = ["Does τ stay flat with L (the paper's assumption)?", ""]
+    lines = ["Does τ stay flat with L (the paper's assumption)? Each L has its own contexts (cut from documents long "
+             "enough for it), so a difference between two L mixes context length with content; `spire tau "
+             "--nested` measures every L on the same texts (docs/tau.md).", ""]
     for d in MEASURED:
         by_L = sorted((r for r in rows if r["draft"] == d), key=lambda r: r["L"])
         if len(by_L) < 2:
