@@ -79,6 +79,7 @@ def test_prompt_longer_than_positions(folder):
     (["hi", "--top-p", "0"], "top-p must be in (0, 1]"),
     (["hi", "--top-p", "1.5"], "top-p must be in (0, 1]"),
     (["hi", "--draft", "vanilla"], "needs --draft-path"),
+    (["hi", "--draft", "magicdec", "--draft-path", "x.safetensors"], "--draft magicdec takes none"),
     (["hi", "--target", "/nonexistent/model"], "checkpoint not found"),
 ])
 def test_bad_input(args, message):

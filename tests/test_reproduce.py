@@ -36,6 +36,7 @@ def env(tmp_path, monkeypatch):
     (["-L", "-5"], "L must be a positive integer"),
     (["--budget", "0"], "budget must be positive"),
     (["-L", "9000"], "exceeds the target's 8192 positions"),
+    (["--tau-L", "0,512"], "--tau-L takes positive context lengths"),
 ])
 def test_bad_input_one_line_nothing_written(tmp_path, env, args, message):
     from tests.conftest import smollm2_available

@@ -86,7 +86,9 @@ class ReproduceConfig:
             raise ConfigError("step counts must be >= 1")
         if any(not t >= 0 for t in self.temperatures):
             raise ConfigError("temperatures must be >= 0")
-        if any(b < 1 for b in self.grid_B) or any(x < 1 for x in self.grid_L) or any(x < 1 for x in self.tau_Ls):
+        if any(x < 1 for x in self.tau_Ls):
+            raise ConfigError(f"--tau-L takes positive context lengths, got {list(self.tau_Ls)}")
+        if any(b < 1 for b in self.grid_B) or any(x < 1 for x in self.grid_L):
             raise ConfigError("the B and L grids take positive integers")
 
 

@@ -72,6 +72,8 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
     """
     if kind not in DRAFT_KINDS:
         raise ConfigError(f"unknown draft {kind!r}; choose one of {', '.join(DRAFT_KINDS)}")
+    if path and kind in ("none", "magicdec"):
+        raise ConfigError(f"a draft path is for the spire and vanilla drafts; --draft {kind} takes none")
     if kind == "none":
         return None
     if kind == "magicdec":
