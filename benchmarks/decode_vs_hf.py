@@ -100,9 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             if mode == "bf16":  # the same rounded weights for spire and HF: outputs stay comparable token by token
                 from spire.model import use_bf16_weights
 
-                for m in (target, hf, vanilla, hf_vanilla):
-                    if m is not None:
-                        use_bf16_weights(m)
+                use_bf16_weights(target, hf, vanilla, hf_vanilla)
             for r in compare(target, hf, contexts, cfg, vanilla, hf_vanilla,
                              log=lambda m: print(m, file=sys.stderr, flush=True)):
                 r["weights"] = mode

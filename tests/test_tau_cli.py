@@ -263,7 +263,10 @@ def test_show_merges_files_and_prints_markdown(tmp_path, capsys):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_shared_prefill_equals_separate_runs(temperature):
     """measure_tau_shared (one prefill per batch, every draft from a copy) gives each draft exactly the
-    rounds and tokens of its own measure_tau run, greedy and sampled."""
+    rounds and tokens of its own measure_tau run and of plain `generate` runs batch by batch, greedy and
+    sampled."""
+    from spire.speculative import generate
+
     from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
     from spire.evaluation.tau import measure_tau, measure_tau_shared
     from spire.sampling import SamplingParams
@@ -280,3 +283,8 @@ def test_shared_prefill_equals_separate_runs(temperature):
         alone = measure_tau(target, d, ctx, G=12, k=3, params=params, batch_size=2, seed=3, progress=False)
         assert (shared[name].rounds, shared[name].emitted) == (alone.rounds, alone.emitted), name
         assert shared[name].tau == alone.tau and 1.0 <= alone.tau <= 4.0
+        gen, rounds, emitted = torch.Generator().manual_seed(3), [], []
+        for i in range(0, 5, 2):  # what measure_tau did before it shared its code with measure_tau_shared
+            res = generate(target, ctx[i: i + 2], 12, draft=d, k=3, params=params, generator=gen)
+            rounds, emitted = rounds + res.rounds, emitted + res.emitted
+        assert (shared[name].rounds, shared[name].emitted) == (rounds, emitted), name

@@ -481,9 +481,7 @@ def generate(
     if weights == "bf16":
         from spire.model import use_bf16_weights
 
-        use_bf16_weights(model)
-        if getattr(d, "model", None) is not None:
-            use_bf16_weights(d.model)
+        use_bf16_weights(model, getattr(d, "model", None))
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     stopper = StopStrings(stop, tokenizer.decode) if stop else None
     res = run(model, ids, max_new_tokens, draft=d, k=k, params=params,

@@ -229,9 +229,9 @@ def fast_linear(x: torch.Tensor, linears: Sequence[nn.Linear], cache: WeightCach
     return y.reshape(*lead, y.shape[-1])
 
 
-def use_bf16_weights(module: nn.Module) -> int:
+def use_bf16_weights(*modules: nn.Module | None) -> int:
     """Weight-only bf16 for float32 CPU inference: round every ``nn.Linear`` and ``nn.Embedding`` weight of
-    ``module`` (a target or a draft) to the nearest bf16 value, in place, and let decoding matmuls (M ≤
+    the ``modules`` (targets or drafts; None entries are skipped) to the nearest bf16 value, in place, and let decoding matmuls (M ≤
     KERNEL_MAX_M rows) stream a bf16 copy through :mod:`spire.kernels` -- half the weight bytes of float32,
     float32 activations and arithmetic. Larger matmuls (prefill) use the float32 weights, which now hold the
     same bf16 values, so every path computes the same model. The rounding is irreversible (reload the
@@ -240,14 +240,15 @@ def use_bf16_weights(module: nn.Module) -> int:
 
     Returns the number of weight tensors rounded. Raises ConfigError on a non-float32 or non-CPU module.
     """
-    params = {id(m.weight): m.weight for m in module.modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+    subs = [m for module in modules if module is not None for m in module.modules()]
+    params = {id(m.weight): m.weight for m in subs if isinstance(m, (nn.Linear, nn.Embedding))}
     for w in params.values():
         if w.dtype != torch.float32 or w.device.type != "cpu":
             raise ConfigError(f"bf16 weights need a float32 model on the CPU, got {w.dtype} on {w.device.type}")
     with torch.no_grad():
         for w in params.values():
             w.copy_(w.to(torch.bfloat16).float())
-    for m in module.modules():
+    for m in subs:
         for wc in [*getattr(m, "_wc", {}).values(), getattr(m, "_head_wc", None)]:
             if isinstance(wc, WeightCache):
                 wc.weight_dtype = torch.bfloat16
@@ -463,7 +464,11 @@ class Transformer(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm + unembedding: (B, T, d_model) -> float32 logits (B, T, V)."""
-        h = self.model.norm(x)
+        return self.unembed(self.model.norm(x))
+
+    def unembed(self, h: torch.Tensor) -> torch.Tensor:
+        """Normed (B, T, d_model) -> float32 logits (B, T, V) through lm_head: the inference fast path and its
+        cached head copies unless autograd must see it (a SPIRe draft shares them through this method)."""
         if _needs_autograd((self.lm_head,), h):
             return self.lm_head(h).float()
         return fast_linear(h, (self.lm_head,), self._head_wc).float()

@@ -204,12 +204,12 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     t = time.time()
     trained, training, states, by_config = {}, {}, {}, {}
     for label, train_cfg in runs:
-        same = by_config.get(json.dumps(train_cfg.to_dict(), sort_keys=True, default=str))
-        if same is not None:  # e.g. ablation "none" at the main draft's budget: the same run, trained once
+        settings = json.dumps(train_cfg.to_dict(), sort_keys=True, default=str)
+        same = by_config.setdefault(settings, label)
+        if same != label:  # e.g. ablation "none" at the main draft's budget: the same run, trained once
             log(f"      {label}: the same settings as {same}, not trained again")
             trained[label], training[label], states[label] = trained[same], training[same], states[same]
             continue
-        by_config[json.dumps(train_cfg.to_dict(), sort_keys=True, default=str)] = label
         run_dir = _draft_dir(cfg, train_cfg, folder, label)
         model, state = train_draft(target, data, run_dir, train_cfg, heldout=windows, target_folder=folder,
                                    progress=progress, log=log)

@@ -162,10 +162,7 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
     if args.weights == "bf16":
         from spire.model import use_bf16_weights
 
-        use_bf16_weights(target)
-        for d in drafts.values():
-            if getattr(d, "model", None) is not None:
-                use_bf16_weights(d.model)
+        use_bf16_weights(target, *(getattr(d, "model", None) for d in drafts.values()))
         weight_bytes = 2.0
         log("weight-only bf16: target and draft weights rounded to bf16, streamed at 2 bytes per value")
     longest = max(cfg.Ls) + cfg.G + cfg.k + 1

@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
-from spire.model import ForwardOutput, Transformer, _needs_autograd, fast_linear, rope_cos_sin
+from spire.model import ForwardOutput, Transformer, rope_cos_sin
 from spire.paths import atomic_write
 
 
@@ -179,10 +179,7 @@ class SpireDraftModel(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, d_model) -> float32 logits (B, T, V) through the draft norm and the target's unembedding."""
-        h = self.norm(x)
-        if _needs_autograd((self.target.lm_head,), h):
-            return self.target.lm_head(h).float()
-        return fast_linear(h, (self.target.lm_head,), self.target._head_wc).float()  # the target's head copies
+        return self.target.unembed(self.norm(x))
 
     def memory(self, xs: list[torch.Tensor]) -> torch.Tensor:
         """Feedback memory. xs: n_d + 1 activations (B, T, d) -> (n_d, B, T, d), m^i = sum_l softmax(w_i)_l x^l.

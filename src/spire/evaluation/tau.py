@@ -17,7 +17,7 @@ from spire.drafts.base import Draft
 from spire.errors import ConfigError
 from spire.model import Transformer
 from spire.sampling import SamplingParams
-from spire.speculative import generate
+from spire.speculative import cache_length, decode, prefill
 
 
 @dataclass
@@ -66,32 +66,8 @@ def measure_tau(target: Transformer, draft: Draft, contexts: torch.Tensor, G: in
     Raises:
         ConfigError: G, k or batch_size < 1, or no contexts.
     """
-    if G < 1 or k < 1 or batch_size < 1:
-        raise ConfigError("G, k and batch size must be >= 1")
-    if contexts.dim() != 2 or contexts.shape[0] == 0:
-        raise ConfigError("contexts must be a non-empty (n, L) tensor")
-    n, L = contexts.shape
-    gen = torch.Generator(device=target.device).manual_seed(seed)
-    rounds, emitted = [], []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=n * G, unit="tok", dynamic_ncols=True,
-                   desc=f"tau {draft.name} T={params.temperature:g} L={L}")
-    t0 = time.time()
-    for i in range(0, n, batch_size):
-        res = generate(target, contexts[i: i + batch_size].to(target.device), G, draft=draft, k=k,
-                       params=params, generator=gen, progress=bar.update if bar is not None else None)
-        rounds += res.rounds
-        emitted += res.emitted
-    wall = time.time() - t0
-    if bar is not None:
-        bar.close()
-    e, r = np.array(emitted, dtype=float), np.array(rounds, dtype=float)
-    lo, hi = bootstrap_ratio_ci(e, r, seed=seed)
-    return TauResult(draft.name, params.temperature, L, G, k, n, float(e.sum() / r.sum()), lo, hi, wall,
-                     rounds, emitted)
+    return measure_tau_shared(target, {draft.name: draft}, contexts, G, k, params, batch_size, seed,
+                              progress)[draft.name]
 
 
 def measure_tau_shared(target: Transformer, drafts: dict[str, Draft], contexts: torch.Tensor, G: int = 64,
@@ -99,17 +75,19 @@ def measure_tau_shared(target: Transformer, drafts: dict[str, Draft], contexts: 
                        progress: bool = True) -> dict[str, TauResult]:
     """:func:`measure_tau` for several drafts on the same contexts, prefilling each batch once: every draft
     decodes from its own copy of the target's prefilled cache (at long L the prefill is most of the cost, so
-    n drafts cost about one prefill instead of n). Each draft's tokens, rounds and τ equal what
-    :func:`measure_tau` gives it alone (one generator per draft, seeded with ``seed``); wall_s counts the
-    shared prefill once per draft, as a separate run would.
+    n drafts cost about one prefill instead of n). Each draft's tokens, rounds and τ equal those of
+    :func:`spire.speculative.generate` run batch by batch with that draft alone and one generator seeded with
+    ``seed``; wall_s counts the shared prefill once per draft, as a separate run would.
 
     Args:
-        drafts: result name -> draft. Other arguments and errors as :func:`measure_tau`.
+        drafts: result name -> draft.
+        contexts: (n, L) prompt token ids (all of length L).
+        G: tokens generated per context; k: draft tokens per round; params: sampling (T = 0 greedy).
+    Raises:
+        ConfigError: G, k or batch_size < 1, no contexts or no drafts.
     Returns:
         result name -> :class:`TauResult`.
     """
-    from spire.speculative import cache_length, decode, prefill
-
     if G < 1 or k < 1 or batch_size < 1:
         raise ConfigError("G, k and batch size must be >= 1")
     if contexts.dim() != 2 or contexts.shape[0] == 0:
@@ -135,7 +113,7 @@ def measure_tau_shared(target: Transformer, drafts: dict[str, Draft], contexts: 
         t_prefill = time.time() - t0
         for name, draft in drafts.items():
             t0 = time.time()
-            cache = state.clone_cache()
+            cache = state.clone_cache() if len(drafts) > 1 else state.cache  # one draft: no copy needed
             draft.start(target, cache, len(rows), state.max_len, k)
             if state.out is not None:
                 draft.observe(state.tokens, state.pos, state.out, valid=state.valid)
