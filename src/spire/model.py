@@ -151,6 +151,13 @@ TRANSPOSED_GEMV = True
 about 1.2-1.4x faster than F.linear's (one extra copy of the weights in memory)."""
 
 
+FUSED_BLOCK = True
+"""On CPU in float32 with a dense :class:`KVCache`, a forward of at most KERNEL_MAX_M new tokens (a decode step,
+a verify pass, a MagicDec draft step) runs each decoder block as one call of
+:class:`spire.kernels.DecodeBlock` (norms, fused matmuls, RoPE, cache write, attention over the cache in
+place with per-row positions and an optional sink + window view, MLP, residuals): the same arithmetic without
+the ~40 torch ops per block and their dispatch. Prefills and other caches take the per-op path below."""
+
 ATTENTION_KERNEL = True
 ATTENTION_KERNEL_ROWS = 4
 """On CPU in float32, attention with at most ATTENTION_KERNEL_ROWS query rows per key/value head (a decode
@@ -420,6 +427,17 @@ class ForwardOutput:
         return f"ForwardOutput(logits={state}, hidden={sorted(self.hidden)})"
 
 
+class _FusedBlocks(dict):
+    """Layer -> (key, :class:`spire.kernels.DecodeBlock`). The blocks hold raw addresses of this model's
+    weights and cache, so a deepcopy (or pickle) of the model starts without them."""
+
+    def __deepcopy__(self, memo) -> "_FusedBlocks":
+        return _FusedBlocks()
+
+    def __reduce__(self):
+        return (_FusedBlocks, ())
+
+
 class Transformer(nn.Module):
     """A Llama-family causal LM with an optional KV cache.
 
@@ -442,6 +460,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._head_wc = WeightCache()
+        self._fused = _FusedBlocks()  # layer -> (key, spire.kernels.DecodeBlock), see _fused_block
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -481,6 +500,8 @@ class Transformer(nn.Module):
         want = set(hidden_layers)
         x = self.model.embed_tokens(tokens)  # (B, T, d_model)
         cos, sin = rope_cos_sin(pos, self.cfg.d_head, self.cfg.rope_theta, x.dtype)
+        if self._fused_applies(x, cache, pos):
+            return self._forward_fused(x, pos, cos, sin, cache, view, want, k_start)
         if cache is None:
             mask = attention_mask(pos, pos, view, k_start)  # keys are the T tokens themselves
             sources = [lambda k, v: (k, v)] * len(self.layers)
@@ -492,6 +513,79 @@ class Transformer(nn.Module):
                 hidden[i] = x
             x = block(x, cos, sin, sources[i], mask)
         grad = torch.is_grad_enabled()  # the lazy logits see the autograd mode of this call
+
+        def compute_logits() -> torch.Tensor:
+            with torch.set_grad_enabled(grad):
+                return self.logits(x)
+
+        return ForwardOutput(hidden=hidden, compute_logits=compute_logits)
+
+    def _fused_applies(self, x: torch.Tensor, cache: KVCache | None, pos: torch.Tensor) -> bool:
+        """Whether this forward runs every block through :class:`spire.kernels.DecodeBlock` (module docstring)."""
+        if not FUSED_BLOCK or type(cache) is not KVCache or x.device.type != "cpu" or x.dtype != torch.float32:
+            return False
+        B, T = pos.shape
+        cfg = self.cfg
+        if (B * T > KERNEL_MAX_M or cfg.d_head % 8 or cfg.d_head > 256 or cfg.n_heads % cfg.n_kv_heads
+                or cfg.n_heads // cfg.n_kv_heads * T > KERNEL_MAX_M or cache.k[0].dtype != torch.float32
+                or cache.k[0].device.type != "cpu" or cache.k[0].stride(-1) != 1):
+            return False
+        if torch.is_grad_enabled() and any(p.requires_grad for p in self.layers.parameters()):
+            return False
+        from spire import kernels
+
+        return kernels.available()
+
+    def _fused_block(self, i: int, cache: KVCache):
+        """Layer i's :class:`spire.kernels.DecodeBlock` over ``cache``, rebuilt when a weight copy or the cache
+        storage changes (the kernel reads parameters in place, so in-place updates are seen)."""
+        from spire import kernels
+
+        blk = self.layers[i]
+        attn, mlp = blk.self_attn, blk.mlp
+        layout = "B" if attn._wc["qkv"].weight_dtype == torch.bfloat16 else "N"
+        ws = (attn._wc["qkv"].get((attn.q_proj, attn.k_proj, attn.v_proj), layout),
+              attn._wc["o"].get((attn.o_proj,), layout), mlp._wc["gu"].get((mlp.gate_proj, mlp.up_proj), layout),
+              mlp._wc["down"].get((mlp.down_proj,), layout))
+        ln1, ln2 = blk.input_layernorm.weight, blk.post_attention_layernorm.weight
+        key = (*(w.data_ptr() for w in ws), ln1.data_ptr(), ln2.data_ptr(), cache.k[i].data_ptr(),
+               cache.v[i].data_ptr(), tuple(cache.k[i].shape))
+        hit = self._fused.get(i)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        fb = kernels.DecodeBlock(ln1.detach(), ln2.detach(), blk.input_layernorm.eps, *ws, cache.k[i], cache.v[i],
+                                 self.cfg.n_heads)
+        self._fused[i] = (key, fb)
+        return fb
+
+    def _forward_fused(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       cache: KVCache, view: SinkWindow | None, want: set[int], k_start: torch.Tensor | None
+                       ) -> ForwardOutput:
+        """:meth:`forward` with every block one :class:`spire.kernels.DecodeBlock` call (same arithmetic)."""
+        B, T = pos.shape
+        hi = int(pos.max())
+        if hi >= cache.max_len:
+            raise ConfigError(f"position {hi} is beyond the cache length {cache.max_len}")
+        if int(pos.min()) < 0:
+            raise ConfigError(f"negative position {int(pos.min())}")
+        d = self.cfg.d_model
+        pos_c = pos.to(torch.int64).contiguous()
+        ks = None if k_start is None else k_start.to(torch.int64).contiguous()
+        sink, window = (0, 0) if view is None else (view.sink, view.window)
+        cos2 = cos.reshape(B * T, -1).contiguous()
+        sin2 = sin.reshape(B * T, -1).contiguous()
+        h = x.reshape(B * T, d).contiguous()
+        hidden: dict[int, torch.Tensor] = {}
+        work = None
+        for i in range(len(self.layers)):
+            fb = self._fused_block(i, cache)
+            if work is None:
+                work = torch.empty(fb.work_size(B * T), dtype=torch.float32)
+            if i in want:
+                hidden[i] = h.view(B, T, d)
+            h = fb(h, pos_c, ks, sink, window, cos2, sin2, work)
+        x = h.view(B, T, d)
+        grad = torch.is_grad_enabled()
 
         def compute_logits() -> torch.Tensor:
             with torch.set_grad_enabled(grad):

@@ -98,6 +98,10 @@ def load() -> ctypes.CDLL | None:
             ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] + [ctypes.c_int64] * 5 + [ctypes.c_float]
         lib.spire_attn_pv.argtypes = [ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 3 + [
             ctypes.c_void_p] + [ctypes.c_int64] * 5
+        P, I = ctypes.c_void_p, ctypes.c_int64
+        lib.spire_decode_block.restype = ctypes.c_int
+        lib.spire_decode_block.argtypes = ([P, P, I, I, P, P, I, I, P, P, P, P, ctypes.c_float, P, P, P, P,
+                                            ctypes.c_int] + [I] * 5 + [P, P, I, I, I, ctypes.c_float, P])
         _LIB = lib
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         _ERROR = str(e)
@@ -195,3 +199,76 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     lib.spire_attn_pv(probs.data_ptr(), v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), out.data_ptr(),
                       B, H, G, S, D)
     return out
+
+
+BLOCK_MAX_ROWS = 32
+"""Largest M = B × T (and query rows per key/value head, H / KV × T) for :func:`decode_block`."""
+
+
+class DecodeBlock:
+    """One decoder block's arguments to ``spire_decode_block`` (skinny_gemm.c), for M = B × T ≤
+    :data:`BLOCK_MAX_ROWS` new tokens: RMSNorm, fused q/k/v matmul, RoPE, the cache write, attention over the
+    dense cache in place (full causal or sink + window, per-row positions), o projection, residual, RMSNorm,
+    SwiGLU MLP and residual in one call.
+
+    Args:
+        ln1, ln2: (d,) float32 norm weights; eps: their epsilon.
+        wqkv: ((H + 2 KV) D, d); wo: (d, H D); wgu: (2 F, d); wdown: (d, F): row-major, all float32 or all
+            bfloat16 (float32 arithmetic either way).
+        k_cache, v_cache: (B, KV, S, D) float32 with unit inner stride (a :class:`spire.kv_cache.KVCache` layer).
+        n_heads: H.
+    The tensors must stay alive (and unchanged in address) while the object is used; :func:`available`
+    must be True. Raises ValueError for shapes or dtypes the kernel does not take (:func:`block_supported`
+    says so beforehand).
+    """
+
+    __slots__ = ("_args", "_fn", "_keep", "d", "H", "KV", "D", "F", "nq")
+
+    def __init__(self, ln1: torch.Tensor, ln2: torch.Tensor, eps: float, wqkv: torch.Tensor, wo: torch.Tensor,
+                 wgu: torch.Tensor, wdown: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 n_heads: int) -> None:
+        lib = load()
+        if lib is None:
+            raise ValueError(f"spire kernels unavailable: {_ERROR}")
+        B, KV, S, D = k_cache.shape
+        d, F, H = ln1.shape[0], wdown.shape[1], n_heads
+        bf16 = wqkv.dtype == torch.bfloat16
+        ws = (wqkv, wo, wgu, wdown)
+        if (any(w.dtype != wqkv.dtype or not w.is_contiguous() or w.device.type != "cpu" for w in ws)
+                or wqkv.dtype not in (torch.float32, torch.bfloat16)
+                or wqkv.shape != ((H + 2 * KV) * D, d) or wo.shape != (d, H * D) or wgu.shape != (2 * F, d)
+                or wdown.shape != (d, F) or H % KV or D % 8 or D > 256
+                or k_cache.dtype != torch.float32 or v_cache.shape != k_cache.shape or v_cache.dtype != torch.float32
+                or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.device.type != "cpu"
+                or ln1.dtype != torch.float32 or ln2.dtype != torch.float32):
+            raise ValueError("decode_block: shapes, dtypes or layouts the kernel does not take")
+        self.d, self.H, self.KV, self.D, self.F = d, H, KV, D, F
+        self.nq = (H + 2 * KV) * D
+        self._fn = lib.spire_decode_block
+        self._keep = (ln1, ln2, *ws, k_cache, v_cache)
+        sb, sh, ss, _ = k_cache.stride()
+        self._args = (ln1.data_ptr(), ln2.data_ptr(), float(eps), wqkv.data_ptr(), wo.data_ptr(), wgu.data_ptr(),
+                      wdown.data_ptr(), int(bf16), d, H, KV, D, F, k_cache.data_ptr(), v_cache.data_ptr(), sb, sh,
+                      ss, D ** -0.5)
+
+    def work_size(self, M: int) -> int:
+        """Floats of scratch one call with M rows needs."""
+        return M * (2 * self.d + self.nq + self.H * self.D + 2 * self.F)
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, k_start: torch.Tensor | None, sink: int, window: int,
+                 cos: torch.Tensor, sin: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+        """x: (M, d) contiguous float32 residual stream entering the block, M = B × T; pos: (B, T) int64
+        contiguous absolute positions (< the cache length: checked by the caller); k_start: None or (B,) int64;
+        window 0 = full causal attention, else a sink + window view; cos, sin: (M, D) contiguous float32 RoPE
+        tables; work: at least :meth:`work_size` float32 scratch. Writes the new keys/values into the cache
+        and returns the (M, d) residual stream leaving the block."""
+        B, T = pos.shape
+        (ln1, ln2, eps, wqkv, wo, wgu, wdown, bf16, d, H, KV, D, F, kc, vc, sb, sh, ss, scale) = self._args
+        out = torch.empty_like(x)
+        rc = self._fn(x.data_ptr(), out.data_ptr(), B, T, pos.data_ptr(),
+                      None if k_start is None else k_start.data_ptr(), sink, window, cos.data_ptr(), sin.data_ptr(),
+                      ln1, ln2, eps, wqkv, wo, wgu, wdown, bf16, d, H, KV, D, F, kc, vc, sb, sh, ss, scale,
+                      work.data_ptr())
+        if rc != 0:
+            raise ValueError(f"spire_decode_block: unsupported sizes (B={B}, T={T}, H={H}, KV={KV}, D={D})")
+        return out

@@ -20,6 +20,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stddef.h>
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v);
@@ -334,5 +335,236 @@ int spire_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_
             _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), sv)));
         for (int64_t i = d8; i < d; i++) yr[i] = w[i] * (xr[i] * scale);
     }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------
+ * Fused decoder block for decoding (spire_decode_block): one call per layer of a Llama-family block
+ *
+ *   h = rms_norm(x) * ln1;  q, k, v = h Wqkv^T;  RoPE(q, k);  cache[b, :, pos[b, t]] = k, v;
+ *   a = softmax(scale q K^T, masked) V;  x1 = x + a Wo^T;  h = rms_norm(x1) * ln2;
+ *   g, u = h Wgu^T;  y = x1 + (silu(g) * u) Wdown^T
+ *
+ * for M = B x T rows (a decode step T = 1, a verify pass T = k + 1), instead of the ~40 small torch ops
+ * (and their Python dispatch) the same block costs on the torch path. The arithmetic is spire.model's:
+ * the same matmuls (spire_skinny_gemm[_bf16]), RoPE in the half-split layout with cos / sin tables computed
+ * by torch, grouped-query attention (query head h reads key/value head h / (H / KV)), float32 throughout.
+ *
+ * Attention reads the dense cache in place. Query (b, t) at position p = pos[b, t] attends to keys j with
+ * kstart[b] <= j <= p and, with a sink + window view (window > 0), j < sink or j > p - window (StreamingLLM;
+ * spire.kv_cache.attention_mask). Only the key ranges some query of the group needs are visited, so a
+ * sink + window step costs O(sink + window + T) whatever the context length. Keys go in blocks of
+ * ATT_BLOCK with an online softmax (Milakov & Gimelshein 2018, as FlashAttention): each key row is read once
+ * for all g x T query rows sharing its key/value head; exp is a Cephes-style AVX2 polynomial (~1 ulp).
+ *
+ * Results agree with the torch path to float32 rounding (summation order and exp differ).
+ * Returns 0, or -1 when a size is outside what the kernel handles (the caller checks first).
+ */
+#define ATT_BLOCK 64
+#define ATT_MAX_ROWS 32
+
+static inline __m256 exp256(__m256 x) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    x = _mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f));
+    x = _mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f));
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, z, x);
+    y = _mm256_add_ps(y, one);
+    __m256i n = _mm256_cvttps_epi32(fx);
+    n = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(n));
+}
+
+static inline float exp1(float x) {
+    float in[8] = {x, 0, 0, 0, 0, 0, 0, 0}, out[8];
+    _mm256_storeu_ps(out, exp256(_mm256_loadu_ps(in)));
+    return out[0];
+}
+
+/* Keys [j0, j1) of one (b, kv head) group against its R query rows (row r: q + r_off[r], position qpos[r]),
+ * folded into the running softmax state (m, l) and the unnormalized outputs o + o_off[r]. */
+static void attend_block(const float *q, const int64_t *q_off, const int64_t *qpos, int R, int64_t kstart,
+                         int64_t sink, int64_t window, const float *kb, const float *vb, int64_t kss, int64_t j0,
+                         int64_t j1, int64_t D, float scale, float *m, float *l, float *o, const int64_t *o_off) {
+    float s[ATT_MAX_ROWS][ATT_BLOCK];
+    int64_t n = j1 - j0;
+    for (int64_t jj = 0; jj < n; jj++) {
+        const float *kr = kb + (j0 + jj) * kss;
+        for (int r = 0; r < R; r++) {
+            const float *qr = q + q_off[r];
+            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+            int64_t d = 0;
+            for (; d + 16 <= D; d += 16) {
+                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a0);
+                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d + 8), _mm256_loadu_ps(kr + d + 8), a1);
+            }
+            if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a0);
+            int64_t j = j0 + jj, p = qpos[r];
+            int ok = j >= kstart && j <= p && (window <= 0 || j < sink || j > p - window);
+            s[r][jj] = ok ? hsum8(_mm256_add_ps(a0, a1)) * scale : -__builtin_inff();
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float bm = -__builtin_inff();
+        for (int64_t jj = 0; jj < n; jj++) bm = s[r][jj] > bm ? s[r][jj] : bm;
+        if (bm == -__builtin_inff()) continue;  /* no key of this block is visible to row r */
+        float mn = bm > m[r] ? bm : m[r];
+        float corr = m[r] == -__builtin_inff() ? 0.0f : exp1(m[r] - mn);
+        float *orow = o + o_off[r];
+        if (corr != 1.0f) {
+            __m256 c = _mm256_set1_ps(corr);
+            for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(orow + d, _mm256_mul_ps(c, _mm256_loadu_ps(orow + d)));
+        }
+        m[r] = mn;
+        float sum = 0.0f;
+        __m256 mv = _mm256_set1_ps(mn), ninf = _mm256_set1_ps(-__builtin_inff());
+        int64_t jj = 0;
+        for (; jj + 8 <= n; jj += 8) {
+            __m256 sv = _mm256_loadu_ps(&s[r][jj]);
+            __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(sv, ninf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(sv, mv)));
+            _mm256_storeu_ps(&s[r][jj], e);
+            sum += hsum8(e);
+        }
+        for (; jj < n; jj++) {
+            float e = s[r][jj] == -__builtin_inff() ? 0.0f : exp1(s[r][jj] - mn);
+            s[r][jj] = e;
+            sum += e;
+        }
+        l[r] = l[r] * corr + sum;
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {
+            int nd = D - d0 < 32 ? (int)((D - d0) / 8) : 4;
+            __m256 acc[4];
+            for (int c = 0; c < 4; c++) acc[c] = c < nd ? _mm256_loadu_ps(orow + d0 + 8 * c) : _mm256_setzero_ps();
+            for (int64_t j = 0; j < n; j++) {
+                float pj = s[r][j];
+                if (pj == 0.0f) continue;
+                __m256 pv = _mm256_set1_ps(pj);
+                const float *vr = vb + (j0 + j) * kss + d0;
+                for (int c = 0; c < 4; c++)
+                    if (c < nd) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+            }
+            for (int c = 0; c < nd; c++) _mm256_storeu_ps(orow + d0 + 8 * c, acc[c]);
+        }
+    }
+}
+
+static void attend_range(const float *q, const int64_t *q_off, const int64_t *qpos, int R, int64_t kstart,
+                         int64_t sink, int64_t window, const float *kb, const float *vb, int64_t kss, int64_t lo,
+                         int64_t hi, int64_t D, float scale, float *m, float *l, float *o, const int64_t *o_off) {
+    for (int64_t j0 = lo; j0 < hi; j0 += ATT_BLOCK)
+        attend_block(q, q_off, qpos, R, kstart, sink, window, kb, vb, kss, j0, j0 + ATT_BLOCK < hi ? j0 + ATT_BLOCK : hi,
+                     D, scale, m, l, o, o_off);
+}
+
+/* silu(g) * u for M rows of gu = [g | u] (row stride 2F), written over g. silu(g) = g / (1 + exp(-g)). */
+static void silu_mul(float *gu, int64_t M, int64_t F) {
+    for (int64_t m = 0; m < M; m++) {
+        float *g = gu + m * 2 * F, *u = g + F;
+        int64_t i = 0;
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (; i + 8 <= F; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 sg = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            _mm256_storeu_ps(g + i, _mm256_mul_ps(sg, _mm256_loadu_ps(u + i)));
+        }
+        for (; i < F; i++) g[i] = g[i] / (1.0f + exp1(-g[i])) * u[i];
+    }
+}
+
+static int gemm_any(int bf16, const float *x, int64_t ldx, int64_t M, int64_t K, const void *w, int64_t N, float *y,
+                    int64_t ldy) {
+    const void *ws[1] = {w};
+    int64_t ns[1] = {N};
+    return bf16 ? spire_skinny_gemm_bf16(x, ldx, M, K, 1, (const uint16_t *const *)ws, ns, y, ldy)
+                : spire_skinny_gemm(x, ldx, M, K, 1, (const float *const *)ws, ns, y, ldy);
+}
+
+/* x, xo: (M, d) with M = B * T (xo may not alias x); pos: (B, T); kstart: (B,) or NULL; window <= 0: no view;
+ * cos, sin: (M, D); ln1, ln2: (d,); wqkv ((H + 2 KV) D, d), wo (d, H D), wgu (2 F, d), wdown (d, F): row-major,
+ * float32 (bf16 = 0) or bf16 (bf16 = 1); kc, vc: the layer's cache, element [b, h, s, :] at b csb + h csh + s css;
+ * work: M (d + (H + 2 KV) D + H D + 2 F + d) floats of scratch. */
+int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const int64_t *pos, const int64_t *kstart,
+                       int64_t sink, int64_t window, const float *cos, const float *sin, const float *ln1,
+                       const float *ln2, float eps, const void *wqkv, const void *wo, const void *wgu,
+                       const void *wdown, int bf16, int64_t d, int64_t H, int64_t KV, int64_t D, int64_t F,
+                       float *kc, float *vc, int64_t csb, int64_t csh, int64_t css, float scale, float *work) {
+    int64_t M = B * T, G = H / KV, NQ = (H + 2 * KV) * D;
+    if (D % 8 || D > 256 || H % KV || G * T > ATT_MAX_ROWS) return -1;
+    float *h = work, *qkv = h + M * d, *att = qkv + M * NQ, *gu = att + M * H * D, *tmp = gu + M * 2 * F;
+    spire_rms_norm(x, d, ln1, h, M, d, eps);
+    gemm_any(bf16, h, d, M, d, wqkv, NQ, qkv, NQ);
+    /* RoPE on the q and k heads (y = x cos + rotate_half(x) sin, half-split layout), k and v into the cache */
+    int64_t half = D / 2;
+    for (int64_t m = 0; m < M; m++) {
+        const float *c = cos + m * D, *sn = sin + m * D;
+        float tmpd[256];
+        for (int64_t hd = 0; hd < H + KV; hd++) {
+            float *v = qkv + m * NQ + hd * D;
+            for (int64_t i = 0; i < half; i++) tmpd[i] = v[i] * c[i] + (-v[i + half]) * sn[i];
+            for (int64_t i = half; i < D; i++) tmpd[i] = v[i] * c[i] + v[i - half] * sn[i];
+            for (int64_t i = 0; i < D; i++) v[i] = tmpd[i];
+        }
+        int64_t b = m / T, p = pos[m];
+        for (int64_t hk = 0; hk < KV; hk++) {
+            const float *kr = qkv + m * NQ + (H + hk) * D, *vr = qkv + m * NQ + (H + KV + hk) * D;
+            float *kd = kc + b * csb + hk * csh + p * css, *vd = vc + b * csb + hk * csh + p * css;
+            for (int64_t i = 0; i < D; i++) { kd[i] = kr[i]; vd[i] = vr[i]; }
+        }
+    }
+    /* attention: one task per (b, kv head) with its G x T query rows */
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < B * KV; t++) {
+        int64_t b = t / KV, hk = t % KV;
+        int64_t q_off[ATT_MAX_ROWS], o_off[ATT_MAX_ROWS], qpos[ATT_MAX_ROWS];
+        float m_run[ATT_MAX_ROWS], l_run[ATT_MAX_ROWS];
+        int R = 0;
+        int64_t pmin = INT64_MAX, pmax = -1;
+        for (int64_t tt = 0; tt < T; tt++)
+            for (int64_t gi = 0; gi < G; gi++, R++) {
+                int64_t row = b * T + tt, head = hk * G + gi;
+                q_off[R] = row * NQ + head * D;
+                o_off[R] = row * H * D + head * D;
+                qpos[R] = pos[row];
+                pmin = qpos[R] < pmin ? qpos[R] : pmin;
+                pmax = qpos[R] > pmax ? qpos[R] : pmax;
+                m_run[R] = -__builtin_inff();
+                l_run[R] = 0.0f;
+                for (int64_t i = 0; i < D; i++) att[o_off[R] + i] = 0.0f;
+            }
+        int64_t ks = kstart ? kstart[b] : 0;
+        if (ks < 0) ks = 0;
+        const float *kb = kc + b * csb + hk * csh, *vb = vc + b * csb + hk * csh;
+        if (window > 0) {
+            int64_t s1 = sink < pmax + 1 ? sink : pmax + 1;
+            attend_range(qkv, q_off, qpos, R, ks, sink, window, kb, vb, css, ks, s1, D, scale, m_run, l_run, att, o_off);
+            int64_t lo = pmin - window + 1;
+            lo = lo > s1 ? lo : s1;
+            lo = lo > ks ? lo : ks;
+            attend_range(qkv, q_off, qpos, R, ks, sink, window, kb, vb, css, lo, pmax + 1, D, scale, m_run, l_run, att, o_off);
+        } else {
+            attend_range(qkv, q_off, qpos, R, ks, sink, window, kb, vb, css, ks, pmax + 1, D, scale, m_run, l_run, att, o_off);
+        }
+        for (int r = 0; r < R; r++) {
+            float inv = 1.0f / l_run[r];  /* no visible key: 1 / 0 -> inf, 0 * inf -> NaN, as SDPA */
+            for (int64_t i = 0; i < D; i++) att[o_off[r] + i] *= inv;
+        }
+    }
+    gemm_any(bf16, att, H * D, M, H * D, wo, d, xo, d);
+    for (int64_t i = 0; i < M * d; i++) xo[i] += x[i];
+    spire_rms_norm(xo, d, ln2, h, M, d, eps);
+    gemm_any(bf16, h, d, M, d, wgu, 2 * F, gu, 2 * F);
+    silu_mul(gu, M, F);
+    gemm_any(bf16, gu, 2 * F, M, F, wdown, d, tmp, d);
+    for (int64_t i = 0; i < M * d; i++) xo[i] += tmp[i];
     return 0;
 }
