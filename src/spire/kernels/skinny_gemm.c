@@ -124,8 +124,47 @@ static inline __attribute__((always_inline)) void stream_##SUF(const float *rest
     }                                                                                                         \
 }                                                                                                             \
                                                                                                               \
+/* M <= 2: one activation row leaves a single FMA dependency chain per weight row (latency-bound, not     \
+ * memory-bound), so k is split over four (M = 1) or two (M = 2) accumulators per activation row. */          \
+static inline __attribute__((always_inline)) void stream_few_##SUF(const float *restrict x, int64_t ldx,     \
+                                                                   const WT *restrict w, int64_t K,          \
+                                                                   float *restrict y, int64_t ldy, int MB) { \
+    __m256 a[2][4];                                                                                           \
+    for (int j = 0; j < 2; j++)                                                                               \
+        for (int c = 0; c < 4; c++) a[j][c] = _mm256_setzero_ps();                                            \
+    int64_t K8 = K & ~(int64_t)7, k = 0;                                                                      \
+    if (MB == 1) {                                                                                            \
+        for (; k + 32 <= K8; k += 32)                                                                         \
+            for (int c = 0; c < 4; c++)                                                                       \
+                a[0][c] = _mm256_fmadd_ps(load_##SUF(w + k + 8 * c), _mm256_loadu_ps(x + k + 8 * c), a[0][c]); \
+    } else {                                                                                                  \
+        for (; k + 16 <= K8; k += 16)                                                                         \
+            for (int c = 0; c < 2; c++) {                                                                     \
+                __m256 wv = load_##SUF(w + k + 8 * c);                                                        \
+                a[0][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + k + 8 * c), a[0][c]);                       \
+                a[1][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + ldx + k + 8 * c), a[1][c]);                 \
+            }                                                                                                 \
+    }                                                                                                         \
+    for (; k < K8; k += 8) {                                                                                  \
+        __m256 wv = load_##SUF(w + k);                                                                        \
+        for (int j = 0; j < MB; j++) a[j][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + j * ldx + k), a[j][0]); \
+    }                                                                                                         \
+    for (int j = 0; j < MB; j++) {                                                                            \
+        float s = hsum8(_mm256_add_ps(_mm256_add_ps(a[j][0], a[j][1]), _mm256_add_ps(a[j][2], a[j][3])));     \
+        for (int64_t kk = K8; kk < K; kk++) s += scalar_##SUF(w + kk) * x[j * ldx + kk];                      \
+        y[j * ldy] = s;                                                                                       \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
 static void stream_rows_##SUF(const float *x, int64_t ldx, int64_t M, const WT *w, int64_t n_rows, int64_t K, \
                               float *y, int64_t ldy) {                                                       \
+    if (M <= 2) {                                                                                             \
+        for (int64_t n = 0; n < n_rows; n++) {                                                                \
+            if (M == 1) stream_few_##SUF(x, ldx, w + n * K, K, y + n, ldy, 1);                                \
+            else stream_few_##SUF(x, ldx, w + n * K, K, y + n, ldy, 2);                                       \
+        }                                                                                                     \
+        return;                                                                                               \
+    }                                                                                                         \
     for (int64_t n = 0; n < n_rows; n++) {                                                                    \
         const WT *wr = w + n * K;                                                                             \
         for (int64_t m = 0; m < M; m += 8) { /* past 8 rows: the weight row is re-read from L1 */             \
