@@ -10,6 +10,10 @@ Shapes: B batch, T new tokens, S key positions, H query heads, KV key/value head
 Inference fast path (no autograd needed: ``torch.no_grad()`` or frozen weights). The same arithmetic with
 fewer, better-shaped kernels (docs/bench.md has the measurements):
 
+- on CPU in float32 with a dense :class:`KVCache` and at most KERNEL_MAX_M new tokens (decode steps, verify
+  passes, MagicDec draft steps), each decoder block is one native call (:data:`FUSED_BLOCK`,
+  :class:`spire.kernels.DecodeBlock`) doing everything below for that block; otherwise (prefill, the SPIRe
+  draft's ring cache, other devices) the block runs as torch ops:
 - q/k/v and gate/up projections run as one matmul each over weights concatenated along the output dimension;
 - on CPU in float32 the matmul follows the number of rows M = B·T: M = 1 multiplies by a transposed
   (in, out) copy of the weights (a GEMV MKL streams faster than ``F.linear``'s), 2 ≤ M ≤ 32 uses spire's
@@ -395,6 +399,56 @@ class Block(nn.Module):
         return self.self_attn.project_kv(self.input_layernorm(m), cos, sin)
 
 
+def fused_block_applies(cfg: ModelConfig, x: torch.Tensor, bt: tuple[int, int], k_cache: torch.Tensor) -> bool:
+    """Whether :class:`spire.kernels.DecodeBlock` takes B × T = ``bt`` new tokens of a model shaped by ``cfg``
+    over a cache layer like ``k_cache`` (:data:`FUSED_BLOCK` on, float32 on the CPU, few rows, kernels built).
+    Autograd is the caller's check (the kernel computes no gradients)."""
+    B, T = bt
+    if (not FUSED_BLOCK or x.device.type != "cpu" or x.dtype != torch.float32 or B * T > KERNEL_MAX_M
+            or cfg.d_head % 8 or cfg.d_head > 256 or cfg.n_heads % cfg.n_kv_heads
+            or cfg.n_heads // cfg.n_kv_heads * T > KERNEL_MAX_M or k_cache.dtype != torch.float32
+            or k_cache.device.type != "cpu" or k_cache.stride(-1) != 1):
+        return False
+    from spire import kernels
+
+    return kernels.available()
+
+
+def fused_block(block: "Block", k_cache: torch.Tensor, v_cache: torch.Tensor, n_heads: int, store: dict, i: int):
+    """The :class:`spire.kernels.DecodeBlock` of ``block`` over one cache layer, kept in ``store[i]`` and
+    rebuilt when a weight copy or the cache storage changes (the kernel reads parameters in place, so
+    in-place updates are seen). Weights: the block's fused float32 copies, or its bf16 copies after
+    :func:`use_bf16_weights`."""
+    from spire import kernels
+
+    attn, mlp = block.self_attn, block.mlp
+    layout = "B" if attn._wc["qkv"].weight_dtype == torch.bfloat16 else "N"
+    ws = (attn._wc["qkv"].get((attn.q_proj, attn.k_proj, attn.v_proj), layout),
+          attn._wc["o"].get((attn.o_proj,), layout), mlp._wc["gu"].get((mlp.gate_proj, mlp.up_proj), layout),
+          mlp._wc["down"].get((mlp.down_proj,), layout))
+    ln1, ln2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
+    key = (*(w.data_ptr() for w in ws), ln1.data_ptr(), ln2.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+           tuple(k_cache.shape))
+    hit = store.get(i)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    fb = kernels.DecodeBlock(ln1.detach(), ln2.detach(), block.input_layernorm.eps, *(w.detach() for w in ws),
+                             k_cache, v_cache, n_heads)
+    store[i] = (key, fb)
+    return fb
+
+
+class FusedBlocks(dict):
+    """Layer -> (key, :class:`spire.kernels.DecodeBlock`) (see :func:`fused_block`). The blocks hold raw
+    addresses of a model's weights and cache, so a deepcopy (or pickle) of the model starts without them."""
+
+    def __deepcopy__(self, memo) -> "FusedBlocks":
+        return FusedBlocks()
+
+    def __reduce__(self):
+        return (FusedBlocks, ())
+
+
 class ForwardOutput:
     """logits: (B, T, V) float32; hidden: target layer index -> (B, T, d_model) residual stream entering it.
 
@@ -427,17 +481,6 @@ class ForwardOutput:
         return f"ForwardOutput(logits={state}, hidden={sorted(self.hidden)})"
 
 
-class _FusedBlocks(dict):
-    """Layer -> (key, :class:`spire.kernels.DecodeBlock`). The blocks hold raw addresses of this model's
-    weights and cache, so a deepcopy (or pickle) of the model starts without them."""
-
-    def __deepcopy__(self, memo) -> "_FusedBlocks":
-        return _FusedBlocks()
-
-    def __reduce__(self):
-        return (_FusedBlocks, ())
-
-
 class Transformer(nn.Module):
     """A Llama-family causal LM with an optional KV cache.
 
@@ -460,7 +503,7 @@ class Transformer(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._head_wc = WeightCache()
-        self._fused = _FusedBlocks()  # layer -> (key, spire.kernels.DecodeBlock), see _fused_block
+        self._fused = FusedBlocks()  # layer -> (key, spire.kernels.DecodeBlock), see fused_block
 
     @property
     def layers(self) -> nn.ModuleList:
@@ -522,41 +565,9 @@ class Transformer(nn.Module):
 
     def _fused_applies(self, x: torch.Tensor, cache: KVCache | None, pos: torch.Tensor) -> bool:
         """Whether this forward runs every block through :class:`spire.kernels.DecodeBlock` (module docstring)."""
-        if not FUSED_BLOCK or type(cache) is not KVCache or x.device.type != "cpu" or x.dtype != torch.float32:
+        if type(cache) is not KVCache or not fused_block_applies(self.cfg, x, pos.shape, cache.k[0]):
             return False
-        B, T = pos.shape
-        cfg = self.cfg
-        if (B * T > KERNEL_MAX_M or cfg.d_head % 8 or cfg.d_head > 256 or cfg.n_heads % cfg.n_kv_heads
-                or cfg.n_heads // cfg.n_kv_heads * T > KERNEL_MAX_M or cache.k[0].dtype != torch.float32
-                or cache.k[0].device.type != "cpu" or cache.k[0].stride(-1) != 1):
-            return False
-        if torch.is_grad_enabled() and any(p.requires_grad for p in self.layers.parameters()):
-            return False
-        from spire import kernels
-
-        return kernels.available()
-
-    def _fused_block(self, i: int, cache: KVCache):
-        """Layer i's :class:`spire.kernels.DecodeBlock` over ``cache``, rebuilt when a weight copy or the cache
-        storage changes (the kernel reads parameters in place, so in-place updates are seen)."""
-        from spire import kernels
-
-        blk = self.layers[i]
-        attn, mlp = blk.self_attn, blk.mlp
-        layout = "B" if attn._wc["qkv"].weight_dtype == torch.bfloat16 else "N"
-        ws = (attn._wc["qkv"].get((attn.q_proj, attn.k_proj, attn.v_proj), layout),
-              attn._wc["o"].get((attn.o_proj,), layout), mlp._wc["gu"].get((mlp.gate_proj, mlp.up_proj), layout),
-              mlp._wc["down"].get((mlp.down_proj,), layout))
-        ln1, ln2 = blk.input_layernorm.weight, blk.post_attention_layernorm.weight
-        key = (*(w.data_ptr() for w in ws), ln1.data_ptr(), ln2.data_ptr(), cache.k[i].data_ptr(),
-               cache.v[i].data_ptr(), tuple(cache.k[i].shape))
-        hit = self._fused.get(i)
-        if hit is not None and hit[0] == key:
-            return hit[1]
-        fb = kernels.DecodeBlock(ln1.detach(), ln2.detach(), blk.input_layernorm.eps, *ws, cache.k[i], cache.v[i],
-                                 self.cfg.n_heads)
-        self._fused[i] = (key, fb)
-        return fb
+        return not (torch.is_grad_enabled() and any(p.requires_grad for p in self.layers.parameters()))
 
     def _forward_fused(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        cache: KVCache, view: SinkWindow | None, want: set[int], k_start: torch.Tensor | None
@@ -578,7 +589,7 @@ class Transformer(nn.Module):
         hidden: dict[int, torch.Tensor] = {}
         work = None
         for i in range(len(self.layers)):
-            fb = self._fused_block(i, cache)
+            fb = fused_block(self.layers[i], cache.k[i], cache.v[i], self.cfg.n_heads, self._fused, i)
             if work is None:
                 work = torch.empty(fb.work_size(B * T), dtype=torch.float32)
             if i in want:

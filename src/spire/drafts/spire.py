@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
-from spire.model import ForwardOutput, Transformer, rope_cos_sin
+from spire.model import ForwardOutput, FusedBlocks, Transformer, fused_block, fused_block_applies, rope_cos_sin
 from spire.paths import atomic_write
 
 
@@ -170,6 +170,7 @@ class SpireDraftModel(nn.Module):
         self.layers.requires_grad_(True)
         self.norm.requires_grad_(True)
         object.__setattr__(self, "target", target)  # not a submodule: shared, frozen, never saved
+        self._fused = FusedBlocks()  # draft layer -> its spire.kernels.DecodeBlock (SpireDraft.step)
         self.view = None if cfg.window is None else SinkWindow(cfg.sink, cfg.window)
 
     # -- pieces shared by inference and training ---------------------------------------------------
@@ -362,12 +363,27 @@ class SpireDraft(Draft):
         if not m.cfg.self_attend:
             mask = mask & m.self_mask(pos, kp)[:, None]
         xs = [x]
-        for i, layer in enumerate(m.layers):
-            def kv_source(k_self, v_self, i=i):  # the token's own key/value, then everything up to it
-                cache.write(i, pos, k_self, v_self)
-                return cache.read(i)
-            x = layer(x, cos, sin, kv_source, mask)
-            xs.append(x)
+        if isinstance(cache, RingKVCache) and fused_block_applies(m.target.cfg, x, tuple(pos.shape), cache.k[0]):
+            # each layer one native call: the token's key/value into its slot, attention over the slots
+            B, d = x.shape[0], x.shape[-1]
+            slots = cache.slot(pos).contiguous()
+            mask8 = mask[:, 0].to(torch.uint8).contiguous()  # (B, 1, S)
+            pos_c, cos2, sin2 = pos.contiguous(), cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
+            h, work = x.reshape(B, d).contiguous(), None
+            for i, layer in enumerate(m.layers):
+                fb = fused_block(layer, cache.k[i], cache.v[i], m.target.cfg.n_heads, m._fused, i)
+                if work is None:
+                    work = torch.empty(fb.work_size(B), dtype=torch.float32)
+                h = fb(h, pos_c, None, 0, 0, cos2, sin2, work, slots=slots, mask=mask8)
+                xs.append(h.view(B, 1, d))
+            x = xs[-1]
+        else:
+            for i, layer in enumerate(m.layers):
+                def kv_source(k_self, v_self, i=i):  # the token's own key/value, then everything up to it
+                    cache.write(i, pos, k_self, v_self)
+                    return cache.read(i)
+                x = layer(x, cos, sin, kv_source, mask)
+                xs.append(x)
         if m.cfg.feedback_memory:  # later tokens read this token as memory, not as its self key/value
             mem = m.memory(xs)
             for i in range(len(m.layers)):

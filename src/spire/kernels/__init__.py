@@ -10,6 +10,11 @@ weight copy is faster and spire.model uses that instead.
 :func:`decode_attention` is the attention of a decode step (few query rows per key/value head) with each
 cached key and value row read once for all of them.
 
+:class:`DecodeBlock` runs a whole decoder block for a few new tokens in one call (RMSNorm, the fused q/k/v
+matmul, RoPE, the KV-cache write, attention over the dense cache with per-row positions and an optional
+sink + window view, o projection, SwiGLU MLP, residuals): spire.model uses it for decode steps, verify passes
+and MagicDec draft steps, where the ~40 torch ops per block cost as much as the matmuls at B = 1.
+
 The shared library is compiled once per machine into ``<spire cache>/kernels/`` with
 ``cc -O3 -mavx2 -mfma -fopenmp`` (about a second) and loaded with ctypes after torch, so its OpenMP calls
 use torch's libgomp and thread count. Used only for float32 CPU tensors whose inner dimension is contiguous,
@@ -100,7 +105,7 @@ def load() -> ctypes.CDLL | None:
             ctypes.c_void_p] + [ctypes.c_int64] * 5
         P, I = ctypes.c_void_p, ctypes.c_int64
         lib.spire_decode_block.restype = ctypes.c_int
-        lib.spire_decode_block.argtypes = ([P, P, I, I, P, P, I, I, P, P, P, P, ctypes.c_float, P, P, P, P,
+        lib.spire_decode_block.argtypes = ([P, P, I, I, P, P, I, I, P, P, I, P, P, P, P, ctypes.c_float, P, P, P, P,
                                             ctypes.c_int] + [I] * 5 + [P, P, I, I, I, ctypes.c_float, P])
         _LIB = lib
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
@@ -256,17 +261,25 @@ class DecodeBlock:
         return M * (2 * self.d + self.nq + self.H * self.D + 2 * self.F)
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor, k_start: torch.Tensor | None, sink: int, window: int,
-                 cos: torch.Tensor, sin: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+                 cos: torch.Tensor, sin: torch.Tensor, work: torch.Tensor, slots: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (M, d) contiguous float32 residual stream entering the block, M = B × T; pos: (B, T) int64
         contiguous absolute positions (< the cache length: checked by the caller); k_start: None or (B,) int64;
         window 0 = full causal attention, else a sink + window view; cos, sin: (M, D) contiguous float32 RoPE
         tables; work: at least :meth:`work_size` float32 scratch. Writes the new keys/values into the cache
-        and returns the (M, d) residual stream leaving the block."""
+        and returns the (M, d) residual stream leaving the block.
+
+        A ring cache (:class:`spire.kv_cache.RingKVCache`) passes ``slots``: (B, T) int64 cache entries that
+        receive the new keys/values, and ``mask``: (B, T, S) contiguous uint8 over the S cache entries, nonzero
+        where the query may read the entry; the position rule (k_start, sink, window) is then not used."""
         B, T = pos.shape
         (ln1, ln2, eps, wqkv, wo, wgu, wdown, bf16, d, H, KV, D, F, kc, vc, sb, sh, ss, scale) = self._args
         out = torch.empty_like(x)
+        n_slots = 0 if mask is None else mask.shape[-1]
         rc = self._fn(x.data_ptr(), out.data_ptr(), B, T, pos.data_ptr(),
-                      None if k_start is None else k_start.data_ptr(), sink, window, cos.data_ptr(), sin.data_ptr(),
+                      None if k_start is None else k_start.data_ptr(), sink, window,
+                      None if slots is None else slots.data_ptr(), None if mask is None else mask.data_ptr(), n_slots,
+                      cos.data_ptr(), sin.data_ptr(),
                       ln1, ln2, eps, wqkv, wo, wgu, wdown, bf16, d, H, KV, D, F, kc, vc, sb, sh, ss, scale,
                       work.data_ptr())
         if rc != 0:

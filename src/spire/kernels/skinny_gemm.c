@@ -392,7 +392,9 @@ int spire_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_
  * Attention reads the dense cache in place. Query (b, t) at position p = pos[b, t] attends to keys j with
  * kstart[b] <= j <= p and, with a sink + window view (window > 0), j < sink or j > p - window (StreamingLLM;
  * spire.kv_cache.attention_mask). Only the key ranges some query of the group needs are visited, so a
- * sink + window step costs O(sink + window + T) whatever the context length. Keys go in blocks of
+ * sink + window step costs O(sink + window + T) whatever the context length. With an explicit mask over
+ * the cache entries (the SPIRe draft's ring cache, whose slots carry positions) the rule is replaced by the
+ * mask and the new keys/values go to given slots. Keys go in blocks of
  * ATT_BLOCK with an online softmax (Milakov & Gimelshein 2018, as FlashAttention): each key row is read once
  * for all g x T query rows sharing its key/value head; exp is a Cephes-style AVX2 polynomial (~1 ulp).
  *
@@ -432,9 +434,10 @@ static inline float exp1(float x) {
 
 /* Keys [j0, j1) of one (b, kv head) group against its R query rows (row r: q + r_off[r], position qpos[r]),
  * folded into the running softmax state (m, l) and the unnormalized outputs o + o_off[r]. */
-static void attend_block(const float *q, const int64_t *q_off, const int64_t *qpos, int R, int64_t kstart,
-                         int64_t sink, int64_t window, const float *kb, const float *vb, int64_t kss, int64_t j0,
-                         int64_t j1, int64_t D, float scale, float *m, float *l, float *o, const int64_t *o_off) {
+static void attend_block(const float *q, const int64_t *q_off, const int64_t *qpos, const uint8_t *const *mrow, int R,
+                         int64_t kstart, int64_t sink, int64_t window, const float *kb, const float *vb, int64_t kss,
+                         int64_t j0, int64_t j1, int64_t D, float scale, float *m, float *l, float *o,
+                         const int64_t *o_off) {
     float s[ATT_MAX_ROWS][ATT_BLOCK];
     int64_t n = j1 - j0;
     for (int64_t jj = 0; jj < n; jj++) {
@@ -449,7 +452,7 @@ static void attend_block(const float *q, const int64_t *q_off, const int64_t *qp
             }
             if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a0);
             int64_t j = j0 + jj, p = qpos[r];
-            int ok = j >= kstart && j <= p && (window <= 0 || j < sink || j > p - window);
+            int ok = mrow ? mrow[r][j] != 0 : (j >= kstart && j <= p && (window <= 0 || j < sink || j > p - window));
             s[r][jj] = ok ? hsum8(_mm256_add_ps(a0, a1)) * scale : -__builtin_inff();
         }
     }
@@ -497,12 +500,13 @@ static void attend_block(const float *q, const int64_t *q_off, const int64_t *qp
     }
 }
 
-static void attend_range(const float *q, const int64_t *q_off, const int64_t *qpos, int R, int64_t kstart,
-                         int64_t sink, int64_t window, const float *kb, const float *vb, int64_t kss, int64_t lo,
-                         int64_t hi, int64_t D, float scale, float *m, float *l, float *o, const int64_t *o_off) {
+static void attend_range(const float *q, const int64_t *q_off, const int64_t *qpos, const uint8_t *const *mrow, int R,
+                         int64_t kstart, int64_t sink, int64_t window, const float *kb, const float *vb, int64_t kss,
+                         int64_t lo, int64_t hi, int64_t D, float scale, float *m, float *l, float *o,
+                         const int64_t *o_off) {
     for (int64_t j0 = lo; j0 < hi; j0 += ATT_BLOCK)
-        attend_block(q, q_off, qpos, R, kstart, sink, window, kb, vb, kss, j0, j0 + ATT_BLOCK < hi ? j0 + ATT_BLOCK : hi,
-                     D, scale, m, l, o, o_off);
+        attend_block(q, q_off, qpos, mrow, R, kstart, sink, window, kb, vb, kss, j0,
+                     j0 + ATT_BLOCK < hi ? j0 + ATT_BLOCK : hi, D, scale, m, l, o, o_off);
 }
 
 /* silu(g) * u for M rows of gu = [g | u] (row stride 2F), written over g. silu(g) = g / (1 + exp(-g)). */
@@ -529,11 +533,15 @@ static int gemm_any(int bf16, const float *x, int64_t ldx, int64_t M, int64_t K,
 }
 
 /* x, xo: (M, d) with M = B * T (xo may not alias x); pos: (B, T); kstart: (B,) or NULL; window <= 0: no view;
+ * slot: NULL (new keys/values go to cache entry pos[b, t]) or (B, T) cache entries to write instead (a ring
+ * cache); mask: NULL (the position rule above over a dense cache) or (B, T, n_slots) uint8, nonzero where query
+ * (b, t) may read cache entry j < n_slots (the rule is then not applied);
  * cos, sin: (M, D); ln1, ln2: (d,); wqkv ((H + 2 KV) D, d), wo (d, H D), wgu (2 F, d), wdown (d, F): row-major,
  * float32 (bf16 = 0) or bf16 (bf16 = 1); kc, vc: the layer's cache, element [b, h, s, :] at b csb + h csh + s css;
  * work: M (d + (H + 2 KV) D + H D + 2 F + d) floats of scratch. */
 int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const int64_t *pos, const int64_t *kstart,
-                       int64_t sink, int64_t window, const float *cos, const float *sin, const float *ln1,
+                       int64_t sink, int64_t window, const int64_t *slot, const uint8_t *mask, int64_t n_slots,
+                       const float *cos, const float *sin, const float *ln1,
                        const float *ln2, float eps, const void *wqkv, const void *wo, const void *wgu,
                        const void *wdown, int bf16, int64_t d, int64_t H, int64_t KV, int64_t D, int64_t F,
                        float *kc, float *vc, int64_t csb, int64_t csh, int64_t css, float scale, float *work) {
@@ -553,7 +561,7 @@ int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const in
             for (int64_t i = half; i < D; i++) tmpd[i] = v[i] * c[i] + v[i - half] * sn[i];
             for (int64_t i = 0; i < D; i++) v[i] = tmpd[i];
         }
-        int64_t b = m / T, p = pos[m];
+        int64_t b = m / T, p = slot ? slot[m] : pos[m];
         for (int64_t hk = 0; hk < KV; hk++) {
             const float *kr = qkv + m * NQ + (H + hk) * D, *vr = qkv + m * NQ + (H + KV + hk) * D;
             float *kd = kc + b * csb + hk * csh + p * css, *vd = vc + b * csb + hk * csh + p * css;
@@ -565,6 +573,7 @@ int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const in
     for (int64_t t = 0; t < B * KV; t++) {
         int64_t b = t / KV, hk = t % KV;
         int64_t q_off[ATT_MAX_ROWS], o_off[ATT_MAX_ROWS], qpos[ATT_MAX_ROWS];
+        const uint8_t *mrow[ATT_MAX_ROWS];
         float m_run[ATT_MAX_ROWS], l_run[ATT_MAX_ROWS];
         int R = 0;
         int64_t pmin = INT64_MAX, pmax = -1;
@@ -574,6 +583,7 @@ int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const in
                 q_off[R] = row * NQ + head * D;
                 o_off[R] = row * H * D + head * D;
                 qpos[R] = pos[row];
+                mrow[R] = mask ? mask + row * n_slots : 0;
                 pmin = qpos[R] < pmin ? qpos[R] : pmin;
                 pmax = qpos[R] > pmax ? qpos[R] : pmax;
                 m_run[R] = -__builtin_inff();
@@ -583,15 +593,22 @@ int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const in
         int64_t ks = kstart ? kstart[b] : 0;
         if (ks < 0) ks = 0;
         const float *kb = kc + b * csb + hk * csh, *vb = vc + b * csb + hk * csh;
-        if (window > 0) {
+        const uint8_t *const *mr = mask ? mrow : 0;
+        if (mask) {
+            attend_range(qkv, q_off, qpos, mr, R, ks, sink, window, kb, vb, css, 0, n_slots, D, scale, m_run, l_run,
+                         att, o_off);
+        } else if (window > 0) {
             int64_t s1 = sink < pmax + 1 ? sink : pmax + 1;
-            attend_range(qkv, q_off, qpos, R, ks, sink, window, kb, vb, css, ks, s1, D, scale, m_run, l_run, att, o_off);
+            attend_range(qkv, q_off, qpos, mr, R, ks, sink, window, kb, vb, css, ks, s1, D, scale, m_run, l_run, att,
+                         o_off);
             int64_t lo = pmin - window + 1;
             lo = lo > s1 ? lo : s1;
             lo = lo > ks ? lo : ks;
-            attend_range(qkv, q_off, qpos, R, ks, sink, window, kb, vb, css, lo, pmax + 1, D, scale, m_run, l_run, att, o_off);
+            attend_range(qkv, q_off, qpos, mr, R, ks, sink, window, kb, vb, css, lo, pmax + 1, D, scale, m_run, l_run,
+                         att, o_off);
         } else {
-            attend_range(qkv, q_off, qpos, R, ks, sink, window, kb, vb, css, ks, pmax + 1, D, scale, m_run, l_run, att, o_off);
+            attend_range(qkv, q_off, qpos, mr, R, ks, sink, window, kb, vb, css, ks, pmax + 1, D, scale, m_run, l_run,
+                         att, o_off);
         }
         for (int r = 0; r < R; r++) {
             float inv = 1.0f / l_run[r];  /* no visible key: 1 / 0 -> inf, 0 * inf -> NaN, as SDPA */
