@@ -325,8 +325,11 @@ class SpireDraft(Draft):
             self._run(tokens, pos, valid)
             return
         cos, sin = self.model._rope(pos, self.model.target.dtype)
-        for i, j in enumerate(self.model.source_layers):
-            self._cache.write(i, pos, *self.model.memory_kv(i, target_out.hidden[j], cos, sin), valid=valid)
+        hidden = [target_out.hidden[j] for j in self.model.source_layers]
+        if (valid is None or bool(valid.all())) and self._write_memory_fused(hidden, pos, cos, sin):
+            return
+        for i, h in enumerate(hidden):
+            self._cache.write(i, pos, *self.model.memory_kv(i, h, cos, sin), valid=valid)
 
     def _run(self, tokens: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Ordinary transformer forward over (B, T) tokens at contiguous positions per row, reading the cache
@@ -386,6 +389,27 @@ class SpireDraft(Draft):
                 xs.append(x)
         if m.cfg.feedback_memory:  # later tokens read this token as memory, not as its self key/value
             mem = m.memory(xs)
-            for i in range(len(m.layers)):
-                cache.write(i, pos, *m.memory_kv(i, mem[i], cos, sin))
+            if not self._write_memory_fused(mem, pos, cos, sin):
+                for i in range(len(m.layers)):
+                    cache.write(i, pos, *m.memory_kv(i, mem[i], cos, sin))
         return m.logits(x)[:, -1]
+
+    def _write_memory_fused(self, mem, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Memory keys/values of draft layer i from mem[i]: (B, T, d), written into the ring cache at pos with
+        :meth:`spire.kernels.DecodeBlock.write_kv` (one native call per layer) when the fused block applies
+        (a ring cache, few rows, every position fits the ring). Returns False (nothing written) otherwise."""
+        m, cache = self.model, self._cache
+        B, T = pos.shape
+        if (not isinstance(cache, RingKVCache) or T > cache.ring
+                or not fused_block_applies(m.target.cfg, mem[0], (B, T), cache.k[0])):
+            return False
+        cache.claim(pos)  # what the per-op path's layer-0 write does to the slot tags
+        slots, pos_c = cache.slot(pos).contiguous(), pos.contiguous()
+        cos2, sin2 = cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()
+        work = None
+        for i, layer in enumerate(m.layers):
+            fb = fused_block(layer, cache.k[i], cache.v[i], m.target.cfg.n_heads, m._fused, i)
+            if work is None:
+                work = torch.empty(fb.work_size(B * T), dtype=torch.float32)
+            fb.write_kv(mem[i].reshape(B * T, -1).contiguous(), pos_c, cos2, sin2, work, slots)
+        return True

@@ -107,6 +107,9 @@ def load() -> ctypes.CDLL | None:
         lib.spire_decode_block.restype = ctypes.c_int
         lib.spire_decode_block.argtypes = ([P, P, I, I, P, P, I, I, P, P, I, P, P, P, P, ctypes.c_float, P, P, P, P,
                                             ctypes.c_int] + [I] * 5 + [P, P, I, I, I, ctypes.c_float, P])
+        lib.spire_block_kv.restype = ctypes.c_int
+        lib.spire_block_kv.argtypes = ([P, I, I, P, P, P, P, P, ctypes.c_float, P, ctypes.c_int] + [I] * 4
+                                       + [P, P, I, I, I, P])
         _LIB = lib
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         _ERROR = str(e)
@@ -227,7 +230,7 @@ class DecodeBlock:
     says so beforehand).
     """
 
-    __slots__ = ("_args", "_fn", "_keep", "d", "H", "KV", "D", "F", "nq")
+    __slots__ = ("_args", "_fn", "_kv_fn", "_keep", "d", "H", "KV", "D", "F", "nq")
 
     def __init__(self, ln1: torch.Tensor, ln2: torch.Tensor, eps: float, wqkv: torch.Tensor, wo: torch.Tensor,
                  wgu: torch.Tensor, wdown: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -249,7 +252,7 @@ class DecodeBlock:
             raise ValueError("decode_block: shapes, dtypes or layouts the kernel does not take")
         self.d, self.H, self.KV, self.D, self.F = d, H, KV, D, F
         self.nq = (H + 2 * KV) * D
-        self._fn = lib.spire_decode_block
+        self._fn, self._kv_fn = lib.spire_decode_block, lib.spire_block_kv
         self._keep = (ln1, ln2, *ws, k_cache, v_cache)
         sb, sh, ss, _ = k_cache.stride()
         self._args = (ln1.data_ptr(), ln2.data_ptr(), float(eps), wqkv.data_ptr(), wo.data_ptr(), wgu.data_ptr(),
@@ -285,3 +288,17 @@ class DecodeBlock:
         if rc != 0:
             raise ValueError(f"spire_decode_block: unsupported sizes (B={B}, T={T}, H={H}, KV={KV}, D={D})")
         return out
+
+    def write_kv(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, work: torch.Tensor,
+                 slots: torch.Tensor | None = None) -> None:
+        """The block's keys/values of residual-stream vectors (``Block.memory_kv``: the block's input norm, its
+        k/v projections, RoPE) into the cache, without attention or MLP: the SPIRe draft's memory.
+        x: (M, d) contiguous float32, M = B × T; pos: (B, T) int64 contiguous positions (RoPE); cos, sin: (M, D);
+        slots: None (cache entry = position) or (B, T) int64 cache entries; work as for a call."""
+        B, T = pos.shape
+        (ln1, ln2, eps, wqkv, wo, wgu, wdown, bf16, d, H, KV, D, F, kc, vc, sb, sh, ss, scale) = self._args
+        rc = self._kv_fn(x.data_ptr(), B, T, pos.data_ptr(), None if slots is None else slots.data_ptr(),
+                         cos.data_ptr(), sin.data_ptr(), ln1, eps, wqkv, bf16, d, H, KV, D, kc, vc, sb, sh, ss,
+                         work.data_ptr())
+        if rc != 0:
+            raise ValueError(f"spire_block_kv: unsupported sizes (H={H}, KV={KV}, D={D})")

@@ -532,6 +532,31 @@ static int gemm_any(int bf16, const float *x, int64_t ldx, int64_t M, int64_t K,
                 : spire_skinny_gemm(x, ldx, M, K, 1, (const float *const *)ws, ns, y, ldy);
 }
 
+/* RoPE (y = x cos + rotate_half(x) sin, half-split layout) on heads [head_lo, H + KV) of the M rows of qkv
+ * ((H + 2 KV) D floats each: q heads, k heads, v heads), then each row's k and v heads into the cache at entry
+ * slot[m] (or pos[m] when slot is NULL) of its batch row m / T. */
+static void rope_write(float *qkv, int64_t M, int64_t T, int64_t H, int64_t KV, int64_t D, int64_t head_lo,
+                       const float *cos, const float *sin, const int64_t *pos, const int64_t *slot, float *kc,
+                       float *vc, int64_t csb, int64_t csh, int64_t css) {
+    int64_t NQ = (H + 2 * KV) * D, half = D / 2;
+    for (int64_t m = 0; m < M; m++) {
+        const float *c = cos + m * D, *sn = sin + m * D;
+        float tmpd[256];
+        for (int64_t hd = head_lo; hd < H + KV; hd++) {
+            float *v = qkv + m * NQ + hd * D;
+            for (int64_t i = 0; i < half; i++) tmpd[i] = v[i] * c[i] + (-v[i + half]) * sn[i];
+            for (int64_t i = half; i < D; i++) tmpd[i] = v[i] * c[i] + v[i - half] * sn[i];
+            for (int64_t i = 0; i < D; i++) v[i] = tmpd[i];
+        }
+        int64_t b = m / T, p = slot ? slot[m] : pos[m];
+        for (int64_t hk = 0; hk < KV; hk++) {
+            const float *kr = qkv + m * NQ + (H + hk) * D, *vr = qkv + m * NQ + (H + KV + hk) * D;
+            float *kd = kc + b * csb + hk * csh + p * css, *vd = vc + b * csb + hk * csh + p * css;
+            for (int64_t i = 0; i < D; i++) { kd[i] = kr[i]; vd[i] = vr[i]; }
+        }
+    }
+}
+
 /* x, xo: (M, d) with M = B * T (xo may not alias x); pos: (B, T); kstart: (B,) or NULL; window <= 0: no view;
  * slot: NULL (new keys/values go to cache entry pos[b, t]) or (B, T) cache entries to write instead (a ring
  * cache); mask: NULL (the position rule above over a dense cache) or (B, T, n_slots) uint8, nonzero where query
@@ -550,24 +575,7 @@ int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const in
     float *h = work, *qkv = h + M * d, *att = qkv + M * NQ, *gu = att + M * H * D, *tmp = gu + M * 2 * F;
     spire_rms_norm(x, d, ln1, h, M, d, eps);
     gemm_any(bf16, h, d, M, d, wqkv, NQ, qkv, NQ);
-    /* RoPE on the q and k heads (y = x cos + rotate_half(x) sin, half-split layout), k and v into the cache */
-    int64_t half = D / 2;
-    for (int64_t m = 0; m < M; m++) {
-        const float *c = cos + m * D, *sn = sin + m * D;
-        float tmpd[256];
-        for (int64_t hd = 0; hd < H + KV; hd++) {
-            float *v = qkv + m * NQ + hd * D;
-            for (int64_t i = 0; i < half; i++) tmpd[i] = v[i] * c[i] + (-v[i + half]) * sn[i];
-            for (int64_t i = half; i < D; i++) tmpd[i] = v[i] * c[i] + v[i - half] * sn[i];
-            for (int64_t i = 0; i < D; i++) v[i] = tmpd[i];
-        }
-        int64_t b = m / T, p = slot ? slot[m] : pos[m];
-        for (int64_t hk = 0; hk < KV; hk++) {
-            const float *kr = qkv + m * NQ + (H + hk) * D, *vr = qkv + m * NQ + (H + KV + hk) * D;
-            float *kd = kc + b * csb + hk * csh + p * css, *vd = vc + b * csb + hk * csh + p * css;
-            for (int64_t i = 0; i < D; i++) { kd[i] = kr[i]; vd[i] = vr[i]; }
-        }
-    }
+    rope_write(qkv, M, T, H, KV, D, 0, cos, sin, pos, slot, kc, vc, csb, csh, css);
     /* attention: one task per (b, kv head) with its G x T query rows */
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < B * KV; t++) {
@@ -622,5 +630,21 @@ int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const in
     silu_mul(gu, M, F);
     gemm_any(bf16, gu, 2 * F, M, F, wdown, d, tmp, d);
     for (int64_t i = 0; i < M * d; i++) xo[i] += tmp[i];
+    return 0;
+}
+
+/* The keys and values a block derives from M = B x T residual-stream vectors x (SPIRe's memory: rms_norm(x) *
+ * ln1, the k and v rows of wqkv, RoPE on k), written into the cache at slot[m] (or pos[m]); arguments as
+ * spire_decode_block's (work: M (d + (H + 2 KV) D) floats at least). Returns 0, or -1 for unsupported sizes. */
+int spire_block_kv(const float *x, int64_t B, int64_t T, const int64_t *pos, const int64_t *slot, const float *cos,
+                   const float *sin, const float *ln1, float eps, const void *wqkv, int bf16, int64_t d, int64_t H,
+                   int64_t KV, int64_t D, float *kc, float *vc, int64_t csb, int64_t csh, int64_t css, float *work) {
+    int64_t M = B * T, NQ = (H + 2 * KV) * D;
+    if (D % 8 || D > 256 || H % KV) return -1;
+    float *h = work, *qkv = h + M * d;
+    spire_rms_norm(x, d, ln1, h, M, d, eps);
+    const void *wkv = bf16 ? (const void *)((const uint16_t *)wqkv + H * D * d) : (const void *)((const float *)wqkv + H * D * d);
+    gemm_any(bf16, h, d, M, d, wkv, 2 * KV * D, qkv + H * D, NQ);
+    rope_write(qkv, M, T, H, KV, D, H, cos, sin, pos, slot, kc, vc, csb, csh, css);
     return 0;
 }
