@@ -439,27 +439,33 @@ static void attend_block(const float *q, const int64_t *q_off, const int64_t *qp
                          int64_t j0, int64_t j1, int64_t D, float scale, float *m, float *l, float *o,
                          const int64_t *o_off) {
     float s[ATT_MAX_ROWS][ATT_BLOCK];
+    float qbuf[ATT_MAX_ROWS * 256];
     int64_t n = j1 - j0;
-    for (int64_t jj = 0; jj < n; jj++) {
-        const float *kr = kb + (j0 + jj) * kss;
-        for (int r = 0; r < R; r++) {
-            const float *qr = q + q_off[r];
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-            int64_t d = 0;
-            for (; d + 16 <= D; d += 16) {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d + 8), _mm256_loadu_ps(kr + d + 8), a1);
-            }
-            if (d < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a0);
-            int64_t j = j0 + jj, p = qpos[r];
-            int ok = mrow ? mrow[r][j] != 0 : (j >= kstart && j <= p && (window <= 0 || j < sink || j > p - window));
-            s[r][jj] = ok ? hsum8(_mm256_add_ps(a0, a1)) * scale : -__builtin_inff();
-        }
+    /* scores: the query rows (gathered) times four key rows at a time, as a skinny matmul tile */
+    for (int r = 0; r < R; r++)
+        for (int64_t i = 0; i < D; i++) qbuf[r * D + i] = q[q_off[r] + i];
+    for (int64_t jj = 0; jj < n; jj += 4) {
+        int RK = n - jj < 4 ? (int)(n - jj) : 4;
+        const float *w[4];
+        for (int c = 0; c < 4; c++) w[c] = kb + (j0 + jj + (c < RK ? c : 0)) * kss;
+        rows_block_strided(qbuf, D, R, w, RK, D, &s[0][jj], ATT_BLOCK);
     }
+    /* mask, scale, and the online-softmax update of each row: s becomes the block's probabilities (0 where
+     * masked), the row's output so far is rescaled */
     for (int r = 0; r < R; r++) {
+        int64_t p = qpos[r];
         float bm = -__builtin_inff();
-        for (int64_t jj = 0; jj < n; jj++) bm = s[r][jj] > bm ? s[r][jj] : bm;
-        if (bm == -__builtin_inff()) continue;  /* no key of this block is visible to row r */
+        for (int64_t jj = 0; jj < n; jj++) {
+            int64_t j = j0 + jj;
+            int ok = mrow ? mrow[r][j] != 0 : (j >= kstart && j <= p && (window <= 0 || j < sink || j > p - window));
+            float x = ok ? s[r][jj] * scale : -__builtin_inff();
+            s[r][jj] = x;
+            bm = x > bm ? x : bm;
+        }
+        if (bm == -__builtin_inff()) {  /* no key of this block is visible to row r */
+            for (int64_t jj = 0; jj < n; jj++) s[r][jj] = 0.0f;
+            continue;
+        }
         float mn = bm > m[r] ? bm : m[r];
         float corr = m[r] == -__builtin_inff() ? 0.0f : exp1(m[r] - mn);
         float *orow = o + o_off[r];
@@ -483,19 +489,34 @@ static void attend_block(const float *q, const int64_t *q_off, const int64_t *qp
             sum += e;
         }
         l[r] = l[r] * corr + sum;
+    }
+    /* o += p V, two query rows at a time (each value vector loaded once for both) */
+    for (int r = 0; r < R; r += 2) {
+        int r2 = r + 1 < R ? r + 1 : r;
+        float *o1 = o + o_off[r], *o2 = o + o_off[r2];
+        const float *p1 = s[r], *p2 = s[r2];
         for (int64_t d0 = 0; d0 < D; d0 += 32) {
             int nd = D - d0 < 32 ? (int)((D - d0) / 8) : 4;
-            __m256 acc[4];
-            for (int c = 0; c < 4; c++) acc[c] = c < nd ? _mm256_loadu_ps(orow + d0 + 8 * c) : _mm256_setzero_ps();
+            __m256 a1[4], a2[4];
+            for (int c = 0; c < 4; c++) {
+                a1[c] = c < nd ? _mm256_loadu_ps(o1 + d0 + 8 * c) : _mm256_setzero_ps();
+                a2[c] = _mm256_setzero_ps();
+            }
             for (int64_t j = 0; j < n; j++) {
-                float pj = s[r][j];
-                if (pj == 0.0f) continue;
-                __m256 pv = _mm256_set1_ps(pj);
+                if (p1[j] == 0.0f && p2[j] == 0.0f) continue;  /* masked keys (and underflow) contribute nothing */
+                __m256 b1 = _mm256_set1_ps(p1[j]), b2 = _mm256_set1_ps(p2[j]);
                 const float *vr = vb + (j0 + j) * kss + d0;
                 for (int c = 0; c < 4; c++)
-                    if (c < nd) acc[c] = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vr + 8 * c), acc[c]);
+                    if (c < nd) {
+                        __m256 vv = _mm256_loadu_ps(vr + 8 * c);
+                        a1[c] = _mm256_fmadd_ps(b1, vv, a1[c]);
+                        a2[c] = _mm256_fmadd_ps(b2, vv, a2[c]);
+                    }
             }
-            for (int c = 0; c < nd; c++) _mm256_storeu_ps(orow + d0 + 8 * c, acc[c]);
+            for (int c = 0; c < nd; c++) _mm256_storeu_ps(o1 + d0 + 8 * c, a1[c]);
+            if (r2 != r)
+                for (int c = 0; c < nd; c++)
+                    _mm256_storeu_ps(o2 + d0 + 8 * c, _mm256_add_ps(_mm256_loadu_ps(o2 + d0 + 8 * c), a2[c]));
         }
     }
 }
