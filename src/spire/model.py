@@ -12,8 +12,9 @@ fewer, better-shaped kernels (docs/bench.md has the measurements):
 
 - on CPU in float32 with a dense :class:`KVCache` and at most KERNEL_MAX_M new tokens (decode steps, verify
   passes, MagicDec draft steps), each decoder block is one native call (:data:`FUSED_BLOCK`,
-  :class:`spire.kernels.DecodeBlock`) doing everything below for that block; otherwise (prefill, the SPIRe
-  draft's ring cache, other devices) the block runs as torch ops:
+  :class:`spire.kernels.DecodeBlock`) doing everything below for that block (the SPIRe draft's step over its
+  ring cache uses the same call through :func:`fused_block`); otherwise (prefills, other devices and dtypes,
+  autograd) the block runs as the torch ops below:
 - q/k/v and gate/up projections run as one matmul each over weights concatenated along the output dimension;
 - on CPU in float32 the matmul follows the number of rows M = B·T: M = 1 multiplies by a transposed
   (in, out) copy of the weights (a GEMV MKL streams faster than ``F.linear``'s), 2 ≤ M ≤ 32 uses spire's
@@ -160,7 +161,8 @@ FUSED_BLOCK = True
 a verify pass, a MagicDec draft step) runs each decoder block as one call of
 :class:`spire.kernels.DecodeBlock` (norms, fused matmuls, RoPE, cache write, attention over the cache in
 place with per-row positions and an optional sink + window view, MLP, residuals): the same arithmetic without
-the ~40 torch ops per block and their dispatch. Prefills and other caches take the per-op path below."""
+the ~40 torch ops per block and their dispatch. The SPIRe draft's step (ring cache) uses it too
+(spire.drafts.spire). Prefills and other caches take the per-op path below. Set False to compare."""
 
 ATTENTION_KERNEL = True
 ATTENTION_KERNEL_ROWS = 4
