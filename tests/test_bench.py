@@ -397,3 +397,14 @@ def test_rms_norm_kernel_matches_reference():
     ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
     assert kernels.rms_norm(x.double(), norm.weight.double(), 1e-5) is None
+
+
+def test_hf_compare_checks_lengths_before_running(tiny):
+    """A prompt plus new tokens past the target's positions is one ConfigError before any model runs (the HF
+    model is not even touched: None here)."""
+    from spire.bench.hf_compare import HFCompareConfig, compare
+    from spire.errors import ConfigError
+
+    contexts = torch.zeros(1, 1000, dtype=torch.long)
+    with pytest.raises(ConfigError, match="need 1069 positions; the target has 1024"):
+        compare(tiny, None, contexts, HFCompareConfig(Bs=[1], L=1000, G=64, k=4))

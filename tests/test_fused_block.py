@@ -90,6 +90,11 @@ def test_fused_block_scope_and_errors(tiny16, monkeypatch):
         step = model(ids[:, 30:31], torch.tensor([[30]]), cache).logits
         with pytest.raises(ConfigError, match="beyond the cache length"):
             model(ids[:, :1], torch.tensor([[48]]), cache)
+        for fused in (True, False):  # both paths refuse a negative position (the per-op path used to wrap)
+            monkeypatch.setattr(model_mod, "FUSED_BLOCK", fused)
+            with pytest.raises(ConfigError, match="negative position"):
+                model(ids[:, :1], torch.tensor([[-1]]), cache)
+        monkeypatch.setattr(model_mod, "FUSED_BLOCK", True)
         twin = copy.deepcopy(model)
         assert not twin._fused
         model.layers[1].mlp.down_proj.weight.mul_(3.0)  # changes the original only
@@ -146,3 +151,28 @@ def test_spire_draft_step_through_the_fused_block(tiny16, self_attend, monkeypat
     assert runs[0][0] == runs[1][0] == generate(tiny16, prompts, 24).tokens
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(runs[0][2], runs[1][2], atol=1e-5, rtol=1e-5)
+
+
+def test_fused_blocks_do_not_keep_a_finished_cache_alive(tiny16, monkeypatch):
+    """The per-layer DecodeBlocks a model keeps must not hold the KV cache of a finished generation (a long
+    context's cache is most of the memory), and rows per KV head past the kernel's limit fall back even when
+    KERNEL_MAX_M is raised."""
+    import gc
+    import weakref
+
+    from spire.drafts.magicdec import MagicDecDraft
+    from spire.speculative import generate
+
+    model = copy.deepcopy(tiny16)
+    cache = model.new_cache(2, 40)
+    with torch.no_grad():
+        model(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long), cache)
+    assert model._fused
+    ref = weakref.ref(cache.k[0])
+    del cache
+    gc.collect()
+    assert ref() is None, "a DecodeBlock kept the cache alive"
+    monkeypatch.setattr(model_mod, "KERNEL_MAX_M", 64)
+    prompts = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(13)).tolist()
+    sd = generate(model, prompts, 24, draft=MagicDecDraft(1, 6), k=10)  # 3 × 11 = 33 rows per KV head
+    assert sd.tokens == generate(model, prompts, 24).tokens

@@ -470,6 +470,8 @@ def generate(
         raise ConfigError("no prompt given (pass prompts as arguments, --file, or on stdin)")
     if any(not t.strip() for t in texts):
         raise ConfigError("empty prompt")
+    if window < 1:
+        raise ConfigError(f"--window must be >= 1, got {window}")
     model, tokenizer, _ = load_target(target, progress=False)
     if chat:
         ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
@@ -494,7 +496,9 @@ def generate(
     if fmt == "json":
         typer.echo(json.dumps({"outputs": outputs, "tau": res.tau, "draft": draft, "k": k}))
     else:
-        for o in outputs:
+        for i, o in enumerate(outputs):
+            if i:  # several prompts: a blank line between outputs (use --format json to parse them)
+                typer.echo("")
             typer.echo(o["text"])
         typer.echo(f"[draft {draft}, k={k}: tau {res.tau:.2f}]", err=True)
 

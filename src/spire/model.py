@@ -405,14 +405,14 @@ def fused_block_applies(cfg: ModelConfig, x: torch.Tensor, bt: tuple[int, int], 
     """Whether :class:`spire.kernels.DecodeBlock` takes B × T = ``bt`` new tokens of a model shaped by ``cfg``
     over a cache layer like ``k_cache`` (:data:`FUSED_BLOCK` on, float32 on the CPU, few rows, kernels built).
     Autograd is the caller's check (the kernel computes no gradients)."""
-    B, T = bt
-    if (not FUSED_BLOCK or x.device.type != "cpu" or x.dtype != torch.float32 or B * T > KERNEL_MAX_M
-            or cfg.d_head % 8 or cfg.d_head > 256 or cfg.n_heads % cfg.n_kv_heads
-            or cfg.n_heads // cfg.n_kv_heads * T > KERNEL_MAX_M or k_cache.dtype != torch.float32
-            or k_cache.device.type != "cpu" or k_cache.stride(-1) != 1):
-        return False
     from spire import kernels
 
+    B, T = bt
+    if (not FUSED_BLOCK or x.device.type != "cpu" or x.dtype != torch.float32
+            or B * T > min(KERNEL_MAX_M, kernels.MAX_ROWS) or cfg.d_head % 8 or cfg.d_head > 256
+            or cfg.n_heads % cfg.n_kv_heads or cfg.n_heads // cfg.n_kv_heads * T > kernels.BLOCK_MAX_ROWS
+            or k_cache.dtype != torch.float32 or k_cache.device.type != "cpu" or k_cache.stride(-1) != 1):
+        return False
     return kernels.available()
 
 
@@ -430,7 +430,7 @@ def fused_block(block: "Block", k_cache: torch.Tensor, v_cache: torch.Tensor, n_
           mlp._wc["down"].get((mlp.down_proj,), layout))
     ln1, ln2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
     key = (*(w.data_ptr() for w in ws), ln1.data_ptr(), ln2.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-           tuple(k_cache.shape))
+           tuple(k_cache.shape), k_cache.stride(), v_cache.stride())
     hit = store.get(i)
     if hit is not None and hit[0] == key:
         return hit[1]
@@ -645,6 +645,8 @@ class _CacheAccess:
         lo, hi = int(pos.min()), int(pos.max())
         if hi >= cache.max_len:
             raise ConfigError(f"position {hi} is beyond the cache length {cache.max_len}")
+        if lo < 0:
+            raise ConfigError(f"negative position {lo}")
         self.upto = hi + 1
         ar = torch.arange(T, device=dev)
         contiguous = bool(((pos - p_first[:, None]) == ar).all())

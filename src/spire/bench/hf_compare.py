@@ -106,6 +106,10 @@ def compare(target, hf, contexts: torch.Tensor, cfg: HFCompareConfig, vanilla=No
 
     if contexts.shape[0] < max(cfg.Bs) or contexts.shape[1] < cfg.L:
         raise ConfigError(f"need {max(cfg.Bs)} contexts of {cfg.L} tokens, got {tuple(contexts.shape)}")
+    need = cfg.L + cfg.G + cfg.k + 1  # prompt, new tokens, and the k + 1 positions a last verify may write
+    if need > target.cfg.max_positions:
+        raise ConfigError(f"L = {cfg.L} plus G = {cfg.G} new tokens (and k + 1 = {cfg.k + 1} for speculative rounds) "
+                          f"need {need} positions; the target has {target.cfg.max_positions}")
     dev = target.device
     if cfg.clock == "cpu" and dev.type != "cpu":
         raise ConfigError("clock cpu measures CPU time: only for runs on the CPU")

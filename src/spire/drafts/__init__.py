@@ -59,6 +59,11 @@ def resolve_draft_path(kind: str, path: str | Path) -> Path:
             raise CheckpointError(f"{p} holds no SPIRe draft (draft.safetensors)"
                                   + (": it is an HF model folder; use --draft vanilla" if (p / "config.json").is_file()
                                      else ""))
+        if kind == "vanilla" and not (p / "config.json").is_file() and (p / "draft.safetensors").is_file():
+            raise CheckpointError(f"{p} is a SPIRe draft run (it has draft.safetensors, no draft/): use --draft spire")
+    elif kind == "vanilla" and p.suffix == ".safetensors":
+        raise CheckpointError(f"{p} is a single .safetensors file (a SPIRe draft?): --draft vanilla takes an HF "
+                              "folder, a .gguf file or a `spire train --draft vanilla` run folder")
     return p
 
 

@@ -210,12 +210,13 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 
 BLOCK_MAX_ROWS = 32
-"""Largest M = B × T (and query rows per key/value head, H / KV × T) for :func:`decode_block`."""
+"""Largest number of query rows per key/value head (H / KV × T) for :class:`DecodeBlock` (``ATT_MAX_ROWS`` in
+skinny_gemm.c); its matmuls take up to :data:`MAX_ROWS` rows M = B × T."""
 
 
 class DecodeBlock:
-    """One decoder block's arguments to ``spire_decode_block`` (skinny_gemm.c), for M = B × T ≤
-    :data:`BLOCK_MAX_ROWS` new tokens: RMSNorm, fused q/k/v matmul, RoPE, the cache write, attention over the
+    """One decoder block's arguments to ``spire_decode_block`` (skinny_gemm.c), for M = B × T ≤ :data:`MAX_ROWS`
+    new tokens with at most :data:`BLOCK_MAX_ROWS` query rows per key/value head: RMSNorm, fused q/k/v matmul, RoPE, the cache write, attention over the
     dense cache in place (full causal or sink + window, per-row positions), o projection, residual, RMSNorm,
     SwiGLU MLP and residual in one call.
 
@@ -225,8 +226,9 @@ class DecodeBlock:
             bfloat16 (float32 arithmetic either way).
         k_cache, v_cache: (B, KV, S, D) float32 with unit inner stride (a :class:`spire.kv_cache.KVCache` layer).
         n_heads: H.
-    The tensors must stay alive (and unchanged in address) while the object is used; :func:`available`
-    must be True. Raises ValueError for shapes or dtypes the kernel does not take (:func:`block_supported`
+    The weights are kept alive by the object; the cache is not (so that holding the object does not hold a
+    finished generation's cache): it must stay alive, at the same address, while the object is used
+    (spire.model.fused_block checks the address before every forward). :func:`available` must be True. Raises ValueError for shapes or dtypes the kernel does not take (:func:`block_supported`
     says so beforehand).
     """
 
@@ -253,7 +255,7 @@ class DecodeBlock:
         self.d, self.H, self.KV, self.D, self.F = d, H, KV, D, F
         self.nq = (H + 2 * KV) * D
         self._fn, self._kv_fn = lib.spire_decode_block, lib.spire_block_kv
-        self._keep = (ln1, ln2, *ws, k_cache, v_cache)
+        self._keep = (ln1, ln2, *ws)  # not the cache: a finished generation's cache must be freeable
         sb, sh, ss, _ = k_cache.stride()
         self._args = (ln1.data_ptr(), ln2.data_ptr(), float(eps), wqkv.data_ptr(), wo.data_ptr(), wgu.data_ptr(),
                       wdown.data_ptr(), int(bf16), d, H, KV, D, F, k_cache.data_ptr(), v_cache.data_ptr(), sb, sh,
