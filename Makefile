@@ -8,6 +8,14 @@ OUT ?= spire-out
 .PHONY: venv demo quick test clean
 
 venv: $(VENV)/.installed
+	@# put `spire` on PATH when a standard bin directory is writable (root, a container, CI); never replace
+	@# another program of that name
+	@for d in /usr/local/bin $$HOME/.local/bin; do \
+	  case ":$$PATH:" in *":$$d:"*) ;; *) continue ;; esac; \
+	  if [ -d "$$d" ] && [ -w "$$d" ] && { [ ! -e "$$d/spire" ] || [ -L "$$d/spire" ]; }; then \
+	    ln -sf "$(CURDIR)/$(BIN)/spire" "$$d/spire" && echo "spire: $$d/spire -> $(CURDIR)/$(BIN)/spire"; break; \
+	  fi; \
+	done
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
