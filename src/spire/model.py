@@ -440,6 +440,38 @@ def fused_block(block: "Block", k_cache: torch.Tensor, v_cache: torch.Tensor, n_
     return fb
 
 
+class FusedStep:
+    """What every :class:`spire.kernels.DecodeBlock` call of one forward shares, prepared once: positions
+    (B, T) int64, RoPE tables (B·T, D), the scratch buffer, and, for a ring cache, the slots to write.
+    :meth:`run` passes a residual stream through blocks; :meth:`write_kv` writes blocks' memory keys/values."""
+
+    def __init__(self, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor | None = None
+                 ) -> None:
+        B, T = pos.shape
+        self.B, self.T = B, T
+        self.pos = pos.to(torch.int64).contiguous()
+        self.cos, self.sin = cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()
+        self.slots = None if slots is None else slots.contiguous()
+        self._work: torch.Tensor | None = None
+
+    def _scratch(self, fb) -> torch.Tensor:
+        if self._work is None:  # every block of a model has the same sizes: one buffer for the whole forward
+            self._work = torch.empty(fb.work_size(self.B * self.T), dtype=torch.float32)
+        return self._work
+
+    def block(self, fb, h: torch.Tensor, k_start: torch.Tensor | None = None, view: SinkWindow | None = None,
+              mask: torch.Tensor | None = None) -> torch.Tensor:
+        """h: (B·T, d) residual stream entering the block of ``fb`` -> leaving it."""
+        sink, window = (0, 0) if view is None else (view.sink, view.window)
+        return fb(h, self.pos, k_start, sink, window, self.cos, self.sin, self._scratch(fb), slots=self.slots,
+                  mask=mask)
+
+    def write_kv(self, fb, m: torch.Tensor) -> None:
+        """The memory keys/values of vectors m: (B, T, d) through the block of ``fb`` into its cache."""
+        fb.write_kv(m.reshape(self.B * self.T, -1).contiguous(), self.pos, self.cos, self.sin, self._scratch(fb),
+                    self.slots)
+
+
 class FusedBlocks(dict):
     """Layer -> (key, :class:`spire.kernels.DecodeBlock`) (see :func:`fused_block`). The blocks hold raw
     addresses of a model's weights and cache, so a deepcopy (or pickle) of the model starts without them."""
@@ -557,6 +589,10 @@ class Transformer(nn.Module):
             if i in want:
                 hidden[i] = x
             x = block(x, cos, sin, sources[i], mask)
+        return self._output(x, hidden)
+
+    def _output(self, x: torch.Tensor, hidden: dict[int, torch.Tensor]) -> ForwardOutput:
+        """The forward's result with lazy logits of the final residual stream x."""
         grad = torch.is_grad_enabled()  # the lazy logits see the autograd mode of this call
 
         def compute_logits() -> torch.Tensor:
@@ -582,29 +618,16 @@ class Transformer(nn.Module):
         if int(pos.min()) < 0:
             raise ConfigError(f"negative position {int(pos.min())}")
         d = self.cfg.d_model
-        pos_c = pos.to(torch.int64).contiguous()
+        run = FusedStep(pos, cos, sin)
         ks = None if k_start is None else k_start.to(torch.int64).contiguous()
-        sink, window = (0, 0) if view is None else (view.sink, view.window)
-        cos2 = cos.reshape(B * T, -1).contiguous()
-        sin2 = sin.reshape(B * T, -1).contiguous()
         h = x.reshape(B * T, d).contiguous()
         hidden: dict[int, torch.Tensor] = {}
-        work = None
         for i in range(len(self.layers)):
-            fb = fused_block(self.layers[i], cache.k[i], cache.v[i], self.cfg.n_heads, self._fused, i)
-            if work is None:
-                work = torch.empty(fb.work_size(B * T), dtype=torch.float32)
             if i in want:
                 hidden[i] = h.view(B, T, d)
-            h = fb(h, pos_c, ks, sink, window, cos2, sin2, work)
-        x = h.view(B, T, d)
-        grad = torch.is_grad_enabled()
-
-        def compute_logits() -> torch.Tensor:
-            with torch.set_grad_enabled(grad):
-                return self.logits(x)
-
-        return ForwardOutput(hidden=hidden, compute_logits=compute_logits)
+            h = run.block(fused_block(self.layers[i], cache.k[i], cache.v[i], self.cfg.n_heads, self._fused, i), h,
+                          ks, view)
+        return self._output(h.view(B, T, d), hidden)
 
     @staticmethod
     def _kv_source(cache: KVCache | None, layer: int, pos: torch.Tensor) -> KVSource:

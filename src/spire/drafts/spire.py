@@ -37,7 +37,8 @@ from safetensors.torch import load_file
 from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
-from spire.model import ForwardOutput, FusedBlocks, Transformer, fused_block, fused_block_applies, rope_cos_sin
+from spire.model import (ForwardOutput, FusedBlocks, FusedStep, Transformer, fused_block, fused_block_applies,
+                         rope_cos_sin)
 from spire.paths import atomic_write
 
 
@@ -326,7 +327,11 @@ class SpireDraft(Draft):
             return
         cos, sin = self.model._rope(pos, self.model.target.dtype)
         hidden = [target_out.hidden[j] for j in self.model.source_layers]
-        if (valid is None or bool(valid.all())) and self._write_memory_fused(hidden, pos, cos, sin):
+        run = self._fused_step(hidden[0], pos, cos, sin) if valid is None or bool(valid.all()) else None
+        if run is not None:
+            self._cache.claim(pos)  # the slot tags the per-op path's layer-0 write sets
+            for i, h in enumerate(hidden):
+                run.write_kv(self._fused_block(i), h)
             return
         for i, h in enumerate(hidden):
             self._cache.write(i, pos, *self.model.memory_kv(i, h, cos, sin), valid=valid)
@@ -366,18 +371,13 @@ class SpireDraft(Draft):
         if not m.cfg.self_attend:
             mask = mask & m.self_mask(pos, kp)[:, None]
         xs = [x]
-        if isinstance(cache, RingKVCache) and fused_block_applies(m.target.cfg, x, tuple(pos.shape), cache.k[0]):
-            # each layer one native call: the token's key/value into its slot, attention over the slots
+        run = self._fused_step(x, pos, cos, sin)
+        if run is not None:  # each layer one native call: the token's key/value into its slot, attention over slots
             B, d = x.shape[0], x.shape[-1]
-            slots = cache.slot(pos).contiguous()
             mask8 = mask[:, 0].to(torch.uint8).contiguous()  # (B, 1, S)
-            pos_c, cos2, sin2 = pos.contiguous(), cos.reshape(B, -1).contiguous(), sin.reshape(B, -1).contiguous()
-            h, work = x.reshape(B, d).contiguous(), None
-            for i, layer in enumerate(m.layers):
-                fb = fused_block(layer, cache.k[i], cache.v[i], m.target.cfg.n_heads, m._fused, i)
-                if work is None:
-                    work = torch.empty(fb.work_size(B), dtype=torch.float32)
-                h = fb(h, pos_c, None, 0, 0, cos2, sin2, work, slots=slots, mask=mask8)
+            h = x.reshape(B, d).contiguous()
+            for i in range(len(m.layers)):
+                h = run.block(self._fused_block(i), h, mask=mask8)
                 xs.append(h.view(B, 1, d))
             x = xs[-1]
         else:
@@ -389,27 +389,24 @@ class SpireDraft(Draft):
                 xs.append(x)
         if m.cfg.feedback_memory:  # later tokens read this token as memory, not as its self key/value
             mem = m.memory(xs)
-            if not self._write_memory_fused(mem, pos, cos, sin):
-                for i in range(len(m.layers)):
+            for i in range(len(m.layers)):
+                if run is not None:
+                    run.write_kv(self._fused_block(i), mem[i])
+                else:
                     cache.write(i, pos, *m.memory_kv(i, mem[i], cos, sin))
         return m.logits(x)[:, -1]
 
-    def _write_memory_fused(self, mem, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
-        """Memory keys/values of draft layer i from mem[i]: (B, T, d), written into the ring cache at pos with
-        :meth:`spire.kernels.DecodeBlock.write_kv` (one native call per layer) when the fused block applies
-        (a ring cache, few rows, every position fits the ring). Returns False (nothing written) otherwise."""
+    def _fused_step(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> FusedStep | None:
+        """The shared inputs of this call's native block calls (:class:`spire.model.FusedStep`, slots of the ring
+        cache included) when the fused block applies: a ring cache, few rows, positions that fit the ring. The
+        slots of pos must already be claimed. None otherwise (the per-op path runs)."""
         m, cache = self.model, self._cache
-        B, T = pos.shape
-        if (not isinstance(cache, RingKVCache) or T > cache.ring
-                or not fused_block_applies(m.target.cfg, mem[0], (B, T), cache.k[0])):
-            return False
-        cache.claim(pos)  # what the per-op path's layer-0 write does to the slot tags
-        slots, pos_c = cache.slot(pos).contiguous(), pos.contiguous()
-        cos2, sin2 = cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()
-        work = None
-        for i, layer in enumerate(m.layers):
-            fb = fused_block(layer, cache.k[i], cache.v[i], m.target.cfg.n_heads, m._fused, i)
-            if work is None:
-                work = torch.empty(fb.work_size(B * T), dtype=torch.float32)
-            fb.write_kv(mem[i].reshape(B * T, -1).contiguous(), pos_c, cos2, sin2, work, slots)
-        return True
+        if (not isinstance(cache, RingKVCache) or pos.shape[1] > cache.ring
+                or not fused_block_applies(m.target.cfg, x, tuple(pos.shape), cache.k[0])):
+            return None
+        return FusedStep(pos, cos, sin, slots=cache.slot(pos))
+
+    def _fused_block(self, i: int):
+        m = self.model
+        return fused_block(m.layers[i], self._cache.k[i], self._cache.v[i], m.target.cfg.n_heads, m._fused, i)
