@@ -8,11 +8,12 @@ OUT ?= spire-out
 .PHONY: venv demo quick test clean
 
 venv: $(VENV)/.installed
-	@# put `spire` on PATH when a standard bin directory is writable (root, a container, CI); never replace
-	@# another program of that name
+	@# put `spire` on PATH when a standard bin directory is writable (root, a container, CI); replace only a
+	@# missing or dangling entry or a link to a spire checkout's venv, never another program of that name
 	@for d in /usr/local/bin $$HOME/.local/bin; do \
 	  case ":$$PATH:" in *":$$d:"*) ;; *) continue ;; esac; \
-	  if [ -d "$$d" ] && [ -w "$$d" ] && { [ ! -e "$$d/spire" ] || [ -L "$$d/spire" ]; }; then \
+	  t=$$(readlink "$$d/spire" 2>/dev/null); \
+	  if [ -d "$$d" ] && [ -w "$$d" ] && { [ ! -e "$$d/spire" ] || case "$$t" in */$(BIN)/spire) true ;; *) false ;; esac; }; then \
 	    ln -sf "$(CURDIR)/$(BIN)/spire" "$$d/spire" && echo "spire: $$d/spire -> $(CURDIR)/$(BIN)/spire"; break; \
 	  fi; \
 	done

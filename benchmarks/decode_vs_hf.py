@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=64, help="MagicDec window (default 64)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds; best is kept (default 3)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    ap.add_argument("--weights", choices=["float32", "bf16", "both"], default="float32",
+    ap.add_argument("--weights", choices=["float32", "fp32", "bf16", "both"], default="float32",
                     help="bf16: weight-only bf16 on CPU (spire.model.use_bf16_weights: spire streams bf16 weights "
                          "through its kernels, float32 arithmetic; HF runs the same rounded weights in float32); "
                          "both: float32 rows, then bf16 rows, in one run (default float32)")
@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="SmolLM2-shaped random weights and random prompts (timings only; for machines without "
                          "the checkpoint, e.g. a GPU box)")
     a = ap.parse_args(argv)
+    a.weights = "float32" if a.weights == "fp32" else a.weights  # spire's CLI spelling accepted too
 
     import torch
     from transformers import AutoModelForCausalLM

@@ -442,7 +442,7 @@ def generate(
     window: Annotated[int, typer.Option(help="MagicDec window (tokens).")] = 64,
     fmt: Annotated[Literal["text", "json"], typer.Option("--format", help="Plain text or one JSON object.")]
     = "text",
-    weights: Annotated[Literal["fp32", "bf16"], typer.Option(
+    weights: Annotated[Literal["fp32", "float32", "bf16"], typer.Option(
         help="bf16: weight-only bf16 on the CPU (target and draft weights rounded to bf16 and streamed at half the "
              "bytes; float32 arithmetic). A slightly different model: compare with --weights bf16 --draft none.")]
     = "fp32",

@@ -612,11 +612,7 @@ class Transformer(nn.Module):
                        ) -> ForwardOutput:
         """:meth:`forward` with every block one :class:`spire.kernels.DecodeBlock` call (same arithmetic)."""
         B, T = pos.shape
-        hi = int(pos.max())
-        if hi >= cache.max_len:
-            raise ConfigError(f"position {hi} is beyond the cache length {cache.max_len}")
-        if int(pos.min()) < 0:
-            raise ConfigError(f"negative position {int(pos.min())}")
+        _check_positions(pos, cache.max_len)
         d = self.cfg.d_model
         run = FusedStep(pos, cos, sin)
         ks = None if k_start is None else k_start.to(torch.int64).contiguous()
@@ -646,6 +642,16 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.layers.parameters())
 
 
+def _check_positions(pos: torch.Tensor, max_len: int) -> tuple[int, int]:
+    """(min, max) of positions pos; raises ConfigError when one is negative or not below the cache length."""
+    lo, hi = (int(v) for v in torch.aminmax(pos))
+    if hi >= max_len:
+        raise ConfigError(f"position {hi} is beyond the cache length {max_len}")
+    if lo < 0:
+        raise ConfigError(f"negative position {lo}")
+    return lo, hi
+
+
 class _CacheAccess:
     """How one forward writes its keys/values into a dense :class:`KVCache` and what each layer reads back,
     planned once per forward (not per layer).
@@ -665,11 +671,7 @@ class _CacheAccess:
         B, T = pos.shape
         dev = pos.device
         p_first, p_last = pos[:, 0], pos[:, -1]
-        lo, hi = int(pos.min()), int(pos.max())
-        if hi >= cache.max_len:
-            raise ConfigError(f"position {hi} is beyond the cache length {cache.max_len}")
-        if lo < 0:
-            raise ConfigError(f"negative position {lo}")
+        lo, hi = _check_positions(pos, cache.max_len)
         self.upto = hi + 1
         ar = torch.arange(T, device=dev)
         contiguous = bool(((pos - p_first[:, None]) == ar).all())

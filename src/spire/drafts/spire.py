@@ -376,8 +376,9 @@ class SpireDraft(Draft):
             B, d = x.shape[0], x.shape[-1]
             mask8 = mask[:, 0].to(torch.uint8).contiguous()  # (B, 1, S)
             h = x.reshape(B, d).contiguous()
-            for i in range(len(m.layers)):
-                h = run.block(self._fused_block(i), h, mask=mask8)
+            blocks = [self._fused_block(i) for i in range(len(m.layers))]  # looked up once: layers, then memory
+            for fb in blocks:
+                h = run.block(fb, h, mask=mask8)
                 xs.append(h.view(B, 1, d))
             x = xs[-1]
         else:
@@ -391,7 +392,7 @@ class SpireDraft(Draft):
             mem = m.memory(xs)
             for i in range(len(m.layers)):
                 if run is not None:
-                    run.write_kv(self._fused_block(i), mem[i])
+                    run.write_kv(blocks[i], mem[i])
                 else:
                     cache.write(i, pos, *m.memory_kv(i, mem[i], cos, sin))
         return m.logits(x)[:, -1]
