@@ -6,6 +6,7 @@ on held-out contexts. Prints one table and writes JSON.
 
     python benchmarks/train_throughput.py                       # 300 s per draft, about 15 minutes on 2 cores
     python benchmarks/train_throughput.py --budget 60 --n-contexts 4 --out bench.json
+    python benchmarks/train_throughput.py --levers --steps 5     # old path vs draft vocabulary / target cache
 """
 
 from __future__ import annotations
@@ -55,6 +56,55 @@ def step_rate(target, data, cfg: TrainConfig, steps: int) -> float:
     return cfg.batch_size * cfg.seq_len / statistics.median(times)
 
 
+def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: str, layers) -> list[dict]:
+    """Training tokens per second (wall and CPU) of one SPIRe step on the same batches, for the old path (live
+    target, full vocabulary) and each lever alone and together (draft vocabulary, target cache), steps timed
+    in turn (old, new, old, new, ...) so that load on the machine hits every path alike."""
+    from spire.drafts.spire import SpireConfig
+    from spire.training.sources import CachedTarget, LiveTarget, TargetCache
+
+    spire_cfg = dict(layers=tuple(layers)) if layers else {}
+    paths = {"live, full vocabulary (old)": (None, None), f"live, vocabulary {vocab_size}": (vocab_size, None),
+             "cache, full vocabulary": (None, cache_dtype), f"cache, vocabulary {vocab_size} (new)": (vocab_size,
+                                                                                                     cache_dtype)}
+    runs, build_s = {}, None
+    for name, (n, dtype) in paths.items():
+        cfg = TrainConfig(bf16=False, data_steps=steps + 1, spire=SpireConfig(vocab_size=n, **spire_cfg))
+        model = distill._build_model(target, cfg, data)
+        layers_needed, teacher = distill._needs_hidden(model), distill.needs_teacher(model, cfg)
+        if dtype is None:
+            src = LiveTarget(target, data, layers_needed, teacher, cfg.batch_size, cfg.seq_len, cfg.seed,
+                             cfg.data_steps)
+        else:
+            t0 = time.perf_counter()
+            cache = TargetCache.build(target, data, layers_needed, teacher, cfg.batch_size, cfg.seq_len, cfg.seed,
+                                      cfg.data_steps, dtype, folder=folder, progress=False, log=None)
+            build_s = build_s or (time.perf_counter() - t0) / cfg.data_steps
+            src = CachedTarget(cache, layers_needed, teacher, target.device)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
+        runs[name] = (cfg, model, src, opt, [], [])
+    for s in range(steps + 1):
+        for name, (cfg, model, src, opt, wall, cpu) in runs.items():
+            w0, c0 = time.perf_counter(), time.process_time()
+            loss, _ = distill.step_loss(model, target, src.batch(s), cfg)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if s:  # the first step warms up
+                wall.append(time.perf_counter() - w0)
+                cpu.append(time.process_time() - c0)
+    rows = []
+    for name, (cfg, _, _, _, wall, cpu) in runs.items():
+        tok = cfg.batch_size * cfg.seq_len
+        rows.append({"path": name, "tokens_per_s": tok / statistics.median(wall),
+                     "tokens_per_cpu_s": tok / statistics.median(cpu), "step_s": statistics.median(wall)})
+    base = rows[0]["tokens_per_cpu_s"]
+    for r in rows:
+        r["speedup_cpu"] = r["tokens_per_cpu_s"] / base
+    rows[-1]["cache_build_s_per_batch"] = build_s
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=300.0, help="training seconds per draft")
@@ -65,10 +115,30 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--runs", type=Path, default=None, help="keep the run folders here (default: temporary)")
     ap.add_argument("--rate-only", action="store_true", help="only the tokens/s of both drafts (about a minute)")
+    ap.add_argument("--levers", action="store_true", help="SPIRe training tokens per CPU-second: the old path "
+                    "(live target, full vocabulary) against the draft vocabulary and the target cache, alone and "
+                    "together, on the same batches")
+    ap.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary of --levers")
+    ap.add_argument("--cache-dtype", default="bfloat16", help="target cache storage of --levers")
+    ap.add_argument("--layers", default=None, help="SPIRe source layers J,J,... of --levers [the default]")
     a = ap.parse_args()
 
     target, tokenizer, folder = load_target()
     data = prepare_data(tokenizer, eos_id=document_separator_id(tokenizer))
+    if a.levers:
+        layers = [int(x) for x in a.layers.split(",")] if a.layers else None
+        rows = lever_rates(target, data, folder, a.steps, a.vocab_size, a.cache_dtype, layers)
+        print(f"SPIRe training on {torch.get_num_threads()} threads, float32, batch 4 x 256, {a.steps} timed steps "
+              "each (median), interleaved")
+        print(f"{'path':34s} {'tokens/s':>9s} {'tokens/CPU-s':>13s} {'x old (CPU)':>12s}")
+        for r in rows:
+            print(f"{r['path']:34s} {r['tokens_per_s']:9.0f} {r['tokens_per_cpu_s']:13.0f} {r['speedup_cpu']:11.2f}x")
+        b = rows[-1]["cache_build_s_per_batch"]
+        print(f"target cache build: {b:.2f} s per batch of 1,024 tokens ({1024 / b:.0f} tokens/s, paid once per "
+              "batch and reused by every epoch, run and ablation)")
+        if a.out:
+            a.out.write_text(json.dumps({"levers": rows, "args": {k: str(v) for k, v in vars(a).items()}}, indent=1))
+        return
     if a.rate_only:
         rates = {kind: step_rate(target, data, TrainConfig(draft=kind, bf16=False), a.steps)
                  for kind in ("spire", "vanilla")}

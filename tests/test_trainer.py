@@ -115,7 +115,7 @@ class StopAt(RepeatingData):
 
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny, monkeypatch):
     calls = {"n": 0}
-    real = distill.mixed_loss
+    real = distill.mixed_loss_logp
 
     def poisoned(q, p, omega):
         calls["n"] += 1
@@ -124,7 +124,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny, monke
             terms.loss = terms.loss * float("nan")
         return terms
 
-    monkeypatch.setattr(distill, "mixed_loss", poisoned)
+    monkeypatch.setattr(distill, "mixed_loss_logp", poisoned)
     with pytest.raises(TrainingError, match=r"non-finite loss .* at step 4 .*checkpoint \(step 3\)"):
         train_draft(tiny, RepeatingData(), tmp_path, config("spire", 10, 4, 0.0), progress=False)
     assert load_state(tmp_path)["step"] == 3

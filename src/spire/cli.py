@@ -312,6 +312,14 @@ def train(
                                                 "activations (needs --no-feedback-memory).")] = False,
     no_self_attend: Annotated[bool, _OPT("--no-self-attend", help="SPIRe: a drafted token does not read its "
                                                                   "own layer input.")] = False,
+    vocab_size: Annotated[Optional[int], _OPT(help="SPIRe: draft vocabulary, the N most frequent tokens of the "
+                                                   "training text (q = 0 elsewhere; lossless) [the target's].")]
+    = None,
+    cache_steps: Annotated[Optional[int], _OPT(help="Distinct batches: step s trains on batch s mod N (epochs "
+                                                    "over N batches) [a fresh batch every step].")] = None,
+    target_cache: Annotated[Optional[str], _OPT(metavar="float32|bfloat16", help="Run the target once over the "
+                                                "--cache-steps batches, store its outputs on disk and train from "
+                                                "them (float32: exact; bfloat16: half the bytes) [live].")] = None,
     vanilla_layers: Annotated[Optional[int], _OPT(help="Vanilla: blocks [target layers / 8].")] = None,
     device: Annotated[str, _OPT(help="auto, cpu or cuda.")] = "auto",
 ) -> None:
@@ -319,7 +327,8 @@ def train(
     from spire.training.run import TrainRunArgs, run
 
     spire_kw = {name: value for name, value in (("n_draft_layers", n_draft_layers), ("init", init),
-                                                 ("sink", sink), ("window", window)) if value is not None}
+                                                 ("sink", sink), ("window", window), ("vocab_size", vocab_size))
+                if value is not None}
     if layers is not None:
         spire_kw["layers"] = tuple(_ints("--layers", [layers]))
     if full_kv:
@@ -332,7 +341,8 @@ def train(
         spire_kw["self_attend"] = False
     train_kw = dict(budget_s=1200.0 if budget is None else budget, max_steps=max_steps, batch_size=batch_size, seq_len=seq_len, k=k, lr=lr,
                     warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, bf16=bf16, seed=seed,
-                    checkpoint_every=checkpoint_every, eval_every=eval_every, vanilla_layers=vanilla_layers)
+                    checkpoint_every=checkpoint_every, eval_every=eval_every, vanilla_layers=vanilla_layers,
+                    data_steps=cache_steps, target_cache=target_cache)
     if loss is not None:
         train_kw["loss"] = loss
     if omega is not None:
@@ -378,6 +388,16 @@ def reproduce(
     G: Annotated[Optional[int], typer.Option("-G", "--generate", help="Tokens generated per context.")] = None,
     k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = 4,
     n_draft_layers: Annotated[int, typer.Option(help="Target layers pruned into the SPIRe draft.")] = 8,
+    first_layers: Annotated[Optional[int], typer.Option(help="Of those, how many come from the bottom of the target "
+                                                        "(beyond the paper; 0 = the paper's last layers) [2].")] = None,
+    draft_vocab: Annotated[Optional[int], typer.Option(help="SPIRe head over the N most frequent training tokens "
+                                                       "(beyond the paper; lossless; 0 = the whole vocabulary) "
+                                                       "[16384].")] = None,
+    cache_steps: Annotated[Optional[int], typer.Option(help="Batches of the target cache that SPIRe trains epochs "
+                                                       "over [400].")] = None,
+    target_cache: Annotated[Optional[str], typer.Option(metavar="bfloat16|float32|none", help="Storage of the "
+                                                        "target cache; none runs the target live on fresh batches "
+                                                        "[bfloat16].")] = None,
     seed: Annotated[int, typer.Option(help="Seed for data windows, training and sampling.")] = 0,
 ) -> None:
     """The main job: data, SPIRe + vanilla (+ ablation) training, τ tables, cost model, REPORT.md."""
@@ -396,6 +416,16 @@ def reproduce(
         overrides["ablations"] = tuple(ABLATIONS) if names == ["all"] else tuple(names)
     if tau_L is not None:
         overrides["tau_Ls"] = tuple(_ints("--tau-L", [tau_L]))
+    if first_layers is not None:
+        overrides["first_layers"] = first_layers
+    if draft_vocab is not None:
+        overrides["draft_vocab"] = draft_vocab or None
+    if cache_steps is not None:
+        overrides["cache_steps"] = cache_steps
+    if target_cache is not None:
+        if target_cache not in ("bfloat16", "float32", "none"):
+            raise ConfigError(f"--target-cache must be bfloat16, float32 or none, got {target_cache!r}")
+        overrides["target_cache"] = None if target_cache == "none" else target_cache
     overrides.update(preset=preset, target=target, out=out, k=k, n_draft_layers=n_draft_layers, seed=seed)
     cfg = ReproduceConfig.quick_config(**overrides) if quick else ReproduceConfig(**overrides)
     run(cfg, log=lambda msg: typer.echo(msg, err=True))

@@ -523,7 +523,8 @@ class Transformer(nn.Module):
         cache: a :class:`KVCache` to write the new keys/values into and read the past from; None attends
             among the T tokens only (training, reference computations).
         view: None (full history) or a :class:`SinkWindow` (StreamingLLM view, used by MagicDec).
-        hidden_layers: layer indices whose *input* residual stream to return (SPIRe's memory source).
+        hidden_layers: layer indices whose *input* residual stream to return (SPIRe's memory source);
+            index n_layers is the final residual stream (before the final norm).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -589,6 +590,8 @@ class Transformer(nn.Module):
             if i in want:
                 hidden[i] = x
             x = block(x, cos, sin, sources[i], mask)
+        if len(self.layers) in want:  # the final residual stream, before the final norm
+            hidden[len(self.layers)] = x
         return self._output(x, hidden)
 
     def _output(self, x: torch.Tensor, hidden: dict[int, torch.Tensor]) -> ForwardOutput:
@@ -623,6 +626,8 @@ class Transformer(nn.Module):
                 hidden[i] = h.view(B, T, d)
             h = run.block(fused_block(self.layers[i], cache.k[i], cache.v[i], self.cfg.n_heads, self._fused, i), h,
                           ks, view)
+        if len(self.layers) in want:
+            hidden[len(self.layers)] = h.view(B, T, d)
         return self._output(h.view(B, T, d), hidden)
 
     @staticmethod

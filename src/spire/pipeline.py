@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
 import time
 from dataclasses import asdict, dataclass
@@ -28,13 +29,21 @@ class ReproduceConfig:
     :data:`spire.training.distill.ABLATIONS` to train (each for ablation_budget_s) and measure ("none" is the full
     method at the ablation budget: the fair reference). steps / vanilla_steps / ablation_steps: train for that
     many optimizer steps instead of seconds. n_contexts:
-    held-out contexts per τ at L; tau_Ls / tau_L_contexts: the τ-vs-L sweep (greedy, every draft)."""
+    held-out contexts per τ at L; tau_Ls / tau_L_contexts: the τ-vs-L sweep (greedy, every draft).
+
+    Beyond the paper (each has a setting that gives the paper's method back): first_layers of the
+    n_draft_layers pruned blocks come from the bottom of the target, the rest from its top (0: the paper's last
+    layers); draft_vocab: the SPIRe head covers the most frequent tokens only (None: the whole vocabulary);
+    cache_steps / target_cache: the target runs once over cache_steps batches, stored on disk, and SPIRe (and
+    its ablations) train epochs over them (target_cache None: the target runs live on fresh batches).
+    vanilla_token_share: the vanilla baseline trains on at least this share of SPIRe's tokens (its steps follow
+    from SPIRe's; vanilla_budget_s caps its seconds); None: vanilla_budget_s / vanilla_steps alone."""
 
     preset: str = "smollm2-135m"
     target: str | None = None  # a .gguf file or HF Llama-family folder instead of the preset's checkpoint
     out: Path = Path("spire-out")
-    budget_s: float = 1200.0
-    vanilla_budget_s: float = 300.0
+    budget_s: float = 1500.0
+    vanilla_budget_s: float = 900.0
     ablations: tuple[str, ...] = ()
     ablation_budget_s: float = 300.0
     steps: int | None = None  # optimizer steps instead of seconds (then contention on the machine does not
@@ -43,25 +52,31 @@ class ReproduceConfig:
     L: int = 512
     G: int = 64
     k: int = 4
-    n_contexts: int = 32
+    n_contexts: int = 48
     temperatures: tuple[float, ...] = (0.0, 1.0)
     tau_Ls: tuple[int, ...] = (256, 512, 960, 2048, 4096)
     tau_L_contexts: int = 8
     batch_size: int = 8
     n_draft_layers: int = 8
+    first_layers: int = 2
+    draft_vocab: int | None = 16384
+    cache_steps: int = 400
+    target_cache: str | None = "bfloat16"
+    vanilla_token_share: float | None = 0.5
     sink: int = 1
     window: int = 64
     seed: int = 0
     grid_B: tuple[int, ...] = (1, 4, 16, 64, 256)
     grid_L: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
     alpha_windows: int = 16
+    eval_every: int = 100  # SPIRe steps between held-out evaluations (the learning curve of the report)
     quick: bool = False
 
     @classmethod
     def quick_config(cls, **kw) -> "ReproduceConfig":
         """Smoke-test settings: finishes in a few minutes on 2 CPU cores."""
         base = dict(budget_s=60.0, vanilla_budget_s=30.0, ablation_budget_s=20.0, n_contexts=8, L=256, G=32,
-                    tau_Ls=(128, 256), tau_L_contexts=4, alpha_windows=4, quick=True)
+                    tau_Ls=(128, 256), tau_L_contexts=4, alpha_windows=4, cache_steps=8, quick=True)
         base.update(kw)
         return cls(**base)
 
@@ -70,7 +85,8 @@ class ReproduceConfig:
 
         if self.preset not in PRESETS:
             raise ConfigError(f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
-        for name in ("L", "G", "k", "n_contexts", "batch_size", "n_draft_layers", "window", "tau_L_contexts"):
+        for name in ("L", "G", "k", "n_contexts", "batch_size", "n_draft_layers", "window", "tau_L_contexts",
+                     "cache_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if not self.budget_s > 0:
@@ -82,6 +98,13 @@ class ReproduceConfig:
         if unknown:
             raise ConfigError(f"unknown ablation {unknown[0]!r}; choose from "
                               f"{', '.join(ABLATIONS)} (or all)")
+        if not 0 <= self.first_layers <= self.n_draft_layers:
+            raise ConfigError(f"first_layers must be in [0, n_draft_layers={self.n_draft_layers}], got "
+                              f"{self.first_layers}")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ConfigError(f"the draft vocabulary must be a positive number of tokens, got {self.draft_vocab}")
+        if self.vanilla_token_share is not None and not self.vanilla_token_share > 0:
+            raise ConfigError(f"vanilla_token_share must be positive, got {self.vanilla_token_share}")
         if any(x is not None and x < 1 for x in (self.steps, self.vanilla_steps, self.ablation_steps)):
             raise ConfigError("step counts must be >= 1")
         if any(not t >= 0 for t in self.temperatures):
@@ -90,6 +113,32 @@ class ReproduceConfig:
             raise ConfigError(f"--tau-L takes positive context lengths, got {list(self.tau_Ls)}")
         if any(b < 1 for b in self.grid_B) or any(x < 1 for x in self.grid_L):
             raise ConfigError("the B and L grids take positive integers")
+
+
+def heldout_curve(run_dir: Path) -> list[dict]:
+    """The held-out evaluations of a run, in order: [{"step", "tokens", "alpha_per_position"}] (its learning
+    curve; the log of a resumed run holds each step once)."""
+    from spire.training.distill import LOG_FILE
+
+    path = Path(run_dir) / LOG_FILE
+    if not path.is_file():
+        return []
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    return [{"step": r["step"], "tokens": r["tokens"], "alpha_per_position": r["alpha_per_position"]}
+            for r in rows if r.get("event") == "eval"]
+
+
+def spire_architecture(cfg: ReproduceConfig, n_target_layers: int, vocab_size: int):
+    """The SPIRe draft of the main job: n_draft_layers target blocks, the first ``first_layers`` of them from the
+    bottom of the target and the rest from its top, sink + window, and a draft vocabulary of
+    min(draft_vocab, vocab_size) tokens (None: the whole vocabulary)."""
+    from spire.drafts.spire import SpireConfig
+
+    n, first = min(cfg.n_draft_layers, n_target_layers), min(cfg.first_layers, cfg.n_draft_layers)
+    layers = None if first == 0 else tuple(range(first)) + tuple(range(n_target_layers - (n - first),
+                                                                      n_target_layers))
+    vocab = None if cfg.draft_vocab is None or cfg.draft_vocab >= vocab_size else cfg.draft_vocab
+    return SpireConfig(n_draft_layers=n, sink=cfg.sink, window=cfg.window, layers=layers, vocab_size=vocab)
 
 
 def document_separator_id(tokenizer) -> int | None:
@@ -104,8 +153,12 @@ def document_separator_id(tokenizer) -> int | None:
 def _draft_dir(cfg: ReproduceConfig, train_cfg, folder: Path, label: str = "spire") -> Path:
     name = cfg.preset if cfg.target is None else Path(folder).name
     train = train_cfg.to_dict()
-    if train.get("data") is None:  # registry text: keyed as before the field existed, so older runs are found
-        train.pop("data", None)
+    for field_name in ("data", "data_steps", "target_cache"):  # unset: keyed as before the field existed, so
+        if train.get(field_name) is None:                     # older runs are found
+            train.pop(field_name, None)
+    for field_name in ("vocab_size",):
+        if train["spire"].get(field_name) is None:
+            train["spire"].pop(field_name, None)
     key = hashlib.sha1(json.dumps({"target": str(Path(folder).resolve()), "train": train},
                                   sort_keys=True, default=str).encode()).hexdigest()[:10]
     return spire_cache_dir() / "drafts" / f"{name}-{label}-{key}"
@@ -184,26 +237,36 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     windows = data.heldout_contexts(192, 64, cfg.alpha_windows, seed=cfg.seed + 1)  # 256-token windows
     timings["data_s"] = time.time() - t
 
-    spire_arch = SpireConfig(n_draft_layers=cfg.n_draft_layers, sink=cfg.sink, window=cfg.window)
+    spire_arch = spire_architecture(cfg, target.cfg.n_layers, target.cfg.vocab_size)
+    cache = {} if cfg.target_cache is None else {"data_steps": cfg.cache_steps, "target_cache": cfg.target_cache}
+
     def limits(budget: float, steps: int | None) -> dict:
         return {"budget_s": budget} if steps is None else {"budget_s": 1e9, "max_steps": steps}
 
-    runs = [("spire", TrainConfig(k=cfg.k, seed=cfg.seed, spire=spire_arch, **limits(cfg.budget_s, cfg.steps))),
+    runs = [("spire", TrainConfig(k=cfg.k, seed=cfg.seed, spire=spire_arch, **cache, eval_every=cfg.eval_every,
+                                  **limits(cfg.budget_s, cfg.steps))),
             ("vanilla", TrainConfig(draft="vanilla", k=cfg.k, seed=cfg.seed,
                                     **limits(cfg.vanilla_budget_s, cfg.vanilla_steps)))]
-    runs += [(f"spire-{a}", ablation_config(a, k=cfg.k, seed=cfg.seed, spire=spire_arch,
+    runs += [(f"spire-{a}", ablation_config(a, k=cfg.k, seed=cfg.seed, spire=spire_arch, **cache,
                                             **limits(cfg.ablation_budget_s, cfg.ablation_steps)))
              for a in cfg.ablations]
     def amount(budget: float, steps: int | None) -> str:
         return f"{budget:.0f} s" if steps is None else f"{steps} steps"
 
-    log(f"[3/6] drafts: SPIRe ({cfg.n_draft_layers} of {target.cfg.n_layers} target layers, "
+    log(f"[3/6] drafts: SPIRe ({cfg.n_draft_layers} of {target.cfg.n_layers} target layers "
+        f"{list(spire_arch.source_layers(target.cfg.n_layers))}"
+        + (f", draft vocabulary {spire_arch.vocab_size}" if spire_arch.vocab_size else "")
+        + (f", target cache of {cfg.cache_steps} batches ({cfg.target_cache})" if cache else "") + ", "
         f"{amount(cfg.budget_s, cfg.steps)}), vanilla ({amount(cfg.vanilla_budget_s, cfg.vanilla_steps)})"
         + (f", {len(cfg.ablations)} ablations ({amount(cfg.ablation_budget_s, cfg.ablation_steps)} each)"
            if cfg.ablations else ""))
     t = time.time()
     trained, training, states, by_config = {}, {}, {}, {}
     for label, train_cfg in runs:
+        if label == "vanilla" and cfg.vanilla_token_share is not None and cfg.vanilla_steps is None:
+            # a fair baseline: at least this share of SPIRe's training tokens (capped by vanilla_budget_s)
+            per_step = train_cfg.batch_size * train_cfg.seq_len
+            train_cfg.max_steps = max(1, math.ceil(cfg.vanilla_token_share * states["spire"]["tokens"] / per_step))
         settings = json.dumps(train_cfg.to_dict(), sort_keys=True, default=str)
         same = by_config.setdefault(settings, label)
         if same != label:  # e.g. ablation "none" at the main draft's budget: the same run, trained once
@@ -225,7 +288,13 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
             "lr": train_cfg.lr, "loss": train_cfg.resolved_loss(), "omega": train_cfg.omega,
             "batch_size": train_cfg.batch_size, "seq_len": train_cfg.seq_len,
             "draft_body_params": sum(p.numel() for p in model.layers.parameters()),
+            "source_layers": list(getattr(model, "source_layers", ())) or None,
+            "draft_vocab": None if getattr(model, "vocab", None) is None else len(model.vocab),
+            "target_cache": None if train_cfg.target_cache is None or train_cfg.draft != "spire" else {
+                "batches": train_cfg.data_steps, "dtype": train_cfg.target_cache,
+                "tokens": train_cfg.data_steps * train_cfg.batch_size * train_cfg.seq_len},
             "heldout_alpha_per_position": alpha, "heldout_loss": state["heldout"]["loss"],
+            "heldout_curve": heldout_curve(run_dir),
             "history": state["history"]}
     timings["train_s"] = time.time() - t
 
@@ -258,9 +327,9 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
                                           k=cfg.k, params=SamplingParams(temperature), batch_size=batch,
                                           seed=cfg.seed, progress=progress)
             for key, name in first.items():
-                _tau_cache_put(key, measured[name].to_dict())
+                _tau_cache_put(key, measured[name].to_dict(per_context=True))
             for name, key in todo.items():
-                rows[name] = {**measured[first[key]].to_dict(), "draft": name}
+                rows[name] = {**measured[first[key]].to_dict(per_context=True), "draft": name}
         return [rows[name] for name in names]
 
     names = ["magicdec", "vanilla", "spire"] + [label for label, _ in runs[2:]]

@@ -37,8 +37,8 @@ from safetensors.torch import load_file
 from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
-from spire.model import (ForwardOutput, FusedBlocks, FusedStep, Transformer, fused_block, fused_block_applies,
-                         rope_cos_sin)
+from spire.model import (ForwardOutput, FusedBlocks, FusedStep, Transformer, WeightCache, _needs_autograd,
+                         fast_linear, fused_block, fused_block_applies, rope_cos_sin)
 from spire.paths import atomic_write
 
 
@@ -56,6 +56,10 @@ class SpireConfig:
         drafted token's memory is close to what the target layer would have read.
     init: "pruned" (copy the target's layers) or "random" (normal(0, 0.02), norms 1; ablation).
     feedback_memory / target_activations / self_attend: see the module docstring.
+    vocab_size: draft vocabulary N (beyond the paper; EAGLE-3's d2t map): the draft's head covers N target
+        token ids (the N most frequent in the training text, :func:`frequent_tokens`) and gives q = 0 to every
+        other token; None = the target's whole vocabulary. Verification stays lossless (q is exactly the
+        distribution drafts are drawn from); the head costs N/V of the full one in training and drafting.
     """
 
     n_draft_layers: int = 8
@@ -67,6 +71,7 @@ class SpireConfig:
     feedback_memory: bool = True
     target_activations: bool = True
     self_attend: bool = True
+    vocab_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -91,6 +96,8 @@ class SpireConfig:
                               "draft's own past would make training sequential")
         if not self.target_activations and not self.self_attend:
             raise ConfigError("self_attend=False applies to the memory of target activations only")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ConfigError(f"the draft vocabulary must hold at least 1 token, got {self.vocab_size}")
 
     def source_layers(self, n_target_layers: int) -> tuple[int, ...]:
         """Target layer j of each draft layer i."""
@@ -146,16 +153,46 @@ def read_draft_file(path: Path, target: Transformer | None = None) -> tuple[dict
     return meta, state
 
 
+def frequent_tokens(tokens, n: int, vocab_size: int) -> torch.Tensor:
+    """The ``n`` most frequent token ids of ``tokens`` (any 1-D integer array: numpy memmap, tensor), ties to
+    the lower id, sorted ascending: a draft vocabulary (EAGLE-3's d2t map). Ids never seen fill the rest in id
+    order. Raises ConfigError when n is not in [1, vocab_size]."""
+    import numpy as np
+
+    if not 1 <= n <= vocab_size:
+        raise ConfigError(f"the draft vocabulary must hold 1..{vocab_size} tokens, got {n}")
+    counts = np.bincount(np.asarray(tokens).reshape(-1).astype(np.int64), minlength=vocab_size)[:vocab_size]
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
+    return torch.from_numpy(np.sort(order[:n]).astype(np.int64))
+
+
 class SpireDraftModel(nn.Module):
     """Trainable SPIRe draft weights, bound to a (frozen) target for its embedding and unembedding.
 
     Raises ConfigError when n_draft_layers is not in [1, target layers].
     """
 
-    def __init__(self, target: Transformer, cfg: SpireConfig | None = None) -> None:
+    def __init__(self, target: Transformer, cfg: SpireConfig | None = None, vocab: torch.Tensor | None = None
+                 ) -> None:
+        """``vocab``: the draft vocabulary's N target token ids when ``cfg.vocab_size`` is set (see
+        :func:`frequent_tokens`; a placeholder is used when None, for a model whose state is loaded next).
+        Raises ConfigError for settings that cannot be built for ``target`` or a malformed ``vocab``."""
         super().__init__()
         cfg = SpireConfig() if cfg is None else cfg
         cfg.validate(target.cfg.n_layers)
+        V = target.cfg.vocab_size
+        if cfg.vocab_size is not None:
+            if cfg.vocab_size > V:
+                raise ConfigError(f"the draft vocabulary ({cfg.vocab_size}) is larger than the target's ({V})")
+            ids = torch.arange(cfg.vocab_size) if vocab is None else torch.as_tensor(vocab).to(torch.int64).cpu()
+            if ids.shape != (cfg.vocab_size,) or len(ids.unique()) != len(ids) or bool((ids < 0).any() | (ids >= V).any()):
+                raise ConfigError(f"a draft vocabulary must be {cfg.vocab_size} distinct token ids in [0, {V}), got "
+                                  f"shape {tuple(ids.shape)}")
+            self.register_buffer("vocab", ids.to(target.device))  # (N,) draft column -> target token id
+        else:
+            self.vocab = None
+        self._head_wc = WeightCache()  # inference copies of the draft vocabulary's head (spire.model.fast_linear)
+        self._vocab_head: tuple[tuple, nn.Linear] | None = None
         self.cfg = cfg
         self.source_layers = cfg.source_layers(target.cfg.n_layers)  # target layer j of draft layer i
         self.layers = nn.ModuleList(copy.deepcopy(target.layers[j]) for j in self.source_layers)
@@ -179,9 +216,50 @@ class SpireDraftModel(nn.Module):
         t = self.target.cfg
         return rope_cos_sin(pos, t.d_head, t.rope_theta, dtype)
 
+    @property
+    def n_vocab(self) -> int:
+        """Columns of the draft's head: N with a draft vocabulary, else the target's V."""
+        return self.target.cfg.vocab_size if self.vocab is None else len(self.vocab)
+
+    def head(self) -> nn.Linear:
+        """The draft vocabulary's frozen head (N, d_model): rows ``vocab`` of the target's unembedding, rebuilt
+        when either changes (a load, weight-only bf16). Not a submodule: never saved, derived from the target."""
+        w, ids = self.target.lm_head.weight, self.vocab
+        key = (w.data_ptr(), w._version, w.dtype, ids.data_ptr(), ids._version)
+        if self._vocab_head is None or self._vocab_head[0] != key:
+            head = nn.Linear(w.shape[1], len(ids), bias=False, device=w.device, dtype=w.dtype)
+            with torch.no_grad():
+                head.weight.copy_(w[ids])
+            head.requires_grad_(False)
+            self._vocab_head = (key, head)
+            self._head_wc.clear()
+        return self._vocab_head[1]
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, d_model) -> float32 logits (B, T, V) through the draft norm and the target's unembedding."""
-        return self.target.unembed(self.norm(x))
+        """(B, T, d_model) -> float32 logits (B, T, N) through the draft norm and the target's unembedding
+        (restricted to the draft vocabulary when there is one: :meth:`to_target_vocab` maps them back)."""
+        h = self.norm(x)
+        if self.vocab is None:
+            return self.target.unembed(h)
+        head = self.head()
+        if _needs_autograd((head,), h):
+            return head(h).float()
+        return fast_linear(h, (head,), self._head_wc).float()
+
+    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (..., N) -> (..., V) with -inf (q = 0) at every token outside it."""
+        if self.vocab is None:
+            return logits
+        out = logits.new_full((*logits.shape[:-1], self.target.cfg.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.vocab, logits)
+
+    def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target token ids (...) -> draft-vocabulary columns (...), -100 (ignored by cross-entropy) outside it."""
+        if self.vocab is None:
+            return tokens
+        table = torch.full((self.target.cfg.vocab_size,), -100, dtype=torch.int64, device=tokens.device)
+        table[self.vocab] = torch.arange(len(self.vocab), device=tokens.device)
+        return table[tokens]
 
     def memory(self, xs: list[torch.Tensor]) -> torch.Tensor:
         """Feedback memory. xs: n_d + 1 activations (B, T, d) -> (n_d, B, T, d), m^i = sum_l softmax(w_i)_l x^l.
@@ -215,7 +293,7 @@ class SpireDraftModel(nn.Module):
             target_hidden: target layer j -> (B, T, d) residual stream entering it, for every source layer.
             k: speculation depth.
         Returns:
-            (B, T, V) float32 logits; position t predicts token t + 1.
+            (B, T, N) float32 logits (N: :attr:`n_vocab`); position t predicts token t + 1.
         """
         B, T = tokens.shape
         if T % k:
@@ -235,7 +313,7 @@ class SpireDraftModel(nn.Module):
         kd: list[list[torch.Tensor]] = [[] for _ in self.layers]  # draft memory of earlier passes
         vd: list[list[torch.Tensor]] = [[] for _ in self.layers]
         starts = torch.arange(0, T, k, device=dev)  # (T/k,) first position of each block
-        out = torch.empty(B, T, self.target.cfg.vocab_size, device=dev)
+        out = torch.empty(B, T, self.n_vocab, device=dev)
         blocks = torch.arange(len(starts), device=dev)
         for j in range(k):
             q_pos = starts + j  # (T/k,)
@@ -362,7 +440,7 @@ class SpireDraft(Draft):
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         m, cache = self.model, self._cache
         if not m.cfg.target_activations:
-            return m.logits(self._run(tokens, pos))[:, -1]
+            return m.to_target_vocab(m.logits(self._run(tokens, pos))[:, -1])
         x = m.target.model.embed_tokens(tokens)  # (B, 1, d)
         cos, sin = m._rope(pos, x.dtype)
         cache.claim(pos)  # the slots of the new position now hold it (its keys/values follow, per layer)
@@ -395,7 +473,7 @@ class SpireDraft(Draft):
                     run.write_kv(blocks[i], mem[i])
                 else:
                     cache.write(i, pos, *m.memory_kv(i, mem[i], cos, sin))
-        return m.logits(x)[:, -1]
+        return m.to_target_vocab(m.logits(x)[:, -1])
 
     def _fused_step(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                     ) -> FusedStep | None:

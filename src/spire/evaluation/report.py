@@ -6,6 +6,8 @@ import json
 import time
 from pathlib import Path
 
+import numpy as np
+
 from spire.paths import atomic_write
 from spire.throughput import get_preset, throughput_rows
 from spire.throughput.shapes import PAPER_TAUS, ModelShape, Preset
@@ -52,6 +54,23 @@ def goal_check(rows: list[dict], B: int, L: int, k: int, target_ratio: float = 1
             "alpha_needed": alpha_for_tau(need, k)}
 
 
+def multiplier_ratio_ci(results: dict, rows: list[dict], temperature: float, B: int, L: int) -> list[float] | None:
+    """95 % CI of SPIRe's modeled multiplier over MagicDec's at (B, L): the paired bootstrap CI of τ_SPIRe /
+    τ_MagicDec over the shared contexts (:func:`spire.evaluation.tau.paired_ratio_ci`) times Δt_MagicDec /
+    Δt_SPIRe (the cost model's Δt has no sampling error). None when per-context counts are missing (a τ taken
+    from an older measurement cache)."""
+    from spire.evaluation.tau import paired_ratio_ci
+
+    s, m = _tau_of(results, "spire", temperature), _tau_of(results, "magicdec", temperature)
+    if not (s and m and s.get("emitted") and m.get("emitted")) or len(s["emitted"]) != len(m["emitted"]):
+        return None
+    at = {r["draft"]: r for r in rows if r["B"] == B and r["L"] == L}
+    lo, hi = paired_ratio_ci(*(np.asarray(x, dtype=float) for x in (s["emitted"], s["rounds"], m["emitted"],
+                                                                   m["rounds"])))
+    scale = at["magicdec"]["delta_t"] / at["spire"]["delta_t"]
+    return [lo * scale, hi * scale]
+
+
 def target_preset(target: dict, n_draft_layers: int) -> Preset:
     """Cost-model shapes of the measured target: SPIRe = its last n_draft_layers blocks, vanilla ≈ 1/8 of
     its layers at the same width (the paper's vanilla draft has about 1/8 of the body parameters)."""
@@ -64,13 +83,18 @@ def target_preset(target: dict, n_draft_layers: int) -> Preset:
                   taus=dict(PAPER_TAUS), tau_source="measured", description=f"{target['name']} shapes")
 
 
-def _plot_training(history: list[dict], path: Path) -> None:
+def _plot_training(history: list[dict], path: Path, heldout: list[dict] | None = None) -> None:
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(6.5, 3.2), layout="constrained")
     ax = fig.subplots()
     tokens = [h["tokens"] / 1e3 for h in history]
     ax.plot(tokens, [h["alpha"] for h in history], label="train α (EMA)")
+    if heldout:
+        x = [h["tokens"] / 1e3 for h in heldout]
+        ax.plot(x, [h["alpha_per_position"][0] for h in heldout], "o-", ms=3, label="held-out α, 1st drafted")
+        ax.plot(x, [sum(h["alpha_per_position"]) / len(h["alpha_per_position"]) for h in heldout], "s--", ms=3,
+                label="held-out α, mean over k")
     ax.set_xlabel("training tokens (thousands)")
     ax.set_ylabel("α = E[Σ min(p, q)]")
     ax.set_ylim(0, 1)
@@ -137,6 +161,8 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
                 if r["draft"] in MEASURED]
         grids[key] = rows
         goals[key] = goal_check(rows, B_main, cfg.L, cfg.k)
+        if goals[key] is not None:
+            goals[key]["spire_vs_magicdec_ci"] = multiplier_ratio_ci(results, rows, temperature, B_main, cfg.L)
         fig = f"throughput_measured_T{temperature:g}.png"
         plot_multiplier_heatmaps(rows, out / fig, f"{name}, measured τ ({key}): "
                                                   f"modeled throughput multiplier τ/Δt (HOI 600)")
@@ -160,7 +186,8 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
                              "Paper 67M target with the paper's τ (L = 512): the paper's setting")
     figures.append("throughput_paper67m.png")
     if results["training"]["history"]:
-        _plot_training(results["training"]["history"], out / "training_alpha.png")
+        _plot_training(results["training"]["history"], out / "training_alpha.png",
+                       results["training"].get("heldout_curve"))
         figures.append("training_alpha.png")
     results["throughput"] = {"measured": grids, "paper_67m": paper_rows, "goal": goals, "ablations": ablations}
     results["figures"] = figures
@@ -215,15 +242,36 @@ def _training_lines(results: dict, cfg) -> list[str]:
                      f"{tr['elapsed_s'] / 60:.1f} | {tr['tokens'] / max(tr['elapsed_s'], 1e-9):.0f} | "
                      + ", ".join(f"{a:.3f}" for a in tr["heldout_alpha_per_position"]) + " |")
     tr = trs["spire"]
+    first = getattr(cfg, "first_layers", 0)
+    layers = tr.get("source_layers")
+    origin = (f"the target's last {cfg.n_draft_layers}" if not first else
+              f"the target's first {first} and last {cfg.n_draft_layers - first}")
+    beyond = []
+    if first:
+        beyond.append(f"**beyond the paper**: the pruned blocks are {origin} layers{f' {layers}' if layers else ''} "
+                      "(the paper prunes the last layers; `--first-layers 0` gives that back)")
+    if tr.get("draft_vocab"):
+        beyond.append(f"**beyond the paper**: the draft's head covers the {tr['draft_vocab']:,} most frequent "
+                      "training tokens (q = 0 elsewhere, verification stays lossless; `--draft-vocab 0` gives the "
+                      "whole vocabulary)")
+    if tr.get("target_cache"):
+        c = tr["target_cache"]
+        beyond.append(f"the target ran once over {c['batches']} batches ({c['tokens']:,} tokens, stored as "
+                      f"{c['dtype']}) and SPIRe trained {tr['tokens'] / max(c['tokens'], 1):.1f} epochs over them "
+                      f"(ablations reuse the same cache)")
+    shares = ""
+    if "vanilla" in trs:
+        shares = (f" Vanilla got {trs['vanilla']['tokens'] / max(tr['tokens'], 1):.2f}× SPIRe's training tokens "
+                  f"({trs['vanilla']['tokens']:,} against {tr['tokens']:,}).")
     return [
-        f"SPIRe: pruned from the target's last {cfg.n_draft_layers} of {results['target']['layers']} layers "
+        f"SPIRe: pruned from {origin} of {results['target']['layers']} layers "
         f"({results['target']['body_params'] / 1e6:.1f} M body parameters in the target), sink {cfg.sink} + window "
         f"{cfg.window}, feedback memory, target activations for the verified past. Vanilla: "
         f"round(layers / 8) blocks of the target's width, random initialization, full KV cache. AdamW, lr "
         f"{tr['lr']}, warmup then cosine, batches of {tr['batch_size']} × {tr['seq_len']} tokens, bf16 autocast "
-        f"{'on' if tr['bf16'] else 'off'}. α = E[Σ min(p, q)] on {cfg.alpha_windows} held-out windows.",
+        f"{'on' if tr['bf16'] else 'off'}. α = E[Σ min(p, q)] on {cfg.alpha_windows} held-out windows." + shares,
         "",
-    ] + lines + [""]
+    ] + [f"- {b}" for b in beyond] + ([""] if beyond else []) + lines + [""]
 
 
 def _ablation_lines(results: dict, cfg) -> list[str]:
@@ -347,8 +395,12 @@ def _markdown(results: dict, cfg) -> str:
         if g:
             vs_v = f", {g['spire_vs_vanilla']:.2f}× vanilla's" if g["spire_vs_vanilla"] else ""
             need_a = f" (i.i.d. α ≈ {g['alpha_needed']:.3f})" if g["alpha_needed"] else ""
+            ci = g.get("spire_vs_magicdec_ci")
+            ci_txt = (f" (95 % CI [{ci[0]:.2f}, {ci[1]:.2f}], paired bootstrap over the {cfg.n_contexts} shared "
+                      f"contexts: {'above' if ci[0] > 1.35 else 'below' if ci[1] < 1.35 else 'straddling'} the "
+                      "1.35 line)") if ci else ""
             lines += ["", f"**Goal check ({key})**: at (B, L) = ({g['B']}, {g['L']}) SPIRe's modeled multiplier is "
-                          f"{g['spire_vs_magicdec']:.2f}× MagicDec's{vs_v} (paper's claim: ≥ 1.35× and ≥ 2×); "
+                          f"{g['spire_vs_magicdec']:.2f}× MagicDec's{ci_txt}{vs_v} (paper's claim: ≥ 1.35× and ≥ 2×); "
                           f"SPIRe is the best option in {100 * g['spire_best_share']:.0f} % of the grid. "
                           f"1.35× MagicDec would need SPIRe τ ≈ {g['tau_needed']:.2f}{need_a}.", ""]
     headline = {r["draft"]: r["multiplier"] for r in results["throughput"]["paper_67m"]

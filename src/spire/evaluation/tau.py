@@ -55,6 +55,22 @@ def bootstrap_ratio_ci(emitted: np.ndarray, rounds: np.ndarray, n_boot: int = 40
     return float(lo), float(hi)
 
 
+def paired_ratio_ci(emitted_a: np.ndarray, rounds_a: np.ndarray, emitted_b: np.ndarray, rounds_b: np.ndarray,
+                    n_boot: int = 4000, seed: int = 0, level: float = 0.95) -> tuple[float, float]:
+    """Percentile bootstrap CI of τ_a / τ_b = (Σ emitted_a / Σ rounds_a) / (Σ emitted_b / Σ rounds_b) for two
+    drafts measured on the same contexts (arrays of one entry per context, in the same order): each resample
+    draws contexts once for both drafts, so what is common to a context (an easy or a hard text) cancels.
+    Raises ConfigError when the arrays differ in length or are empty."""
+    n = len(emitted_a)
+    if n == 0 or not len(rounds_a) == len(emitted_b) == len(rounds_b) == n:
+        raise ConfigError("a paired ratio needs both drafts measured on the same, non-empty list of contexts")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, n, size=(n_boot, n))
+    ratios = (emitted_a[idx].sum(1) / rounds_a[idx].sum(1)) / (emitted_b[idx].sum(1) / rounds_b[idx].sum(1))
+    lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
+    return float(lo), float(hi)
+
+
 def measure_tau(target: Transformer, draft: Draft, contexts: torch.Tensor, G: int = 64, k: int = 4,
                 params: SamplingParams = SamplingParams(), batch_size: int = 8, seed: int = 0,
                 progress: bool = True) -> TauResult:

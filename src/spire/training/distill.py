@@ -25,7 +25,6 @@ Llama folder; ``--draft vanilla --draft-path``).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import time
@@ -34,11 +33,14 @@ from pathlib import Path
 
 import torch
 
-from spire.drafts.spire import SpireConfig, SpireDraftModel, _fingerprint, read_draft_file, write_draft_file
+from spire.drafts.spire import (SpireConfig, SpireDraftModel, _fingerprint, frequent_tokens, read_draft_file,
+                               write_draft_file)
 from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.model import Transformer
 from spire.paths import atomic_write, existing_dir, replace_dir
-from spire.training.losses import acceptance_alpha, hard_target_loss, mixed_loss
+from spire.training.losses import acceptance_alpha_logp, hard_target_loss, mixed_loss_logp
+from spire.training.sources import (STORAGE_DTYPES, CachedTarget, LiveTarget, TargetCache, TeacherBatch, autocast,
+                                    run_target, step_generator)
 
 CHECKPOINT_DIR = "checkpoint"
 DRAFT_FILE = "draft.safetensors"
@@ -74,6 +76,10 @@ class TrainConfig:
     pure distillation) or "hard" (HardTargetLoss); None picks the method's default (SPIRe: mixed,
     vanilla: hard). bf16: autocast (None: on where bf16 is fast). eval_every: steps between held-out
     evaluations (0: at the end only). ablation: a name of :data:`ABLATIONS`, recorded in the checkpoint.
+    data_steps: distinct batches in the run (step s trains on batch s mod data_steps, so a run longer than
+    data_steps makes epochs over them); None: a fresh batch every step. target_cache: None runs the frozen
+    target on every step; "float32" (exact) or "bfloat16" (compact) runs it once over the data_steps batches
+    and trains from the stored outputs (:class:`spire.training.sources.TargetCache`; needs data_steps).
     vanilla_layers: the vanilla draft's blocks (None: round(target layers / 8)). data: the training text's
     identity (set by `spire train`; a resume on other text is refused).
     """
@@ -97,6 +103,8 @@ class TrainConfig:
     ablation: str = "none"
     spire: SpireConfig = field(default_factory=SpireConfig)
     vanilla_layers: int | None = None
+    data_steps: int | None = None
+    target_cache: str | None = None
     data: str | None = None  # identity of the training text (its cache key), recorded so a resume can check it
 
     def resolved_loss(self) -> str:
@@ -120,6 +128,13 @@ class TrainConfig:
             raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if not self.lr > 0 or self.warmup_steps < 0 or self.grad_clip <= 0 or self.eval_every < 0:
             raise ConfigError("lr and grad_clip must be positive, warmup_steps and eval_every >= 0")
+        if self.data_steps is not None and self.data_steps < 1:
+            raise ConfigError(f"data_steps must be >= 1, got {self.data_steps}")
+        if self.target_cache is not None and self.target_cache not in STORAGE_DTYPES:
+            raise ConfigError(f"target_cache must be one of {', '.join(STORAGE_DTYPES)} (or None: live), got "
+                              f"{self.target_cache!r}")
+        if self.target_cache is not None and self.data_steps is None:
+            raise ConfigError("a target cache holds data_steps batches: set data_steps (--cache-steps)")
         if self.ablation not in ABLATIONS:
             raise ConfigError(f"unknown ablation {self.ablation!r}; choose one of {', '.join(ABLATIONS)}")
 
@@ -148,10 +163,7 @@ def fast_bf16(device: torch.device) -> bool:
     return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
-def _autocast(enabled: bool, device: torch.device):
-    if not enabled:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+_autocast = autocast
 
 
 def target_pass(target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...], bf16: bool):
@@ -160,6 +172,32 @@ def target_pass(target: Transformer, tokens: torch.Tensor, layers: tuple[int, ..
     with torch.no_grad(), _autocast(bf16, tokens.device):
         out = target(tokens, pos, hidden_layers=layers)
     return out.logits.float(), {j: h.float() for j, h in out.hidden.items()}
+
+
+def draft_vocab(model: torch.nn.Module) -> torch.Tensor | None:
+    """The draft vocabulary's target ids (N,), or None when the draft covers the whole vocabulary."""
+    return getattr(model, "vocab", None)
+
+
+def to_draft_ids(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Data tokens as indices into the draft's logits (-100 outside a draft vocabulary)."""
+    return model.to_draft_ids(tokens) if draft_vocab(model) is not None else tokens
+
+
+def step_loss(model: torch.nn.Module, target: Transformer, tb: TeacherBatch, cfg: "TrainConfig"
+              ) -> tuple[torch.Tensor, float]:
+    """The training loss of one batch and its alpha (nan when there is no teacher): teacher-forced draft logits
+    (under bf16 autocast when cfg.bf16), then MixedLoss(omega) against the teacher or HardTargetLoss."""
+    with _autocast(bool(cfg.bf16), tb.tokens.device):
+        q_logits = draft_logits(model, tb.tokens, tb.hidden, cfg.k)
+    vocab = draft_vocab(model)
+    if cfg.resolved_loss() == "mixed":
+        terms = mixed_loss_logp(q_logits, tb.target_logp(target, vocab), cfg.omega)
+        return terms.loss, terms.alpha
+    loss = hard_target_loss(q_logits[:, :-1], to_draft_ids(model, tb.tokens[:, 1:]))
+    if tb.final is None:
+        return loss, float("nan")
+    return loss, float(acceptance_alpha_logp(q_logits, tb.target_logp(target, vocab)).mean())
 
 
 def draft_logits(model: torch.nn.Module, tokens: torch.Tensor, hidden: dict, k: int) -> torch.Tensor:
@@ -181,11 +219,6 @@ def _lr_at(cfg: TrainConfig, step: int, frac: float) -> float:
     """Linear warmup over warmup_steps, then cosine decay from lr to 0.1 lr over the run (frac in [0, 1])."""
     warm = min(1.0, (step + 1) / max(1, cfg.warmup_steps))
     return cfg.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
-
-
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """The RNG that draws step ``step``'s batch: a function of (seed, step) only, so resumed runs are exact."""
-    return torch.Generator().manual_seed(seed * 1_000_003 + step)
 
 
 def load_state(out_dir: Path) -> dict | None:
@@ -222,10 +255,19 @@ def init_distributed() -> tuple[int, int]:
     return rank, world
 
 
-def _build_model(target: Transformer, cfg: TrainConfig) -> torch.nn.Module:
+def _build_model(target: Transformer, cfg: TrainConfig, data=None) -> torch.nn.Module:
+    """A fresh draft for ``cfg``; a SPIRe draft with a draft vocabulary takes the most frequent tokens of the
+    training text (``data.train.tokens``). Raises ConfigError."""
     if cfg.draft == "spire":
         torch.manual_seed(cfg.seed)  # the random-init ablation draws its weights here
-        return SpireDraftModel(target, cfg.spire)
+        vocab = None
+        if cfg.spire.vocab_size is not None:
+            tokens = getattr(getattr(data, "train", None), "tokens", None)
+            if tokens is None:
+                raise ConfigError("a draft vocabulary is chosen from the training text's token counts: this data "
+                                  "source has none (data.train.tokens)")
+            vocab = frequent_tokens(tokens, cfg.spire.vocab_size, target.cfg.vocab_size)
+        return SpireDraftModel(target, cfg.spire, vocab)
     from spire.drafts.vanilla import build_vanilla
 
     return build_vanilla(target, cfg.vanilla_layers, cfg.seed)
@@ -302,7 +344,7 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
     if resume is False and state is not None:
         raise ConfigError(f"{out_dir} already holds a run (step {state['step']}); pass --resume to continue it "
                           "or choose another --out")
-    model = _build_model(target, cfg)
+    model = _build_model(target, cfg, data)
     if state is not None:
         budget_keys = ("budget_s", "max_steps", "checkpoint_every", "eval_every")
         defaults = json.loads(json.dumps(TrainConfig().to_dict()))  # a field added since the run was saved
@@ -362,11 +404,14 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
         if dist is not None:
             dist.barrier()
 
-    bar = None
+    bar = source = None
     if done() and state["finished"]:
         if log is not None and rank == 0:
             log(f"      {out_dir.name}: finished run found ({state['step']} steps), not trained again")
         progress = False  # nothing to train: no bar
+    elif not done():  # before the training bar: a target cache may be built first, with its own bar
+        source = make_source(target, data, model, cfg, target_folder, progress and rank == 0,
+                             log if rank == 0 else None)
     if progress and rank == 0:
         from tqdm.auto import tqdm
 
@@ -389,30 +434,17 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
         return finish()
     state["finished"] = False  # a finished run given a larger budget goes on
 
-    hidden_layers = _needs_hidden(model)
-    loss_kind = cfg.resolved_loss()
     rows = slice(rank * cfg.batch_size // world, (rank + 1) * cfg.batch_size // world)
     t_last_ckpt = time.time()
     ema_loss = ema_alpha = None
     while not done():
         t0 = time.time()
-        tokens = data.sample_train_batch(cfg.batch_size, cfg.seq_len, step_generator(cfg.seed, state["step"]))
-        tokens = tokens[rows].to(device)
+        tb = source.batch(state["step"], rows)
         frac = state["step"] / cfg.max_steps if cfg.max_steps is not None else state["elapsed_s"] / cfg.budget_s
         lr = _lr_at(cfg, state["step"], frac)
         for g in opt.param_groups:
             g["lr"] = lr
-        p_logits, hidden = None, {}
-        if hidden_layers or loss_kind == "mixed":
-            p_logits, hidden = target_pass(target, tokens, hidden_layers, cfg.bf16)
-        with _autocast(cfg.bf16, device):
-            q_logits = draft_logits(model, tokens, hidden, cfg.k)
-        if loss_kind == "mixed":
-            terms = mixed_loss(q_logits, p_logits, cfg.omega)
-            loss, alpha = terms.loss, terms.alpha
-        else:
-            loss = hard_target_loss(q_logits[:, :-1], tokens[:, 1:])
-            alpha = float(acceptance_alpha(q_logits, p_logits).mean()) if p_logits is not None else float("nan")
+        loss, alpha = step_loss(model, target, tb, cfg)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         stats = torch.tensor([loss.item(), alpha])
@@ -467,6 +499,36 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
     return finish()
 
 
+def needs_teacher(model: torch.nn.Module, cfg: TrainConfig) -> bool:
+    """Whether a step needs the teacher distribution: for MixedLoss, and for the logged alpha whenever the
+    target runs anyway (a SPIRe draft reading its activations)."""
+    return cfg.resolved_loss() == "mixed" or bool(_needs_hidden(model))
+
+
+def make_source(target: Transformer, data, model: torch.nn.Module, cfg: TrainConfig,
+                target_folder: Path | None = None, progress: bool = True, log=print):
+    """The run's data source: :class:`LiveTarget`, or a :class:`CachedTarget` over the target cache of
+    cfg.data_steps batches (built here when missing; under torchrun rank 0 builds while the others wait).
+    Raises ConfigError / DataError (see :meth:`TargetCache.build`)."""
+    layers, teacher = _needs_hidden(model), needs_teacher(model, cfg)
+    if cfg.target_cache is None or not (layers or teacher):
+        return LiveTarget(target, data, layers, teacher, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.data_steps,
+                          bool(cfg.bf16))
+    dist, rank, _ = _distributed()
+
+    def build(show: bool) -> TargetCache:
+        return TargetCache.build(target, data, layers, teacher, cfg.batch_size, cfg.seq_len, cfg.seed,
+                                 cfg.data_steps, cfg.target_cache, folder=target_folder, bf16=bool(cfg.bf16),
+                                 progress=show, log=log if show else None)
+    if dist is not None and rank != 0:
+        dist.barrier()  # rank 0 builds first
+        return CachedTarget(build(False), layers, teacher, target.device)
+    cache = build(progress)
+    if dist is not None:
+        dist.barrier()
+    return CachedTarget(cache, layers, teacher, target.device)
+
+
 def train_spire(target: Transformer, data, out_dir: Path, cfg: TrainConfig | None = None, progress: bool = True,
                 log=print, **kw) -> tuple[SpireDraftModel, dict]:
     """:func:`train_draft` for a SPIRe draft (kept for the pipeline and the library's first users)."""
@@ -484,14 +546,16 @@ def evaluate_heldout(model: torch.nn.Module, target: Transformer, windows: torch
     model.eval()
     k = cfg.k
     sums, loss_sum, ce_sum, n_batches, count = torch.zeros(k), 0.0, 0.0, 0, 0
+    vocab = draft_vocab(model)
     for i in range(0, windows.shape[0], batch_size):
         tokens = windows[i: i + batch_size].to(target.device)
-        p_logits, hidden = target_pass(target, tokens, _needs_hidden(model), cfg.bf16 or False)
+        tb = run_target(target, tokens, _needs_hidden(model), True, bool(cfg.bf16))
         with _autocast(bool(cfg.bf16), target.device):
-            q_logits = draft_logits(model, tokens, hidden, k)
-        ce = float(hard_target_loss(q_logits[:, :-1], tokens[:, 1:]))
-        loss = ce if cfg.resolved_loss() == "hard" else float(mixed_loss(q_logits, p_logits, cfg.omega).loss)
-        a = acceptance_alpha(q_logits, p_logits)  # (B, T)
+            q_logits = draft_logits(model, tokens, tb.hidden, k)
+        logp = tb.target_logp(target, vocab)
+        ce = float(hard_target_loss(q_logits[:, :-1], to_draft_ids(model, tokens[:, 1:])))
+        loss = ce if cfg.resolved_loss() == "hard" else float(mixed_loss_logp(q_logits, logp, cfg.omega).loss)
+        a = acceptance_alpha_logp(q_logits, logp)  # (B, T)
         sums += a.view(a.shape[0], -1, k).sum((0, 1)).cpu()
         count += a.shape[0] * (a.shape[1] // k)
         loss_sum, ce_sum, n_batches = loss_sum + loss, ce_sum + ce, n_batches + 1
