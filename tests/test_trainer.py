@@ -1,5 +1,6 @@
-"""The trainer: exact resume, crash safety (SIGKILL mid-run), NaN stop, vanilla baseline, ablation configs,
-data-parallel runs under torchrun, and bad input."""
+"""The trainer: bit-exact resume, crash safety (SIGKILL at every point of a checkpoint write, resumed bit for
+bit), replace_dir's recovery, NaN stop, vanilla baseline, ablation configs, data-parallel runs under torchrun,
+and bad input."""
 
 import json
 import os
