@@ -108,7 +108,7 @@ def test_temperature_sampling_is_reproducible(tiny):
 
 class _CheckingDraft:
     """Wraps a draft; at the first step of every round it checks that the target cache holds exactly the
-    keys/values of a fresh prefill of each row's committed prefix (CASES.md 3 and 7)."""
+    keys and values of a fresh prefill of each row's committed prefix (CASES.md 3 and 7)."""
 
     def __init__(self, inner, target, final_sequences):
         self.inner, self.target, self.final = inner, target, final_sequences
@@ -131,8 +131,10 @@ class _CheckingDraft:
                 ids = torch.tensor([self.final[b][:n1]])
                 fresh = self.target.new_cache(1, n1 + 1)
                 self.target(ids, torch.arange(n1)[None], fresh)
-                for layer in range(self.target.cfg.n_layers):
+                for layer in range(self.target.cfg.n_layers):  # keys and values
                     torch.testing.assert_close(self.cache.k[layer][b, :, :n1], fresh.k[layer][0, :, :n1],
+                                               atol=1e-5, rtol=1e-5)
+                    torch.testing.assert_close(self.cache.v[layer][b, :, :n1], fresh.v[layer][0, :, :n1],
                                                atol=1e-5, rtol=1e-5)
                 self.checked += 1
         return self.inner.step(tokens, pos)

@@ -288,3 +288,21 @@ def test_shared_prefill_equals_separate_runs(temperature):
             res = generate(target, ctx[i: i + 2], 12, draft=d, k=3, params=params, generator=gen)
             rounds, emitted = rounds + res.rounds, emitted + res.emitted
         assert (shared[name].rounds, shared[name].emitted) == (rounds, emitted), name
+
+
+def test_bootstrap_ratio_ci_known_answers():
+    """The percentile bootstrap of sum(emitted) / sum(rounds), worked by hand on tiny samples."""
+    from spire.evaluation.tau import bootstrap_ratio_ci
+
+    # every context has ratio 2: every resample gives 2
+    assert bootstrap_ratio_ci(np.array([2, 10, 6]), np.array([1, 5, 3])) == (2.0, 2.0)
+    # 4 contexts of 1 round emitting 1, 2, 3, 4: a resample's mean is (sum of 4 draws) / 4; of the 256 equally
+    # likely draws, sums 4, 5 have 1 + 4 and sum 6 has 10 (cumulative 5/256 = 1.95 % < 2.5 % < 15/256), so the
+    # 2.5 % quantile is 6 / 4 and by symmetry the 97.5 % quantile 14 / 4
+    lo, hi = bootstrap_ratio_ci(np.array([1, 2, 3, 4]), np.ones(4, dtype=int), n_boot=100_000)
+    assert (lo, hi) == (1.5, 3.5)
+    # a ratio of sums, not a mean of ratios: contexts (1 emitted / 1 round) and (10 / 2); half of the resamples
+    # take one of each, 11 / 3 (a mean of ratios would give 3); a quarter give 1 and a quarter 5
+    lo, hi = bootstrap_ratio_ci(np.array([1, 10]), np.array([1, 2]), n_boot=100_000, level=0.1)
+    assert lo == hi == pytest.approx(11 / 3)
+    assert bootstrap_ratio_ci(np.array([1, 10]), np.array([1, 2]), n_boot=100_000) == (1.0, 5.0)

@@ -84,12 +84,14 @@ def test_forward_time():
 
 @pytest.mark.parametrize("draft", DRAFTS)
 def test_golden_b64_table(draft):
+    """The paper's golden table (SPIRE.md §2: 67M target, B = 64, HOI 600, L = 8 .. 8192), two decimals."""
     rows = throughput_rows(PAPER, [64], GOLDEN_LS)
     got = [round(r["multiplier"], 2) for r in rows if r["draft"] == draft]
     assert got == GOLDEN_B64[draft]
 
 
 def test_headline_64_512():
+    """The paper's headline multipliers at (B, L) = (64, 512) (SPIRE.md §2)."""
     got = {d: round(multiplier(PAPER.taus[d], delta_t(PAPER, d, 64, 512)), 2) for d in DRAFTS}
     assert got == {"spire": 2.78, "vanilla": 1.36, "magicdec": 2.05}
 

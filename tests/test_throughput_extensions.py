@@ -215,7 +215,6 @@ def test_best_k_by_hand():
     # r = (16,779,264 + 65·4,096) / (67,117,056 + 512·16,384) = 17,045,504 / 75,505,664
     r = 17_045_504 / 75_505_664
     by_hand = {k: (1 - 0.8 ** (k + 1)) / 0.2 / (1 + k * r) for k in range(1, 9)}
-    assert max(by_hand, key=by_hand.get) == 4 and round(by_hand[4], 4) == 1.7665
     (row,) = [r_ for r_ in throughput_rows(PAPER, [1], [512], alphas={"spire": 0.8}, best_k_max=8) if r_["draft"] == "spire"]
     assert (row["best_k"], row["tau_source"]) == (4, "alpha=0.8")
     assert row["best_k_multiplier"] == pytest.approx(by_hand[4]) and row["multiplier"] == pytest.approx(by_hand[4])

@@ -50,3 +50,36 @@ def test_bad_training_settings(tiny, tmp_path):
     for bad in (dict(budget_s=0), dict(seq_len=30, k=4), dict(omega=2.0)):
         with pytest.raises(ConfigError):
             train_spire(tiny, RepeatingData(), tmp_path, TrainConfig(**bad), progress=False)
+
+
+def test_learning_rate_schedule_by_hand():
+    """_lr_at: linear warmup over warmup_steps ((step + 1) / warmup), then cosine from lr down to 0.1 lr over
+    the run's fraction frac (clipped at 1); worked by hand for lr 1e-3, warmup 4."""
+    from spire.training.distill import _lr_at
+
+    cfg = TrainConfig(lr=1e-3, warmup_steps=4)
+    assert _lr_at(cfg, 0, 0.0) == pytest.approx(0.25e-3)  # 1/4 of the peak, cosine factor 1
+    assert _lr_at(cfg, 2, 0.0) == pytest.approx(0.75e-3)
+    assert _lr_at(cfg, 3, 0.0) == pytest.approx(1e-3)  # warmup done
+    assert _lr_at(cfg, 10, 0.5) == pytest.approx(0.55e-3)  # 0.1 + 0.9 · (1 + cos(π/2)) / 2
+    assert _lr_at(cfg, 10, 0.25) == pytest.approx(1e-3 * (0.1 + 0.45 * (1 + 0.5 ** 0.5)))  # cos(π/4) = √2/2
+    assert _lr_at(cfg, 10, 1.0) == pytest.approx(0.1e-3) == _lr_at(cfg, 10, 3.0)  # the floor, and clipped
+    assert _lr_at(cfg, 1, 0.5) == pytest.approx(0.5 * 0.55e-3)  # warmup and decay multiply
+    assert _lr_at(TrainConfig(lr=2e-3, warmup_steps=0), 0, 0.0) == pytest.approx(2e-3)  # no warmup
+
+
+def test_logged_learning_rates_follow_the_schedule(tmp_path):
+    """A run of 5 steps (peak 3e-3, warmup 2) logs, at step s (1-based), lr = 3e-3 · min(1, s / 2) ·
+    (0.1 + 0.45 · (1 + cos(π (s - 1) / 5))): the schedule runs over max_steps."""
+    import json
+    import math
+
+    from tests.conftest import make_tiny
+    from tests.train_worker import config
+
+    train_spire(make_tiny(), RepeatingData(), tmp_path, config("spire", 5, 2), progress=False)
+    logged = [json.loads(ln) for ln in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    lrs = {e["step"]: e["lr"] for e in logged if e["event"] == "train"}
+    assert sorted(lrs) == [1, 2, 3, 4, 5]
+    for s, lr in lrs.items():
+        assert lr == pytest.approx(3e-3 * min(1, s / 2) * (0.1 + 0.45 * (1 + math.cos(math.pi * (s - 1) / 5))))

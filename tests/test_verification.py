@@ -75,3 +75,70 @@ def test_sampling_transforms():
     for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1)):
         with pytest.raises(ConfigError):
             SamplingParams(**bad)
+
+
+# --- every position of a block, the bonus token included, with p differing from position to position ---------
+# p_j: the target's distribution at block position j (j = k is the bonus position), q_j: the draft's. The toy
+# model is context-free, so the token emitted at position j, among the rows whose round reaches j (all of the
+# first j drafts accepted), is distributed as p_j. The bonus p_k is close to q_{k-1} so that the off-by-one
+# "bonus from normalize(max(p_k - q_{k-1}, 0))" moves most of the bonus mass; the correction at j = 0 and 1
+# differs from p_j a lot because q_j differs from p_j.
+TOY_P = [[0.5, 0.3, 0.15, 0.05], [0.1, 0.2, 0.3, 0.4], [0.3, 0.4, 0.2, 0.1]]  # positions 0, 1 and the bonus 2
+TOY_Q = [[0.25, 0.25, 0.25, 0.25], [0.25, 0.45, 0.2, 0.1]]
+N_BLOCK = 2_000  # rows (~600 full accepts): the mutants below give p < 1e-9 here, the honest sampler ~U(0, 1)
+
+
+def _mutant_verify(kind: str):
+    """A deliberately wrong :func:`verify` (the mutation check): "bonus-residual" draws the bonus after a full
+    accept from normalize(max(p_k - q_{k-1}, 0)); "correction-from-p" draws the correction from p instead of
+    the residual."""
+
+    def wrong(draft_tokens, q, p, generator=None):
+        B, k = draft_tokens.shape
+        idx = draft_tokens[..., None]
+        p_x = p[:, :k].gather(-1, idx).squeeze(-1)
+        q_x = q.gather(-1, idx).squeeze(-1)
+        u = torch.rand(B, k, generator=generator)
+        n_acc = (u * q_x < p_x).long().cumprod(-1).sum(-1)
+        rows = torch.arange(B)
+        p_next = p[rows, n_acc]
+        pad = q[:, -1:] if kind == "bonus-residual" else torch.zeros_like(q[:, :1])
+        q_next = torch.cat([q, pad], 1)[rows, n_acc]
+        if kind == "correction-from-p":
+            return n_acc, sample(p_next, generator)
+        residual = (p_next - q_next).clamp_min(0)
+        return n_acc, sample(residual / residual.sum(-1, keepdim=True), generator)
+
+    return wrong
+
+
+def _block_pvalues(verify_fn, seed=5) -> list[float]:
+    """Chi-square p-value of the token emitted at each block position 0..k against p_j."""
+    g = torch.Generator().manual_seed(seed)
+    p, q = torch.tensor(TOY_P), torch.tensor(TOY_Q)
+    k = q.shape[0]
+    d = torch.stack([sample(q[j].expand(N_BLOCK, -1), g) for j in range(k)], 1)  # drafts drawn from q_j
+    n_acc, nxt = verify_fn(d, q.expand(N_BLOCK, -1, -1), p.expand(N_BLOCK, -1, -1), g)
+    block = torch.cat([d, torch.zeros_like(d[:, :1])], 1)
+    block[torch.arange(N_BLOCK), n_acc] = nxt
+    out = []
+    for j in range(k + 1):
+        reached = n_acc >= j
+        counts = np.bincount(block[reached, j].numpy(), minlength=4)
+        out.append(chisquare(counts, np.array(TOY_P[j]) * counts.sum()).pvalue)
+    assert (n_acc == k).sum() > N_BLOCK // 4  # enough full accepts to test the bonus
+    return out
+
+
+def test_every_block_position_follows_its_p():
+    """The drafted positions and the bonus token after a full accept (k = 2, p differs per position)."""
+    assert min(_block_pvalues(verify)) > 1e-3
+
+
+@pytest.mark.parametrize("kind,caught_at", [("bonus-residual", [2]), ("correction-from-p", [0, 1])])
+def test_wrong_samplers_are_rejected(kind, caught_at):
+    """Power: the same statistic rejects each mutant at the positions it corrupts (p < 1e-6, far below the
+    1e-3 the honest sampler must pass)."""
+    pv = _block_pvalues(_mutant_verify(kind))
+    assert all(pv[j] < 1e-6 for j in caught_at), pv
+

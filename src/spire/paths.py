@@ -47,7 +47,8 @@ def replace_dir(path: str | os.PathLike, write) -> Path:
 
     ``write(tmp)`` fills a fresh temporary folder beside ``path``; its files are fsynced, then the old folder
     is renamed to ``<path>.old``, the new one to ``path``, and the old one removed. :func:`existing_dir`
-    finds ``<path>.old`` if a crash fell between the two renames.
+    finds ``<path>.old`` if a crash fell between the two renames. Temporary folders that an interrupted
+    earlier call left beside ``path`` are removed once the new folder is in place (one writer per path).
     """
     import shutil
     import tempfile
@@ -69,6 +70,9 @@ def replace_dir(path: str | os.PathLike, write) -> Path:
             os.replace(path, old)
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
+        for stale in path.parent.glob(f".{path.name}.*.tmp"):  # left by a run killed while writing
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

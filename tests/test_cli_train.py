@@ -1,0 +1,182 @@
+"""`spire train` (user text, --resume), `spire generate --file` at T > 0 and `spire compare`, in-process, on a
+tiny random Llama that uses SmolLM2's tokenizer (an HF folder built here; seconds, not minutes)."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+import torch
+
+from spire.cli import main
+from spire.training import distill
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def run(capsys, *args: str) -> tuple[int, str, str]:
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(smollm2, tmp_path_factory):
+    """An HF Llama folder: 2 random layers (d 64, 4 query heads over 2 KV heads) with SmolLM2's tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from spire.loading import resolve_checkpoint
+
+    src = resolve_checkpoint(progress=False)
+    folder = tmp_path_factory.mktemp("tiny-target")
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copy(src / name, folder / name)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    words = ("river stone light garden window morning letter quiet market winter bridge paper orange "
+             "mountain silver kitchen").split()
+    folder = tmp_path_factory.mktemp("text")  # the user's text: a folder of 8 small files
+    for n in range(8):
+        paras = [" ".join(words[(i * 7 + j * 3 + n) % len(words)] for j in range(60)) + "." for i in range(12)]
+        (folder / f"notes{n}.txt").write_text("\n\n".join(paras))
+    return folder
+
+
+def _main(args) -> None:
+    """main() in-process; a successful command exits with 0."""
+    try:
+        main(args)
+    except SystemExit as e:
+        assert not e.code, f"exit {e.code}"
+
+
+def _train_args(folder, text, out, *extra):
+    return ["train", "--target", str(folder), "--data", str(text), "--out", str(out), "--max-steps", "3",
+            "--batch-size", "2", "--seq-len", "16", "-k", "4", "--n-draft-layers", "1", "--window", "8",
+            "--eval-windows", "2", "--eval-every", "0", "--no-bf16", "--device", "cpu", "--warmup-steps", "1",
+            "--checkpoint-every", "0", "--lr", "3e-3", *extra]
+
+
+def _checkpoint_tensors(run_dir):
+    from safetensors.torch import load_file
+
+    ck = run_dir / "checkpoint"
+    return load_file(ck / "draft.safetensors"), torch.load(ck / "optimizer.pt", weights_only=True)["state"]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_folder, text_file, tmp_path_factory):
+    """`spire train` on the user's text file: one run of 3 steps, and one interrupted after 2 steps (a
+    Ctrl-C in step 3) then resumed with `--resume` alone (the saved settings apply)."""
+    root = tmp_path_factory.mktemp("runs")
+    cache = tmp_path_factory.mktemp("spire-cache")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPIRE_CACHE", str(cache))  # the tokenized user text goes here, not to ~/.cache/spire
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    results = {}
+    try:
+        _main(_train_args(tiny_folder, text_file, root / "full"))
+        real, calls = distill.mixed_loss, {"n": 0}
+
+        def interrupted(*a, **kw):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise KeyboardInterrupt
+            return real(*a, **kw)
+
+        mp.setattr(distill, "mixed_loss", interrupted)
+        with pytest.raises(SystemExit) as stopped:  # Ctrl-C in step 3: the CLI exits with 130
+            main(_train_args(tiny_folder, text_file, root / "resumed"))
+        assert stopped.value.code == 130
+        mp.setattr(distill, "mixed_loss", real)
+        results["after_interrupt"] = json.loads((root / "resumed" / "checkpoint" / "train_state.json").read_text())
+        _main(["train", "--resume", "--target", str(tiny_folder), "--data", str(text_file), "--out",
+              str(root / "resumed"), "--device", "cpu", "--eval-windows", "2"])  # not a saved setting
+    finally:
+        torch.set_num_threads(threads)
+        mp.undo()
+    return root, results
+
+
+def test_train_on_user_text_and_resume_exactly(trained):
+    root, results = trained
+    assert results["after_interrupt"]["step"] == 2
+    summary = json.loads((root / "resumed" / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["tokens"] == 3 * 2 * 16 and summary["draft"] == "spire"
+    assert summary["draft_path"].endswith("draft.safetensors") and summary["heldout"]["alpha"] > 0
+    state = json.loads((root / "resumed" / "checkpoint" / "train_state.json").read_text())
+    assert state["config"]["seq_len"] == 16 and state["config"]["spire"]["n_draft_layers"] == 1  # the saved ones
+    assert state["config"]["data"] and state["config"]["data"] == json.loads(
+        (root / "full" / "checkpoint" / "train_state.json").read_text())["config"]["data"]  # the user's text
+    (w, opt), (w0, opt0) = _checkpoint_tensors(root / "resumed"), _checkpoint_tensors(root / "full")
+    assert w.keys() == w0.keys() and all(torch.equal(w[n], w0[n]) for n in w0)
+    for i in opt0:
+        assert all(torch.equal(opt[i][s], opt0[i][s]) for s in opt0[i])
+    logged = [json.loads(ln) for ln in (root / "resumed" / "train_log.jsonl").read_text().splitlines()]
+    full = [json.loads(ln) for ln in (root / "full" / "train_log.jsonl").read_text().splitlines()]
+    keep = ("event", "step", "tokens", "lr", "loss", "alpha", "grad_norm")
+    assert [{k: e.get(k) for k in keep} for e in logged] == [{k: e.get(k) for k in keep} for e in full]
+    assert [e["step"] for e in logged if e["event"] == "train"] == [1, 2, 3]
+
+
+def test_generate_from_a_file_at_temperature(tiny_folder, trained, tmp_path, capsys):
+    """`generate --file` with the trained SPIRe draft at T = 0.8, top-k 5: one output per non-empty line,
+    every token among the target's 5 most likely at its context, the same seed gives the same output."""
+    from spire.loading import load_target
+
+    root, _ = trained
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The river and the stone\n\nA quiet market in winter\n")
+    args = ["generate", "--file", str(prompts), "--target", str(tiny_folder), "--draft", "spire", "--draft-path",
+            str(root / "full" / "draft.safetensors"), "--temperature", "0.8", "--top-k", "5", "--seed", "3",
+            "--max-new-tokens", "12", "--format", "json"]
+    code, out, err = run(capsys, *args)
+    assert code == 0, err
+    obj = json.loads(out)
+    assert obj["draft"] == "spire" and len(obj["outputs"]) == 2 and 1.0 <= obj["tau"] <= 5.0
+    model, tok, _ = load_target(str(tiny_folder), progress=False)
+    for line, o in zip(["The river and the stone", "A quiet market in winter"], obj["outputs"]):
+        assert o["finish_reason"] in ("stop", "length") and 0 < len(o["token_ids"]) <= 12
+        ids = tok(line).input_ids + o["token_ids"]
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]), torch.arange(len(ids))[None]).logits[0]
+        top5 = logits.topk(5, dim=-1).indices
+        n = len(ids) - len(o["token_ids"])
+        for t, y in enumerate(o["token_ids"]):
+            assert y in top5[n - 1 + t].tolist(), (t, y)
+        assert o["text"] == tok.decode(o["token_ids"], skip_special_tokens=True)
+    assert run(capsys, *args)[1] == out  # reproducible with --seed
+    code, text_out, err = run(capsys, *args[:-2])  # plain text: the outputs, separated by a blank line
+    assert code == 0 and text_out.split("\n\n")[0].strip() == obj["outputs"][0]["text"].strip()
+    assert "tau" in err
+
+
+def test_compare_reports_identical_in_float32(tiny_folder, trained, capsys):
+    root, _ = trained
+    code, out, err = run(capsys, "compare", "The river and the stone", "A letter", "--target", str(tiny_folder),
+                         "--draft", "spire", "--draft-path", str(root / "full" / "draft.safetensors"),
+                         "--dtype", "float32", "--max-new-tokens", "16")
+    assert code == 0, err
+    assert out.splitlines() == ["prompt 0: identical to AD (float32)", "prompt 1: identical to AD (float32)"]
+    code, out, err = run(capsys, "compare", "The river and the stone", "--target", str(tiny_folder), "--draft",
+                         "magicdec", "--max-new-tokens", "16")
+    assert code == 0, err
+    assert re.fullmatch(r"prompt 0: (identical to AD|first divergence at generated token \d+; target top-2 "
+                        r"logit gap there \d+\.\d{4}) \(bfloat16\)\n", out), out
