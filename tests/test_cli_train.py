@@ -93,7 +93,7 @@ def trained(tiny_folder, text_file, tmp_path_factory):
     results = {}
     try:
         _main(_train_args(tiny_folder, text_file, root / "full"))
-        real, calls = distill.mixed_loss, {"n": 0}
+        real, calls = distill.mixed_loss_logp, {"n": 0}
 
         def interrupted(*a, **kw):
             calls["n"] += 1
@@ -101,11 +101,11 @@ def trained(tiny_folder, text_file, tmp_path_factory):
                 raise KeyboardInterrupt
             return real(*a, **kw)
 
-        mp.setattr(distill, "mixed_loss", interrupted)
+        mp.setattr(distill, "mixed_loss_logp", interrupted)
         with pytest.raises(SystemExit) as stopped:  # Ctrl-C in step 3: the CLI exits with 130
             main(_train_args(tiny_folder, text_file, root / "resumed"))
         assert stopped.value.code == 130
-        mp.setattr(distill, "mixed_loss", real)
+        mp.setattr(distill, "mixed_loss_logp", real)
         results["after_interrupt"] = json.loads((root / "resumed" / "checkpoint" / "train_state.json").read_text())
         _main(["train", "--resume", "--target", str(tiny_folder), "--data", str(text_file), "--out",
               str(root / "resumed"), "--device", "cpu", "--eval-windows", "2"])  # not a saved setting

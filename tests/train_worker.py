@@ -92,7 +92,7 @@ def install_crash(point: str, nth: int) -> None:
     assert point in CRASH_POINTS, point
     armed = {"count": 0, "on": False}
     real_replace_dir, real_replace, real_save = distill.replace_dir, os.replace, torch.save
-    real_write_text, real_atomic, real_loss = Path.write_text, spire_drafts.atomic_write, distill.mixed_loss
+    real_write_text, real_atomic, real_loss = Path.write_text, spire_drafts.atomic_write, distill.mixed_loss_logp
 
     def replace_dir(path, write):
         if Path(path).name == distill.CHECKPOINT_DIR:
@@ -150,7 +150,7 @@ def install_crash(point: str, nth: int) -> None:
             _die()
         return real_loss(*a, **kw)
 
-    distill.replace_dir, distill.mixed_loss = replace_dir, loss
+    distill.replace_dir, distill.mixed_loss_logp = replace_dir, loss
     os.replace, torch.save, Path.write_text = replace, save, write_text
     spire_drafts.atomic_write = atomic_write
 
