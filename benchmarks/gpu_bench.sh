@@ -3,6 +3,10 @@
 #
 #   benchmarks/gpu_bench.sh [OUT_DIR]
 #
+# 0. benchmarks/gpu_spire.py (skipped with SPIRE_TRAIN=0 or a random-weights target): the main job's SPIRe
+#    draft trained at a large batch under bf16 autocast from a target cache (TRAIN_BUDGET seconds, default 300),
+#    and τ of MagicDec vs SPIRe with the paired CI of their ratio (spire/GPU_SPIRE.md); the draft then joins
+#    the bench below;
 # 1. `spire bench calibrate` on the GPU (fp32, bf16): measured matmul FLOP/s and memory bandwidth;
 # 2. `spire bench` over the default grid B ∈ {1, 4, 16} × L ∈ {512, 2048, 4096} in bf16 and fp32, predicted vs
 #    measured Δt and multiplier per cell (bench-<dtype>/BENCH.md and bench.json);
@@ -39,12 +43,19 @@ elif "$PY" -c "import importlib.util as u, sys; sys.exit(not (u.find_spec('llm_s
 fi
 echo "target: ${TARGET_ARGS[*]:-embedded SmolLM2-135M}" | tee -a "$LOG"
 
+SPIRE_ARGS=()
+if [ "${SPIRE_TRAIN:-1}" != 0 ] && [ ${#TARGET_ARGS[@]} -eq 0 ]; then
+  "$PY" benchmarks/gpu_spire.py --device cuda --budget "${TRAIN_BUDGET:-300}" --out "$OUT_DIR/spire" 2>&1 \
+    | grep -v "it/s\]\|s/it\]" | tee -a "$LOG"
+  SPIRE_ARGS=(--spire-draft "$OUT_DIR/spire/run/draft.safetensors")
+fi
+
 "$PY" -m spire.cli bench calibrate --device cuda --dtype fp32,bf16 --no-save --out "$OUT_DIR/calibration.json" \
   2>&1 | tee -a "$LOG"
 
 for dt in ${DTYPES:-bf16 fp32}; do
   "$PY" -m spire.cli bench --device cuda --dtype "$dt" "${TARGET_ARGS[@]}" -B "${GRID_B:-1,4,16}" \
-    -L "${GRID_L:-512,2048,4096}" -G "${G:-32}" --calibration "$OUT_DIR/calibration.json" \
+    -L "${GRID_L:-512,2048,4096}" -G "${G:-32}" --calibration "$OUT_DIR/calibration.json" "${SPIRE_ARGS[@]}" \
     --out "$OUT_DIR/bench-$dt" 2>&1 | tee -a "$LOG"
 done
 
