@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from spire.errors import CheckpointError
-from spire.model import ModelConfig, Transformer
+from spire.model import FAMILIES, ModelConfig, Transformer, require_hf_keys
 from spire.paths import spire_cache_dir
 
 DEFAULT_TARGET = "smollm2-135m"
@@ -118,37 +118,91 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_target(spec: str | os.PathLike = DEFAULT_TARGET, dtype: torch.dtype = torch.float32,
-                device: str = "cpu", cache_dir: Path | None = None, progress: bool = True):
-    """Load a Llama-family target and its tokenizer.
-
-    Returns:
-        (model, tokenizer, folder): a :class:`Transformer` in eval mode, an HF fast tokenizer, the folder.
-    Raises:
-        CheckpointError: missing/unreadable checkpoint, unsupported architecture, or weights that do not fit.
-    """
-    from transformers import AutoTokenizer
-
-    folder = resolve_checkpoint(spec, cache_dir, progress)
+def read_model_config(folder: Path) -> ModelConfig:
+    """The :class:`ModelConfig` of an HF folder's config.json, read as transformers reads it: the file is
+    normalized by ``AutoConfig`` (its class defaults, which ``save_pretrained`` leaves out of the file, derived
+    ``layer_types``, RoPE parameters in their current form) before spire reads it. Raises CheckpointError for
+    an unreadable file, a missing key, an unsupported family or an unsupported feature (named)."""
+    path = folder / "config.json"
     try:
-        cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {folder / 'config.json'}: {e}") from None
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    family = raw.get("model_type") or "llama"
+    if family in FAMILIES:
+        require_hf_keys(raw)
+        try:
+            from transformers import AutoConfig
+
+            raw = {**AutoConfig.for_model(family, **{k: v for k, v in raw.items() if k != "model_type"}).to_dict(),
+                   "model_type": family}
+        except Exception as e:  # transformers validates the values of the file
+            raise CheckpointError(f"transformers cannot read {path}: {type(e).__name__}: {e}".splitlines()[0]) from None
+    return ModelConfig.from_hf(raw)
+
+
+def _split_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Phi-3 stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj`` weight (concatenated along the
+    output dimension, q | k | v and gate | up): split them into spire's (= Llama's) parameter names."""
+    q, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    out = {}
+    for name, w in sd.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            base = name[: -len("qkv_proj.weight")]
+            out[base + "q_proj.weight"], out[base + "k_proj.weight"], out[base + "v_proj.weight"] = w.split([q, kv, kv])
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            base = name[: -len("gate_up_proj.weight")]
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = w.split([cfg.d_ff, cfg.d_ff])
+        else:
+            out[name] = w
+    return out
+
+
+def load_model(folder: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+    """The :class:`Transformer` of an HF folder (config.json + safetensors), in eval mode with frozen weights.
+
+    Raises:
+        CheckpointError: unreadable config or weights, unsupported family or feature (named), or weights that do
+            not fit the configuration.
+    """
+    folder = Path(folder)
+    cfg = read_model_config(folder)
     with torch.device("meta"):
         model = Transformer(cfg)
     sd = load_state_dict(folder)
+    if cfg.family == "phi3":
+        sd = _split_fused(sd, cfg)
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
     unexpected = [k for k in unexpected if "rotary_emb" not in k]
     if missing or unexpected:
-        raise CheckpointError(f"weights of {folder} do not match a {cfg.n_layers}-layer Llama: "
+        raise CheckpointError(f"weights of {folder} do not match a {cfg.n_layers}-layer {cfg.family}: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
+    return model
+
+
+def load_target(spec: str | os.PathLike = DEFAULT_TARGET, dtype: torch.dtype = torch.float32,
+                device: str = "cpu", cache_dir: Path | None = None, progress: bool = True):
+    """Load a target (:func:`load_model`) and its tokenizer.
+
+    Returns:
+        (model, tokenizer, folder): a :class:`Transformer` in eval mode, an HF fast tokenizer, the folder.
+    Raises:
+        CheckpointError: missing/unreadable checkpoint, unsupported architecture or feature, weights that do not
+            fit, or no loadable tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    folder = resolve_checkpoint(spec, cache_dir, progress)
+    model = load_model(folder, dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as e:

@@ -35,6 +35,7 @@ With autograd active on trainable weights every layer runs the plain reference p
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -46,9 +47,168 @@ from spire.errors import CheckpointError, ConfigError
 from spire.kv_cache import KVCache, SinkWindow, attention_mask
 
 
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "smollm3", "gemma3_text")
+"""HF ``model_type`` values spire implements (docs/architecture.md, "Families"): Llama 2/3.x, Mistral, Qwen2/2.5,
+Qwen3 (dense), Phi-3, SmolLM3 and Gemma 3 (text)."""
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""HF ``rope_type`` values spire implements; "none" marks a layer without RoPE (SmolLM3's NoPE layers)."""
+
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
+
+
+def require_hf_keys(cfg: dict) -> None:
+    """Raise CheckpointError naming the first key an HF config.json needs and lacks (checked on the file as
+    written, before transformers fills in its defaults)."""
+    for key in _REQUIRED_KEYS:
+        if key not in cfg:
+            raise CheckpointError(f"config.json lacks the key {key!r}")
+
+
+def _refuse(feature: str) -> CheckpointError:
+    return CheckpointError(f"unsupported checkpoint feature: {feature} (spire would compute wrong logits)")
+
+
+def _rope_spec(rp: dict, max_positions: int) -> dict:
+    """One RoPE variant from an HF ``rope_parameters`` (or legacy ``rope_scaling`` + ``rope_theta``) dict, with
+    every parameter the inverse frequencies need resolved as transformers resolves it. Raises CheckpointError
+    for a RoPE type or option spire does not implement (dynamic NTK and longrope change the frequencies with the
+    sequence length; partial rotary embeddings)."""
+    kind = rp.get("rope_type", rp.get("type")) or "default"
+    if kind not in ROPE_TYPES:
+        raise _refuse(f"RoPE scaling {kind!r} (spire implements {', '.join(ROPE_TYPES)})")
+    prf = rp.get("partial_rotary_factor")
+    if prf is not None and float(prf) != 1.0:
+        raise _refuse(f"partial rotary embeddings (partial_rotary_factor={prf})")
+    spec = {"rope_type": kind, "rope_theta": float(rp.get("rope_theta", 10000.0))}
+    try:
+        if kind == "linear":
+            spec["factor"] = float(rp["factor"])
+        elif kind == "llama3":
+            for key in ("factor", "low_freq_factor", "high_freq_factor"):
+                spec[key] = float(rp[key])
+            spec["original_max_position_embeddings"] = int(rp["original_max_position_embeddings"])
+        elif kind == "yarn":  # transformers' _compute_yarn_parameters
+            orig = int(rp["original_max_position_embeddings"])
+            factor = rp.get("factor")
+            factor = float(max_positions / orig if factor is None else factor)
+            att = rp.get("attention_factor")
+            if att is None:
+                def get_mscale(scale: float, m: float = 1.0) -> float:
+                    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+                ms, ms_all = rp.get("mscale"), rp.get("mscale_all_dim")
+                att = get_mscale(factor, ms) / get_mscale(factor, ms_all) if ms and ms_all else get_mscale(factor)
+            spec.update(factor=factor, attention_factor=float(att), beta_fast=float(rp.get("beta_fast") or 32),
+                        beta_slow=float(rp.get("beta_slow") or 1), original_max_position_embeddings=orig,
+                        truncate=bool(rp.get("truncate", True)))
+    except KeyError as e:
+        raise CheckpointError(f"RoPE scaling {kind!r} lacks the parameter {e.args[0]!r}") from None
+    return spec
+
+
+def _layer_types(cfg: dict, family: str, n_layers: int) -> list[str]:
+    """Per-layer attention kind, "full_attention" or "sliding_attention", as transformers assigns it."""
+    types = cfg.get("layer_types")
+    if types is None:
+        if family in ("mistral", "phi3"):  # every layer slides when sliding_window is set
+            types = ["sliding_attention" if cfg.get("sliding_window") else "full_attention"] * n_layers
+        elif family in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+            first = cfg.get("max_window_layers", n_layers)
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+        elif family == "gemma3_text":
+            every = cfg.get("sliding_window_pattern", 6)
+            types = ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n_layers)]
+        else:
+            types = ["full_attention"] * n_layers
+    types = list(types)
+    if len(types) != n_layers:
+        raise CheckpointError(f"config.json has {len(types)} layer_types for {n_layers} layers")
+    for t in types:
+        if t not in ("full_attention", "sliding_attention"):
+            raise _refuse(f"layer type {t!r} (spire implements full_attention and sliding_attention)")
+    return types
+
+
+def _family_features(cfg: dict, family: str, d_model: int) -> dict:
+    """The :class:`ModelConfig` fields that differ from Llama's for ``family``; refuses what spire lacks."""
+    f: dict = {}
+    bias = bool(cfg.get("attention_bias"))
+    if family in ("llama", "qwen3", "smollm3", "gemma3_text"):
+        f.update(qkv_bias=bias, o_bias=bias)
+    elif bias:
+        raise _refuse(f"attention_bias for model_type {family!r}")
+    if family == "qwen2":
+        f["qkv_bias"] = True  # Qwen2's q/k/v projections always have biases, its o projection none
+    if cfg.get("mlp_bias"):
+        if family not in ("llama", "smollm3"):
+            raise _refuse(f"mlp_bias for model_type {family!r}")
+        f["mlp_bias"] = True
+    if family in ("qwen3", "gemma3_text"):
+        f["qk_norm"] = True
+    act = cfg.get("hidden_activation") if family == "gemma3_text" else cfg.get("hidden_act", "silu")
+    act = act or ("gelu_pytorch_tanh" if family == "gemma3_text" else "silu")
+    if act not in ACTIVATIONS:
+        raise _refuse(f"MLP activation {act!r} (spire implements {', '.join(ACTIVATIONS)})")
+    f["act"] = act
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if cfg.get(key) is not None:
+            raise _refuse(f"logit soft-capping ({key}={cfg[key]})")
+    if cfg.get("use_bidirectional_attention"):
+        raise _refuse("bidirectional attention (use_bidirectional_attention)")
+    if cfg.get("quantization_config"):
+        raise _refuse(f"quantized weights ({cfg['quantization_config'].get('quant_method', '?')}): "
+                      "give a float checkpoint")
+    if family == "gemma3_text":
+        f.update(sandwich_norm=True, norm_offset=1.0, embed_scale=d_model ** 0.5,
+                 attn_scale=float(cfg.get("query_pre_attn_scalar", 256)) ** -0.5)
+    return f
+
+
+def _layer_ropes(cfg: dict, family: str, types: list[str], max_positions: int) -> list[dict]:
+    """Per-layer RoPE spec (see :func:`_rope_spec`; {"rope_type": "none"} for a layer without RoPE)."""
+    rp = cfg.get("rope_parameters")
+    if rp is None:  # legacy keys: rope_scaling + rope_theta (+ Gemma 3's rope_local_base_freq)
+        rp = {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta", 10000.0)}
+        if family == "gemma3_text":
+            rp = {"full_attention": rp, "sliding_attention": {"rope_type": "default",
+                                                                "rope_theta": cfg.get("rope_local_base_freq", 10000.0)}}
+    if cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise _refuse(f"partial rotary embeddings (partial_rotary_factor={cfg['partial_rotary_factor']})")
+    if set(rp) <= {"full_attention", "sliding_attention"} and rp:  # one RoPE per layer type (Gemma 3)
+        specs = {t: _rope_spec(p, max_positions) for t, p in rp.items()}
+        try:
+            ropes = [specs[t] for t in types]
+        except KeyError as e:
+            raise CheckpointError(f"rope_parameters has no entry for layer type {e.args[0]!r}") from None
+    else:
+        spec = _rope_spec(rp, max_positions)
+        ropes = [spec] * len(types)
+    if family == "smollm3":  # no_rope_layers[i] == 0: layer i has no positional encoding (NoPE)
+        use = cfg.get("no_rope_layers")
+        if use is None:
+            every = cfg.get("no_rope_layer_interval", 4)
+            use = [int((i + 1) % every != 0) for i in range(len(types))]
+        if len(use) != len(types):
+            raise CheckpointError(f"config.json has {len(use)} no_rope_layers for {len(types)} layers")
+        ropes = [r if u else {"rope_type": "none"} for r, u in zip(ropes, use)]
+    return ropes
+
+
 @dataclass
 class ModelConfig:
-    """Architecture of a Llama-family decoder (read from an HF ``config.json``)."""
+    """Architecture of a Llama-family decoder (read from an HF ``config.json`` by :meth:`from_hf`).
+
+    The fields after ``eos_ids`` describe how a family departs from Llama (their defaults are Llama's):
+    biases on the q/k/v, o and MLP projections (Qwen2: q/k/v; Llama ``attention_bias``: q/k/v/o), RMSNorm
+    over each query and key head before RoPE (``qk_norm``: Qwen3, Gemma 3), norms after attention and MLP as
+    well as before (``sandwich_norm``: Gemma 3), norm weights stored as an offset from 1 (``norm_offset`` 1:
+    Gemma), a scaled embedding (``embed_scale``: Gemma's sqrt(d_model)), the MLP activation (``act``), the
+    attention scale (``attn_scale``, default d_head^-1/2; Gemma 3: query_pre_attn_scalar^-1/2), and per layer
+    the RoPE variant (``layer_ropes``: Llama 3.x / linear / YaRN scaling, Gemma 3's local and global bases,
+    SmolLM3's layers without RoPE) and the sliding window (``layer_windows``: Mistral, Phi-3, Gemma 3's local
+    layers). None means every layer is the same (default RoPE with ``rope_theta``; full attention).
+    """
 
     vocab_size: int
     d_model: int
@@ -63,80 +223,217 @@ class ModelConfig:
     tie_embeddings: bool = True
     bos_id: int | None = None
     eos_ids: list[int] = field(default_factory=list)
+    family: str = "llama"
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norm: bool = False
+    norm_offset: float = 0.0
+    embed_scale: float = 1.0
+    act: str = "silu"
+    attn_scale: float | None = None
+    layer_ropes: list[dict] | None = None
+    layer_windows: list[int | None] | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict) -> "ModelConfig":
-        """Build from an HF config.json dict. Raises CheckpointError for unsupported architectures."""
-        if cfg.get("model_type") not in (None, "llama", "mistral", "qwen2", "smollm3"):
-            raise CheckpointError(f"unsupported model_type {cfg.get('model_type')!r}: spire reads Llama-family checkpoints")
-        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise CheckpointError(f"unsupported RoPE scaling {rope_type!r}")
-        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        try:
-            n_heads = cfg["num_attention_heads"]
-            d_model = cfg["hidden_size"]
-            eos = cfg.get("eos_token_id")
-            return cls(
-                vocab_size=cfg["vocab_size"], d_model=d_model, n_layers=cfg["num_hidden_layers"],
-                n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads", n_heads),
-                d_head=cfg.get("head_dim") or d_model // n_heads, d_ff=cfg["intermediate_size"],
-                rope_theta=float(theta), rms_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                max_positions=cfg.get("max_position_embeddings", 2048),
-                tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), bos_id=cfg.get("bos_token_id"),
-                eos_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
-            )
-        except KeyError as e:
-            raise CheckpointError(f"config.json lacks the key {e.args[0]!r}") from None
+        """Build from an HF config.json dict (best: as transformers normalizes it, ``AutoConfig.to_dict()``,
+        which :func:`spire.loading.load_target` passes). Raises CheckpointError for an unsupported
+        architecture or a configuration feature spire does not implement, naming it."""
+        family = cfg.get("model_type") or "llama"
+        if family not in FAMILIES:
+            raise CheckpointError(f"unsupported model_type {family!r}: spire reads {', '.join(FAMILIES)} checkpoints")
+        require_hf_keys(cfg)
+        n_heads = cfg["num_attention_heads"]
+        d_model = cfg["hidden_size"]
+        n_layers = cfg["num_hidden_layers"]
+        max_positions = cfg.get("max_position_embeddings") or 2048
+        types = _layer_types(cfg, family, n_layers)
+        window = cfg.get("sliding_window")
+        windows = [int(window) if t == "sliding_attention" and window else None for t in types]
+        ropes = _layer_ropes(cfg, family, types, max_positions)
+        features = _family_features(cfg, family, d_model)
+        theta = next((r["rope_theta"] for r, t in zip(ropes, types) if t == "full_attention" and "rope_theta" in r),
+                     next((r["rope_theta"] for r in ropes if "rope_theta" in r), 10000.0))
+        default = {"rope_type": "default", "rope_theta": theta}
+        eos = cfg.get("eos_token_id")
+        return cls(
+            vocab_size=cfg["vocab_size"], d_model=d_model, n_layers=n_layers,
+            n_heads=n_heads, n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            d_head=cfg.get("head_dim") or d_model // n_heads, d_ff=cfg["intermediate_size"],
+            rope_theta=float(theta), rms_eps=float(cfg.get("rms_norm_eps", 1e-5)), max_positions=max_positions,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), bos_id=cfg.get("bos_token_id"),
+            eos_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)), family=family,
+            layer_ropes=None if all(r == default for r in ropes) else ropes,
+            layer_windows=None if all(w is None for w in windows) else windows, **features,
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def rope_of(self, layer: int) -> dict:
+        """The RoPE spec of ``layer`` (see :func:`rope_inv_freq`)."""
+        if self.layer_ropes is None:
+            return {"rope_type": "default", "rope_theta": float(self.rope_theta)}
+        return self.layer_ropes[layer]
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (keys j > p - window for a query at p), None for full attention."""
+        return None if self.layer_windows is None else self.layer_windows[layer]
+
+    def without_layers(self, n_layers: int) -> "ModelConfig":
+        """The same architecture with its first ``n_layers`` layers (a shallower model, e.g. a vanilla draft)."""
+        from dataclasses import replace
+
+        cut = (lambda xs: None if xs is None else list(xs[:n_layers])) if n_layers <= self.n_layers else \
+            (lambda xs: None if xs is None else [xs[i % len(xs)] for i in range(n_layers)])
+        return replace(self, n_layers=n_layers, layer_ropes=cut(self.layer_ropes), layer_windows=cut(self.layer_windows))
+
+    @property
+    def plain_blocks(self) -> bool:
+        """Whether every block is a plain Llama block (what :class:`spire.kernels.DecodeBlock` computes): no
+        biases, no q/k norms, pre-norms only with weights used as stored, SiLU, the default attention scale."""
+        return not (self.qkv_bias or self.o_bias or self.mlp_bias or self.qk_norm or self.sandwich_norm
+                    or self.norm_offset or self.act != "silu" or self.attn_scale is not None)
+
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in float32 (as HF Llama does)."""
+    """y = x / sqrt(mean(x^2) + eps) * (weight + offset), computed in float32 (as HF Llama does; Gemma stores
+    its norm weights as an offset from 1: ``offset`` 1)."""
 
-    def __init__(self, d: int, eps: float) -> None:
+    def __init__(self, d: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(d))
         self.eps = eps
+        self.offset = float(offset)
+
+    def scale(self) -> torch.Tensor:
+        """The (d,) factor applied after normalizing: weight + offset."""
+        return self.weight + self.offset if self.offset else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.scale()
         if (x.device.type == "cpu" and x.dtype == torch.float32 and RMSNORM_KERNEL
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))):
             from spire import kernels
 
-            y = kernels.rms_norm(x, self.weight, self.eps)
+            y = kernels.rms_norm(x, w, self.eps)
             if y is not None:
                 return y
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return w * x.to(dtype)
 
 
 RMSNORM_KERNEL = True
 """On CPU in float32 inference, RMSNorm is one call of :func:`spire.kernels.rms_norm` (~7 small torch ops)."""
 
-_INV_FREQ: dict[tuple, torch.Tensor] = {}
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
-def _inv_freq(d_head: int, theta: float, device: torch.device) -> torch.Tensor:
-    """RoPE inverse frequencies theta^(-2i/D), i < D/2 (float32), computed once per (D, theta, device)."""
-    key = (d_head, float(theta), str(device))
-    f = _INV_FREQ.get(key)
-    if f is None:
-        f = _INV_FREQ[key] = 1.0 / (theta ** (torch.arange(0, d_head, 2, device=device, dtype=torch.float32) / d_head))
-    return f
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu, "swish": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+"""HF ``hidden_act`` names -> the gated MLP's activation: SwiGLU (Llama, Qwen, Mistral, Phi-3, SmolLM3) and
+GeGLU with the tanh approximation (Gemma 3)."""
 
 
-def rope_cos_sin(pos: torch.Tensor, d_head: int, theta: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables for absolute positions. pos: (B, T) -> cos, sin: (B, 1, T, D) (half-split layout, as HF)."""
-    inv_freq = _inv_freq(d_head, theta, pos.device)
+class ScaledEmbedding(nn.Embedding):
+    """Token embedding times ``scale`` (Gemma multiplies by sqrt(d_model); 1 elsewhere). (B, T) -> (B, T, d)."""
+
+    def __init__(self, vocab_size: int, d_model: int, scale: float = 1.0) -> None:
+        super().__init__(vocab_size, d_model)
+        self.scale = float(scale)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = super().forward(tokens)
+        if self.scale != 1.0:  # as HF: the scale rounded to the weights' dtype, then one multiply
+            x = x * torch.tensor(self.scale, dtype=torch.float32).to(x.dtype)
+        return x
+
+
+_INV_FREQ: dict[tuple, tuple[torch.Tensor, float]] = {}
+
+
+def _default_inv_freq(d_head: int, theta: float, device) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, d_head, 2, device=device, dtype=torch.int64).float() / d_head))
+
+
+def rope_inv_freq(spec: dict, d_head: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies (D/2,) float32 and the factor applied to cos and sin, for one RoPE spec
+    (:meth:`ModelConfig.rope_of`): "default" theta^(-2i/D) (Su et al. 2021); "linear" divided by ``factor``
+    (position interpolation, Chen et al. 2023); "llama3" (Meta's Llama 3.1 low/high-frequency interpolation);
+    "yarn" (Peng et al. 2023, with its attention factor). The same formulas as transformers'
+    ``modeling_rope_utils`` (so that logits match HF's). Cached per (spec, D, device)."""
+    key = (tuple(sorted(spec.items())), d_head, str(device))
+    hit = _INV_FREQ.get(key)
+    if hit is not None:
+        return hit
+    kind, theta = spec["rope_type"], spec.get("rope_theta", 10000.0)
+    inv = _default_inv_freq(d_head, theta, device)
+    scale = 1.0
+    if kind == "linear":
+        inv = inv / spec["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = spec["factor"], spec["low_freq_factor"], spec["high_freq_factor"]
+        old = spec["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+        inv = torch.where(medium, smoothed, scaled)
+    elif kind == "yarn":
+        factor, orig = spec["factor"], spec["original_max_position_embeddings"]
+
+        def correction_dim(rotations: float) -> float:
+            return (d_head * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = correction_dim(spec["beta_fast"]), correction_dim(spec["beta_slow"])
+        if spec["truncate"]:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, d_head - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(d_head // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
+        pos_freqs = theta ** (torch.arange(0, d_head, 2, device=device).float() / d_head)
+        extrapolation = 1 - ramp
+        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+        scale = spec["attention_factor"]
+    elif kind != "default":
+        raise ConfigError(f"unknown RoPE type {kind!r}")
+    _INV_FREQ[key] = (inv, scale)
+    return inv, scale
+
+
+def rope_cos_sin(pos: torch.Tensor, d_head: int, theta: float | dict, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE tables for absolute positions. pos: (B, T) -> cos, sin: (B, 1, T, D) (half-split layout, as HF).
+    ``theta``: a base (default RoPE) or a RoPE spec (:func:`rope_inv_freq`); {"rope_type": "none"} gives
+    cos 1, sin 0 (no rotation, exactly)."""
+    spec = {"rope_type": "default", "rope_theta": float(theta)} if not isinstance(theta, dict) else theta
+    B, T = pos.shape
+    if spec["rope_type"] == "none":
+        return (torch.ones(B, 1, T, d_head, dtype=dtype, device=pos.device),
+                torch.zeros(B, 1, T, d_head, dtype=dtype, device=pos.device))
+    inv_freq, scale = rope_inv_freq(spec, d_head, pos.device)
     freqs = pos.float()[..., None] * inv_freq  # (B, T, D/2)
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, D)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype), sin.to(dtype)
+
+
+def rope_tables(pos: torch.Tensor, ropes: Sequence[dict], d_head: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE tables of every distinct RoPE of a model (:attr:`Transformer.ropes`), stacked: pos (B, T) ->
+    cos, sin: (R, B, 1, T, D); block i reads index ``Block.rope_id``."""
+    tables = [rope_cos_sin(pos, d_head, spec, dtype) for spec in ropes]
+    return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -208,6 +505,25 @@ class WeightCache:
         self._store[layout] = (key, w)
         return w
 
+    def bias(self, linears: Sequence[nn.Linear]) -> torch.Tensor | None:
+        """The (out_total,) biases of ``linears`` concatenated (zeros for one without), None when none has one."""
+        bs = [lin.bias for lin in linears]
+        if all(b is None for b in bs):
+            return None
+        if len(bs) == 1:
+            return bs[0]
+        key = tuple((lin.out_features, None if b is None else (b.data_ptr(), b._version, b.dtype, b.device))
+                    for lin, b in zip(linears, bs))
+        hit = self._store.get("bias")
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        with torch.no_grad():
+            w = linears[0].weight
+            b = torch.cat([torch.zeros(lin.out_features, dtype=w.dtype, device=w.device) if b is None else b.detach()
+                           for lin, b in zip(linears, bs)])
+        self._store["bias"] = (key, b)
+        return b
+
 
 def _needs_autograd(linears: Sequence[nn.Linear], x: torch.Tensor | None = None) -> bool:
     """Whether autograd must see this computation: grad mode on and a weight (or the input) requires grad.
@@ -217,7 +533,7 @@ def _needs_autograd(linears: Sequence[nn.Linear], x: torch.Tensor | None = None)
 
 
 def fast_linear(x: torch.Tensor, linears: Sequence[nn.Linear], cache: WeightCache) -> torch.Tensor:
-    """x: (..., in) -> (..., sum of out) = concat of ``lin(x)`` over ``linears`` (no bias), for inference.
+    """x: (..., in) -> (..., sum of out) = concat of ``lin(x)`` over ``linears`` (biases added), for inference.
 
     The layout is picked by the row count M = x.numel() / in (module docstring). Mathematically the same
     product as ``F.linear``; the float32 summation order may differ (differences ~1e-7 relative).
@@ -237,8 +553,11 @@ def fast_linear(x: torch.Tensor, linears: Sequence[nn.Linear], cache: WeightCach
             from spire import kernels
 
             y = kernels.skinny_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), [lin.weight for lin in linears])
+    b = cache.bias(linears)
     if y is None:
-        y = F.linear(x2, cache.get(linears, "N"))
+        y = F.linear(x2, cache.get(linears, "N"), b)
+    elif b is not None:
+        y = y + b
     return y.reshape(*lead, y.shape[-1])
 
 
@@ -276,13 +595,22 @@ def _rope_qk(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
 
 
 class Attention(nn.Module):
+    """Grouped-query attention with RoPE: H query heads share KV key/value heads (head h reads KV head
+    h // (H / KV)). Family options (:class:`ModelConfig`): q/k/v and o biases, per-head q/k RMSNorm before RoPE,
+    the attention scale."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.d_head = cfg.n_heads, cfg.n_kv_heads, cfg.d_head
-        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.d_head, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=False)
-        self.o_proj = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=False)
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.d_head, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.d_head, cfg.d_model, bias=cfg.o_bias)
+        if cfg.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each query / key head (D), before RoPE
+            self.q_norm = RMSNorm(cfg.d_head, cfg.rms_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(cfg.d_head, cfg.rms_eps, cfg.norm_offset)
+        self.qk_norm = cfg.qk_norm
+        self.scale = cfg.d_head ** -0.5 if cfg.attn_scale is None else float(cfg.attn_scale)
         self._wc = {"qkv": WeightCache(), "o": WeightCache(), "kv": WeightCache()}
 
     def fast(self, h: torch.Tensor | None = None) -> bool:
@@ -296,7 +624,10 @@ class Attention(nn.Module):
         B, T, _ = h.shape
         H, KV = self.n_heads, self.n_kv
         y = fast_linear(h, (self.q_proj, self.k_proj, self.v_proj), self._wc["qkv"])
-        y = y.view(B, T, H + 2 * KV, self.d_head).transpose(1, 2)  # (B, H + 2 KV, T, D)
+        y = y.view(B, T, H + 2 * KV, self.d_head)
+        if self.qk_norm:
+            y = torch.cat([self.q_norm(y[:, :, :H]), self.k_norm(y[:, :, H:H + KV]), y[:, :, H + KV:]], 2)
+        y = y.transpose(1, 2)  # (B, H + 2 KV, T, D)
         qk = _rope_qk(y[:, : H + KV], cos, sin)
         return qk[:, :H], qk[:, H:], y[:, H + KV:]
 
@@ -315,19 +646,22 @@ class Attention(nn.Module):
         if ATTENTION_KERNEL and q.device.type == "cpu" and q.dtype == torch.float32 and g * T <= ATTENTION_KERNEL_ROWS:
             from spire import kernels
 
-            y = kernels.decode_attention(q, k, v, mask, D ** -0.5)
+            y = kernels.decode_attention(q, k, v, mask, self.scale)
         if y is None:
-            y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask)
+            y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale)
         y = y.view(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
         return fast_linear(y, (self.o_proj,), self._wc["o"]).view(B, T, -1)
 
-    def _heads(self, y: torch.Tensor, n: int) -> torch.Tensor:
+    def _heads(self, y: torch.Tensor, n: int, norm: RMSNorm | None = None) -> torch.Tensor:
         B, T, _ = y.shape
-        return y.view(B, T, n, self.d_head).transpose(1, 2)  # (B, n, T, D)
+        y = y.view(B, T, n, self.d_head)
+        if norm is not None:
+            y = norm(y)
+        return y.transpose(1, 2)  # (B, n, T, D)
 
     def project_q(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """h: (B, T, d_model) normed input -> rotated queries (B, H, T, D)."""
-        return apply_rope(self._heads(self.q_proj(h), self.n_heads), cos, sin)
+        return apply_rope(self._heads(self.q_proj(h), self.n_heads, self.q_norm if self.qk_norm else None), cos, sin)
 
     def project_kv(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h: (B, T, d_model) normed input -> rotated keys, values (B, KV, T, D)."""
@@ -335,32 +669,35 @@ class Attention(nn.Module):
             k, v = self.k_proj(h), self.v_proj(h)
         else:  # inference (SPIRe's memory keys/values): one fused matmul on the fast path
             k, v = fast_linear(h, (self.k_proj, self.v_proj), self._wc["kv"]).split(self.n_kv * self.d_head, -1)
-        return apply_rope(self._heads(k, self.n_kv), cos, sin), self._heads(v, self.n_kv)
+        k = self._heads(k, self.n_kv, self.k_norm if self.qk_norm else None)
+        return apply_rope(k, cos, sin), self._heads(v, self.n_kv)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q: (B, H, T, D); k, v: (B, KV, S, D); mask: (B|1, 1, T, S) bool -> (B, T, d_model)."""
         y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask,
-                                           enable_gqa=self.n_heads != self.n_kv)
+                                           enable_gqa=self.n_heads != self.n_kv, scale=self.scale)
         B, _, T, _ = y.shape
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.d_head))
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """Gated MLP: down(act(gate(x)) * up(x)); act SiLU (SwiGLU, Shazeer 2020) or tanh-GELU (GeGLU, Gemma)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.d_ff, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.d_ff, cfg.d_model, bias=cfg.mlp_bias)
+        self.act_name = cfg.act
         self._wc = {"gu": WeightCache(), "down": WeightCache()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        act = ACTIVATIONS[self.act_name]
         if _needs_autograd((self.gate_proj, self.up_proj, self.down_proj), x):
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
         gu = fast_linear(x, (self.gate_proj, self.up_proj), self._wc["gu"])
         d_ff = self.gate_proj.out_features
-        return fast_linear(F.silu(gu[..., :d_ff]) * gu[..., d_ff:], (self.down_proj,), self._wc["down"])
+        return fast_linear(act(gu[..., :d_ff]) * gu[..., d_ff:], (self.down_proj,), self._wc["down"])
 
 
 # A KV source: given this block's new keys/values (B, KV, T, D), return the keys/values to attend over
@@ -369,46 +706,67 @@ KVSource = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tens
 
 
 class Block(nn.Module):
-    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)). With ``sandwich_norm`` (Gemma 3) the
+    attention and MLP outputs are normed too: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))); the norm
+    before the MLP is then ``pre_feedforward_layernorm`` and ``post_attention_layernorm`` norms the attention
+    output (HF's names). ``rope_id`` picks this block's RoPE tables (:func:`rope_tables`)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, rope_id: int = 0) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.d_model, cfg.rms_eps)
+        off = cfg.norm_offset
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.rms_eps, off)
         self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.rms_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.rms_eps, off)
+        self.sandwich = cfg.sandwich_norm
+        if cfg.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(cfg.d_model, cfg.rms_eps, off)
+            self.post_feedforward_layernorm = RMSNorm(cfg.d_model, cfg.rms_eps, off)
         self.mlp = MLP(cfg)
+        self.rope_id = rope_id
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_source: KVSource,
                 mask: torch.Tensor) -> torch.Tensor:
-        """x: (B, T, d_model) residual stream entering the block -> leaving it. mask: (B|1, 1, T, S) bool, or
-        None when no key is masked (inference fast path only)."""
+        """x: (B, T, d_model) residual stream entering the block -> leaving it. cos, sin: (R, B, 1, T, D) RoPE
+        tables (:func:`rope_tables`), or this block's own (B, 1, T, D) ones. mask: (B|1, 1, T, S) bool, or None when no key is masked (inference fast
+        path only)."""
+        cos, sin = self._tables(cos, sin)
         h = self.input_layernorm(x)
         attn = self.self_attn
         if attn.fast(h):
             q, k, v = attn.project_qkv(h, cos, sin)
             k, v = kv_source(k, v)
-            x = x + attn.attend_fast(q, k, v, mask)
+            a = attn.attend_fast(q, k, v, mask)
         else:
             q = attn.project_q(h, cos, sin)
             k, v = kv_source(*attn.project_kv(h, cos, sin))
             if mask is None:
                 mask = torch.ones(1, 1, q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
-            x = x + attn.attend(q, k, v, mask)
+            a = attn.attend(q, k, v, mask)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(a)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + a
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def memory_kv(self, m: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys/values (B, KV, T, D) this block derives from residual-stream vectors m: (B, T, d_model)."""
-        return self.self_attn.project_kv(self.input_layernorm(m), cos, sin)
+        """Keys/values (B, KV, T, D) this block derives from residual-stream vectors m: (B, T, d_model);
+        cos, sin as for :meth:`forward`."""
+        return self.self_attn.project_kv(self.input_layernorm(m), *self._tables(cos, sin))
+
+    def _tables(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This block's (B, 1, T, D) RoPE tables out of a model's stacked (R, B, 1, T, D) ones."""
+        return (cos[self.rope_id], sin[self.rope_id]) if cos.dim() == 5 else (cos, sin)
 
 
 def fused_block_applies(cfg: ModelConfig, x: torch.Tensor, bt: tuple[int, int], k_cache: torch.Tensor) -> bool:
     """Whether :class:`spire.kernels.DecodeBlock` takes B × T = ``bt`` new tokens of a model shaped by ``cfg``
-    over a cache layer like ``k_cache`` (:data:`FUSED_BLOCK` on, float32 on the CPU, few rows, kernels built).
-    Autograd is the caller's check (the kernel computes no gradients)."""
+    over a cache layer like ``k_cache`` (:data:`FUSED_BLOCK` on, plain Llama blocks (:attr:`ModelConfig.plain_blocks`:
+    a family with biases, q/k norms or Gemma's norms runs per op), float32 on the CPU, few rows, kernels built).
+    Autograd and sliding windows are the caller's checks (the kernel computes no gradients)."""
     from spire import kernels
 
     B, T = bt
-    if (not FUSED_BLOCK or x.device.type != "cpu" or x.dtype != torch.float32
+    if (not FUSED_BLOCK or not cfg.plain_blocks or x.device.type != "cpu" or x.dtype != torch.float32
             or B * T > min(KERNEL_MAX_M, kernels.MAX_ROWS) or cfg.d_head % 8 or cfg.d_head > 256
             or cfg.n_heads % cfg.n_kv_heads or cfg.n_heads // cfg.n_kv_heads * T > kernels.BLOCK_MAX_ROWS
             or k_cache.dtype != torch.float32 or k_cache.device.type != "cpu" or k_cache.stride(-1) != 1):
@@ -436,13 +794,15 @@ def fused_block(block: "Block", k_cache: torch.Tensor, v_cache: torch.Tensor, n_
         return hit[1]
     fb = kernels.DecodeBlock(ln1.detach(), ln2.detach(), block.input_layernorm.eps, *(w.detach() for w in ws),
                              k_cache, v_cache, n_heads)
+    fb.rope_id = block.rope_id
     store[i] = (key, fb)
     return fb
 
 
 class FusedStep:
     """What every :class:`spire.kernels.DecodeBlock` call of one forward shares, prepared once: positions
-    (B, T) int64, RoPE tables (B·T, D), the scratch buffer, and, for a ring cache, the slots to write.
+    (B, T) int64, RoPE tables (R, B·T, D) (from :func:`rope_tables`' (R, B, 1, T, D); each block reads its
+    ``rope_id``), the scratch buffer, and, for a ring cache, the slots to write.
     :meth:`run` passes a residual stream through blocks; :meth:`write_kv` writes blocks' memory keys/values."""
 
     def __init__(self, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor | None = None
@@ -450,7 +810,8 @@ class FusedStep:
         B, T = pos.shape
         self.B, self.T = B, T
         self.pos = pos.to(torch.int64).contiguous()
-        self.cos, self.sin = cos.reshape(B * T, -1).contiguous(), sin.reshape(B * T, -1).contiguous()
+        R = cos.shape[0] if cos.dim() == 5 else 1
+        self.cos, self.sin = cos.reshape(R, B * T, -1).contiguous(), sin.reshape(R, B * T, -1).contiguous()
         self.slots = None if slots is None else slots.contiguous()
         self._work: torch.Tensor | None = None
 
@@ -463,13 +824,15 @@ class FusedStep:
               mask: torch.Tensor | None = None) -> torch.Tensor:
         """h: (B·T, d) residual stream entering the block of ``fb`` -> leaving it."""
         sink, window = (0, 0) if view is None else (view.sink, view.window)
-        return fb(h, self.pos, k_start, sink, window, self.cos, self.sin, self._scratch(fb), slots=self.slots,
+        r = fb.rope_id
+        return fb(h, self.pos, k_start, sink, window, self.cos[r], self.sin[r], self._scratch(fb), slots=self.slots,
                   mask=mask)
 
     def write_kv(self, fb, m: torch.Tensor) -> None:
         """The memory keys/values of vectors m: (B, T, d) through the block of ``fb`` into its cache."""
-        fb.write_kv(m.reshape(self.B * self.T, -1).contiguous(), self.pos, self.cos, self.sin, self._scratch(fb),
-                    self.slots)
+        r = fb.rope_id
+        fb.write_kv(m.reshape(self.B * self.T, -1).contiguous(), self.pos, self.cos[r], self.sin[r],
+                    self._scratch(fb), self.slots)
 
 
 class FusedBlocks(dict):
@@ -530,9 +893,14 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.model.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
-        self.model.norm = RMSNorm(cfg.d_model, cfg.rms_eps)
+        self.model.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.d_model, cfg.embed_scale)
+        specs = [cfg.rope_of(i) for i in range(cfg.n_layers)]
+        self.ropes: list[dict] = []  # the distinct RoPE specs of the layers; Block.rope_id indexes it
+        for spec in specs:
+            if spec not in self.ropes:
+                self.ropes.append(spec)
+        self.model.layers = nn.ModuleList(Block(cfg, self.ropes.index(spec)) for spec in specs)
+        self.model.norm = RMSNorm(cfg.d_model, cfg.rms_eps, cfg.norm_offset)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -558,6 +926,10 @@ class Transformer(nn.Module):
         return KVCache(self.cfg.n_layers, batch_size, self.cfg.n_kv_heads, max_len, self.cfg.d_head,
                        dtype=self.dtype, device=self.device)
 
+    def rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables of every distinct RoPE of the layers: pos (B, T) -> cos, sin (R, B, 1, T, D)."""
+        return rope_tables(pos, self.ropes, self.cfg.d_head, dtype)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm + unembedding: (B, T, d_model) -> float32 logits (B, T, V)."""
         return self.unembed(self.model.norm(x))
@@ -576,20 +948,62 @@ class Transformer(nn.Module):
         Logits are computed lazily (:class:`ForwardOutput`)."""
         want = set(hidden_layers)
         x = self.model.embed_tokens(tokens)  # (B, T, d_model)
-        cos, sin = rope_cos_sin(pos, self.cfg.d_head, self.cfg.rope_theta, x.dtype)
+        cos, sin = self.rope(pos, x.dtype)
         if self._fused_applies(x, cache, pos):
-            return self._forward_fused(x, pos, cos, sin, cache, view, want, k_start)
+            views = self._fused_views(pos, view)
+            if views is not None:
+                return self._forward_fused(x, pos, cos, sin, cache, views, want, k_start)
         if cache is None:
             mask = attention_mask(pos, pos, view, k_start)  # keys are the T tokens themselves
             sources = [lambda k, v: (k, v)] * len(self.layers)
+            key_pos = pos
         else:
-            mask, sources = _CacheAccess(cache, pos, view, k_start).plan(len(self.layers))
+            access = _CacheAccess(cache, pos, view, k_start)
+            mask, sources = access.plan(len(self.layers))
+            key_pos = access.key_pos
+        masks = self._layer_masks(mask, pos, key_pos)
         hidden: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):
             if i in want:
                 hidden[i] = x
-            x = block(x, cos, sin, sources[i], mask)
+            x = block(x, cos, sin, sources[i], masks[i])
         return self._output(x, hidden)
+
+    def _layer_masks(self, mask: torch.Tensor | None, pos: torch.Tensor, key_pos: torch.Tensor
+                     ) -> list[torch.Tensor | None]:
+        """Each layer's mask: ``mask`` (B|1, 1, T, S) or None, narrowed for a sliding-window layer (window W:
+        keys j > p - W for a query at p, HF's sliding_window) when a query reaches past its window.
+        key_pos: (S,) or (B, S) positions of the keys."""
+        windows = self.cfg.layer_windows
+        if windows is None:
+            return [mask] * len(self.layers)
+        hi = int(pos.max())
+        narrowed: dict[int, torch.Tensor] = {}
+        for w in set(windows):
+            if w is not None and hi >= w:  # below w no key is outside the window
+                full = mask if mask is not None else attention_mask(pos, key_pos)
+                kp = key_pos[None, None, None, :] if key_pos.dim() == 1 else key_pos[:, None, None, :]
+                narrowed[w] = full & (kp > pos[:, None, :, None] - w)
+        return [narrowed.get(w, mask) for w in windows]
+
+    def _fused_views(self, pos: torch.Tensor, view: SinkWindow | None) -> list[SinkWindow | None] | None:
+        """Per layer, the (sink, window) rule the native block applies: the forward's view, or for a sliding
+        layer whose window is reached the window alone (sink 0) -- exact when there is no view or the layer's
+        window is within the view's. None when a layer's rule is not one (sink, window) pair (a view with a
+        smaller window than the layer's, past the layer's window): the forward then runs per op."""
+        windows = self.cfg.layer_windows
+        if windows is None:
+            return [view] * len(self.layers)
+        hi = int(pos.max())
+        views: list[SinkWindow | None] = []
+        for w in windows:
+            if w is None or hi < w:
+                views.append(view)
+            elif view is None or w <= view.window:
+                views.append(SinkWindow(0, w))
+            else:
+                return None
+        return views
 
     def _output(self, x: torch.Tensor, hidden: dict[int, torch.Tensor]) -> ForwardOutput:
         """The forward's result with lazy logits of the final residual stream x."""
@@ -608,9 +1022,10 @@ class Transformer(nn.Module):
         return not (torch.is_grad_enabled() and any(p.requires_grad for p in self.layers.parameters()))
 
     def _forward_fused(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       cache: KVCache, view: SinkWindow | None, want: set[int], k_start: torch.Tensor | None
+                       cache: KVCache, views: list[SinkWindow | None], want: set[int], k_start: torch.Tensor | None
                        ) -> ForwardOutput:
-        """:meth:`forward` with every block one :class:`spire.kernels.DecodeBlock` call (same arithmetic)."""
+        """:meth:`forward` with every block one :class:`spire.kernels.DecodeBlock` call (same arithmetic);
+        views: each layer's rule (:meth:`_fused_views`)."""
         B, T = pos.shape
         _check_positions(pos, cache.max_len)
         d = self.cfg.d_model
@@ -622,7 +1037,7 @@ class Transformer(nn.Module):
             if i in want:
                 hidden[i] = h.view(B, T, d)
             h = run.block(fused_block(self.layers[i], cache.k[i], cache.v[i], self.cfg.n_heads, self._fused, i), h,
-                          ks, view)
+                          ks, views[i])
         return self._output(h.view(B, T, d), hidden)
 
     @staticmethod
@@ -687,12 +1102,14 @@ class _CacheAccess:
                 valid = g >= 0
                 valid[:, view.sink:] &= g[:, view.sink:] >= view.sink
                 self.gather = g.clamp_min(0)
+                self.key_pos = g  # (B, S')
                 self.mask = attention_mask(pos, g, view, k_start) & valid[:, None, None, :]
                 start = int(p_last[0]) - n_win + 1
                 # every row reads the same positions (e.g. B = 1): two slices instead of an indexed copy
                 self.slices = (view.sink, start) if self.slice_at is not None and start >= view.sink else None
                 self.rows_g = torch.arange(B, device=dev)[:, None]
                 return
+        self.key_pos = cache.positions[: self.upto]  # (S,)
         if view is None and k_start is None and T == 1 and lo == hi:
             self.mask = None
         else:

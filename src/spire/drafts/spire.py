@@ -37,8 +37,7 @@ from safetensors.torch import load_file
 from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
-from spire.model import (ForwardOutput, FusedBlocks, FusedStep, Transformer, fused_block, fused_block_applies,
-                         rope_cos_sin)
+from spire.model import ForwardOutput, FusedBlocks, FusedStep, Transformer, fused_block, fused_block_applies
 from spire.paths import atomic_write
 
 
@@ -176,8 +175,7 @@ class SpireDraftModel(nn.Module):
 
     # -- pieces shared by inference and training ---------------------------------------------------
     def _rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        t = self.target.cfg
-        return rope_cos_sin(pos, t.d_head, t.rope_theta, dtype)
+        return self.target.rope(pos, dtype)  # (R, B, 1, T, D): each draft layer reads its source layer's RoPE
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, d_model) -> float32 logits (B, T, V) through the draft norm and the target's unembedding."""

@@ -58,7 +58,7 @@ def vanilla_config(target: Transformer, n_layers: int | None = None) -> ModelCon
     n = max(1, round(target.cfg.n_layers / 8)) if n_layers is None else int(n_layers)
     if n < 1:
         raise ConfigError(f"the vanilla draft needs at least one layer, got {n}")
-    return dataclasses.replace(target.cfg, n_layers=n, tie_embeddings=True)
+    return dataclasses.replace(target.cfg.without_layers(n), tie_embeddings=True)
 
 
 def build_vanilla(target: Transformer, n_layers: int | None = None, seed: int = 0) -> Transformer:
