@@ -102,7 +102,11 @@ def save_vanilla(model: Transformer, folder, target_folder, meta: dict) -> None:
 
     target_folder = Path(target_folder) if target_folder is not None else None
     cfg = json.loads((target_folder / "config.json").read_text()) if target_folder else hf_config(model.cfg)
-    cfg.update(num_hidden_layers=model.cfg.n_layers, tie_word_embeddings=True)
+    n = model.cfg.n_layers
+    cfg.update(num_hidden_layers=n, tie_word_embeddings=True)
+    for key in ("layer_types", "no_rope_layers"):  # per-layer lists: the draft's layers (ModelConfig.without_layers)
+        if isinstance(cfg.get(key), list) and cfg[key]:
+            cfg[key] = [cfg[key][i % len(cfg[key])] for i in range(n)]
     cfg["architectures"] = ["LlamaForCausalLM"]
 
     def write(tmp: Path) -> None:
