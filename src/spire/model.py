@@ -433,6 +433,8 @@ def rope_tables(pos: torch.Tensor, ropes: Sequence[dict], d_head: int, dtype: to
     """The RoPE tables of every distinct RoPE of a model (:attr:`Transformer.ropes`), stacked: pos (B, T) ->
     cos, sin: (R, B, 1, T, D); block i reads index ``Block.rope_id``."""
     tables = [rope_cos_sin(pos, d_head, spec, dtype) for spec in ropes]
+    if len(tables) == 1:  # one RoPE for every layer (most families): a view, no copy
+        return tables[0][0][None], tables[0][1][None]
     return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
 
 
