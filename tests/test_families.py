@@ -28,14 +28,14 @@ def _tokens(B=2, T=T_ALL, seed=1):
 
 @pytest.fixture(scope="module")
 def family(tmp_path_factory):
-    """(HF model, spire model) per (family, layout), built once per module."""
+    """(HF model, spire model, checkpoint folder) per (family, layout), built once per module."""
     built = {}
 
     def get(name, layout="gqa"):
         if (name, layout) not in built:
             folder = tmp_path_factory.mktemp(f"{name}-{layout}")
             hf = build_checkpoint(name, folder, layout)
-            built[name, layout] = (hf, load_model(folder))
+            built[name, layout] = (hf, load_model(folder), folder)
         return built[name, layout]
 
     return get
@@ -78,7 +78,7 @@ def _cached_logits(model, ids, pos, view=None):
 def test_logits_match_hf(family, name, layout, monkeypatch):
     """max |logit - HF| <= 1e-4 in float32: uncached (per op), cached per op, cached with the fused block
     (used exactly for the plain-block families; the others must fall back to per op)."""
-    hf, model = family(name, layout)
+    hf, model, _ = family(name, layout)
     ids, pos = _tokens()
     with torch.no_grad():
         ref = hf(ids).logits.float()
@@ -97,7 +97,7 @@ def test_sink_window_view(family, name, monkeypatch):
     """A MagicDec view (sink 1, window 6) through the cache (fused block or per op) equals the uncached per-op
     forward with the same view, which equals HF above without it. Mistral's sliding window (8) is wider than
     the view's: past position 8 its rule is no (sink, window) pair, so the fused block declines (per op)."""
-    _, model = family(name)
+    _, model, _ = family(name)
     ids, pos = _tokens()
     view = SinkWindow(1, 6)
     with torch.no_grad():
@@ -113,7 +113,7 @@ def test_sink_window_view(family, name, monkeypatch):
 def test_sliding_window_inside_view_is_fused(family, monkeypatch):
     """A view whose window holds the layers' sliding window (Mistral: 8 <= 16): the fused block applies the
     sliding window alone (sink 0), exactly."""
-    hf, model = family("mistral")
+    _, model, _ = family("mistral")
     ids, pos = _tokens()
     view = SinkWindow(1, 16)
     with torch.no_grad():
@@ -134,7 +134,7 @@ def _spire_draft(model, seed=0):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_greedy_sd_equals_ad(family, name):
     """Greedy SD with MagicDec and with a (pruned, untrained) SPIRe draft emits exactly AD's tokens."""
-    _, model = family(name)
+    _, model, _ = family(name)
     ids, _ = _tokens(B=3, T=12, seed=5)
     prompts = [ids[0].tolist(), ids[1, :7].tolist(), ids[2, :10].tolist()]
     ad = generate(model, prompts, 24).tokens
@@ -151,7 +151,7 @@ def test_spire_draft_trains(family, name):
     from spire.training.losses import mixed_loss
     from tests.test_spire_draft import _assert_training_matches_inference
 
-    _, target = family(name)
+    _, target, _ = family(name)
     draft = _spire_draft(target)
     src = dict(target.named_parameters())
     for i, j in enumerate(draft.source_layers):
@@ -174,3 +174,16 @@ def test_spire_draft_trains(family, name):
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("name", FAMILIES)
+def test_throughput_shapes_count_the_family(family, name, layout):
+    """`spire throughput --config FOLDER` reads the family's shapes: its body parameter count N (biases and
+    extra norms included, paper convention) equals the loaded model's."""
+    from spire.throughput.shapes import ModelShape
+
+    _, model, folder = family(name, layout)
+    shape = ModelShape.from_hf_config_file(folder)
+    assert shape.body_params() == model.num_body_params()
+    assert shape.kv_values_per_token() == 2 * model.cfg.n_layers * model.cfg.n_kv_heads * model.cfg.d_head
