@@ -5,6 +5,16 @@ References: Touvron et al. 2023 (Llama), Su et al. 2021 (RoPE), Ainslie et al. 2
 safetensors checkpoint loads without renaming (see :mod:`spire.loading`). Logits match HF transformers
 to 1e-4 in float32 (tests/test_model.py).
 
+Families (:data:`FAMILIES`; tests/test_families.py checks each against HF): Llama 2/3.x (RoPE scaling
+``llama3``, ``linear``, ``yarn``; ``attention_bias``, ``mlp_bias``), Mistral (sliding window), Qwen2/2.5
+(q/k/v biases), Qwen3 (q/k RMSNorm), Phi-3 (fused q/k/v and gate/up weights, split at load), SmolLM3 (layers
+without RoPE), Gemma 3 text (sliding-window layers with their own RoPE base, q/k norm, norms before and after
+attention and MLP, norm weights as offsets from 1, scaled embedding, GeGLU, query_pre_attn_scalar). What a
+family changes is a :class:`ModelConfig` field read by a small piece (``Attention.q_norm``, ``Block.sandwich``,
+``ScaledEmbedding``, :func:`rope_inv_freq`, ``Transformer._layer_masks``); a feature spire lacks is refused
+at load, by name (:meth:`ModelConfig.from_hf`). The fused native block computes plain Llama blocks only
+(:attr:`ModelConfig.plain_blocks`): other families decode through the per-op path below.
+
 Shapes: B batch, T new tokens, S key positions, H query heads, KV key/value heads, D head dim, V vocab.
 
 Inference fast path (no autograd needed: ``torch.no_grad()`` or frozen weights). The same arithmetic with
