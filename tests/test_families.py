@@ -187,3 +187,17 @@ def test_throughput_shapes_count_the_family(family, name, layout):
     shape = ModelShape.from_hf_config_file(folder)
     assert shape.body_params() == model.num_body_params()
     assert shape.kv_values_per_token() == 2 * model.cfg.n_layers * model.cfg.n_kv_heads * model.cfg.d_head
+
+
+@pytest.mark.parametrize("name", ["gemma3", "qwen2"])
+def test_random_init_ablation_has_unit_norms_and_zero_biases(family, name):
+    """The random-initialization ablation starts every norm at scale 1 (Gemma stores 1 + w: w = 0) and every
+    bias at 0, whatever the family stores."""
+    from spire.model import RMSNorm
+
+    _, target, _ = family(name)
+    draft = SpireDraftModel(target, SpireConfig(n_draft_layers=2, sink=1, window=6, init="random"))
+    norms = [m for m in [*draft.layers.modules(), draft.norm] if isinstance(m, RMSNorm)]
+    assert norms and all(torch.equal(m.scale(), torch.ones_like(m.weight)) for m in norms)
+    biases = [p for n, p in draft.layers.named_parameters() if n.endswith("bias")]
+    assert (name == "qwen2") == bool(biases) and all(not b.any() for b in biases)

@@ -293,11 +293,13 @@ class ModelConfig:
         return None if self.layer_windows is None else self.layer_windows[layer]
 
     def without_layers(self, n_layers: int) -> "ModelConfig":
-        """The same architecture with its first ``n_layers`` layers (a shallower model, e.g. a vanilla draft)."""
+        """The same architecture with ``n_layers`` layers (a shallower model, e.g. a vanilla draft): per-layer
+        RoPE and windows follow the source's pattern from its first layer on (repeated when deeper)."""
         from dataclasses import replace
 
-        cut = (lambda xs: None if xs is None else list(xs[:n_layers])) if n_layers <= self.n_layers else \
-            (lambda xs: None if xs is None else [xs[i % len(xs)] for i in range(n_layers)])
+        def cut(xs: list | None) -> list | None:
+            return None if xs is None else [xs[i % len(xs)] for i in range(n_layers)]
+
         return replace(self, n_layers=n_layers, layer_ropes=cut(self.layer_ropes), layer_windows=cut(self.layer_windows))
 
     @property

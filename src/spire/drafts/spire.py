@@ -162,7 +162,10 @@ class SpireDraftModel(nn.Module):
         if cfg.init == "random":
             with torch.no_grad():
                 for name, p in list(self.layers.named_parameters()) + list(self.norm.named_parameters()):
-                    p.normal_(0.0, 0.02) if p.dim() == 2 else p.fill_(1.0)
+                    p.normal_(0.0, 0.02) if p.dim() == 2 else p.zero_() if name.endswith("bias") else p.fill_(1.0)
+                for m in [*self.layers.modules(), self.norm]:  # unit norms where weights are offsets from 1 (Gemma)
+                    if getattr(m, "offset", 0.0):
+                        m.weight.fill_(1.0 - m.offset)
         n = cfg.n_draft_layers
         mix = torch.zeros(n, n + 1)
         mix[torch.arange(n), torch.arange(n)] = cfg.mix_init  # layer i's memory starts near its own input
