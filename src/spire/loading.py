@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from spire.errors import CheckpointError
-from spire.model import FAMILIES, ModelConfig, Transformer, require_hf_keys
+from spire.families import FAMILIES, require_hf_keys
+from spire.model import ModelConfig, Transformer
 from spire.paths import spire_cache_dir
 
 DEFAULT_TARGET = "smollm2-135m"
