@@ -728,8 +728,11 @@ class Transformer(nn.Module):
         tokens, pos: (B, T) token ids and absolute positions (positions start at 0 per row).
         cache: a :class:`KVCache` to write the new keys/values into and read the past from; None attends
             among the T tokens only (training, reference computations).
-        view: None (full history) or a :class:`SinkWindow` (StreamingLLM view, used by MagicDec).
+        view: None (full history) or a :class:`SinkWindow` (StreamingLLM view, used by MagicDec). A
+            sliding-window layer (:meth:`ModelConfig.window_of`) reads the intersection of the view and its
+            window.
         hidden_layers: layer indices whose *input* residual stream to return (SPIRe's memory source).
+    Each layer reads its own RoPE tables (:attr:`ropes`, ``Block.rope_id``).
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
