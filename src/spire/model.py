@@ -799,15 +799,13 @@ class Transformer(nn.Module):
             views = self._fused_views(pos, view)
             if views is not None:
                 return self._forward_fused(x, pos, cos, sin, cache, views, want, k_start)
+        windows = self.cfg.layer_windows or [None] * len(self.layers)
         if cache is None:
             mask = attention_mask(pos, pos, view, k_start)  # keys are the T tokens themselves
             sources = [lambda k, v: (k, v)] * len(self.layers)
-            key_pos = pos
+            masks = self._layer_masks(mask, pos, windows)
         else:
-            access = _CacheAccess(cache, pos, view, k_start)
-            mask, sources = access.plan(len(self.layers))
-            key_pos = access.key_pos
-        masks = self._layer_masks(mask, pos, key_pos)
+            masks, sources = _CacheAccess(cache, pos, view, k_start).plan(windows)
         hidden: dict[int, torch.Tensor] = {}
         for i, block in enumerate(self.layers):
             if i in want:
@@ -815,22 +813,12 @@ class Transformer(nn.Module):
             x = block(x, cos, sin, sources[i], masks[i])
         return self._output(x, hidden)
 
-    def _layer_masks(self, mask: torch.Tensor | None, pos: torch.Tensor, key_pos: torch.Tensor
-                     ) -> list[torch.Tensor | None]:
-        """Each layer's mask: ``mask`` (B|1, 1, T, S) or None, narrowed for a sliding-window layer (window W:
-        keys j > p - W for a query at p, HF's sliding_window) when a query reaches past its window.
-        key_pos: (S,) or (B, S) positions of the keys."""
-        windows = self.cfg.layer_windows
-        if windows is None:
-            return [mask] * len(self.layers)
-        hi = int(pos.max())
-        narrowed: dict[int, torch.Tensor] = {}
-        for w in set(windows):
-            if w is not None and hi >= w:  # below w no key is outside the window
-                full = mask if mask is not None else attention_mask(pos, key_pos)
-                kp = key_pos[None, None, None, :] if key_pos.dim() == 1 else key_pos[:, None, None, :]
-                narrowed[w] = full & (kp > pos[:, None, :, None] - w)
-        return [narrowed.get(w, mask) for w in windows]
+    @staticmethod
+    def _layer_masks(mask: torch.Tensor, pos: torch.Tensor, windows: Sequence[int | None]) -> list[torch.Tensor]:
+        """Each layer's mask over the T tokens themselves (no cache): ``mask`` (B|1, 1, T, T), narrowed for a
+        sliding-window layer (window W: keys j > p - W for a query at p, HF's sliding_window)."""
+        narrowed = {w: mask & (pos[:, None, None, :] > pos[:, None, :, None] - w) for w in set(windows) - {None}}
+        return [mask if w is None else narrowed[w] for w in windows]
 
     def _fused_views(self, pos: torch.Tensor, view: SinkWindow | None) -> list[SinkWindow | None] | None:
         """Per layer, the (sink, window) rule the native block applies: the forward's view, or for a sliding
@@ -928,12 +916,12 @@ class _CacheAccess:
 
     def __init__(self, cache: KVCache, pos: torch.Tensor, view: SinkWindow | None, k_start: torch.Tensor | None
                  ) -> None:
-        self.cache, self.pos = cache, pos
+        self.cache, self.pos, self.view, self.k_start = cache, pos, view, k_start
         B, T = pos.shape
         dev = pos.device
         p_first, p_last = pos[:, 0], pos[:, -1]
         lo, hi = _check_positions(pos, cache.max_len)
-        self.upto = hi + 1
+        self.lo, self.upto = lo, hi + 1
         ar = torch.arange(T, device=dev)
         contiguous = bool(((pos - p_first[:, None]) == ar).all())
         self.slice_at = int(p_first[0]) if contiguous and bool((p_first == p_first[0]).all()) else None
@@ -971,10 +959,12 @@ class _CacheAccess:
             c.k[layer][self.rows, :, self.pos] = k.transpose(1, 2).to(c.k[layer].dtype)
             c.v[layer][self.rows, :, self.pos] = v.transpose(1, 2).to(c.v[layer].dtype)
 
-    def read(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, layer: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys/values (B, KV, S, D) the layer attends over; ``start``: first position read (a sliding
+        layer, no gathered view)."""
         c = self.cache
         if self.gather is None:
-            return c.read(layer, self.upto)
+            return c.k[layer][:, :, start: self.upto], c.v[layer][:, :, start: self.upto]
         K, V = c.k[layer], c.v[layer]
         if self.slices is not None:
             sink, start = self.slices
@@ -984,12 +974,32 @@ class _CacheAccess:
         # (B, S', KV, D) rows copied whole, viewed as (B, KV, S', D)
         return K[self.rows_g, :, self.gather].transpose(1, 2), V[self.rows_g, :, self.gather].transpose(1, 2)
 
-    def plan(self, n_layers: int) -> tuple[torch.Tensor | None, list[KVSource]]:
-        def source(layer: int) -> KVSource:
+    def plan(self, windows: Sequence[int | None]) -> tuple[list[torch.Tensor | None], list[KVSource]]:
+        """Per layer (``windows``: each layer's sliding window W, or None): its mask (B|1, 1, T, S) or None, and
+        its KV source (write the layer's new keys/values, read what it attends over). A sliding layer whose
+        window a query has passed (max position >= W) attends only to keys j > p - W: without a gathered view it
+        reads positions from lo - W + 1 on (lo: the smallest query position), so its cost is O(W), not O(L);
+        its mask is narrowed to the window (HF's sliding_window rule)."""
+        masks: dict[int | None, torch.Tensor | None] = {None: self.mask}
+        starts: dict[int | None, int] = {None: 0}
+        for w in set(windows) - {None}:
+            start = 0
+            if self.upto <= w:  # no query has passed its window: nothing to narrow
+                masks[w] = self.mask
+            else:
+                start = max(0, self.lo - w + 1) if self.gather is None else 0
+                kp = self.key_pos if start == 0 else self.cache.positions[start: self.upto]
+                base = self.mask if start == 0 and self.mask is not None else \
+                    attention_mask(self.pos, kp, self.view, self.k_start)
+                kp = kp[None, None, None, :] if kp.dim() == 1 else kp[:, None, None, :]
+                masks[w] = base & (kp > self.pos[:, None, :, None] - w)
+            starts[w] = start
+
+        def source(layer: int, start: int) -> KVSource:
             def write_then_read(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
                 self.write(layer, k, v)
-                return self.read(layer)
+                return self.read(layer, start)
 
             return write_then_read
 
-        return self.mask, [source(i) for i in range(n_layers)]
+        return [masks[w] for w in windows], [source(i, starts[w]) for i, w in enumerate(windows)]
