@@ -3,7 +3,10 @@ memory capacity (CASES.md 10). Expected values are computed by hand in the comme
 
 import json
 
+from dataclasses import replace
+
 import numpy as np
+
 import pytest
 
 from spire.errors import ConfigError
@@ -30,8 +33,9 @@ MISTRAL_7B = {"model_type": "mistral", "hidden_size": 4096, "num_hidden_layers":
 def test_hf_configs_give_published_parameter_counts():
     qwen = ModelShape.from_hf_config(QWEN2_05B)
     assert (qwen.d_head, qwen.q_per_kv, qwen.n_kv, qwen.tie_embeddings) == (64, 7, 2, True)
-    # published 494,032,768 = body + embedding + q/k/v biases (24·(896 + 2·128)) + final norm (896)
-    assert qwen.body_params() + qwen.embedding_params() + 24 * 1152 + 896 == 494_032_768
+    # published 494,032,768 = body (its q/k/v biases 896 + 2·128 per layer included) + embedding + final norm (896)
+    assert qwen.extra_per_layer == 1152
+    assert qwen.body_params() + qwen.embedding_params() + 896 == 494_032_768
     gemma = ModelShape.from_hf_config(GEMMA_2B)
     assert (gemma.d_head, gemma.n_kv, gemma.tie_embeddings) == (256, 1, True)  # Gemma ties by default
     assert gemma.body_params() == 18 * 110_104_576  # head_dim 256 ≠ 2048 / 8
@@ -39,7 +43,8 @@ def test_hf_configs_give_published_parameter_counts():
     mistral = ModelShape.from_hf_config(MISTRAL_7B)
     assert mistral.body_params() + mistral.embedding_params() + 4096 == 7_241_732_096  # published Mistral 7B
     nested = {"model_type": "gemma3", "text_config": {**GEMMA_2B, "model_type": "gemma3_text"}}
-    assert ModelShape.from_hf_config(nested) == gemma
+    g3 = ModelShape.from_hf_config(nested)  # Gemma 3 adds q/k norms (2·256) and two norms per block (2·2048)
+    assert g3.extra_per_layer == 2 * 256 + 2 * 2048 and replace(g3, extra_per_layer=0) == gemma
 
 
 @pytest.mark.parametrize(

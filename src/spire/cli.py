@@ -459,7 +459,8 @@ def generate(
     file: Annotated[Optional[Path], typer.Option(help="A text file with one prompt per line.")] = None,
     target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
     draft: Annotated[Literal["none", "vanilla", "magicdec", "spire"], typer.Option(help="Draft model.")] = "magicdec",
-    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe draft .safetensors, or vanilla draft model.")]
+    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe draft .safetensors, run folder or `spire export` "
+                                                           "folder, or vanilla draft model.")]
     = None,
     k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = 4,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
@@ -534,11 +535,34 @@ def generate(
 
 
 @app.command()
+def export(
+    out: Annotated[Path, typer.Option(help="Folder to write (replaced): config.json + model.safetensors.")],
+    draft_path: Annotated[str, typer.Option(help="The trained draft: a SPIRe .safetensors or `spire train` run "
+                                                 "folder, or a vanilla draft folder.")],
+    draft: Annotated[Literal["spire", "vanilla"], typer.Option(help="Draft kind.")] = "spire",
+    target: Annotated[str, typer.Option(help="The draft's target (verifier): smollm2-135m, a .gguf file or an HF "
+                                             "folder.")] = "smollm2-135m",
+    k: Annotated[int, typer.Option("--k", "-k", help="Speculative tokens per round recorded for serving.")] = 4,
+) -> None:
+    """Write a trained draft as a folder serving engines can read (speculators-style config.json with
+    speculators_config, and model.safetensors; docs/serving.md). spire reads it back with --draft-path FOLDER."""
+    from spire.export import export_draft
+    from spire.loading import load_model, resolve_checkpoint
+
+    folder = resolve_checkpoint(target, progress=False)
+    model = load_model(folder)
+    name = target if target == "smollm2-135m" or target.endswith(".gguf") else str(Path(target).resolve())
+    export_draft(draft, draft_path, model, name, out, k)
+    typer.echo(str(out))
+
+
+@app.command()
 def compare(
     prompts: Annotated[list[str], typer.Argument(help="Prompts.")],
     target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
     draft: Annotated[Literal["vanilla", "magicdec", "spire"], typer.Option(help="Draft model.")] = "magicdec",
-    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe draft .safetensors, or vanilla draft model.")]
+    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe draft .safetensors, run folder or `spire export` "
+                                                           "folder, or vanilla draft model.")]
     = None,
     dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="Weights and activations.")] = "bfloat16",
     k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = 4,

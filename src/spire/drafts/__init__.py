@@ -50,6 +50,10 @@ def resolve_draft_path(kind: str, path: str | Path) -> Path:
     if not p.exists():
         raise CheckpointError(f"draft not found: {p}")
     if p.is_dir():
+        from spire.export import read_export
+
+        if kind == "spire" and read_export(p) is not None:  # a `spire export` folder
+            return p
         inner = p / ("draft.safetensors" if kind == "spire" else "draft")
         if inner.exists():
             return inner
@@ -71,8 +75,8 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
                dtype=None) -> Draft | None:
     """Build a draft by name for ``target``.
 
-    kind: "none" (AD, returns None), "magicdec" (sink/window), "spire" (path: a trained draft .safetensors
-    or a `spire train` run folder; default the newest finished one in the cache), "vanilla" (path: a .gguf,
+    kind: "none" (AD, returns None), "magicdec" (sink/window), "spire" (path: a trained draft .safetensors,
+    a `spire train` run folder or a `spire export` folder; default the newest finished one in the cache), "vanilla" (path: a .gguf,
     an HF folder sharing the target's tokenizer, or a `spire train --draft vanilla` run folder). Raises ConfigError / CheckpointError / TokenizerMismatchError.
     """
     if kind not in DRAFT_KINDS:
@@ -92,6 +96,10 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
         if file is None:
             raise CheckpointError("no trained SPIRe draft for this target in the cache: run `spire reproduce` "
                                   "(or pass --draft-path)")
+        if file.is_dir():
+            from spire.export import load_exported_spire
+
+            return SpireDraft(load_exported_spire(file, target))
         return SpireDraft(SpireDraftModel.load(file, target))
     from spire.drafts.vanilla import VanillaDraft, check_same_vocabulary
     from spire.loading import load_target
@@ -100,6 +108,11 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
         raise ConfigError("--draft vanilla needs --draft-path (a .gguf file or HF folder of a small model "
                           "with the target's tokenizer)")
     path = resolve_draft_path(kind, path)
+    if path.is_dir():
+        from spire.export import check_export, read_export
+
+        if read_export(path) is not None:  # a `spire export` folder: refuse one exported for another target
+            check_export(path, target)
     model, draft_tok, _ = load_target(path, dtype=dtype or target.dtype, device=str(target.device))
     if tokenizer is not None:
         check_same_vocabulary(tokenizer, draft_tok, "target", f"draft {path}")

@@ -38,7 +38,7 @@ from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
 from spire.model import (ForwardOutput, FusedBlocks, FusedStep, Transformer, WeightCache, _needs_autograd,
-                         fast_linear, fused_block, fused_block_applies, rope_cos_sin)
+                         fast_linear, fused_block, fused_block_applies)
 from spire.paths import atomic_write
 
 
@@ -200,7 +200,10 @@ class SpireDraftModel(nn.Module):
         if cfg.init == "random":
             with torch.no_grad():
                 for name, p in list(self.layers.named_parameters()) + list(self.norm.named_parameters()):
-                    p.normal_(0.0, 0.02) if p.dim() == 2 else p.fill_(1.0)
+                    p.normal_(0.0, 0.02) if p.dim() == 2 else p.zero_() if name.endswith("bias") else p.fill_(1.0)
+                for m in [*self.layers.modules(), self.norm]:  # unit norms where weights are offsets from 1 (Gemma)
+                    if getattr(m, "offset", 0.0):
+                        m.weight.fill_(1.0 - m.offset)
         n = cfg.n_draft_layers
         mix = torch.zeros(n, n + 1)
         mix[torch.arange(n), torch.arange(n)] = cfg.mix_init  # layer i's memory starts near its own input
@@ -213,8 +216,7 @@ class SpireDraftModel(nn.Module):
 
     # -- pieces shared by inference and training ---------------------------------------------------
     def _rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        t = self.target.cfg
-        return rope_cos_sin(pos, t.d_head, t.rope_theta, dtype)
+        return self.target.rope(pos, dtype)  # (R, B, 1, T, D): each draft layer reads its source layer's RoPE
 
     @property
     def n_vocab(self) -> int:

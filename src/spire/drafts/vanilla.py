@@ -58,7 +58,7 @@ def vanilla_config(target: Transformer, n_layers: int | None = None) -> ModelCon
     n = max(1, round(target.cfg.n_layers / 8)) if n_layers is None else int(n_layers)
     if n < 1:
         raise ConfigError(f"the vanilla draft needs at least one layer, got {n}")
-    return dataclasses.replace(target.cfg, n_layers=n, tie_embeddings=True)
+    return dataclasses.replace(target.cfg.without_layers(n), tie_embeddings=True)
 
 
 def build_vanilla(target: Transformer, n_layers: int | None = None, seed: int = 0) -> Transformer:
@@ -102,7 +102,11 @@ def save_vanilla(model: Transformer, folder, target_folder, meta: dict) -> None:
 
     target_folder = Path(target_folder) if target_folder is not None else None
     cfg = json.loads((target_folder / "config.json").read_text()) if target_folder else hf_config(model.cfg)
-    cfg.update(num_hidden_layers=model.cfg.n_layers, tie_word_embeddings=True)
+    n = model.cfg.n_layers
+    cfg.update(num_hidden_layers=n, tie_word_embeddings=True)
+    for key in ("layer_types", "no_rope_layers"):  # per-layer lists: the draft's layers (ModelConfig.without_layers)
+        if isinstance(cfg.get(key), list) and cfg[key]:
+            cfg[key] = [cfg[key][i % len(cfg[key])] for i in range(n)]
     cfg["architectures"] = ["LlamaForCausalLM"]
 
     def write(tmp: Path) -> None:

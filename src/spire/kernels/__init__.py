@@ -232,7 +232,7 @@ class DecodeBlock:
     says so beforehand).
     """
 
-    __slots__ = ("_args", "_fn", "_kv_fn", "_keep", "d", "H", "KV", "D", "F", "nq")
+    __slots__ = ("_args", "_fn", "_kv_fn", "_keep", "d", "H", "KV", "D", "F", "nq", "rope_id")
 
     def __init__(self, ln1: torch.Tensor, ln2: torch.Tensor, eps: float, wqkv: torch.Tensor, wo: torch.Tensor,
                  wgu: torch.Tensor, wdown: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -254,6 +254,7 @@ class DecodeBlock:
             raise ValueError("decode_block: shapes, dtypes or layouts the kernel does not take")
         self.d, self.H, self.KV, self.D, self.F = d, H, KV, D, F
         self.nq = (H + 2 * KV) * D
+        self.rope_id = 0  # which of a model's RoPE tables the block reads (spire.model.FusedStep)
         self._fn, self._kv_fn = lib.spire_decode_block, lib.spire_block_kv
         self._keep = (ln1, ln2, *ws)  # not the cache: a finished generation's cache must be freeable
         sb, sh, ss, _ = k_cache.stride()

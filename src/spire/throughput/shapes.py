@@ -25,6 +25,8 @@ class ModelShape:
     n_layers: transformer blocks; d_model: residual width; q_per_kv: query heads per KV head;
     n_kv: KV heads; d_head: width of one head; d_ff: SwiGLU hidden width. vocab_size (0 = unknown) and
     tie_embeddings matter only when the cost model counts embedding / unembedding (off in the paper).
+    extra_per_layer: values per block beyond the paper's GQA SwiGLU count (a family's biases and extra norm
+    scales, :func:`family_extra_params`); 0 for the paper's shapes.
     """
 
     n_layers: int
@@ -35,6 +37,7 @@ class ModelShape:
     d_ff: int
     vocab_size: int = 0
     tie_embeddings: bool = True
+    extra_per_layer: int = 0
 
     def __post_init__(self) -> None:
         for name in ("n_layers", "d_model", "q_per_kv", "n_kv", "d_head", "d_ff"):
@@ -50,13 +53,14 @@ class ModelShape:
         return self.q_per_kv * self.n_kv
 
     def body_params_per_layer(self) -> int:
-        """Values in one block: 2 norm scales + q, k, v + o + SwiGLU gate, up, down (paper convention)."""
+        """Values in one block: 2 norm scales + q, k, v + o + SwiGLU gate, up, down (paper convention), plus
+        ``extra_per_layer`` (biases, extra norm scales: counted like the paper's norm scales, 1 value each)."""
         d, n_kv, d_head = self.d_model, self.n_kv, self.d_head
         norms = 2 * d
         qkv = (self.q_per_kv + 2) * n_kv * d * d_head
         o = self.q_per_kv * n_kv * d_head * d
         mlp = 3 * d * self.d_ff
-        return norms + qkv + o + mlp
+        return norms + qkv + o + mlp + self.extra_per_layer
 
     def body_params(self) -> int:
         """N: body parameters (values), embedding and unembedding excluded, as in the paper."""
@@ -91,8 +95,11 @@ class ModelShape:
         hidden_size // num_attention_heads (Gemma and Qwen3 set it explicitly, and it need not equal
         that), ``num_key_value_heads`` to num_attention_heads (multi-head attention, as in transformers),
         ``tie_word_embeddings`` to true for Gemma and false otherwise (transformers' defaults).
-        Gemma's GeGLU MLP has the same three matrices as SwiGLU; biases (Qwen2's q/k/v) and Gemma 2/3's
-        extra norms are not counted, as in the paper's convention.
+        Gemma's GeGLU MLP has the same three matrices as SwiGLU and Phi-3's fused q/k/v and gate/up weights
+        the same values as separate ones. A family's biases (Qwen2's q/k/v, Llama's ``attention_bias`` and
+        ``mlp_bias``), q/k norm scales (Qwen3, Gemma 3) and Gemma 2/3's two extra norms per block are body
+        parameters too: they are counted in ``extra_per_layer`` (:func:`family_extra_params`), 1 value each like
+        the paper's norm scales (they change N by well under 0.1 %).
         """
         if not isinstance(config, Mapping):
             raise ConfigError("model config must be a JSON object")
@@ -113,12 +120,34 @@ class ModelShape:
         tied = config.get("tie_word_embeddings")
         if tied is None:
             tied = str(config.get("model_type", "")).startswith("gemma")
-        return cls(n_layers, d_model, n_heads // n_kv, n_kv, d_head, d_ff, vocab, bool(tied))
+        return cls(n_layers, d_model, n_heads // n_kv, n_kv, d_head, d_ff, vocab, bool(tied),
+                   family_extra_params(config, d_model, n_heads, n_kv, d_head, d_ff))
 
     @classmethod
     def from_hf_config_file(cls, path: str | Path) -> ModelShape:
         """:meth:`from_hf_config` on a ``config.json`` file, or a folder that holds one."""
         return cls.from_hf_config(read_json(path, "config.json"))
+
+
+def family_extra_params(config: Mapping[str, Any], d_model: int, n_heads: int, n_kv: int, d_head: int,
+                        d_ff: int) -> int:
+    """Values per block an HF config's family adds to the GQA SwiGLU block (as spire.model builds it): q/k/v
+    biases (n_heads + 2 n_kv)·d_head (Qwen2 always; Llama, Qwen3, SmolLM3, Gemma 3 with ``attention_bias``,
+    which adds the o bias d_model too), MLP biases 2·d_ff + d_model (``mlp_bias``), q/k norm scales 2·d_head
+    (Qwen3, Gemma 3), Gemma 2/3's norms after attention and MLP 2·d_model."""
+    family = str(config.get("model_type", ""))
+    extra = 0
+    if family == "qwen2" or (config.get("attention_bias") and family != "qwen2"):
+        extra += (n_heads + 2 * n_kv) * d_head
+    if config.get("attention_bias") and family != "qwen2":
+        extra += d_model
+    if config.get("mlp_bias"):
+        extra += 2 * d_ff + d_model
+    if family.startswith("qwen3") or family.startswith("gemma3"):
+        extra += 2 * d_head
+    if family.startswith("gemma2") or family.startswith("gemma3"):
+        extra += 2 * d_model
+    return extra
 
 
 def _config_int(config: Mapping[str, Any], key: str, default: int | None = None, positive: bool = True) -> int:

@@ -1,0 +1,203 @@
+"""``spire export``: a trained draft as a folder a serving engine can read (issue 15, part 5).
+
+The folder follows vllm-project/speculators' model format (its docs/architecture/model_formats.md): an HF-style
+``config.json`` whose ``speculators_config`` names the algorithm, the proposal methods and the verifier, and
+the weights in ``model.safetensors``::
+
+    out/
+    ├── config.json         spire_format_version, inputs, speculators_model_type, speculators_config, spire
+    └── model.safetensors   the draft's tensors (for SPIRe with spire's JSON metadata, so spire reads it back)
+
+For a SPIRe draft ``config.json`` holds:
+
+- ``architectures`` ["SpireDraftModel"], ``model_type`` "spire_draft", ``torch_dtype``, the draft body's shape in
+  HF keys (``hidden_size``, ``num_hidden_layers`` = draft layers, heads, ``head_dim``, ``intermediate_size``,
+  ``vocab_size``, ``rms_norm_eps``);
+- ``spire_format_version`` (:data:`FORMAT_VERSION`; a reader refuses a version it does not know);
+- ``inputs``: ``input_ids`` and, per draft layer, ``hidden_states.layer.<j>``: the verifier's residual stream
+  entering its layer j (the SPIRe paper's "target activations", read for every verified position);
+- ``speculators_model_type`` "spire" and ``speculators_config``: ``algorithm`` "spire", ``proposal_methods``
+  (greedy and sample, each with ``speculative_tokens`` = k), ``default_proposal_method``, ``verifier``
+  (``name_or_path``, ``architectures``, ``model_type`` and shape keys, and spire's fingerprint of its
+  embedding, which a reader compares with the verifier it is given);
+- ``spire``: ``source_layers`` (target layer of each draft layer), ``sink``, ``window``, ``k``, the draft's
+  ablation switches, and ``draft_vocab`` (the name and size of a draft-to-target vocabulary map tensor when the
+  draft has one, else null).
+
+A vanilla draft (an independent small model) is exported as its HF folder with ``speculators_config``
+(``algorithm`` "independent") added to its config.json, which transformers and spire load as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from spire.errors import CheckpointError, TokenizerMismatchError
+
+FORMAT_VERSION = 1
+"""Version of the exported folder's schema; bumped when a field changes meaning."""
+
+SPIRE_MODEL_TYPE = "spire_draft"
+
+
+def _verifier(target, name_or_path: str) -> dict:
+    from spire.drafts.spire import _fingerprint
+
+    c = target.cfg
+    return {"name_or_path": name_or_path, "architectures": [_ARCH.get(c.family, "LlamaForCausalLM")],
+            "model_type": c.family, "hidden_size": c.d_model, "intermediate_size": c.d_ff,
+            "num_hidden_layers": c.n_layers, "vocab_size": c.vocab_size, "max_position_embeddings": c.max_positions,
+            "bos_token_id": c.bos_id, "eos_token_id": c.eos_ids, "spire_fingerprint": _fingerprint(target)}
+
+
+_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+         "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
+         "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def _speculators(algorithm: str, k: int, verifier: dict) -> dict:
+    return {"algorithm": algorithm,
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k},
+                                 {"proposal_type": "sample", "speculative_tokens": k}],
+            "default_proposal_method": "greedy", "verifier": verifier}
+
+
+def spire_export_config(meta: dict, state: dict, target, name_or_path: str, k: int) -> dict:
+    """The config.json of an exported SPIRe draft (module docstring) from the draft file's spire metadata and
+    tensors. Raises CheckpointError for a draft file without a SPIRe configuration."""
+    from spire import __version__
+
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        tf_version = None
+    if "spire_config" not in meta:
+        raise CheckpointError("the draft file holds no SPIRe configuration (a vanilla draft? use --draft vanilla)")
+    sc = dict(meta["spire_config"])
+    c = target.cfg
+    n = c.n_layers
+    source = list(sc["layers"]) if sc.get("layers") else list(range(n - sc["n_draft_layers"], n))
+    vocab = next(((name, int(t.shape[0])) for name, t in state.items() if name.endswith("d2t")), None)
+    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.") if state else "float32"
+    return {
+        "architectures": ["SpireDraftModel"], "model_type": SPIRE_MODEL_TYPE, "torch_dtype": dtype,
+        "transformers_version": tf_version, "spire_version": __version__, "spire_format_version": FORMAT_VERSION,
+        "hidden_size": c.d_model, "num_hidden_layers": len(source), "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads, "head_dim": c.d_head, "intermediate_size": c.d_ff,
+        "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_eps,
+        "inputs": ["input_ids"] + [f"hidden_states.layer.{j}" for j in source],
+        "speculators_model_type": "spire",
+        "speculators_config": _speculators("spire", k, _verifier(target, name_or_path)),
+        "spire": {"source_layers": source, "sink": sc.get("sink"), "window": sc.get("window"), "k": k,
+                  "feedback_memory": sc.get("feedback_memory", True),
+                  "target_activations": sc.get("target_activations", True),
+                  "self_attend": sc.get("self_attend", True),
+                  "draft_vocab": None if vocab is None else {"tensor": vocab[0], "size": vocab[1]},
+                  "spire_config": sc, "training": {key: v for key, v in meta.items()
+                                                   if key not in ("spire_config", "target")}},
+    }
+
+
+def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, out: str | Path, k: int = 4) -> Path:
+    """Write the trained ``kind`` ("spire" or "vanilla") draft at ``draft_path`` (as ``--draft-path`` takes it)
+    for ``target`` as the folder ``out`` (replaced atomically). Returns ``out``.
+
+    Raises:
+        ConfigError: k < 1 or another draft kind.
+        CheckpointError: a missing or unreadable draft.
+        TokenizerMismatchError: a draft trained for another target.
+    """
+    from spire.drafts import resolve_draft_path
+    from spire.errors import ConfigError
+    from spire.paths import replace_dir
+
+    if k < 1:
+        raise ConfigError(f"k must be >= 1, got {k}")
+    if kind not in ("spire", "vanilla"):
+        raise ConfigError(f"spire export writes trained drafts: --draft spire or vanilla, not {kind!r}")
+    src = resolve_draft_path(kind, draft_path)
+    out = Path(out)
+    if kind == "spire":
+        from spire.drafts.spire import read_draft_file, write_draft_file
+
+        if src.is_dir():  # an exported folder, exported again
+            check_export(src, target)
+            src = src / "model.safetensors"
+        meta, state = read_draft_file(src, target)
+        config = spire_export_config(meta, state, target, name_or_path, k)
+
+        def write(tmp: Path) -> None:
+            write_draft_file(tmp / "model.safetensors", state, meta)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    else:
+        from spire.loading import load_model
+
+        if not (src / "config.json").is_file():
+            raise CheckpointError(f"{src} is not an HF folder: spire export takes a vanilla draft folder")
+        model = load_model(src)
+        if model.cfg.vocab_size != target.cfg.vocab_size:
+            raise TokenizerMismatchError(f"draft {src} has {model.cfg.vocab_size} vocabulary entries, the target "
+                                         f"{target.cfg.vocab_size}")
+        config = json.loads((src / "config.json").read_text())
+        config.update(spire_format_version=FORMAT_VERSION, speculators_model_type="independent",
+                      speculators_config=_speculators("independent", k, _verifier(target, name_or_path)))
+
+        def write(tmp: Path) -> None:
+            for f in src.iterdir():
+                if f.is_file() and f.name != "config.json":
+                    shutil.copy2(f, tmp / f.name)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    replace_dir(out, write)
+    return out
+
+
+def read_export(folder: str | Path) -> dict | None:
+    """The config.json of an exported draft folder, None when ``folder`` is not one (no ``speculators_config``).
+    Raises CheckpointError for an unreadable file or a format version this spire does not know."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict) or "speculators_config" not in config:
+        return None
+    version = config.get("spire_format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{folder} is an exported draft of format version {version!r}; this spire reads "
+                              f"version {FORMAT_VERSION}")
+    return config
+
+
+def check_export(folder: str | Path, target) -> dict:
+    """Validate an exported draft folder against ``target``: its verifier fingerprint must be the target's.
+    Returns its config. Raises CheckpointError (not an export, unknown version) or TokenizerMismatchError."""
+    from spire.drafts.spire import _fingerprint
+
+    config = read_export(folder)
+    if config is None:
+        raise CheckpointError(f"{folder} is not an exported draft (config.json has no speculators_config)")
+    verifier = config["speculators_config"].get("verifier", {})
+    have, want = verifier.get("spire_fingerprint"), _fingerprint(target)
+    if have != want:
+        raise TokenizerMismatchError(f"draft {folder} was exported for verifier {verifier.get('name_or_path')!r} "
+                                     f"{have}, but the target is {want}")
+    return config
+
+
+def load_exported_spire(folder: str | Path, target):
+    """The :class:`spire.drafts.spire.SpireDraftModel` of an exported SPIRe folder, checked against ``target``.
+    Raises CheckpointError or TokenizerMismatchError."""
+    from spire.drafts.spire import SpireDraftModel
+
+    config = check_export(folder, target)
+    algorithm = config["speculators_config"].get("algorithm")
+    if algorithm != "spire":
+        raise CheckpointError(f"{folder} holds a {algorithm!r} draft, not a SPIRe one: use --draft vanilla")
+    return SpireDraftModel.load(Path(folder) / "model.safetensors", target)

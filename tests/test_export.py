@@ -1,0 +1,108 @@
+"""`spire export` (issue 15, part 5): a trained draft as a speculators-style folder, read back by spire
+(--draft-path FOLDER) exactly, refused for another target or an unknown format version."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from spire.cli import main
+from spire.drafts import make_draft
+from spire.drafts.spire import SpireConfig, SpireDraftModel
+from spire.errors import CheckpointError, TokenizerMismatchError
+from spire.export import FORMAT_VERSION, check_export, export_draft
+from spire.speculative import generate
+from tests.conftest import make_tiny
+
+
+def _trained_spire(target, tmp_path):
+    torch.manual_seed(3)
+    model = SpireDraftModel(target, SpireConfig(n_draft_layers=2, sink=1, window=5))
+    with torch.no_grad():  # as if trained: away from the pruned initialization
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    path = tmp_path / "draft.safetensors"
+    model.save(path, {"ablation": "none", "loss": "mixed", "omega": 0.5})
+    return model, path
+
+
+def test_spire_export_round_trip(tmp_path):
+    target = make_tiny()
+    model, path = _trained_spire(target, tmp_path)
+    out = export_draft("spire", path, target, "tiny-target", tmp_path / "export", k=3)
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    c = json.loads((out / "config.json").read_text())
+    assert c["speculators_model_type"] == "spire" and c["spire_format_version"] == FORMAT_VERSION
+    sc = c["speculators_config"]
+    assert sc["algorithm"] == "spire" and sc["default_proposal_method"] == "greedy"
+    assert [m["proposal_type"] for m in sc["proposal_methods"]] == ["greedy", "sample"]
+    assert all(m["speculative_tokens"] == 3 for m in sc["proposal_methods"])
+    assert sc["verifier"]["name_or_path"] == "tiny-target" and sc["verifier"]["hidden_size"] == 48
+    assert c["inputs"] == ["input_ids", "hidden_states.layer.2", "hidden_states.layer.3"]
+    assert {k: c["spire"][k] for k in ("source_layers", "sink", "window", "k", "draft_vocab")} == {
+        "source_layers": [2, 3], "sink": 1, "window": 5, "k": 3, "draft_vocab": None}
+    assert c["num_hidden_layers"] == 2 and c["architectures"] == ["SpireDraftModel"]
+
+    back = make_draft("spire", target, path=str(out))  # --draft-path FOLDER
+    for (name, a), (_, b) in zip(model.state_dict().items(), back.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    prompts = [[5, 17, 42, 8, 60], [3, 71, 9]]
+    ad = generate(target, prompts, 16).tokens
+    assert generate(target, prompts, 16, draft=back, k=3).tokens == ad
+    original = generate(target, prompts, 16, draft=make_draft("spire", target, path=str(path)), k=3)
+    assert generate(target, prompts, 16, draft=back, k=3).accepted_per_round == original.accepted_per_round  # the same draft
+
+
+def test_export_refused_for_another_target(tmp_path):
+    target = make_tiny()
+    _, path = _trained_spire(target, tmp_path)
+    out = export_draft("spire", path, target, "tiny", tmp_path / "export")
+    other = make_tiny(seed=9)
+    with pytest.raises(TokenizerMismatchError, match="exported for verifier 'tiny'"):
+        make_draft("spire", other, path=str(out))
+    with pytest.raises(TokenizerMismatchError):  # and at export time
+        export_draft("spire", path, other, "other", tmp_path / "export2")
+
+
+def test_unknown_format_version_refused(tmp_path):
+    target = make_tiny()
+    _, path = _trained_spire(target, tmp_path)
+    out = export_draft("spire", path, target, "tiny", tmp_path / "export")
+    c = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**c, "spire_format_version": FORMAT_VERSION + 1}))
+    with pytest.raises(CheckpointError, match=f"format version {FORMAT_VERSION + 1}"):
+        make_draft("spire", target, path=str(out))
+
+
+def test_cli_export_for_a_family_target_and_vanilla(tmp_path, capsys):
+    """`spire export` with an HF folder target (Qwen3: q/k norms copied into the draft), then back; a vanilla
+    draft folder exports with speculators_config added to its HF config and still loads."""
+    from spire.drafts.vanilla import build_vanilla, save_vanilla
+    from spire.loading import load_model
+    from tests.families import build_checkpoint
+
+    build_checkpoint("qwen3", tmp_path / "target")
+    target = load_model(tmp_path / "target")
+    model, path = _trained_spire(target, tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["export", "--target", str(tmp_path / "target"), "--draft-path", str(path), "--out",
+              str(tmp_path / "out"), "-k", "5"])
+    assert e.value.code in (0, None)
+    assert capsys.readouterr().out.strip() == str(tmp_path / "out")
+    back = make_draft("spire", target, path=str(tmp_path / "out"))
+    q_norm = "layers.0.self_attn.q_norm.weight"
+    assert torch.equal(back.model.state_dict()[q_norm], model.state_dict()[q_norm])
+
+    vanilla = build_vanilla(target, 1).eval()
+    save_vanilla(vanilla, tmp_path / "vanilla", tmp_path / "target", {})
+    out = export_draft("vanilla", tmp_path / "vanilla", target, "qwen3-target", tmp_path / "vout", k=4)
+    c = json.loads((out / "config.json").read_text())
+    assert c["speculators_config"]["algorithm"] == "independent" and c["model_type"] == "qwen3"
+    check_export(out, target)
+    with pytest.raises(TokenizerMismatchError):
+        check_export(out, make_tiny())
+    reloaded = load_model(out)
+    for (name, a), (_, b) in zip(vanilla.state_dict().items(), reloaded.state_dict().items()):
+        assert torch.equal(a, b), name
