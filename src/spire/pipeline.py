@@ -248,6 +248,7 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
             ("vanilla", TrainConfig(draft="vanilla", k=cfg.k, seed=cfg.seed,
                                     **limits(cfg.vanilla_budget_s, cfg.vanilla_steps)))]
     runs += [(f"spire-{a}", ablation_config(a, k=cfg.k, seed=cfg.seed, spire=spire_arch, **cache,
+                                            eval_every=cfg.eval_every,
                                             **limits(cfg.ablation_budget_s, cfg.ablation_steps)))
              for a in cfg.ablations]
     def amount(budget: float, steps: int | None) -> str:
