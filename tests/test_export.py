@@ -106,3 +106,19 @@ def test_cli_export_for_a_family_target_and_vanilla(tmp_path, capsys):
     reloaded = load_model(out)
     for (name, a), (_, b) in zip(vanilla.state_dict().items(), reloaded.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+def test_export_keeps_the_draft_vocabulary(tmp_path):
+    """A draft with a 20-token vocabulary: config.json names its d2t tensor and size, and the folder reads back
+    to the same map and the same greedy tokens (AD's)."""
+    target = make_tiny()
+    vocab = torch.arange(0, 97, 5)[:20]
+    model = SpireDraftModel(target, SpireConfig(n_draft_layers=2, window=5, vocab_size=20), vocab)
+    model.save(tmp_path / "d.safetensors")
+    out = export_draft("spire", tmp_path / "d.safetensors", target, "tiny-target", tmp_path / "export")
+    c = json.loads((out / "config.json").read_text())
+    assert c["spire"]["draft_vocab"] == {"tensor": "vocab", "size": 20}
+    back = make_draft("spire", target, path=str(out))
+    assert torch.equal(back.model.vocab, vocab)
+    prompts = [[5, 17, 42], [3, 71]]
+    assert generate(target, prompts, 12, draft=back, k=3).tokens == generate(target, prompts, 12).tokens

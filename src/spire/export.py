@@ -81,7 +81,9 @@ def spire_export_config(meta: dict, state: dict, target, name_or_path: str, k: i
     c = target.cfg
     n = c.n_layers
     source = list(sc["layers"]) if sc.get("layers") else list(range(n - sc["n_draft_layers"], n))
-    vocab = next(((name, int(t.shape[0])) for name, t in state.items() if name.endswith("d2t")), None)
+    # the draft vocabulary: SpireDraftModel's "vocab" buffer, draft column -> target token id (EAGLE-3's d2t)
+    vocab = next(((name, int(t.shape[0])) for name, t in state.items() if name == "vocab" or name.endswith("d2t")),
+                 None)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.") if state else "float32"
     return {
         "architectures": ["SpireDraftModel"], "model_type": SPIRE_MODEL_TYPE, "torch_dtype": dtype,
