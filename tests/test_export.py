@@ -117,8 +117,32 @@ def test_export_keeps_the_draft_vocabulary(tmp_path):
     model.save(tmp_path / "d.safetensors")
     out = export_draft("spire", tmp_path / "d.safetensors", target, "tiny-target", tmp_path / "export")
     c = json.loads((out / "config.json").read_text())
-    assert c["spire"]["draft_vocab"] == {"tensor": "vocab", "size": 20}
+    assert {k: c["spire"]["draft_vocab"][k] for k in ("tensor", "size", "holds")} == {
+        "tensor": "vocab", "size": 20, "holds": "target_ids"}
     back = make_draft("spire", target, path=str(out))
     assert torch.equal(back.model.vocab, vocab)
     prompts = [[5, 17, 42], [3, 71]]
     assert generate(target, prompts, 12, draft=back, k=3).tokens == generate(target, prompts, 12).tokens
+
+
+def test_export_refuses_to_destroy_a_folder(tmp_path):
+    """--out must not be the draft's own run folder, a folder above it, or a non-empty folder that is not an
+    earlier export; an earlier export is replaced."""
+    from spire.errors import ConfigError
+
+    target = make_tiny()
+    run = tmp_path / "run"
+    run.mkdir()
+    _, path = _trained_spire(target, run)
+    (run / "train_log.jsonl").write_text("{}\n")
+    for out in (run, tmp_path):
+        with pytest.raises(ConfigError, match="holds the draft"):
+            export_draft("spire", path, target, "t", out)
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="not an earlier spire export"):
+        export_draft("spire", path, target, "t", other)
+    assert (other / "notes.txt").read_text() == "mine" and (run / "train_log.jsonl").is_file()
+    out = export_draft("spire", path, target, "t", tmp_path / "export")
+    assert export_draft("spire", path, target, "t", out) == out  # an earlier export is replaced

@@ -136,11 +136,11 @@ def test_cache_refuses_to_start_without_disk_space(tmp_path, tiny, monkeypatch):
 
 
 def test_cache_settings_are_checked():
-    with pytest.raises(ConfigError, match="set data_steps"):
+    with pytest.raises(ConfigError, match="give --cache-steps with --target-cache"):
         TrainConfig(target_cache="float32").validate()
-    with pytest.raises(ConfigError, match="target_cache must be one of"):
+    with pytest.raises(ConfigError, match="--target-cache must be one of"):
         TrainConfig(target_cache="fp8", data_steps=4).validate()
-    with pytest.raises(ConfigError, match="data_steps must be >= 1"):
+    with pytest.raises(ConfigError, match=r"--cache-steps \(data_steps\) must be >= 1"):
         TrainConfig(data_steps=0).validate()
 
 

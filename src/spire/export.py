@@ -81,7 +81,8 @@ def spire_export_config(meta: dict, state: dict, target, name_or_path: str, k: i
     c = target.cfg
     n = c.n_layers
     source = list(sc["layers"]) if sc.get("layers") else list(range(n - sc["n_draft_layers"], n))
-    # the draft vocabulary: SpireDraftModel's "vocab" buffer, draft column -> target token id (EAGLE-3's d2t)
+    # the draft vocabulary: SpireDraftModel's "vocab" buffer, draft column -> absolute target token id (not
+    # EAGLE-3's d2t offsets; config.json says which)
     vocab = next(((name, int(t.shape[0])) for name, t in state.items() if name == "vocab" or name.endswith("d2t")),
                  None)
     dtype = str(next(iter(state.values())).dtype).removeprefix("torch.") if state else "float32"
@@ -98,10 +99,34 @@ def spire_export_config(meta: dict, state: dict, target, name_or_path: str, k: i
                   "feedback_memory": sc.get("feedback_memory", True),
                   "target_activations": sc.get("target_activations", True),
                   "self_attend": sc.get("self_attend", True),
-                  "draft_vocab": None if vocab is None else {"tensor": vocab[0], "size": vocab[1]},
+                  "draft_vocab": None if vocab is None else {
+                      "tensor": vocab[0], "size": vocab[1], "holds": "target_ids",
+                      "note": "the target token id of each draft column (EAGLE-3's d2t holds the offset "
+                              "target_id - column instead)"},
                   "spire_config": sc, "training": {key: v for key, v in meta.items()
                                                    if key not in ("spire_config", "target")}},
     }
+
+
+def _check_out(out: Path, draft_path: Path, src: Path) -> None:
+    """Refuse an output folder whose contents the export would destroy: the draft itself or a folder holding
+    it, or any non-empty folder that is not an earlier export (config.json with spire_format_version)."""
+    from spire.errors import ConfigError
+
+    o = out.resolve()
+    for p in {draft_path.resolve(), src.resolve()}:
+        if o == p or o in p.parents:
+            raise ConfigError(f"--out {out} holds the draft being exported ({p}); choose another folder")
+    if o.is_file():
+        raise ConfigError(f"--out {out} is a file; give a folder")
+    if o.is_dir() and any(o.iterdir()):
+        try:
+            earlier = "spire_format_version" in json.loads((o / "config.json").read_text())
+        except (OSError, ValueError):
+            earlier = False
+        if not earlier:
+            raise ConfigError(f"--out {out} is a non-empty folder that is not an earlier spire export; it would be "
+                              "replaced: choose an empty or new folder")
 
 
 def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, out: str | Path, k: int = 4) -> Path:
@@ -123,6 +148,7 @@ def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, o
         raise ConfigError(f"spire export writes trained drafts: --draft spire or vanilla, not {kind!r}")
     src = resolve_draft_path(kind, draft_path)
     out = Path(out)
+    _check_out(out, Path(draft_path), src)
     if kind == "spire":
         from spire.drafts.spire import read_draft_file, write_draft_file
 

@@ -131,10 +131,13 @@ def heldout_curve(run_dir: Path) -> list[dict]:
 def spire_architecture(cfg: ReproduceConfig, n_target_layers: int, vocab_size: int):
     """The SPIRe draft of the main job: n_draft_layers target blocks, the first ``first_layers`` of them from the
     bottom of the target and the rest from its top, sink + window, and a draft vocabulary of
-    min(draft_vocab, vocab_size) tokens (None: the whole vocabulary)."""
+    min(draft_vocab, vocab_size) tokens (None: the whole vocabulary). Raises ConfigError when n_draft_layers
+    exceeds the target's layers."""
     from spire.drafts.spire import SpireConfig
 
-    n, first = min(cfg.n_draft_layers, n_target_layers), min(cfg.first_layers, cfg.n_draft_layers)
+    if cfg.n_draft_layers > n_target_layers:
+        raise ConfigError(f"--n-draft-layers {cfg.n_draft_layers} exceeds the target's {n_target_layers} layers")
+    n, first = cfg.n_draft_layers, min(cfg.first_layers, cfg.n_draft_layers)
     layers = None if first == 0 else tuple(range(first)) + tuple(range(n_target_layers - (n - first),
                                                                       n_target_layers))
     vocab = None if cfg.draft_vocab is None or cfg.draft_vocab >= vocab_size else cfg.draft_vocab

@@ -129,12 +129,12 @@ class TrainConfig:
         if not self.lr > 0 or self.warmup_steps < 0 or self.grad_clip <= 0 or self.eval_every < 0:
             raise ConfigError("lr and grad_clip must be positive, warmup_steps and eval_every >= 0")
         if self.data_steps is not None and self.data_steps < 1:
-            raise ConfigError(f"data_steps must be >= 1, got {self.data_steps}")
+            raise ConfigError(f"--cache-steps (data_steps) must be >= 1, got {self.data_steps}")
         if self.target_cache is not None and self.target_cache not in STORAGE_DTYPES:
-            raise ConfigError(f"target_cache must be one of {', '.join(STORAGE_DTYPES)} (or None: live), got "
-                              f"{self.target_cache!r}")
+            raise ConfigError(f"--target-cache must be one of {', '.join(STORAGE_DTYPES)} (or none: the live "
+                              f"target), got {self.target_cache!r}")
         if self.target_cache is not None and self.data_steps is None:
-            raise ConfigError("a target cache holds data_steps batches: set data_steps (--cache-steps)")
+            raise ConfigError("a target cache holds --cache-steps batches: give --cache-steps with --target-cache")
         if self.ablation not in ABLATIONS:
             raise ConfigError(f"unknown ablation {self.ablation!r}; choose one of {', '.join(ABLATIONS)}")
 
