@@ -32,22 +32,18 @@ from spire.data import prepare_data
 
 
 def step_rate(target, data, cfg: TrainConfig, steps: int) -> float:
-    """Median training tokens/s over ``steps`` timed steps (after one warm-up step)."""
-    model = distill._build_model(target, cfg)
+    """Median training tokens/s over ``steps`` timed steps (after one warm-up step), the trainer's own step."""
+    from spire.training.sources import LiveTarget
+
+    model = distill._build_model(target, cfg, data)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
-    layers = distill._needs_hidden(model)
+    src = LiveTarget(target, data, distill._needs_hidden(model), distill.needs_teacher(model, cfg),
+                     cfg.batch_size, cfg.seq_len, cfg.seed, cfg.data_steps, bool(cfg.bf16))
     times = []
     for s in range(steps + 1):
-        tokens = data.sample_train_batch(cfg.batch_size, cfg.seq_len, distill.step_generator(0, s))
         t0 = time.perf_counter()
-        p, hidden = (distill.target_pass(target, tokens, layers, False)
-                     if layers or cfg.resolved_loss() == "mixed" else (None, {}))
-        q = distill.draft_logits(model, tokens, hidden, cfg.k)
-        if cfg.resolved_loss() == "mixed":
-            loss = distill.mixed_loss(q, p, cfg.omega).loss
-        else:
-            loss = distill.hard_target_loss(q[:, :-1], tokens[:, 1:])
+        loss, _ = distill.step_loss(model, target, src.batch(s), cfg)
         opt.zero_grad()
         loss.backward()
         opt.step()

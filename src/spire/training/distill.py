@@ -166,14 +166,6 @@ def fast_bf16(device: torch.device) -> bool:
 _autocast = autocast
 
 
-def target_pass(target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...], bf16: bool):
-    """Frozen target on (B, T) windows -> (logits (B, T, V) float32, {layer: (B, T, d) float32})."""
-    pos = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
-    with torch.no_grad(), _autocast(bf16, tokens.device):
-        out = target(tokens, pos, hidden_layers=layers)
-    return out.logits.float(), {j: h.float() for j, h in out.hidden.items()}
-
-
 def draft_vocab(model: torch.nn.Module) -> torch.Tensor | None:
     """The draft vocabulary's target ids (N,), or None when the draft covers the whole vocabulary."""
     return getattr(model, "vocab", None)
