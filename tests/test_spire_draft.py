@@ -143,3 +143,66 @@ def test_ablation_switches_change_the_draft(tiny):
                                                      self_attend=False)):
         with pytest.raises(ConfigError):
             SpireDraftModel(tiny, SpireConfig(n_draft_layers=2, **bad))
+
+
+def _feature_draft(target, window=6):
+    torch.manual_seed(2)
+    m = SpireDraftModel(target, SpireConfig(n_draft_layers=2, window=window, mix_init=1.0, feature_input=True))
+    with torch.no_grad():
+        m.mix_logits.normal_(0, 1.0)
+        for p in m.layers.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        m.feature_proj.weight.normal_(0, 0.3)  # zero at initialization: make the feature count here
+        m.feature_norm.weight.normal_(1, 0.2)
+    return m.eval()
+
+
+@pytest.mark.parametrize("k,window", [(4, 6), (3, 64)])
+def test_feature_input_training_matches_inference(tiny, k, window):
+    """feature_input: pass 0 reads the target's feature at s - 1, pass j > 0 the draft's own at s + j - 1;
+    the k-pass logits equal the drafting loop's (float32)."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, tiny.cfg.vocab_size, (2, 8 * k))
+    _assert_training_matches_inference(tiny, _feature_draft(tiny, window), tokens, k)
+
+
+def test_feature_input_after_a_rejected_verify(tiny):
+    """After a verify whose last positions were rejected (the draft observed the target's activations of
+    tokens that are not the text's), drafting from the first rejected position still gives the k-pass
+    training logits: stale features and keys at later positions are never read."""
+    torch.manual_seed(0)
+    k, T, B = 3, 24, 2
+    model = _feature_draft(tiny)
+    tokens = torch.randint(0, tiny.cfg.vocab_size, (B, T))
+    other = torch.randint(0, tiny.cfg.vocab_size, (B, T))
+    pos = torch.arange(T)[None].expand(B, T)
+    with torch.no_grad():
+        out = tiny(tokens, pos, hidden_layers=model.source_layers)
+        bad = tiny(other, pos, hidden_layers=model.source_layers)
+        train_logits = model.forward_train(tokens, out.hidden, k)
+    draft = SpireDraft(model)
+    for s in range(k, T - k, k):
+        draft.start(tiny, None, B, T + 1, k)
+        draft.observe(tokens[:, :s], pos[:, :s], ForwardOutput(out.logits[:, :s], {j: h[:, :s] for j, h in out.hidden.items()}))
+        stale = slice(s, s + 2)  # positions s, s + 1 observed with another text's activations (rejected)
+        draft.observe(other[:, stale], pos[:, stale], ForwardOutput(bad.logits[:, stale], {j: h[:, stale] for j, h in bad.hidden.items()}))
+        for j in range(k):
+            step_logits = draft.step(tokens[:, s + j: s + j + 1], pos[:, s + j: s + j + 1])
+            torch.testing.assert_close(step_logits, train_logits[:, s + j], atol=1e-4, rtol=1e-4)
+
+
+def test_feature_input_starts_as_the_paper_draft(tiny):
+    """The projection starts at zero: an untrained feature-input draft gives the paper draft's logits."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, tiny.cfg.vocab_size, (1, 12))
+    pos = torch.arange(12)[None]
+    with torch.no_grad():
+        hidden = tiny(tokens, pos, hidden_layers=(2, 3)).hidden
+        torch.manual_seed(5)
+        a = SpireDraftModel(tiny, SpireConfig(n_draft_layers=2)).forward_train(tokens, hidden, 3)
+        torch.manual_seed(5)
+        b = SpireDraftModel(tiny, SpireConfig(n_draft_layers=2, feature_input=True)).forward_train(tokens, hidden, 3)
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    with pytest.raises(ConfigError, match="feature_input"):
+        SpireConfig(n_draft_layers=2, feature_input=True, target_activations=False,
+                    feedback_memory=False).validate(4)

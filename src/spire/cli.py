@@ -312,6 +312,9 @@ def train(
                                                 "activations (needs --no-feedback-memory).")] = False,
     no_self_attend: Annotated[bool, _OPT("--no-self-attend", help="SPIRe: a drafted token does not read its "
                                                                   "own layer input.")] = False,
+    feature_input: Annotated[bool, _OPT("--feature-input", help="SPIRe, beyond the paper: a drafted token's "
+                                        "input adds a learned projection of the previous position's feature "
+                                        "(EAGLE-style).")] = False,
     vocab_size: Annotated[Optional[int], _OPT(help="SPIRe: draft vocabulary, the N most frequent tokens of the "
                                                    "training text (q = 0 elsewhere; lossless) [the target's].")]
     = None,
@@ -337,6 +340,8 @@ def train(
         spire_kw["feedback_memory"] = False
     if no_target_activations:
         spire_kw["target_activations"] = False
+    if feature_input:
+        spire_kw["feature_input"] = True
     if no_self_attend:
         spire_kw["self_attend"] = False
     train_kw = dict(budget_s=1200.0 if budget is None else budget, max_steps=max_steps, batch_size=batch_size, seq_len=seq_len, k=k, lr=lr,

@@ -37,8 +37,8 @@ from safetensors.torch import load_file
 from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
-from spire.model import (ForwardOutput, FusedBlocks, FusedStep, Transformer, WeightCache, _needs_autograd,
-                         fast_linear, fused_block, fused_block_applies)
+from spire.model import (ForwardOutput, FusedBlocks, FusedStep, RMSNorm, Transformer, WeightCache,
+                         _needs_autograd, fast_linear, fused_block, fused_block_applies)
 from spire.paths import atomic_write
 
 
@@ -60,6 +60,11 @@ class SpireConfig:
         token ids (the N most frequent in the training text, :func:`frequent_tokens`) and gives q = 0 to every
         other token; None = the target's whole vocabulary. Verification stays lossless (q is exactly the
         distribution drafts are drawn from); the head costs N/V of the full one in training and drafting.
+    feature_input: beyond the paper (EAGLE's feature input, Li et al. 2024): a drafted position's input is its
+        token embedding plus a learned projection of the previous position's feature, the residual stream
+        entering the last draft layer: the target's (entering target layer ``source_layers[-1]``) when the
+        previous position is verified, the draft's own when it was drafted. The projection starts at zero, so
+        an untrained draft is the paper's. Needs target activations.
     """
 
     n_draft_layers: int = 8
@@ -72,6 +77,7 @@ class SpireConfig:
     target_activations: bool = True
     self_attend: bool = True
     vocab_size: int | None = None
+    feature_input: bool = False
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -96,6 +102,9 @@ class SpireConfig:
                               "draft's own past would make training sequential")
         if not self.target_activations and not self.self_attend:
             raise ConfigError("self_attend=False applies to the memory of target activations only")
+        if self.feature_input and not self.target_activations:
+            raise ConfigError("feature_input needs target activations (the previous position's feature is the "
+                              "target's residual stream)")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ConfigError(f"the draft vocabulary must hold at least 1 token, got {self.vocab_size}")
 
@@ -208,6 +217,13 @@ class SpireDraftModel(nn.Module):
         mix = torch.zeros(n, n + 1)
         mix[torch.arange(n), torch.arange(n)] = cfg.mix_init  # layer i's memory starts near its own input
         self.mix_logits = nn.Parameter(mix)
+        if cfg.feature_input:  # zero projection: an untrained draft is the paper's
+            d = target.cfg.d_model
+            self.feature_norm = RMSNorm(d, target.cfg.rms_eps)
+            self.feature_proj = nn.Linear(d, d, bias=False)
+            nn.init.zeros_(self.feature_proj.weight)
+        else:
+            self.feature_norm = self.feature_proj = None
         self.layers.requires_grad_(True)
         self.norm.requires_grad_(True)
         object.__setattr__(self, "target", target)  # not a submodule: shared, frozen, never saved
@@ -263,6 +279,14 @@ class SpireDraftModel(nn.Module):
         table[self.vocab] = torch.arange(len(self.vocab), device=tokens.device)
         return table[tokens]
 
+    def embed(self, tokens: torch.Tensor, feature: torch.Tensor | None) -> torch.Tensor:
+        """A drafted position's input (B, T, d): token embedding of (B, T) ids, plus (feature_input) the
+        projected feature (B, T, d) of the previous position (None or zeros where there is none)."""
+        x = self.target.model.embed_tokens(tokens)
+        if self.feature_proj is None or feature is None:
+            return x
+        return x + self.feature_proj(self.feature_norm(feature).to(x.dtype))
+
     def memory(self, xs: list[torch.Tensor]) -> torch.Tensor:
         """Feedback memory. xs: n_d + 1 activations (B, T, d) -> (n_d, B, T, d), m^i = sum_l softmax(w_i)_l x^l.
         Without feedback memory, m^i = x^i (layer i's own input: an ordinary KV cache)."""
@@ -317,6 +341,10 @@ class SpireDraftModel(nn.Module):
         starts = torch.arange(0, T, k, device=dev)  # (T/k,) first position of each block
         out = torch.empty(B, T, self.n_vocab, device=dev)
         blocks = torch.arange(len(starts), device=dev)
+        feature = None  # (B, T/k, d) the previous position's feature (feature_input)
+        if self.feature_proj is not None:  # pass 0: the target's, entering the last draft layer, at s - 1
+            h_last = target_hidden[self.source_layers[-1]]
+            feature = torch.cat([torch.zeros_like(h_last[:, :1]), h_last[:, starts[1:] - 1]], 1)
         for j in range(k):
             q_pos = starts + j  # (T/k,)
             # target part: keys t < block start, inside the sink + window of the query
@@ -329,7 +357,7 @@ class SpireDraftModel(nn.Module):
                 m_draft = m_draft & self.self_mask(q_pos, d_pos)
             mask = torch.cat([m_target, m_draft], -1)[None, None]  # (1, 1, T/k, T + (j+1) T/k)
             cos, sin = self._rope(q_pos[None], dtype)
-            x = self.target.model.embed_tokens(tokens[:, q_pos])  # (B, T/k, d)
+            x = self.embed(tokens[:, q_pos], feature)  # (B, T/k, d)
             xs = [x]
             for i, layer in enumerate(self.layers):
                 def kv_source(k_self, v_self, i=i):
@@ -337,6 +365,7 @@ class SpireDraftModel(nn.Module):
                 x = layer(x, cos, sin, kv_source, mask)
                 xs.append(x)
             out[:, q_pos] = self.logits(x)
+            feature = xs[-2]  # the next pass reads this position's feature: the draft's own
             if j < k - 1:
                 mem = self.memory(xs)  # (n_d, B, T/k, d)
                 for i in range(len(self.layers)):
@@ -385,6 +414,8 @@ class SpireDraft(Draft):
         self.model = model
         self.hidden_layers = model.source_layers if model.cfg.target_activations else ()
         self._cache: RingKVCache | KVCache | None = None
+        self._feature: torch.Tensor | None = None  # (B, R, d) recent positions' features (feature_input)
+        self._feature_pos: torch.Tensor | None = None  # (B, R) the position each slot holds
 
     def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int, k: int) -> None:
         t, view = target.cfg, self.model.view
@@ -394,6 +425,27 @@ class SpireDraft(Draft):
         else:
             self._cache = RingKVCache(len(self.model.layers), batch_size, t.n_kv_heads, view, k + 1, t.d_head,
                                       dtype=target.dtype, device=target.device)
+        if self.model.feature_proj is not None:  # a ring of k + 2 slots: a verify writes k + 1 positions
+            self._feature = torch.zeros(batch_size, k + 2, t.d_model, dtype=target.dtype, device=target.device)
+            self._feature_pos = torch.full((batch_size, k + 2), -1 << 40, dtype=torch.int64, device=target.device)
+
+    def _keep_features(self, pos: torch.Tensor, feature: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Store the features (B, T, d) at positions (B, T) (the latest R valid ones of each row)."""
+        R = self._feature.shape[1]
+        valid = torch.ones_like(pos, dtype=torch.bool) if valid is None else valid
+        keep = valid & (valid.flip(1).cumsum(1).flip(1) <= R)  # contiguous positions: distinct slots
+        b, t = keep.nonzero(as_tuple=True)
+        slot = pos[b, t] % R
+        self._feature[b, slot] = feature[b, t].to(self._feature.dtype)
+        self._feature_pos[b, slot] = pos[b, t]
+
+    def _previous_feature(self, pos: torch.Tensor) -> torch.Tensor:
+        """(B, 1) positions -> (B, 1, d) the feature kept for each row's previous position (zeros if none)."""
+        prev = pos[:, 0] - 1
+        rows = torch.arange(len(prev), device=prev.device)
+        slot = prev % self._feature.shape[1]
+        ok = self._feature_pos[rows, slot] == prev
+        return (self._feature[rows, slot] * ok[:, None].to(self._feature.dtype))[:, None]
 
     def _key_positions(self, batch_size: int) -> torch.Tensor:
         kp = self._cache.key_positions()
@@ -407,6 +459,8 @@ class SpireDraft(Draft):
             return
         cos, sin = self.model._rope(pos, self.model.target.dtype)
         hidden = [target_out.hidden[j] for j in self.model.source_layers]
+        if self._feature is not None:
+            self._keep_features(pos, hidden[-1], valid)
         run = self._fused_step(hidden[0], pos, cos, sin) if valid is None or bool(valid.all()) else None
         if run is not None:
             self._cache.claim(pos)  # the slot tags the per-op path's layer-0 write sets
@@ -443,7 +497,7 @@ class SpireDraft(Draft):
         m, cache = self.model, self._cache
         if not m.cfg.target_activations:
             return m.to_target_vocab(m.logits(self._run(tokens, pos))[:, -1])
-        x = m.target.model.embed_tokens(tokens)  # (B, 1, d)
+        x = m.embed(tokens, None if self._feature is None else self._previous_feature(pos))  # (B, 1, d)
         cos, sin = m._rope(pos, x.dtype)
         cache.claim(pos)  # the slots of the new position now hold it (its keys/values follow, per layer)
         kp = self._key_positions(tokens.shape[0])
@@ -468,6 +522,8 @@ class SpireDraft(Draft):
                     return cache.read(i)
                 x = layer(x, cos, sin, kv_source, mask)
                 xs.append(x)
+        if self._feature is not None:
+            self._keep_features(pos, xs[-2], None)
         if m.cfg.feedback_memory:  # later tokens read this token as memory, not as its self key/value
             mem = m.memory(xs)
             for i in range(len(m.layers)):
