@@ -145,9 +145,9 @@ def test_ablation_switches_change_the_draft(tiny):
             SpireDraftModel(tiny, SpireConfig(n_draft_layers=2, **bad))
 
 
-def _feature_draft(target, window=6):
+def _feature_draft(target, window=6, layers=(2, 3)):
     torch.manual_seed(2)
-    m = SpireDraftModel(target, SpireConfig(n_draft_layers=2, window=window, mix_init=1.0, feature_input=True))
+    m = SpireDraftModel(target, SpireConfig(layers=layers, window=window, mix_init=1.0, feature_input=True))
     with torch.no_grad():
         m.mix_logits.normal_(0, 1.0)
         for p in m.layers.parameters():
@@ -157,13 +157,16 @@ def _feature_draft(target, window=6):
     return m.eval()
 
 
-@pytest.mark.parametrize("k,window", [(4, 6), (3, 64)])
-def test_feature_input_training_matches_inference(tiny, k, window):
-    """feature_input: pass 0 reads the target's feature at s - 1, pass j > 0 the draft's own at s + j - 1;
-    the k-pass logits equal the drafting loop's (float32)."""
+@pytest.mark.parametrize("k,window,layers,at", [(4, 6, (2, 3), 0), (3, 64, (2, 3), 0), (3, 6, (0, 3), 1)])
+def test_feature_input_training_matches_inference(tiny, k, window, layers, at):
+    """feature_input: pass 0 reads the target's feature at s - 1, pass j > 0 the draft's own at s + j - 1,
+    added where the draft's shallow residual meets a deep target layer; the k-pass logits equal the drafting
+    loop's (float32)."""
     torch.manual_seed(0)
     tokens = torch.randint(0, tiny.cfg.vocab_size, (2, 8 * k))
-    _assert_training_matches_inference(tiny, _feature_draft(tiny, window), tokens, k)
+    model = _feature_draft(tiny, window, layers)
+    assert model.feature_layer == at
+    _assert_training_matches_inference(tiny, model, tokens, k)
 
 
 def test_feature_input_after_a_rejected_verify(tiny):

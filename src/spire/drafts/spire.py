@@ -60,11 +60,14 @@ class SpireConfig:
         token ids (the N most frequent in the training text, :func:`frequent_tokens`) and gives q = 0 to every
         other token; None = the target's whole vocabulary. Verification stays lossless (q is exactly the
         distribution drafts are drawn from); the head costs N/V of the full one in training and drafting.
-    feature_input: beyond the paper (EAGLE's feature input, Li et al. 2024): a drafted position's input is its
-        token embedding plus a learned projection of the previous position's feature, the residual stream
+    feature_input: beyond the paper (EAGLE's feature input, Li et al. 2024): a drafted position's residual
+        stream gets a learned projection of the previous position's feature, the residual stream
         entering the last draft layer: the target's (entering target layer ``source_layers[-1]``) when the
         previous position is verified, the draft's own when it was drafted. The projection starts at zero, so
-        an untrained draft is the paper's. Needs target activations.
+        an untrained draft is the paper's. Needs target activations. The projection is added to the residual
+        stream entering draft layer ``feature_layer`` (None: the first draft layer not copied from the same
+        target depth, i.e. where a drafted position's shallow residual meets a deep target layer: 2 for
+        target layers 0, 1, 24..29; 0 for the last layers).
     """
 
     n_draft_layers: int = 8
@@ -78,6 +81,7 @@ class SpireConfig:
     self_attend: bool = True
     vocab_size: int | None = None
     feature_input: bool = False
+    feature_layer: int | None = None
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -105,6 +109,9 @@ class SpireConfig:
         if self.feature_input and not self.target_activations:
             raise ConfigError("feature_input needs target activations (the previous position's feature is the "
                               "target's residual stream)")
+        if self.feature_layer is not None and not 0 <= self.feature_layer < self.n_draft_layers:
+            raise ConfigError(f"feature_layer must be a draft layer in [0, {self.n_draft_layers - 1}], got "
+                              f"{self.feature_layer}")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ConfigError(f"the draft vocabulary must hold at least 1 token, got {self.vocab_size}")
 
@@ -113,6 +120,13 @@ class SpireConfig:
         if self.layers is not None:
             return self.layers
         return tuple(range(n_target_layers - self.n_draft_layers, n_target_layers))
+
+    def resolved_feature_layer(self, n_target_layers: int) -> int:
+        """The draft layer whose input receives the feature (see feature_layer)."""
+        if self.feature_layer is not None:
+            return self.feature_layer
+        src = self.source_layers(n_target_layers)
+        return next((i for i, j in enumerate(src) if j != i), 0)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -222,8 +236,9 @@ class SpireDraftModel(nn.Module):
             self.feature_norm = RMSNorm(d, target.cfg.rms_eps)
             self.feature_proj = nn.Linear(d, d, bias=False)
             nn.init.zeros_(self.feature_proj.weight)
+            self.feature_layer = cfg.resolved_feature_layer(target.cfg.n_layers)
         else:
-            self.feature_norm = self.feature_proj = None
+            self.feature_norm = self.feature_proj = self.feature_layer = None
         self.layers.requires_grad_(True)
         self.norm.requires_grad_(True)
         object.__setattr__(self, "target", target)  # not a submodule: shared, frozen, never saved
@@ -279,12 +294,9 @@ class SpireDraftModel(nn.Module):
         table[self.vocab] = torch.arange(len(self.vocab), device=tokens.device)
         return table[tokens]
 
-    def embed(self, tokens: torch.Tensor, feature: torch.Tensor | None) -> torch.Tensor:
-        """A drafted position's input (B, T, d): token embedding of (B, T) ids, plus (feature_input) the
-        projected feature (B, T, d) of the previous position (None or zeros where there is none)."""
-        x = self.target.model.embed_tokens(tokens)
-        if self.feature_proj is None or feature is None:
-            return x
+    def add_feature(self, x: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
+        """feature_input: the residual stream (B, T, d) entering draft layer :attr:`feature_layer`, plus the
+        projected feature (B, T, d) of each position's previous position (zeros where there is none)."""
         return x + self.feature_proj(self.feature_norm(feature).to(x.dtype))
 
     def memory(self, xs: list[torch.Tensor]) -> torch.Tensor:
@@ -357,9 +369,11 @@ class SpireDraftModel(nn.Module):
                 m_draft = m_draft & self.self_mask(q_pos, d_pos)
             mask = torch.cat([m_target, m_draft], -1)[None, None]  # (1, 1, T/k, T + (j+1) T/k)
             cos, sin = self._rope(q_pos[None], dtype)
-            x = self.embed(tokens[:, q_pos], feature)  # (B, T/k, d)
+            x = self.target.model.embed_tokens(tokens[:, q_pos])  # (B, T/k, d)
             xs = [x]
             for i, layer in enumerate(self.layers):
+                if i == self.feature_layer:
+                    x = xs[i] = self.add_feature(x, feature)
                 def kv_source(k_self, v_self, i=i):
                     return (torch.cat([kt[i], *kd[i], k_self], 2), torch.cat([vt[i], *vd[i], v_self], 2))
                 x = layer(x, cos, sin, kv_source, mask)
@@ -497,7 +511,8 @@ class SpireDraft(Draft):
         m, cache = self.model, self._cache
         if not m.cfg.target_activations:
             return m.to_target_vocab(m.logits(self._run(tokens, pos))[:, -1])
-        x = m.embed(tokens, None if self._feature is None else self._previous_feature(pos))  # (B, 1, d)
+        x = m.target.model.embed_tokens(tokens)  # (B, 1, d)
+        feature = None if self._feature is None else self._previous_feature(pos)  # (B, 1, d)
         cos, sin = m._rope(pos, x.dtype)
         cache.claim(pos)  # the slots of the new position now hold it (its keys/values follow, per layer)
         kp = self._key_positions(tokens.shape[0])
@@ -511,12 +526,18 @@ class SpireDraft(Draft):
             mask8 = mask[:, 0].to(torch.uint8).contiguous()  # (B, 1, S)
             h = x.reshape(B, d).contiguous()
             blocks = [self._fused_block(i) for i in range(len(m.layers))]  # looked up once: layers, then memory
-            for fb in blocks:
+            for i, fb in enumerate(blocks):
+                if i == m.feature_layer:
+                    h = m.add_feature(xs[i], feature).reshape(B, d).contiguous()
+                    xs[i] = h.view(B, 1, d)
                 h = run.block(fb, h, mask=mask8)
                 xs.append(h.view(B, 1, d))
             x = xs[-1]
         else:
             for i, layer in enumerate(m.layers):
+                if i == m.feature_layer:
+                    x = xs[i] = m.add_feature(x, feature)
+
                 def kv_source(k_self, v_self, i=i):  # the token's own key/value, then everything up to it
                     cache.write(i, pos, k_self, v_self)
                     return cache.read(i)
