@@ -7,6 +7,7 @@ on held-out contexts. Prints one table and writes JSON.
     python benchmarks/train_throughput.py                       # 300 s per draft, about 15 minutes on 2 cores
     python benchmarks/train_throughput.py --budget 60 --n-contexts 4 --out bench.json
     python benchmarks/train_throughput.py --levers --steps 5     # old path vs draft vocabulary / target cache
+    python benchmarks/train_throughput.py --whole-machine --steps 12   # the trainer as the main job runs it
 """
 
 from __future__ import annotations
@@ -104,6 +105,40 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
     return rows
 
 
+def whole_machine_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: str, layers,
+                        repeats: int) -> list[dict]:
+    """SPIRe training tokens/s of the real trainer using every core of this machine, on the same batches: the old
+    path (one process with all torch threads, live target, full vocabulary) against the new one (one
+    single-thread process per thread, data parallel; target cache; draft vocabulary). Runs alternate (old, new,
+    old, ...); each rate is the median over steps 3.. of the rank-0 training log (the cache build, spawning and
+    evaluation excluded). Both use the trainer's default numerics (bf16 autocast where it is fast)."""
+    from spire.drafts.spire import SpireConfig
+    from spire.pipeline import ReproduceConfig, training_processes
+    from spire.training.parallel import train_in_processes
+
+    n_procs, _ = training_processes(ReproduceConfig(), target.device)
+    spire_cfg = dict(layers=tuple(layers)) if layers else {}
+    paths = {f"1 process x {torch.get_num_threads()} threads, live, full vocabulary (old)": (None, None, 1),
+             f"{n_procs} processes x 1 thread, cache, vocabulary {vocab_size} (new)": (vocab_size, cache_dtype,
+                                                                                       n_procs)}
+    rates: dict[str, list[float]] = {name: [] for name in paths}
+    with tempfile.TemporaryDirectory(prefix="spire-bench-") as tmp:
+        for rep in range(repeats):
+            for name, (n, dtype, procs) in paths.items():
+                cfg = TrainConfig(budget_s=1e9, max_steps=steps, checkpoint_every=1e9, data_steps=steps,
+                                  target_cache=dtype, spire=SpireConfig(vocab_size=n, **spire_cfg))
+                out = Path(tmp) / f"{rep}-{procs}"
+                train_in_processes(target, data, out, cfg, procs, 1 if procs > 1 else torch.get_num_threads(),
+                                   target_folder=folder, progress=False, log=None)
+                log = [json.loads(ln) for ln in (out / distill.LOG_FILE).read_text().splitlines() if ln.strip()]
+                rates[name].append(statistics.median(r["tokens_per_s"] for r in log
+                                                     if r.get("event") == "train" and r["step"] > 2))
+    rows = [{"path": name, "tokens_per_s": statistics.median(v), "runs": v} for name, v in rates.items()]
+    for r in rows:
+        r["speedup"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--budget", type=float, default=300.0, help="training seconds per draft")
@@ -117,6 +152,10 @@ def main() -> None:
     ap.add_argument("--levers", action="store_true", help="SPIRe training tokens per CPU-second: the old path "
                     "(live target, full vocabulary) against the draft vocabulary and the target cache, alone and "
                     "together, on the same batches")
+    ap.add_argument("--whole-machine", action="store_true", help="the trainer on every core, as the main job runs "
+                    "it: old path (one multi-thread process, live, full vocabulary) against the new one (data-parallel "
+                    "single-thread processes, target cache, draft vocabulary), alternating --repeats times")
+    ap.add_argument("--repeats", type=int, default=2, help="runs of each path for --whole-machine")
     ap.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary of --levers")
     ap.add_argument("--cache-dtype", default="bfloat16", help="target cache storage of --levers")
     ap.add_argument("--layers", default=None, help="SPIRe source layers J,J,... of --levers [the default]")
@@ -124,6 +163,18 @@ def main() -> None:
 
     target, tokenizer, folder = load_target()
     data = prepare_data(tokenizer, eos_id=document_separator_id(tokenizer))
+    if a.whole_machine:
+        layers = [int(x) for x in a.layers.split(",")] if a.layers else None
+        rows = whole_machine_rates(target, data, folder, a.steps, a.vocab_size, a.cache_dtype, layers, a.repeats)
+        print(f"SPIRe training tokens/s on this machine ({torch.get_num_threads()} threads), batch 4 x 256, median "
+              f"over steps 3..{a.steps} of each run, median of {a.repeats} runs per path (alternating)")
+        for r in rows:
+            print(f"{r['path']:60s} {r['tokens_per_s']:7.0f} tokens/s  {r['speedup']:.2f}x   runs: "
+                  + ", ".join(f"{x:.0f}" for x in r["runs"]))
+        if a.out:
+            a.out.write_text(json.dumps({"whole_machine": rows, "args": {k: str(v) for k, v in vars(a).items()}},
+                                        indent=1))
+        return
     if a.levers:
         layers = [int(x) for x in a.layers.split(",")] if a.layers else None
         rows = lever_rates(target, data, folder, a.steps, a.vocab_size, a.cache_dtype, layers)

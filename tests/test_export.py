@@ -146,3 +146,22 @@ def test_export_refuses_to_destroy_a_folder(tmp_path):
     assert (other / "notes.txt").read_text() == "mine" and (run / "train_log.jsonl").is_file()
     out = export_draft("spire", path, target, "t", tmp_path / "export")
     assert export_draft("spire", path, target, "t", out) == out  # an earlier export is replaced
+
+
+def test_export_round_trip_keeps_the_feature_input(tmp_path, tiny):
+    """A draft trained with feature_input (beyond the paper) exports its projection and loads back exactly."""
+    import torch
+
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+    from spire.export import export_draft, load_exported_spire
+
+    torch.manual_seed(0)
+    model = SpireDraftModel(tiny, SpireConfig(n_draft_layers=2, window=6, feature_input=True))
+    with torch.no_grad():
+        model.feature_proj.weight.normal_(0, 0.1)
+    path = tmp_path / "draft.safetensors"
+    model.save(path)
+    out = export_draft("spire", path, tiny, "tiny", tmp_path / "export", k=3)
+    back = load_exported_spire(out, tiny)
+    assert json.loads((out / "config.json").read_text())["spire"]["feature_input"] is True
+    assert back.cfg.feature_input and torch.equal(back.feature_proj.weight, model.feature_proj.weight)

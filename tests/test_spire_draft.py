@@ -145,9 +145,10 @@ def test_ablation_switches_change_the_draft(tiny):
             SpireDraftModel(tiny, SpireConfig(n_draft_layers=2, **bad))
 
 
-def _feature_draft(target, window=6, layers=(2, 3)):
+def _feature_draft(target, window=6, layers=(2, 3), feature_from=None):
     torch.manual_seed(2)
-    m = SpireDraftModel(target, SpireConfig(layers=layers, window=window, mix_init=1.0, feature_input=True))
+    m = SpireDraftModel(target, SpireConfig(layers=layers, window=window, mix_init=1.0, feature_input=True,
+                                            feature_from=feature_from))
     with torch.no_grad():
         m.mix_logits.normal_(0, 1.0)
         for p in m.layers.parameters():
@@ -157,14 +158,16 @@ def _feature_draft(target, window=6, layers=(2, 3)):
     return m.eval()
 
 
-@pytest.mark.parametrize("k,window,layers,at", [(4, 6, (2, 3), 0), (3, 64, (2, 3), 0), (3, 6, (0, 3), 1)])
-def test_feature_input_training_matches_inference(tiny, k, window, layers, at):
+@pytest.mark.parametrize("k,window,layers,at,src", [(4, 6, (2, 3), 0, None), (3, 64, (2, 3), 0, None),
+                                                    (3, 6, (0, 3), 1, None), (3, 6, (0, 1, 3), 2, 2),
+                                                    (4, 6, (0, 1, 3), 2, 0)])
+def test_feature_input_training_matches_inference(tiny, k, window, layers, at, src):
     """feature_input: pass 0 reads the target's feature at s - 1, pass j > 0 the draft's own at s + j - 1,
     added where the draft's shallow residual meets a deep target layer; the k-pass logits equal the drafting
     loop's (float32)."""
     torch.manual_seed(0)
     tokens = torch.randint(0, tiny.cfg.vocab_size, (2, 8 * k))
-    model = _feature_draft(tiny, window, layers)
+    model = _feature_draft(tiny, window, layers, src)
     assert model.feature_layer == at
     _assert_training_matches_inference(tiny, model, tokens, k)
 

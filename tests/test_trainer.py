@@ -433,3 +433,26 @@ def test_resume_a_run_saved_before_a_setting_existed(tmp_path, tiny):
     changed.omega = 0.9
     with pytest.raises(ConfigError, match=r"other settings \(omega\)"):
         train_draft(tiny, RepeatingData(), tmp_path, changed, resume=True, progress=False)
+
+
+def test_spawned_processes_match_one_process(tmp_path, tiny):
+    """spire.training.parallel (the main job's data parallelism, no torchrun): 2 spawned processes train on the
+    same global batches as one process (weights equal up to float32 rounding), and the finished run loads
+    in the calling process without training again."""
+    from spire.training.parallel import train_in_processes
+    from tests.train_worker import RepeatingData, config
+
+    data = RepeatingData()
+    one, s1 = train_draft(tiny, data, tmp_path / "one", config("spire", 4, 4), progress=False, log=None)
+    two, s2 = train_in_processes(tiny, data, tmp_path / "two", config("spire", 4, 4), n_processes=2,
+                                 progress=False, log=None)
+    assert s1["step"] == s2["step"] == 4 and s2["finished"]
+    ref = dict(one.named_parameters())
+    for name, p in two.named_parameters():
+        torch.testing.assert_close(p, ref[name], rtol=1e-5, atol=1e-6, msg=name)
+    mtime = (tmp_path / "two" / "checkpoint" / "train_state.json").stat().st_mtime
+    again, s3 = train_in_processes(tiny, data, tmp_path / "two", config("spire", 4, 4), n_processes=2,
+                                   progress=False, log=None)
+    assert s3["step"] == 4 and (tmp_path / "two" / "checkpoint" / "train_state.json").stat().st_mtime == mtime
+    with pytest.raises(ConfigError, match="divisible"):
+        train_in_processes(tiny, data, tmp_path / "three", config("spire", 4, 3), n_processes=2, log=None)

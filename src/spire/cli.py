@@ -403,6 +403,9 @@ def reproduce(
     target_cache: Annotated[Optional[str], typer.Option(metavar="bfloat16|float32|none", help="Storage of the "
                                                         "target cache; none runs the target live on fresh batches "
                                                         "[bfloat16].")] = None,
+    train_processes: Annotated[Optional[int], typer.Option(help="Data-parallel training processes (each "
+                                                           "1 thread on a CPU) [one per torch thread on a CPU].")]
+    = None,
     seed: Annotated[int, typer.Option(help="Seed for data windows, training and sampling.")] = 0,
 ) -> None:
     """The main job: data, SPIRe + vanilla (+ ablation) training, τ tables, cost model, REPORT.md."""
@@ -427,6 +430,8 @@ def reproduce(
         overrides["draft_vocab"] = draft_vocab or None
     if cache_steps is not None:
         overrides["cache_steps"] = cache_steps
+    if train_processes is not None:
+        overrides["train_processes"] = train_processes
     if target_cache is not None:
         if target_cache not in ("bfloat16", "float32", "none"):
             raise ConfigError(f"--target-cache must be bfloat16, float32 or none, got {target_cache!r}")

@@ -70,6 +70,7 @@ class ReproduceConfig:
     grid_L: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
     alpha_windows: int = 16
     eval_every: int = 100  # SPIRe steps between held-out evaluations (the learning curve of the report)
+    train_processes: int | None = None  # data-parallel training processes; None: one per torch thread on a CPU
     quick: bool = False
 
     @classmethod
@@ -103,6 +104,8 @@ class ReproduceConfig:
                               f"{self.first_layers}")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise ConfigError(f"the draft vocabulary must be a positive number of tokens, got {self.draft_vocab}")
+        if self.train_processes is not None and (self.train_processes < 1 or 4 % self.train_processes):
+            raise ConfigError(f"train_processes must divide the training batch of 4 rows, got {self.train_processes}")
         if self.vanilla_token_share is not None and not self.vanilla_token_share > 0:
             raise ConfigError(f"vanilla_token_share must be positive, got {self.vanilla_token_share}")
         if any(x is not None and x < 1 for x in (self.steps, self.vanilla_steps, self.ablation_steps)):
@@ -113,6 +116,20 @@ class ReproduceConfig:
             raise ConfigError(f"--tau-L takes positive context lengths, got {list(self.tau_Ls)}")
         if any(b < 1 for b in self.grid_B) or any(x < 1 for x in self.grid_L):
             raise ConfigError("the B and L grids take positive integers")
+
+
+def training_processes(cfg: ReproduceConfig, device: torch.device, batch_size: int = 4) -> tuple[int, int]:
+    """(processes, torch threads each) for the main job's training: on a CPU by default one single-thread process
+    per torch thread (the largest count dividing the batch), which trains faster than one multi-thread process
+    (:mod:`spire.training.parallel`); one process elsewhere."""
+    threads = torch.get_num_threads()
+    if cfg.train_processes is not None:
+        n = cfg.train_processes
+    elif device.type != "cpu":
+        n = 1
+    else:
+        n = max(d for d in range(1, batch_size + 1) if batch_size % d == 0 and d <= threads)
+    return n, max(1, threads // n) if n > 1 else threads
 
 
 def heldout_curve(run_dir: Path) -> list[dict]:
@@ -216,7 +233,8 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     from spire.evaluation.tau import measure_tau_shared
     from spire.loading import load_target
     from spire.sampling import SamplingParams
-    from spire.training.distill import TrainConfig, ablation_config, train_draft
+    from spire.training.distill import TrainConfig, ablation_config
+    from spire.training.parallel import train_in_processes
 
     cfg.validate()
     t_start = time.time()
@@ -264,6 +282,7 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
         f"{amount(cfg.budget_s, cfg.steps)}), vanilla ({amount(cfg.vanilla_budget_s, cfg.vanilla_steps)})"
         + (f", {len(cfg.ablations)} ablations ({amount(cfg.ablation_budget_s, cfg.ablation_steps)} each)"
            if cfg.ablations else ""))
+    n_procs, threads = training_processes(cfg, target.device)
     t = time.time()
     trained, training, states, by_config = {}, {}, {}, {}
     for label, train_cfg in runs:
@@ -278,8 +297,8 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
             trained[label], training[label], states[label] = trained[same], training[same], states[same]
             continue
         run_dir = _draft_dir(cfg, train_cfg, folder, label)
-        model, state = train_draft(target, data, run_dir, train_cfg, heldout=windows, target_folder=folder,
-                                   progress=progress, log=log)
+        model, state = train_in_processes(target, data, run_dir, train_cfg, n_procs, threads, heldout=windows,
+                                          target_folder=folder, progress=progress, log=log)
         states[label] = state
         alpha = state["heldout"]["alpha_per_position"]
         log(f"      {label}: {state['step']} steps, {state['tokens']:,} tokens, held-out alpha per drafted position "
@@ -289,6 +308,7 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
             "run_dir": str(run_dir), "draft": train_cfg.draft, "ablation": train_cfg.ablation,
             "steps": state["step"], "tokens": state["tokens"], "elapsed_s": state["elapsed_s"],
             "tokens_per_s": state["tokens"] / max(state["elapsed_s"], 1e-9), "bf16": train_cfg.bf16,
+            "processes": n_procs, "threads_per_process": threads,
             "lr": train_cfg.lr, "loss": train_cfg.resolved_loss(), "omega": train_cfg.omega,
             "batch_size": train_cfg.batch_size, "seq_len": train_cfg.seq_len,
             "draft_body_params": sum(p.numel() for p in model.layers.parameters()),

@@ -67,7 +67,8 @@ class SpireConfig:
         an untrained draft is the paper's. Needs target activations. The projection is added to the residual
         stream entering draft layer ``feature_layer`` (None: the first draft layer not copied from the same
         target depth, i.e. where a drafted position's shallow residual meets a deep target layer: 2 for
-        target layers 0, 1, 24..29; 0 for the last layers).
+        target layers 0, 1, 24..29; 0 for the last layers). feature_from: the draft layer whose input residual
+        is the feature (None: the last draft layer).
     """
 
     n_draft_layers: int = 8
@@ -82,6 +83,7 @@ class SpireConfig:
     vocab_size: int | None = None
     feature_input: bool = False
     feature_layer: int | None = None
+    feature_from: int | None = None
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -112,6 +114,9 @@ class SpireConfig:
         if self.feature_layer is not None and not 0 <= self.feature_layer < self.n_draft_layers:
             raise ConfigError(f"feature_layer must be a draft layer in [0, {self.n_draft_layers - 1}], got "
                               f"{self.feature_layer}")
+        if self.feature_from is not None and not 0 <= self.feature_from < self.n_draft_layers:
+            raise ConfigError(f"feature_from must be a draft layer in [0, {self.n_draft_layers - 1}], got "
+                              f"{self.feature_from}")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ConfigError(f"the draft vocabulary must hold at least 1 token, got {self.vocab_size}")
 
@@ -237,8 +242,9 @@ class SpireDraftModel(nn.Module):
             self.feature_proj = nn.Linear(d, d, bias=False)
             nn.init.zeros_(self.feature_proj.weight)
             self.feature_layer = cfg.resolved_feature_layer(target.cfg.n_layers)
+            self.feature_from = len(self.layers) - 1 if cfg.feature_from is None else cfg.feature_from
         else:
-            self.feature_norm = self.feature_proj = self.feature_layer = None
+            self.feature_norm = self.feature_proj = self.feature_layer = self.feature_from = None
         self.layers.requires_grad_(True)
         self.norm.requires_grad_(True)
         object.__setattr__(self, "target", target)  # not a submodule: shared, frozen, never saved
@@ -354,8 +360,8 @@ class SpireDraftModel(nn.Module):
         out = torch.empty(B, T, self.n_vocab, device=dev)
         blocks = torch.arange(len(starts), device=dev)
         feature = None  # (B, T/k, d) the previous position's feature (feature_input)
-        if self.feature_proj is not None:  # pass 0: the target's, entering the last draft layer, at s - 1
-            h_last = target_hidden[self.source_layers[-1]]
+        if self.feature_proj is not None:  # pass 0: the target's, entering draft layer feature_from, at s - 1
+            h_last = target_hidden[self.source_layers[self.feature_from]]
             feature = torch.cat([torch.zeros_like(h_last[:, :1]), h_last[:, starts[1:] - 1]], 1)
         for j in range(k):
             q_pos = starts + j  # (T/k,)
@@ -379,7 +385,8 @@ class SpireDraftModel(nn.Module):
                 x = layer(x, cos, sin, kv_source, mask)
                 xs.append(x)
             out[:, q_pos] = self.logits(x)
-            feature = xs[-2]  # the next pass reads this position's feature: the draft's own
+            if self.feature_proj is not None:  # the next pass reads this position's feature: the draft's own
+                feature = xs[self.feature_from]
             if j < k - 1:
                 mem = self.memory(xs)  # (n_d, B, T/k, d)
                 for i in range(len(self.layers)):
@@ -474,7 +481,7 @@ class SpireDraft(Draft):
         cos, sin = self.model._rope(pos, self.model.target.dtype)
         hidden = [target_out.hidden[j] for j in self.model.source_layers]
         if self._feature is not None:
-            self._keep_features(pos, hidden[-1], valid)
+            self._keep_features(pos, hidden[self.model.feature_from], valid)
         run = self._fused_step(hidden[0], pos, cos, sin) if valid is None or bool(valid.all()) else None
         if run is not None:
             self._cache.claim(pos)  # the slot tags the per-op path's layer-0 write sets
@@ -544,7 +551,7 @@ class SpireDraft(Draft):
                 x = layer(x, cos, sin, kv_source, mask)
                 xs.append(x)
         if self._feature is not None:
-            self._keep_features(pos, xs[-2], None)
+            self._keep_features(pos, xs[m.feature_from], None)
         if m.cfg.feedback_memory:  # later tokens read this token as memory, not as its self key/value
             mem = m.memory(xs)
             for i in range(len(m.layers)):

@@ -269,7 +269,10 @@ def _training_lines(results: dict, cfg) -> list[str]:
         f"{cfg.window}, feedback memory, target activations for the verified past. Vanilla: "
         f"round(layers / 8) blocks of the target's width, random initialization, full KV cache. AdamW, lr "
         f"{tr['lr']}, warmup then cosine, batches of {tr['batch_size']} × {tr['seq_len']} tokens, bf16 autocast "
-        f"{'on' if tr['bf16'] else 'off'}. α = E[Σ min(p, q)] on {cfg.alpha_windows} held-out windows." + shares,
+        f"{'on' if tr['bf16'] else 'off'}"
+        + (f", data parallel in {tr['processes']} processes × {tr['threads_per_process']} thread(s)"
+           if tr.get("processes", 1) > 1 else "")
+        + f". α = E[Σ min(p, q)] on {cfg.alpha_windows} held-out windows." + shares,
         "",
     ] + [f"- {b}" for b in beyond] + ([""] if beyond else []) + lines + [""]
 
