@@ -443,10 +443,13 @@ def test_spawned_processes_match_one_process(tmp_path, tiny):
     from tests.train_worker import RepeatingData, config
 
     data = RepeatingData()
-    one, s1 = train_draft(tiny, data, tmp_path / "one", config("spire", 4, 4), progress=False, log=None)
+    heldout = data.seqs[:2]  # rank 0 evaluates (with both processes' threads) while rank 1 waits
+    one, s1 = train_draft(tiny, data, tmp_path / "one", config("spire", 4, 4), heldout=heldout, progress=False,
+                          log=None)
     two, s2 = train_in_processes(tiny, data, tmp_path / "two", config("spire", 4, 4), n_processes=2,
-                                 progress=False, log=None)
+                                 heldout=heldout, progress=False, log=None)
     assert s1["step"] == s2["step"] == 4 and s2["finished"]
+    assert s2["heldout"]["alpha_per_position"] == pytest.approx(s1["heldout"]["alpha_per_position"], rel=1e-4)
     ref = dict(one.named_parameters())
     for name, p in two.named_parameters():
         torch.testing.assert_close(p, ref[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -376,7 +376,17 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
     def evaluate() -> None:
         if heldout is None:
             return
-        ev = evaluate_heldout(model, target, heldout, cfg)
+        if dist is not None:  # rank 0 evaluates with every process's threads while the others wait
+            if rank == 0:
+                threads = torch.get_num_threads()
+                torch.set_num_threads(threads * world)
+                ev = evaluate_heldout(model, target, heldout, cfg)
+                torch.set_num_threads(threads)
+            dist.barrier()
+            if rank != 0:
+                return
+        else:
+            ev = evaluate_heldout(model, target, heldout, cfg)
         model.train()
         state["heldout"] = {"step": state["step"], **ev}
         write_log({"event": "eval", "step": state["step"], "tokens": state["tokens"], **ev})
