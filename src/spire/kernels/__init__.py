@@ -110,6 +110,10 @@ def load() -> ctypes.CDLL | None:
         lib.spire_block_kv.restype = ctypes.c_int
         lib.spire_block_kv.argtypes = ([P, I, I, P, P, P, P, P, ctypes.c_float, P, ctypes.c_int] + [I] * 4
                                        + [P, P, I, I, I, P])
+        lib.spire_set_avx512.restype = ctypes.c_int
+        lib.spire_set_avx512.argtypes = [ctypes.c_int]
+        if os.environ.get("SPIRE_AVX512", "1") in ("0", "off", "false", "no"):
+            lib.spire_set_avx512(0)
         _LIB = lib
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         _ERROR = str(e)
@@ -120,6 +124,14 @@ def load() -> ctypes.CDLL | None:
 def unavailable_reason() -> str | None:
     """Why the kernel is not used (None when it is loaded or not tried yet)."""
     return _ERROR
+
+
+def set_avx512(on: bool) -> bool:
+    """Use the AVX-512 few-row matmul path (skinny_gemm.c) when the CPU has AVX-512F/BW/VL/DQ (on, the default
+    unless ``SPIRE_AVX512=0``) or the AVX2 paths (off). Returns whether the AVX-512 path is now used (False when
+    the kernels are unavailable or the CPU lacks AVX-512). For A/B timing and tests."""
+    lib = load()
+    return bool(lib.spire_set_avx512(int(on))) if lib is not None else False
 
 
 def available() -> bool:
