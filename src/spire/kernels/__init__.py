@@ -18,7 +18,10 @@ and MagicDec draft steps, where the ~40 torch ops per block cost as much as the 
 The shared library is compiled once per machine into ``<spire cache>/kernels/`` with
 ``cc -O3 -mavx2 -mfma -fopenmp`` (about a second) and loaded with ctypes after torch, so its OpenMP calls
 use torch's libgomp and thread count. Used only for float32 CPU tensors whose inner dimension is contiguous,
-on CPUs with AVX2 and FMA; anything else (no compiler, another CPU, bf16, ``SPIRE_KERNELS=0``) returns None
+on CPUs with AVX2 and FMA; on CPUs with AVX-512F/BW/VL/DQ (detected at run time, the flags stay the same so the
+library builds and runs on AVX2-only machines) matmuls of 3 to 8 rows take an AVX-512 path that multiplies a
+tile of 3-6 weight rows with all rows at once (:func:`set_avx512`, ``SPIRE_AVX512=0`` to keep the AVX2 path);
+anything else (no compiler, another CPU, bf16, ``SPIRE_KERNELS=0``) returns None
 and the caller falls back to torch. Results agree with torch to float32 rounding (different summation order).
 """
 
