@@ -18,7 +18,10 @@ and MagicDec draft steps, where the ~40 torch ops per block cost as much as the 
 The shared library is compiled once per machine into ``<spire cache>/kernels/`` with
 ``cc -O3 -mavx2 -mfma -fopenmp`` (about a second) and loaded with ctypes after torch, so its OpenMP calls
 use torch's libgomp and thread count. Used only for float32 CPU tensors whose inner dimension is contiguous,
-on CPUs with AVX2 and FMA; anything else (no compiler, another CPU, bf16, ``SPIRE_KERNELS=0``) returns None
+on CPUs with AVX2 and FMA; on CPUs with AVX-512F/BW/VL/DQ (detected at run time, the flags stay the same so the
+library builds and runs on AVX2-only machines) matmuls of 3 to 8 rows take an AVX-512 path that multiplies a
+tile of 3-6 weight rows with all rows at once (:func:`set_avx512`, ``SPIRE_AVX512=0`` to keep the AVX2 path);
+anything else (no compiler, another CPU, bf16, ``SPIRE_KERNELS=0``) returns None
 and the caller falls back to torch. Results agree with torch to float32 rounding (different summation order).
 """
 
@@ -110,6 +113,10 @@ def load() -> ctypes.CDLL | None:
         lib.spire_block_kv.restype = ctypes.c_int
         lib.spire_block_kv.argtypes = ([P, I, I, P, P, P, P, P, ctypes.c_float, P, ctypes.c_int] + [I] * 4
                                        + [P, P, I, I, I, P])
+        lib.spire_set_avx512.restype = ctypes.c_int
+        lib.spire_set_avx512.argtypes = [ctypes.c_int]
+        if os.environ.get("SPIRE_AVX512", "1") in ("0", "off", "false", "no"):
+            lib.spire_set_avx512(0)
         _LIB = lib
     except (OSError, subprocess.SubprocessError, AttributeError) as e:
         _ERROR = str(e)
@@ -120,6 +127,14 @@ def load() -> ctypes.CDLL | None:
 def unavailable_reason() -> str | None:
     """Why the kernel is not used (None when it is loaded or not tried yet)."""
     return _ERROR
+
+
+def set_avx512(on: bool) -> bool:
+    """Use the AVX-512 few-row matmul path (skinny_gemm.c) when the CPU has AVX-512F/BW/VL/DQ (on, the default
+    unless ``SPIRE_AVX512=0``) or the AVX2 paths (off). Returns whether the AVX-512 path is now used (False when
+    the kernels are unavailable or the CPU lacks AVX-512). For A/B timing and tests."""
+    lib = load()
+    return bool(lib.spire_set_avx512(int(on))) if lib is not None else False
 
 
 def available() -> bool:
