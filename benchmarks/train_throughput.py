@@ -16,26 +16,25 @@ import argparse
 import json
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from spire.drafts.spire import SpireDraft
+from spire.drafts.spire import SpireConfig, SpireDraft
 from spire.drafts.vanilla import VanillaDraft
 from spire.evaluation.tau import measure_tau
 from spire.loading import load_target
 from spire.pipeline import document_separator_id
 from spire.sampling import SamplingParams
 from spire.training import distill
+from spire.timing import Stopwatch
 from spire.training.distill import TrainConfig, train_draft
+from spire.training.sources import CachedTarget, LiveTarget, TargetCache
 from spire.data import prepare_data
 
 
 def step_rate(target, data, cfg: TrainConfig, steps: int) -> float:
     """Median training tokens/s over ``steps`` timed steps (after one warm-up step), the trainer's own step."""
-    from spire.training.sources import LiveTarget
-
     model = distill._build_model(target, cfg, data)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
@@ -43,13 +42,13 @@ def step_rate(target, data, cfg: TrainConfig, steps: int) -> float:
                      cfg.batch_size, cfg.seq_len, cfg.seed, cfg.data_steps, bool(cfg.bf16))
     times = []
     for s in range(steps + 1):
-        t0 = time.perf_counter()
+        watch = Stopwatch(target.device)
         loss, _ = distill.step_loss(model, target, src.batch(s), cfg)
         opt.zero_grad()
         loss.backward()
         opt.step()
         if s:
-            times.append(time.perf_counter() - t0)
+            times.append(watch.seconds())
     return cfg.batch_size * cfg.seq_len / statistics.median(times)
 
 
@@ -57,9 +56,6 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
     """Training tokens per second (wall and CPU) of one SPIRe step on the same batches, for the old path (live
     target, full vocabulary) and each lever alone and together (draft vocabulary, target cache), steps timed
     in turn (old, new, old, new, ...) so that load on the machine hits every path alike."""
-    from spire.drafts.spire import SpireConfig
-    from spire.training.sources import CachedTarget, LiveTarget, TargetCache
-
     spire_cfg = dict(layers=tuple(layers)) if layers else {}
     paths = {"live, full vocabulary (old)": (None, None), f"live, vocabulary {vocab_size}": (vocab_size, None),
              "cache, full vocabulary": (None, cache_dtype), f"cache, vocabulary {vocab_size} (new)": (vocab_size,
@@ -74,25 +70,27 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
                              cfg.data_steps)
         else:
             built: list[str] = []
-            t0 = time.perf_counter()
+            watch = Stopwatch(target.device)
             cache = TargetCache.build(target, data, layers_needed, teacher, cfg.batch_size, cfg.seq_len, cfg.seed,
                                       cfg.data_steps, dtype, folder=folder, progress=False, log=built.append)
+            seconds = watch.seconds()
             if build_s is None and not any("reusing" in m for m in built) and "(resuming" not in "".join(built):
-                if time.perf_counter() - t0 > 1.0:  # built here, not opened from an earlier run
-                    build_s = (time.perf_counter() - t0) / cfg.data_steps
+                if seconds > 1.0:  # built here, not opened from an earlier run
+                    build_s = seconds / cfg.data_steps
             src = CachedTarget(cache, layers_needed, teacher, target.device)
         opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
         runs[name] = (cfg, model, src, opt, [], [])
     for s in range(steps + 1):
         for name, (cfg, model, src, opt, wall, cpu) in runs.items():
-            w0, c0 = time.perf_counter(), time.process_time()
+            watch = Stopwatch(target.device)
             loss, _ = distill.step_loss(model, target, src.batch(s), cfg)
             opt.zero_grad()
             loss.backward()
             opt.step()
             if s:  # the first step warms up
-                wall.append(time.perf_counter() - w0)
-                cpu.append(time.process_time() - c0)
+                w, c = watch.stop()
+                wall.append(w)
+                cpu.append(c)
     rows = []
     for name, (cfg, _, _, _, wall, cpu) in runs.items():
         tok = cfg.batch_size * cfg.seq_len

@@ -6,7 +6,7 @@ import torch
 from scipy.stats import chisquare
 
 from spire.sampling import SamplingParams, probs_from_logits, sample
-from spire.verification import verify
+from spire.verification import output_tokens, verify, verify_greedy
 
 N = 100_000
 
@@ -142,3 +142,21 @@ def test_wrong_samplers_are_rejected(kind, caught_at):
     pv = _block_pvalues(_mutant_verify(kind))
     assert all(pv[j] < 1e-6 for j in caught_at), pv
 
+
+
+def test_greedy_verification_is_rejection_sampling_with_one_hot_distributions():
+    """verify_greedy gives the tokens of verify with one-hot p and q (the argmaxes), whatever the RNG."""
+    g = torch.Generator().manual_seed(3)
+    B, k, V = 64, 4, 5
+    logits = torch.randn(B, k + 1, V, generator=g)
+    best = logits.argmax(-1)
+    d = torch.where(torch.rand(B, k, generator=g) < 0.7, best[:, :k], torch.randint(0, V, (B, k), generator=g))
+    one_hot = torch.nn.functional.one_hot
+    n_ref, next_ref = verify(d, one_hot(d, V).float(), one_hot(best, V).float(), g)
+    n_acc, nxt = verify_greedy(d, logits)
+    assert torch.equal(n_acc, n_ref) and torch.equal(nxt, next_ref)
+    assert set(n_acc.tolist()) > {0, k}  # rejections at 0, mid-block and full accepts were all exercised
+    block = output_tokens(d, n_acc, nxt)
+    for b in range(B):
+        n = int(n_acc[b])
+        assert block[b, :n].tolist() == d[b, :n].tolist() and int(block[b, n]) == int(best[b, n])

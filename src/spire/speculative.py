@@ -1,25 +1,32 @@
 """Batched speculative decoding: the round loop (SPIRe paper §2; Leviathan et al. 2023).
 
-One round per batch: the draft proposes k tokens per row (k draft forwards), the target scores the pending
-token plus the k proposals in one forward over k+1 positions, :func:`spire.verification.verify` accepts a
-prefix per row and draws the next token. Each row keeps its own committed length ``n`` and its positions
-start at 0 at its first token, so rows of different prompt lengths and accept lengths never wait for or
-shift one another.
+A round, per batch, in four named steps:
 
-Cache invariant (why no explicit rollback is needed): the target cache holds the committed tokens at
-positions < n - 1; the last committed token is *pending* and is the first input of the next round. Every
-forward writes its positions before any query reads them, and a query reads only positions <= its own, so
-entries of rejected tokens (and of right-padding in prefill) are overwritten before they are ever read.
+1. draft (:func:`_draft`): the draft proposes k tokens per row, one draft forward each;
+2. verify (:func:`_sd_round`): the target scores the pending token and the k proposals in one forward over
+   k+1 positions;
+3. accept (:func:`_accept`): :mod:`spire.verification` keeps a prefix of each row's proposals and gives the
+   recovered or bonus token (greedy or by rejection sampling; the module defines the terms);
+4. commit / rollback (:class:`_Rows`): each active row emits its output tokens (cut by its budget, EOS and
+   stop strings) and its committed length advances past them; rejected tokens are rolled back by not
+   advancing.
 
-``draft=None`` runs autoregressive decoding (AD) with the same prefill and stopping rules.
+Each row keeps its own committed length ``n`` and its positions start at 0 at its first token, so rows of
+different prompt lengths and accept lengths never wait for or shift one another.
 
-:func:`generate` = :func:`prefill` + :func:`decode`; the two halves are public so that a benchmark can run
-several decoders (AD, each draft) from one prefill (``Prefilled.clone_cache``).
+Cache invariant (why rollback needs no work): the target cache holds the committed tokens at positions
+< n - 1; the last committed token is *pending* and is the first input of the next round. Every forward writes
+its positions before any query reads them, and a query reads only positions <= its own, so entries of
+rejected tokens (and of right-padding in prefill) are overwritten before they are ever read.
+
+``draft=None`` runs autoregressive decoding (AD, :func:`_ad_round`) with the same prefill and stopping rules.
+
+:func:`generate` = :func:`prefill` + :func:`start_draft` + :func:`decode`; the parts are public so that a
+benchmark can run several decoders (AD, each draft) from one prefill (``Prefilled.clone_cache``).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -30,7 +37,8 @@ from spire.errors import ConfigError
 from spire.kv_cache import KVCache
 from spire.model import ForwardOutput, Transformer
 from spire.sampling import SamplingParams, probs_from_logits, sample
-from spire.verification import verify
+from spire.timing import Stopwatch
+from spire.verification import output_tokens, verify, verify_greedy
 
 
 @dataclass
@@ -91,11 +99,6 @@ def _as_rows(prompts: torch.Tensor | Sequence[Sequence[int]]) -> list[list[int]]
     return rows
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def cache_length(target: Transformer, rows: Sequence[Sequence[int]], max_new_tokens: int, depth: int) -> int:
     """Cache length (tokens) for prompts ``rows``, ``max_new_tokens`` new tokens and ``depth`` draft tokens
     per round (0 for AD): longest prompt + max_new_tokens + depth + 1. Raises ConfigError beyond the
@@ -128,8 +131,7 @@ def prefill(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]]
     cache = target.new_cache(B, max_len) if cache is None else cache
     lens = torch.tensor([len(r) for r in rows], device=dev)
     width = int(lens.max()) - 1
-    _sync(dev)
-    t0 = time.perf_counter()
+    watch = Stopwatch(dev)
     padded = pos = valid = out = None
     if width > 0:
         padded = torch.zeros(B, width, dtype=torch.long, device=dev)
@@ -138,15 +140,26 @@ def prefill(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]]
         pos = torch.arange(width, device=dev)[None].expand(B, width)
         valid = pos < (lens - 1)[:, None]
         out = target(padded, pos, cache, hidden_layers=hidden_layers)
-    _sync(dev)
-    return Prefilled(rows, cache, max_len, padded, pos, valid, out, time.perf_counter() - t0)
+    return Prefilled(rows, cache, max_len, padded, pos, valid, out, watch.seconds())
+
+
+def start_draft(draft: Draft, target: Transformer, state: Prefilled, k: int,
+                cache: KVCache | None = None) -> None:
+    """Bind ``draft`` to a generation that continues from ``state``: :meth:`Draft.start` on the target cache
+    (``cache``, default ``state.cache``; a clone of it to run several decoders from one prefill), then
+    :meth:`Draft.observe` of the prefill (when there was one: prompts of one token have nothing to prefill).
+    k: draft tokens per round."""
+    cache = state.cache if cache is None else cache
+    draft.start(target, cache, len(state.rows), state.max_len, k)
+    if state.out is not None:
+        draft.observe(state.tokens, state.pos, state.out, valid=state.valid)
 
 
 @torch.no_grad()
 def generate(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]], max_new_tokens: int,
              draft: Draft | None = None, k: int = 4, params: SamplingParams = SamplingParams(),
              generator: torch.Generator | None = None, eos_ids: Sequence[int] = (),
-             stop: "StopStrings | None" = None, progress=None) -> GenerationResult:
+             stop: StopStrings | None = None, progress=None) -> GenerationResult:
     """Generate up to ``max_new_tokens`` per row, with speculative rounds when a draft is given.
 
     Args:
@@ -166,12 +179,9 @@ def generate(target: Transformer, prompts: torch.Tensor | Sequence[Sequence[int]
     _check(k, max_new_tokens)
     rows = _as_rows(prompts)
     max_len = cache_length(target, rows, max_new_tokens, k if draft is not None else 0)
-    cache = target.new_cache(len(rows), max_len)
+    state = prefill(target, rows, max_len, draft.hidden_layers if draft is not None else ())
     if draft is not None:
-        draft.start(target, cache, len(rows), max_len, k)
-    state = prefill(target, rows, max_len, draft.hidden_layers if draft is not None else (), cache)
-    if draft is not None and state.out is not None:
-        draft.observe(state.tokens, state.pos, state.out, valid=state.valid)
+        start_draft(draft, target, state, k)
     return decode(target, state, max_new_tokens, draft, k, params, generator, eos_ids, stop, progress)
 
 
@@ -185,97 +195,147 @@ def _check(k: int, max_new_tokens: int) -> None:
 @torch.no_grad()
 def decode(target: Transformer, state: Prefilled, max_new_tokens: int, draft: Draft | None = None, k: int = 4,
            params: SamplingParams = SamplingParams(), generator: torch.Generator | None = None,
-           eos_ids: Sequence[int] = (), stop: "StopStrings | None" = None, progress=None,
+           eos_ids: Sequence[int] = (), stop: StopStrings | None = None, progress=None,
            cache: KVCache | None = None) -> GenerationResult:
     """The round loop after :func:`prefill` (arguments as :func:`generate`). ``cache`` (default
     ``state.cache``) is the target cache to continue from; a draft must already be started on it and have
-    observed the prefill. Greedy decoding (temperature 0) takes argmaxes directly: the same tokens as
-    rejection sampling with one-hot p and q (a draft token is accepted iff it is the target's argmax; the
-    correction / bonus is the target's argmax), without building (B, k, V) distributions.
+    observed the prefill (:func:`start_draft`). Greedy decoding (temperature 0) takes argmaxes directly
+    (:func:`spire.verification.verify_greedy`).
 
     Raises ConfigError for k < 1 or max_new_tokens < 1, or a cache too short for max_new_tokens.
     """
     _check(k, max_new_tokens)
     cache = state.cache if cache is None else cache
-    rows = state.rows
-    B, dev = len(rows), target.device
-    need = cache_length(target, rows, max_new_tokens, k if draft is not None else 0)
+    need = cache_length(target, state.rows, max_new_tokens, k if draft is not None else 0)
     if need > cache.max_len:
         raise ConfigError(f"the cache holds {cache.max_len} positions, {need} are needed")
-    lens = torch.tensor([len(r) for r in rows], device=dev)
-    _sync(dev)
-    t0, c0 = time.perf_counter(), time.process_time()
-    n = lens.clone()  # committed length per row
-    pending = torch.tensor([r[-1] for r in rows], device=dev)  # (B,) last committed token, not yet in cache
     eos_set = set(int(t) for t in eos_ids)
-    emitted: list[list[int]] = [[] for _ in range(B)]
-    finish = ["length"] * B
-    rounds, accepted_log = [0] * B, []
-    active = [True] * B
-    hidden_layers = draft.hidden_layers if draft is not None else ()
-    arange_b = torch.arange(B, device=dev)
-    offsets = torch.arange(k + 1, device=dev)
-
-    while any(active):
-        pos0 = n - 1  # (B,) position of the pending token
+    watch = Stopwatch(target.device)
+    rows = _Rows.start(state.rows, target.device)
+    accepted_log: list[list[int]] = []
+    while any(rows.active):
+        pos0 = rows.n - 1  # (B,) position of the pending token
         if draft is None:
-            logits = target(pending[:, None], pos0[:, None], cache).logits  # (B, 1, V)
-            n_acc = torch.zeros(B, dtype=torch.long, device=dev)
-            if params.greedy:
-                next_tok = logits[:, -1].argmax(-1)
-            else:
-                next_tok = sample(probs_from_logits(logits[:, -1], params), generator)
-            block = next_tok[:, None]
+            n_acc, next_tok, block = _ad_round(target, cache, rows.pending, pos0, params, generator)
         else:
-            if params.greedy:
-                d_tokens = _propose_greedy(draft, pending, pos0, k)  # (B, k)
-            else:
-                d_tokens, q = _propose(draft, pending, pos0, k, params, generator)  # (B, k), (B, k, V)
-            verify_in = torch.cat([pending[:, None], d_tokens], 1)  # (B, k+1)
-            vpos = pos0[:, None] + offsets  # (B, k+1)
-            out = target(verify_in, vpos, cache, hidden_layers=hidden_layers)
-            if params.greedy:
-                best = out.logits.argmax(-1)  # (B, k+1) the target's choice at every position
-                n_acc = (d_tokens == best[:, :k]).long().cumprod(-1).sum(-1)
-                next_tok = best[arange_b, n_acc]
-            else:
-                p = probs_from_logits(out.logits, params)  # (B, k+1, V)
-                n_acc, next_tok = verify(d_tokens, q, p, generator)
-            draft.observe(verify_in, vpos, out)
-            block = torch.cat([d_tokens, torch.zeros_like(d_tokens[:, :1])], 1)
-            block[arange_b, n_acc] = next_tok  # row b emits block[b, : n_acc[b] + 1]
-        n_acc_list = n_acc.tolist()
-        accepted_log.append(n_acc_list)
-        block_list = block.tolist()
+            n_acc, next_tok, block = _sd_round(target, cache, draft, rows.pending, pos0, k, params, generator)
+        accepted = n_acc.tolist()
+        accepted_log.append(accepted)
+        new_tokens = rows.emit(block.tolist(), accepted, max_new_tokens, eos_set, stop)
+        if progress is not None:
+            progress(new_tokens)
+        rows.advance(n_acc, next_tok)
+    decode_s, decode_cpu_s = watch.stop()
+    return GenerationResult(rows.emitted, rows.finish, rows.rounds, [len(e) for e in rows.emitted], accepted_log,
+                            prefill_s=state.prefill_s, decode_s=decode_s, decode_cpu_s=decode_cpu_s)
+
+
+def _ad_round(target: Transformer, cache: KVCache, pending: torch.Tensor, pos0: torch.Tensor,
+              params: SamplingParams, generator: torch.Generator | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One AD step: the target's token after the pending one. Returns n_accepted (B,) zeros, next_token (B,)
+    and the output tokens (B, 1)."""
+    logits = target(pending[:, None], pos0[:, None], cache).logits[:, -1]  # (B, V)
+    if params.greedy:
+        next_tok = logits.argmax(-1)
+    else:
+        next_tok = sample(probs_from_logits(logits, params), generator)
+    return torch.zeros_like(next_tok), next_tok, next_tok[:, None]
+
+
+def _sd_round(target: Transformer, cache: KVCache, draft: Draft, pending: torch.Tensor, pos0: torch.Tensor, k: int,
+              params: SamplingParams, generator: torch.Generator | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One speculative round: draft k tokens, verify them in one target forward over k+1 positions, accept a
+    prefix; the draft then observes the target's pass. Returns n_accepted (B,), next_token (B,) (recovered or
+    bonus) and the output tokens as a (B, k+1) block (:func:`spire.verification.output_tokens`)."""
+    d_tokens, q = _draft(draft, pending, pos0, k, params, generator)  # (B, k), (B, k, V) or None (greedy)
+    verify_in = torch.cat([pending[:, None], d_tokens], 1)  # (B, k+1)
+    vpos = pos0[:, None] + torch.arange(k + 1, device=pos0.device)  # (B, k+1)
+    out = target(verify_in, vpos, cache, hidden_layers=draft.hidden_layers)
+    n_acc, next_tok = _accept(d_tokens, q, out.logits, params, generator)
+    draft.observe(verify_in, vpos, out)
+    return n_acc, next_tok, output_tokens(d_tokens, n_acc, next_tok)
+
+
+def _draft(draft: Draft, pending: torch.Tensor, pos0: torch.Tensor, k: int, params: SamplingParams,
+           generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """k draft forwards from the pending token. Returns the draft tokens (B, k) and the exact distributions
+    they were drawn from (B, k, V); greedy: each step's argmax, and None (no distributions are built)."""
+    tok, tokens, qs = pending, [], []
+    for j in range(k):
+        logits = draft.step(tok[:, None], (pos0 + j)[:, None])  # (B, V)
+        if params.greedy:
+            tok = logits.argmax(-1)
+        else:
+            q = probs_from_logits(logits, params)  # (B, V)
+            tok = sample(q, generator)
+            qs.append(q)
+        tokens.append(tok)
+    return torch.stack(tokens, 1), torch.stack(qs, 1) if qs else None
+
+
+def _accept(d_tokens: torch.Tensor, q: torch.Tensor | None, logits: torch.Tensor, params: SamplingParams,
+            generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verification of draft tokens (B, k) against the target's logits (B, k+1, V): greedy, or by rejection
+    sampling with p transformed exactly as q was. Returns n_accepted (B,), next_token (B,)."""
+    if params.greedy:
+        return verify_greedy(d_tokens, logits)
+    return verify(d_tokens, q, probs_from_logits(logits, params), generator)  # p: (B, k+1, V)
+
+
+@dataclass
+class _Rows:
+    """The round loop's per-row state. n: (B,) committed length; pending: (B,) the last committed token, not
+    yet in the target cache; emitted, finish, rounds, active: per row, the emitted tokens, the finish reason,
+    the rounds run while active, and whether the row still decodes."""
+
+    n: torch.Tensor
+    pending: torch.Tensor
+    emitted: list[list[int]]
+    finish: list[str]
+    rounds: list[int]
+    active: list[bool]
+
+    @classmethod
+    def start(cls, prompts: list[list[int]], device: torch.device) -> _Rows:
+        B = len(prompts)
+        return cls(torch.tensor([len(r) for r in prompts], device=device),
+                   torch.tensor([r[-1] for r in prompts], device=device),
+                   [[] for _ in range(B)], ["length"] * B, [0] * B, [True] * B)
+
+    def emit(self, block: list[list[int]], accepted: list[int], max_new_tokens: int, eos_set: set[int],
+             stop: StopStrings | None) -> int:
+        """Commit each active row's output tokens ``block[b][: accepted[b] + 1]``, cut at its budget, at an EOS
+        token (emitted) or at the token that completes a stop string; a cut row finishes. Returns the number of
+        tokens emitted."""
         new_total = 0
-        for b in range(B):
-            if not active[b]:
+        for b, toks in enumerate(block):
+            if not self.active[b]:
                 continue
-            rounds[b] += 1
-            toks = block_list[b][: n_acc_list[b] + 1]
-            toks = toks[: max_new_tokens - len(emitted[b])]
+            self.rounds[b] += 1
+            toks = toks[: accepted[b] + 1][: max_new_tokens - len(self.emitted[b])]
             cut = next((i + 1 for i, t in enumerate(toks) if t in eos_set), None)
             if stop is not None:
-                cut_s = stop.cut(emitted[b], toks[:cut])
+                cut_s = stop.cut(self.emitted[b], toks[:cut])
                 cut = cut_s if cut_s is not None else cut
             if cut is not None:
                 toks = toks[:cut]
-                finish[b] = "stop"
-                active[b] = False
-            emitted[b].extend(toks)
+                self.finish[b] = "stop"
+                self.active[b] = False
+            self.emitted[b].extend(toks)
             new_total += len(toks)
-            if len(emitted[b]) >= max_new_tokens:
-                active[b] = False
-        if progress is not None:
-            progress(new_total)
-        # advance active rows; finished rows stay put (their compute is wasted, their state untouched)
-        act = torch.tensor(active, device=dev)
-        n = torch.where(act, n + n_acc + 1, n)
-        pending = torch.where(act, next_tok, pending)
-    _sync(dev)
-    return GenerationResult(emitted, finish, rounds, [len(e) for e in emitted], accepted_log,
-                            prefill_s=state.prefill_s, decode_s=time.perf_counter() - t0,
-                            decode_cpu_s=time.process_time() - c0)
+            if len(self.emitted[b]) >= max_new_tokens:
+                self.active[b] = False
+        return new_total
+
+    def advance(self, n_acc: torch.Tensor, next_tok: torch.Tensor) -> None:
+        """Commit / rollback: an active row's committed length grows by n_acc + 1 and its next token becomes
+        pending; its rejected tokens are rolled back by not counting them (the cache invariant). Finished
+        rows stay put (their compute this round is wasted, their state untouched)."""
+        act = torch.tensor(self.active, device=self.n.device)
+        self.n = torch.where(act, self.n + n_acc + 1, self.n)
+        self.pending = torch.where(act, next_tok, self.pending)
 
 
 class StopStrings:
@@ -307,24 +367,3 @@ class StopStrings:
         """The text before the first stop string (the text a user is shown)."""
         hits = [text.find(st) for st in self.strings if st in text]
         return text[: min(hits)] if hits else text
-
-
-def _propose_greedy(draft: Draft, pending: torch.Tensor, pos0: torch.Tensor, k: int) -> torch.Tensor:
-    """k greedy draft forwards -> draft tokens (B, k) (the argmax of each step's logits)."""
-    tok, tokens = pending, []
-    for j in range(k):
-        tok = draft.step(tok[:, None], (pos0 + j)[:, None]).argmax(-1)
-        tokens.append(tok)
-    return torch.stack(tokens, 1)
-
-
-def _propose(draft: Draft, pending: torch.Tensor, pos0: torch.Tensor, k: int, params: SamplingParams,
-             generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """k draft forwards. Returns draft tokens (B, k) and the exact distributions they were drawn from (B, k, V)."""
-    tok, tokens, qs = pending, [], []
-    for j in range(k):
-        q = probs_from_logits(draft.step(tok[:, None], (pos0 + j)[:, None]), params)  # (B, V)
-        tok = sample(q, generator)
-        tokens.append(tok)
-        qs.append(q)
-    return torch.stack(tokens, 1), torch.stack(qs, 1)

@@ -34,7 +34,9 @@ from typing import Any, Callable
 import torch
 
 from spire.errors import ConfigError
+from spire.paths import atomic_write, spire_cache_dir
 from spire.throughput.hardware import DTYPE_BYTES, Hardware
+from spire.timing import CLOCKS, Stopwatch, time_calls
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 """Data types ``spire bench calibrate`` can measure (names as in spire.throughput.hardware.DTYPE_BYTES)."""
@@ -92,34 +94,6 @@ def device_memory_bytes(device: torch.device) -> float | None:
     return None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-CLOCK = {"wall": time.perf_counter, "cpu": time.process_time}
-"""Clocks for timing: wall-clock, or the process's CPU time (single-threaded runs on a shared machine)."""
-
-
-def time_op(fn: Callable[[], Any], device: torch.device, min_time: float = 0.3, max_reps: int = 50,
-            min_reps: int = 3, clock: str = "wall") -> list[float]:
-    """Seconds of ``fn()`` per call (device-synchronized; ``clock`` "wall" or "cpu"), after one warm-up
-    call: repeated until ``min_time`` seconds have passed (at least ``min_reps``, at most ``max_reps``)."""
-    now = CLOCK[clock]
-    fn()
-    _sync(device)
-    times: list[float] = []
-    total = 0.0
-    while len(times) < min_reps or (total < min_time and len(times) < max_reps):
-        t0 = now()
-        fn()
-        _sync(device)
-        dt = now() - t0
-        times.append(dt)
-        total += dt
-    return times
-
-
 def measure_matmul(dtype: torch.dtype, device: torch.device, sizes: list[int], per_size_s: float = 1.0,
                    clock: str = "wall") -> tuple[float, int]:
     """Sustained FLOP/s of square matmuls: (best over sizes of 2·n³ / median time, that n).
@@ -129,12 +103,11 @@ def measure_matmul(dtype: torch.dtype, device: torch.device, sizes: list[int], p
     for n in sizes:
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        t0 = time.perf_counter()
+        watch = Stopwatch(device)
         a @ b
-        _sync(device)
-        single = time.perf_counter() - t0
-        times = time_op(lambda: a @ b, device, min_time=min(per_size_s, max(0.05, 3 * single)), max_reps=20,
-                        min_reps=2, clock=clock)
+        single = watch.seconds()
+        times = time_calls(lambda: a @ b, device, clock, min_reps=2, max_reps=20,
+                           min_time=min(per_size_s, max(0.05, 3 * single)))
         flops = 2 * n**3 / statistics.median(times)
         if flops > best:
             best, best_n = flops, n
@@ -152,13 +125,13 @@ def measure_bandwidth(dtype: torch.dtype, device: torch.device, nbytes: int, clo
     x = torch.randn(n, device=device).to(dtype)
     y = torch.empty_like(x)
     read = nbytes_actual = n * elem
-    t_read = statistics.median(time_op(lambda: x.sum(), device, clock=clock))
-    t_copy = statistics.median(time_op(lambda: y.copy_(x), device, clock=clock))
+    t_read = statistics.median(time_calls(lambda: x.sum(), device, clock, min_time=0.3))
+    t_copy = statistics.median(time_calls(lambda: y.copy_(x), device, clock, min_time=0.3))
     y = None  # free the copy target
     side = max(64, int((n) ** 0.5))
     W = x[: side * side].view(side, side)
     v = torch.randn(1, side, device=device).to(dtype)
-    t_gemv = statistics.median(time_op(lambda: torch.nn.functional.linear(v, W), device, clock=clock))
+    t_gemv = statistics.median(time_calls(lambda: torch.nn.functional.linear(v, W), device, clock, min_time=0.3))
     return {"bandwidth": read / t_read, "copy_bandwidth": 2 * nbytes_actual / t_copy,
             "gemv_bandwidth": side * side * elem / t_gemv, "buffer_bytes": float(nbytes_actual)}
 
@@ -208,8 +181,6 @@ class Calibration:
 
     def save(self, path: str | os.PathLike | None = None) -> Path:
         """Write the JSON atomically to ``path`` (default :func:`default_path` for this device)."""
-        from spire.paths import atomic_write
-
         path = Path(path) if path is not None else default_path(self.device, self.device_name)
         return atomic_write(path, None, text=json.dumps(self.to_dict(), indent=1) + "\n")
 
@@ -242,8 +213,6 @@ def _slug(text: str) -> str:
 
 def default_path(device: str, name: str = "") -> Path:
     """``<spire cache>/calibration/<device type>[-<chip>].json`` (one file per kind of device)."""
-    from spire.paths import spire_cache_dir
-
     kind = device.split(":")[0]
     stem = kind if kind == "cpu" else f"{kind}-{_slug(name)}"
     return spire_cache_dir() / "calibration" / f"{stem}.json"
@@ -292,7 +261,7 @@ def calibrate(dtypes: list[str] | tuple[str, ...] = ("fp32", "bf16"), device: st
         ConfigError: unknown dtype, device or clock, or clock "cpu" on a GPU.
     """
     dev = device if isinstance(device, torch.device) else resolve_device(device)
-    if clock not in CLOCK:
+    if clock not in CLOCKS:
         raise ConfigError(f"clock must be wall or cpu, got {clock!r}")
     if clock == "cpu" and dev.type != "cpu":
         raise ConfigError("clock cpu measures CPU time: only for the CPU")

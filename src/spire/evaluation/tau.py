@@ -7,17 +7,18 @@ counted). The 95 % confidence interval is a percentile bootstrap over contexts o
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from spire.drafts.base import Draft
 from spire.errors import ConfigError
 from spire.model import Transformer
 from spire.sampling import SamplingParams
-from spire.speculative import cache_length, decode, prefill
+from spire.speculative import cache_length, decode, prefill, start_draft
+from spire.timing import Stopwatch
 
 
 @dataclass
@@ -118,24 +119,20 @@ def measure_tau_shared(target: Transformer, drafts: dict[str, Draft], contexts: 
     hidden = tuple(sorted({j for d in drafts.values() for j in d.hidden_layers}))
     bar = None
     if progress:
-        from tqdm.auto import tqdm
-
         bar = tqdm(total=n * G * len(drafts), unit="tok", dynamic_ncols=True,
                    desc=f"tau {'+'.join(drafts)} T={params.temperature:g} L={L}")
     for i in range(0, n, batch_size):
         rows = contexts[i: i + batch_size].to(target.device).tolist()
-        t0 = time.time()
+        watch = Stopwatch(target.device)
         state = prefill(target, rows, cache_length(target, rows, G, k), hidden)
-        t_prefill = time.time() - t0
+        t_prefill = watch.seconds()
         for name, draft in drafts.items():
-            t0 = time.time()
+            watch = Stopwatch(target.device)
             cache = state.clone_cache() if len(drafts) > 1 else state.cache  # one draft: no copy needed
-            draft.start(target, cache, len(rows), state.max_len, k)
-            if state.out is not None:
-                draft.observe(state.tokens, state.pos, state.out, valid=state.valid)
+            start_draft(draft, target, state, k, cache)
             res = decode(target, state, G, draft, k, params, gens[name], cache=cache,
                          progress=bar.update if bar is not None else None)
-            wall[name] += t_prefill + time.time() - t0
+            wall[name] += t_prefill + watch.seconds()
             rounds[name] += res.rounds
             emitted[name] += res.emitted
         state = None  # free the prefilled cache before the next batch
