@@ -96,10 +96,6 @@ class ModelConfig:
             return {"rope_type": "default", "rope_theta": float(self.rope_theta)}
         return self.layer_ropes[layer]
 
-    def window_of(self, layer: int) -> int | None:
-        """The sliding window of ``layer`` (keys j > p - window for a query at p), None for full attention."""
-        return None if self.layer_windows is None else self.layer_windows[layer]
-
     def without_layers(self, n_layers: int) -> "ModelConfig":
         """The same architecture with ``n_layers`` layers (a shallower model, e.g. a vanilla draft): per-layer
         RoPE and windows follow the source's pattern from its first layer on (repeated when deeper)."""
@@ -404,7 +400,7 @@ class Transformer(nn.Module):
         cache: a :class:`KVCache` to write the new keys/values into and read the past from; None attends
             among the T tokens only (training, reference computations).
         view: None (full history) or a :class:`SinkWindow` (StreamingLLM view, used by MagicDec). A
-            sliding-window layer (:meth:`ModelConfig.window_of`) reads the intersection of the view and its
+            sliding-window layer (:attr:`ModelConfig.layer_windows`) reads the intersection of the view and its
             window.
         hidden_layers: layer indices whose *input* residual stream to return (SPIRe's memory source);
             index n_layers is the final residual stream (before the final norm).
