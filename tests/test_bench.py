@@ -371,10 +371,10 @@ def test_bf16_weights_model_is_the_rounded_model(tiny):
             steps.append(m(ids[:, 33:38], pos, cache).logits.detach())
         outs.append(torch.cat(steps, 1))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
-    from spire import kernels
+    from spire import fastpath, kernels
 
     if kernels.available():  # the decode matmuls really streamed the bf16 copies
-        assert model.layers[0].mlp._wc["gu"]._store["B"][1].dtype == torch.bfloat16
+        assert fastpath.weight_copies(model.layers[0].mlp)["gu"]._store["B"][1].dtype == torch.bfloat16
     prompts = ids[:, :20].tolist()
     ad = generate(model, prompts, 24)
     sd = generate(model, prompts, 24, draft=MagicDecDraft(1, 4), k=3)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import spire.model as spire_model
+import spire.fastpath as fastpath
 from spire.drafts.magicdec import MagicDecDraft
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.kernels import available as kernels_available
@@ -46,13 +46,14 @@ class _CountFused:
 
     def __init__(self, monkeypatch):
         self.n = 0
-        orig = spire_model.Transformer._forward_fused
+        orig = fastpath.decode_step
 
-        def counted(model, *a, **kw):
-            self.n += 1
-            return orig(model, *a, **kw)
+        def counted(*a, **kw):
+            step = orig(*a, **kw)
+            self.n += step is not None
+            return step
 
-        monkeypatch.setattr(spire_model.Transformer, "_forward_fused", counted)
+        monkeypatch.setattr(fastpath, "decode_step", counted)
 
 
 def _fusable(model) -> int:
@@ -83,9 +84,9 @@ def test_logits_match_hf(family, name, layout, monkeypatch):
     with torch.no_grad():
         ref = hf(ids).logits.float()
         assert (model(ids, pos).logits - ref).abs().max() <= TOL
-        monkeypatch.setattr(spire_model, "FUSED_BLOCK", False)
+        monkeypatch.setattr(fastpath, "FUSED_BLOCK", False)
         assert (_cached_logits(model, ids, pos) - ref).abs().max() <= TOL
-        monkeypatch.setattr(spire_model, "FUSED_BLOCK", True)
+        monkeypatch.setattr(fastpath, "FUSED_BLOCK", True)
         fused = _CountFused(monkeypatch)
         assert (_cached_logits(model, ids, pos) - ref).abs().max() <= TOL
     if kernels_available():

@@ -1,4 +1,4 @@
-"""The fused decoder block (spire.kernels.DecodeBlock, spire.model.FUSED_BLOCK) computes what the per-op path
+"""The fused decoder block (spire.kernels.DecodeBlock, spire.fastpath.FUSED_BLOCK) computes what the per-op path
 and the autograd reference path compute, in float32, for every way decoding calls it."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ import copy
 import pytest
 import torch
 
-import spire.model as model_mod
-from spire import kernels
+from spire import fastpath, kernels
 from spire.errors import ConfigError
 from spire.kv_cache import SinkWindow
 from tests.conftest import make_tiny
@@ -23,22 +22,22 @@ def tiny16():
     return make_tiny(seed=5, d_model=48, n_heads=6, n_kv_heads=2, d_head=16, d_ff=80)
 
 
-def _run(model, ids, lens, view, k_start, fused: bool, grad: bool, monkeypatch):
+def _run(model, ids, lens, view, fused: bool, grad: bool, monkeypatch):
     """Prefill 47 tokens, 4 single-token steps at per-row positions, a 5-token verify block: the logits of
     every step, the hidden states entering layers 0 and 2, and the final cache."""
-    monkeypatch.setattr(model_mod, "FUSED_BLOCK", fused)
+    monkeypatch.setattr(fastpath, "FUSED_BLOCK", fused)
     B = ids.shape[0]
     cache = model.new_cache(B, 64)
     logits, hidden = [], []
     with torch.set_grad_enabled(grad):
-        model(ids[:, :47], torch.arange(47)[None].expand(B, 47), cache, k_start=k_start)
+        model(ids[:, :47], torch.arange(47)[None].expand(B, 47), cache)
         for t in range(4):
             pos = torch.tensor(lens)[:, None] + t
-            out = model(ids.gather(1, pos), pos, cache, view=view, hidden_layers=(0, 2), k_start=k_start)
+            out = model(ids.gather(1, pos), pos, cache, view=view, hidden_layers=(0, 2))
             logits.append(out.logits.detach())
             hidden += [out.hidden[0].detach(), out.hidden[2].detach()]
         pos = torch.tensor(lens)[:, None] + torch.arange(4, 9)
-        out = model(ids.gather(1, pos), pos, cache, view=view, hidden_layers=(2,), k_start=k_start)
+        out = model(ids.gather(1, pos), pos, cache, view=view, hidden_layers=(2,))
         logits.append(out.logits.detach())
         hidden.append(out.hidden[2].detach())
     upto = max(lens) + 9
@@ -46,17 +45,15 @@ def _run(model, ids, lens, view, k_start, fused: bool, grad: bool, monkeypatch):
 
 
 @pytest.mark.parametrize("view", [None, SinkWindow(1, 6), SinkWindow(2, 3), SinkWindow(0, 40)])
-@pytest.mark.parametrize("with_k_start", [False, True])
-def test_fused_block_equals_per_op_and_reference_paths(tiny16, view, with_k_start, monkeypatch):
+def test_fused_block_equals_per_op_and_reference_paths(tiny16, view, monkeypatch):
     ref = copy.deepcopy(tiny16).requires_grad_(True)  # autograd through weights: the plain reference path
     g = torch.Generator().manual_seed(3)
     lens = [30, 12, 47]  # rows at different positions: per-row writes, windows and causal limits
     ids = torch.randint(0, 97, (3, 60), generator=g)
-    k_start = torch.tensor([0, 3, 9]) if with_k_start else None
-    fused = _run(tiny16, ids, lens, view, k_start, True, False, monkeypatch)
-    per_op = _run(tiny16, ids, lens, view, k_start, False, False, monkeypatch)
-    reference = _run(ref, ids, lens, view, k_start, True, True, monkeypatch)
-    assert tiny16._fused, "the fused path did not run"
+    fused = _run(tiny16, ids, lens, view, True, False, monkeypatch)
+    per_op = _run(tiny16, ids, lens, view, False, False, monkeypatch)
+    reference = _run(ref, ids, lens, view, True, True, monkeypatch)
+    assert fastpath.native_blocks(tiny16), "the fused path did not run"
     for other in (per_op, reference):
         torch.testing.assert_close(fused[0], other[0], atol=1e-5, rtol=1e-5)
         for a, b in zip(fused[1], other[1]):
@@ -67,36 +64,37 @@ def test_fused_block_equals_per_op_and_reference_paths(tiny16, view, with_k_star
 def test_fused_block_bf16_weights(tiny16, monkeypatch):
     """Weight-only bf16: the fused block streams the bf16 copies and equals the reference on the rounded model."""
     model = copy.deepcopy(tiny16)
-    model_mod.use_bf16_weights(model)
+    fastpath.use_bf16_weights(model)
     ref = copy.deepcopy(model).requires_grad_(True)
     ids = torch.randint(0, 97, (2, 60), generator=torch.Generator().manual_seed(4))
-    a = _run(model, ids, [40, 20], SinkWindow(1, 8), None, True, False, monkeypatch)
-    b = _run(ref, ids, [40, 20], SinkWindow(1, 8), None, True, True, monkeypatch)
+    a = _run(model, ids, [40, 20], SinkWindow(1, 8), True, False, monkeypatch)
+    b = _run(ref, ids, [40, 20], SinkWindow(1, 8), True, True, monkeypatch)
     torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)
-    assert model._fused[0][1]._keep[2].dtype == torch.bfloat16
+    assert fastpath.native_blocks(model)[0][1]._keep[2].dtype == torch.bfloat16
 
 
 def test_fused_block_scope_and_errors(tiny16, monkeypatch):
     """Too many query rows per KV head falls back to the per-op path (same logits); a position past the cache
     is a ConfigError; a deepcopy does not read the original's weights."""
-    monkeypatch.setattr(model_mod, "FUSED_BLOCK", True)
+    monkeypatch.setattr(fastpath, "FUSED_BLOCK", True)
     model = copy.deepcopy(tiny16)
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(6))
     cache = model.new_cache(1, 48)
     pos = torch.arange(12)[None]  # g × T = 3 × 12 = 36 rows per KV head: beyond the kernel's 32
-    assert not model._fused_applies(model.model.embed_tokens(ids[:, :12]), cache, pos)
+    x = model.model.embed_tokens(ids[:, :12])
+    assert fastpath.decode_step(model, model.layers, model.cfg, x, pos, *model.rope(pos, x.dtype), cache) is None
     with torch.no_grad():
         model(ids[:, :30], torch.arange(30)[None], cache)
         step = model(ids[:, 30:31], torch.tensor([[30]]), cache).logits
         with pytest.raises(ConfigError, match="beyond the cache length"):
             model(ids[:, :1], torch.tensor([[48]]), cache)
         for fused in (True, False):  # both paths refuse a negative position (the per-op path used to wrap)
-            monkeypatch.setattr(model_mod, "FUSED_BLOCK", fused)
+            monkeypatch.setattr(fastpath, "FUSED_BLOCK", fused)
             with pytest.raises(ConfigError, match="negative position"):
                 model(ids[:, :1], torch.tensor([[-1]]), cache)
-        monkeypatch.setattr(model_mod, "FUSED_BLOCK", True)
+        monkeypatch.setattr(fastpath, "FUSED_BLOCK", True)
         twin = copy.deepcopy(model)
-        assert not twin._fused
+        assert not fastpath.native_blocks(twin)
         model.layers[1].mlp.down_proj.weight.mul_(3.0)  # changes the original only
         cache2 = twin.new_cache(1, 48)
         twin(ids[:, :30], torch.arange(30)[None], cache2)
@@ -113,7 +111,7 @@ def test_speculative_decoding_through_the_fused_block_is_lossless(tiny16):
     prompts = torch.randint(0, 97, (3, 24), generator=torch.Generator().manual_seed(8)).tolist()
     prompts[1] = prompts[1][:15]  # ragged rows
     ad = generate(tiny16, prompts, 30)
-    assert tiny16._fused
+    assert fastpath.native_blocks(tiny16)
     for draft in (MagicDecDraft(1, 6), VanillaDraft(make_tiny(seed=9, n_layers=2, n_heads=6, n_kv_heads=2,
                                                              d_head=16, d_ff=80))):
         sd = generate(tiny16, prompts, 30, draft=draft, k=4)
@@ -137,7 +135,7 @@ def test_spire_draft_step_through_the_fused_block(tiny16, self_attend, monkeypat
     prompts[0] = prompts[0][:13]
     runs = []
     for fused in (True, False):
-        monkeypatch.setattr(model_mod, "FUSED_BLOCK", fused)
+        monkeypatch.setattr(fastpath, "FUSED_BLOCK", fused)
         draft = SpireDraft(model)
         logged = []
         step = draft.step
@@ -147,7 +145,7 @@ def test_spire_draft_step_through_the_fused_block(tiny16, self_attend, monkeypat
         draft.observe(state.tokens, state.pos, state.out, state.valid)
         res = decode(tiny16, state, 24, draft=draft, k=4)
         runs.append((res.tokens, torch.cat(logged), torch.stack(draft._cache.k + draft._cache.v)))
-    assert model._fused, "the fused path did not run"
+    assert fastpath.native_blocks(model), "the fused path did not run"
     assert runs[0][0] == runs[1][0] == generate(tiny16, prompts, 24).tokens
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(runs[0][2], runs[1][2], atol=1e-5, rtol=1e-5)
@@ -167,12 +165,12 @@ def test_fused_blocks_do_not_keep_a_finished_cache_alive(tiny16, monkeypatch):
     cache = model.new_cache(2, 40)
     with torch.no_grad():
         model(torch.zeros(2, 1, dtype=torch.long), torch.zeros(2, 1, dtype=torch.long), cache)
-    assert model._fused
+    assert fastpath.native_blocks(model)
     ref = weakref.ref(cache.k[0])
     del cache
     gc.collect()
     assert ref() is None, "a DecodeBlock kept the cache alive"
-    monkeypatch.setattr(model_mod, "KERNEL_MAX_M", 64)
+    monkeypatch.setattr(fastpath, "KERNEL_MAX_M", 64)
     prompts = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(13)).tolist()
     sd = generate(model, prompts, 24, draft=MagicDecDraft(1, 6), k=10)  # 3 × 11 = 33 rows per KV head
     assert sd.tokens == generate(model, prompts, 24).tokens

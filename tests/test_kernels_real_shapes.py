@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import spire.model as model_mod
-from spire import kernels
+from spire import fastpath, kernels
 from spire.kv_cache import SinkWindow
 from spire.model import ModelConfig, Transformer
 
@@ -24,7 +24,7 @@ def _steps(model, cache, ids, lens, view, fused: bool, monkeypatch):
     """From a cache holding each row's first lens[b] tokens: one decode step at position lens, then a verify
     pass over positions lens + 1 .. lens + 5 (per row, ragged). Returns logits (B, 6, V) and the keys and
     values written at those positions, all layers."""
-    monkeypatch.setattr(model_mod, "FUSED_BLOCK", fused)
+    monkeypatch.setattr(fastpath, "FUSED_BLOCK", fused)
     lens = torch.tensor(lens)
     with torch.no_grad():
         pos = lens[:, None]
@@ -40,11 +40,11 @@ def _steps(model, cache, ids, lens, view, fused: bool, monkeypatch):
 
 def _fused_and_per_op(model, cache, ids, lens, view, monkeypatch):
     calls = []
-    real = model_mod.fused_block
-    monkeypatch.setattr(model_mod, "fused_block", lambda *a: calls.append(1) or real(*a))
+    real = fastpath.native_block
+    monkeypatch.setattr(fastpath, "native_block", lambda *a: calls.append(1) or real(*a))
     fused = _steps(model, cache.clone(), ids, lens, view, True, monkeypatch)
     assert len(calls) == 2 * model.cfg.n_layers, "the fused path did not run for every block of both steps"
-    monkeypatch.setattr(model_mod, "fused_block", real)
+    monkeypatch.setattr(fastpath, "native_block", real)
     per_op = _steps(model, cache.clone(), ids, lens, view, False, monkeypatch)
     torch.testing.assert_close(fused[0], per_op[0], atol=ATOL, rtol=0)
     torch.testing.assert_close(fused[1], per_op[1], atol=ATOL, rtol=0)

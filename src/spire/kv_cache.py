@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from spire.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class SinkWindow:
@@ -30,8 +32,6 @@ class SinkWindow:
 
     def __post_init__(self) -> None:
         if self.sink < 0 or self.window < 1:
-            from spire.errors import ConfigError
-
             raise ConfigError(f"sink must be >= 0 and window >= 1, got sink={self.sink}, window={self.window}")
 
     @property
@@ -44,7 +44,6 @@ def attention_mask(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     view: SinkWindow | None = None,
-    k_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean attention mask, True where the query may attend.
 
@@ -52,7 +51,6 @@ def attention_mask(
         q_pos: (B, T) absolute positions of the queries.
         k_pos: (S,) or (B, S) absolute positions of the keys.
         view: None for full causal attention, or a :class:`SinkWindow`.
-        k_start: optional (B,) first valid key position per row (keys before it are padding).
 
     Returns:
         (B, 1, T, S) bool mask (broadcasts over heads).
@@ -62,8 +60,6 @@ def attention_mask(
     mask = kp <= qp
     if view is not None:
         mask = mask & ((kp < view.sink) | (kp > qp - view.window))
-    if k_start is not None:
-        mask = mask & (kp >= k_start[:, None, None])
     return mask[:, None]
 
 
@@ -98,8 +94,6 @@ class KVCache:
         ``valid`` is accepted for interface parity with :class:`RingKVCache`; padding entries are written
         (they lie past the committed length and are overwritten before being read)."""
         if int(pos.max()) >= self.max_len:
-            from spire.errors import ConfigError
-
             raise ConfigError(f"position {int(pos.max())} is beyond the cache length {self.max_len}")
         B, T = pos.shape
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
@@ -151,8 +145,6 @@ class RingKVCache:
     def __init__(self, n_layers: int, batch_size: int, n_kv: int, view: SinkWindow, slack: int, d_head: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         if slack < 1:
-            from spire.errors import ConfigError
-
             raise ConfigError(f"ring slack must be >= 1 (use k + 1), got {slack}")
         self.view, self.ring = view, view.window + slack
         n_slots = view.sink + self.ring

@@ -30,15 +30,17 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file
+from safetensors import safe_open
+from safetensors.torch import load_file, save
 
+from spire import fastpath
 from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
-from spire.model import (ForwardOutput, FusedBlocks, FusedStep, RMSNorm, Transformer, WeightCache,
-                         _needs_autograd, fast_linear, fused_block, fused_block_applies)
+from spire.model import ForwardOutput, RMSNorm, Transformer
 from spire.paths import atomic_write
 
 
@@ -148,8 +150,6 @@ def _fingerprint(target: Transformer) -> dict:
 
 def write_draft_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """Write tensors with spire's JSON metadata (read back by :func:`read_draft_file`) atomically to ``path``."""
-    from safetensors.torch import save
-
     data = save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata={"spire": json.dumps(meta)})
     atomic_write(path, lambda f: f.write(data))
 
@@ -161,8 +161,6 @@ def read_draft_file(path: Path, target: Transformer | None = None) -> tuple[dict
     if not path.is_file():
         raise CheckpointError(f"draft checkpoint not found: {path}")
     try:
-        from safetensors import safe_open
-
         with safe_open(str(path), "pt") as f:
             meta = (f.metadata() or {}).get("spire")
         if meta is None:
@@ -185,8 +183,6 @@ def frequent_tokens(tokens, n: int, vocab_size: int) -> torch.Tensor:
     """The ``n`` most frequent token ids of ``tokens`` (any 1-D integer array: numpy memmap, tensor), ties to
     the lower id, sorted ascending: a draft vocabulary (EAGLE-3's d2t map). Ids never seen fill the rest in id
     order. Raises ConfigError when n is not in [1, vocab_size]."""
-    import numpy as np
-
     if not 1 <= n <= vocab_size:
         raise ConfigError(f"the draft vocabulary must hold 1..{vocab_size} tokens, got {n}")
     counts = np.bincount(np.asarray(tokens).reshape(-1).astype(np.int64), minlength=vocab_size)[:vocab_size]
@@ -219,7 +215,6 @@ class SpireDraftModel(nn.Module):
             self.register_buffer("vocab", ids.to(target.device))  # (N,) draft column -> target token id
         else:
             self.vocab = None
-        self._head_wc = WeightCache()  # inference copies of the draft vocabulary's head (spire.model.fast_linear)
         self._vocab_head: tuple[tuple, nn.Linear] | None = None
         self.cfg = cfg
         self.source_layers = cfg.source_layers(target.cfg.n_layers)  # target layer j of draft layer i
@@ -248,11 +243,10 @@ class SpireDraftModel(nn.Module):
         self.layers.requires_grad_(True)
         self.norm.requires_grad_(True)
         object.__setattr__(self, "target", target)  # not a submodule: shared, frozen, never saved
-        self._fused = FusedBlocks()  # draft layer -> its spire.kernels.DecodeBlock (SpireDraft.step)
         self.view = None if cfg.window is None else SinkWindow(cfg.sink, cfg.window)
 
     # -- pieces shared by inference and training ---------------------------------------------------
-    def _rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.target.rope(pos, dtype)  # (R, B, 1, T, D): each draft layer reads its source layer's RoPE
 
     @property
@@ -271,7 +265,7 @@ class SpireDraftModel(nn.Module):
                 head.weight.copy_(w[ids])
             head.requires_grad_(False)
             self._vocab_head = (key, head)
-            self._head_wc.clear()
+            fastpath.forget(self)  # the new head may reuse the old one's address: no stale copy
         return self._vocab_head[1]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -280,10 +274,7 @@ class SpireDraftModel(nn.Module):
         h = self.norm(x)
         if self.vocab is None:
             return self.target.unembed(h)
-        head = self.head()
-        if _needs_autograd((head,), h):
-            return head(h).float()
-        return fast_linear(h, (head,), self._head_wc).float()
+        return fastpath.unembed(h, self.head(), self)
 
     def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (..., N) -> (..., V) with -inf (q = 0) at every token outside it."""
@@ -344,7 +335,7 @@ class SpireDraftModel(nn.Module):
             raise ConfigError(f"training sequence length {T} must be a multiple of k={k}")
         dev, dtype = tokens.device, self.target.dtype
         pos = torch.arange(T, device=dev)
-        cos_all, sin_all = self._rope(pos[None], dtype)
+        cos_all, sin_all = self.rope(pos[None], dtype)
         if not self.cfg.target_activations:  # an ordinary transformer: one causal pass is exact
             x = self.target.model.embed_tokens(tokens)
             mask = attention_mask(pos[None], pos, self.view)
@@ -374,7 +365,7 @@ class SpireDraftModel(nn.Module):
             if not self.cfg.self_attend:
                 m_draft = m_draft & self.self_mask(q_pos, d_pos)
             mask = torch.cat([m_target, m_draft], -1)[None, None]  # (1, 1, T/k, T + (j+1) T/k)
-            cos, sin = self._rope(q_pos[None], dtype)
+            cos, sin = self.rope(q_pos[None], dtype)
             x = self.target.model.embed_tokens(tokens[:, q_pos])  # (B, T/k, d)
             xs = [x]
             for i, layer in enumerate(self.layers):
@@ -478,15 +469,17 @@ class SpireDraft(Draft):
         if not self.model.cfg.target_activations:
             self._run(tokens, pos, valid)
             return
-        cos, sin = self.model._rope(pos, self.model.target.dtype)
+        cos, sin = self.model.rope(pos, self.model.target.dtype)
         hidden = [target_out.hidden[j] for j in self.model.source_layers]
         if self._feature is not None:
             self._keep_features(pos, hidden[self.model.feature_from], valid)
-        run = self._fused_step(hidden[0], pos, cos, sin) if valid is None or bool(valid.all()) else None
+        m = self.model
+        run = (fastpath.decode_step(m, m.layers, m.target.cfg, hidden[0], pos, cos, sin, self._cache)
+               if valid is None or bool(valid.all()) else None)
         if run is not None:
             self._cache.claim(pos)  # the slot tags the per-op path's layer-0 write sets
             for i, h in enumerate(hidden):
-                run.write_kv(self._fused_block(i), h)
+                run.write_kv(i, h)
             return
         for i, h in enumerate(hidden):
             self._cache.write(i, pos, *self.model.memory_kv(i, h, cos, sin), valid=valid)
@@ -497,7 +490,7 @@ class SpireDraft(Draft):
         keys are attended from the call's own tensors, not from the ring. Returns the last position's (B, d)."""
         m, cache = self.model, self._cache
         x = m.target.model.embed_tokens(tokens)
-        cos, sin = m._rope(pos, x.dtype)
+        cos, sin = m.rope(pos, x.dtype)
         B = tokens.shape[0]
         old = self._key_positions(B)  # entries at or past a row's first new position are stale: hide them
         old = torch.where(old < pos[:, :1], old, torch.full_like(old, 1 << 40))
@@ -520,26 +513,20 @@ class SpireDraft(Draft):
             return m.to_target_vocab(m.logits(self._run(tokens, pos))[:, -1])
         x = m.target.model.embed_tokens(tokens)  # (B, 1, d)
         feature = None if self._feature is None else self._previous_feature(pos)  # (B, 1, d)
-        cos, sin = m._rope(pos, x.dtype)
+        cos, sin = m.rope(pos, x.dtype)
         cache.claim(pos)  # the slots of the new position now hold it (its keys/values follow, per layer)
         kp = self._key_positions(tokens.shape[0])
         mask = attention_mask(pos, kp, m.view)  # (B, 1, 1, S)
         if not m.cfg.self_attend:
             mask = mask & m.self_mask(pos, kp)[:, None]
         xs = [x]
-        run = self._fused_step(x, pos, cos, sin)
+        run = fastpath.decode_step(m, m.layers, m.target.cfg, x, pos, cos, sin, cache, mask=mask)
         if run is not None:  # each layer one native call: the token's key/value into its slot, attention over slots
-            B, d = x.shape[0], x.shape[-1]
-            mask8 = mask[:, 0].to(torch.uint8).contiguous()  # (B, 1, S)
-            h = x.reshape(B, d).contiguous()
-            blocks = [self._fused_block(i) for i in range(len(m.layers))]  # looked up once: layers, then memory
-            for i, fb in enumerate(blocks):
+            for i in range(len(m.layers)):
                 if i == m.feature_layer:
-                    h = m.add_feature(xs[i], feature).reshape(B, d).contiguous()
-                    xs[i] = h.view(B, 1, d)
-                h = run.block(fb, h, mask=mask8)
-                xs.append(h.view(B, 1, d))
-            x = xs[-1]
+                    x = xs[i] = m.add_feature(x, feature)
+                x = run.block(i, x)
+                xs.append(x)
         else:
             for i, layer in enumerate(m.layers):
                 if i == m.feature_layer:
@@ -556,22 +543,7 @@ class SpireDraft(Draft):
             mem = m.memory(xs)
             for i in range(len(m.layers)):
                 if run is not None:
-                    run.write_kv(blocks[i], mem[i])
+                    run.write_kv(i, mem[i])
                 else:
                     cache.write(i, pos, *m.memory_kv(i, mem[i], cos, sin))
         return m.to_target_vocab(m.logits(x)[:, -1])
-
-    def _fused_step(self, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-                    ) -> FusedStep | None:
-        """The shared inputs of this call's native block calls (:class:`spire.model.FusedStep`, slots of the ring
-        cache included) when the fused block applies: a ring cache, few rows, positions that fit the ring. The
-        slots of pos must already be claimed. None otherwise (the per-op path runs)."""
-        m, cache = self.model, self._cache
-        if (not isinstance(cache, RingKVCache) or pos.shape[1] > cache.ring
-                or not fused_block_applies(m.target.cfg, x, tuple(pos.shape), cache.k[0])):
-            return None
-        return FusedStep(pos, cos, sin, slots=cache.slot(pos))
-
-    def _fused_block(self, i: int):
-        m = self.model
-        return fused_block(m.layers[i], self._cache.k[i], self._cache.v[i], m.target.cfg.n_heads, m._fused, i)

@@ -1,18 +1,18 @@
 """Optional native kernels for CPU decoding (built on first use with the system C compiler, cached).
 
 :func:`skinny_linear` computes ``torch.cat([F.linear(x, W_i) for W_i in weights], -1)`` for a few rows of x
-(decoding: M = batch × new tokens ≤ :data:`MAX_ROWS`) with ``skinny_gemm.c``: each weight row is read from
+(decoding: M = batch × new tokens ≤ :data:`MAX_ROWS`) with ``cpu_decode.c``: each weight row is read from
 memory once and multiplied with all M rows (see the C file). MKL's sgemm re-packs the weight on every call;
 on one core of a Zen 3 EPYC the kernel runs SmolLM2's decode matmuls at M = 4 in 42-47 ms and at M = 8 in
 60-63 ms where ``F.linear`` takes 68-69 and 80-83 ms (docs/bench.md). At M = 1 MKL's GEMV over a transposed
-weight copy is faster and spire.model uses that instead.
+weight copy is faster and spire.fastpath uses that instead.
 
 :func:`decode_attention` is the attention of a decode step (few query rows per key/value head) with each
 cached key and value row read once for all of them.
 
 :class:`DecodeBlock` runs a whole decoder block for a few new tokens in one call (RMSNorm, the fused q/k/v
 matmul, RoPE, the KV-cache write, attention over the dense cache with per-row positions and an optional
-sink + window view, o projection, SwiGLU MLP, residuals): spire.model uses it for decode steps, verify passes
+sink + window view, o projection, SwiGLU MLP, residuals): spire.fastpath uses it for decode steps, verify passes
 and MagicDec draft steps, where the ~40 torch ops per block cost as much as the matmuls at B = 1.
 
 The shared library is compiled once per machine into ``<spire cache>/kernels/`` with
@@ -38,10 +38,12 @@ from typing import Sequence
 
 import torch
 
+from spire.paths import spire_cache_dir
+
 MAX_ROWS = 64
 """Largest M for which :func:`skinny_linear` is used (above it BLAS is compute-efficient)."""
 
-_SOURCE = Path(__file__).with_name("skinny_gemm.c")
+_SOURCE = Path(__file__).with_name("cpu_decode.c")
 _LIB: ctypes.CDLL | None = None
 _TRIED = False
 _ERROR: str | None = None
@@ -85,11 +87,9 @@ def load() -> ctypes.CDLL | None:
     if not _cpu_ok():
         _ERROR = f"CPU capability {torch.backends.cpu.get_cpu_capability()} lacks AVX2"
         return None
-    from spire.paths import spire_cache_dir
-
     try:
         digest = hashlib.sha256(_SOURCE.read_bytes() + b"-O3 -mavx2 -mfma -fopenmp").hexdigest()[:16]
-        path = spire_cache_dir() / "kernels" / f"skinny_gemm-{digest}.so"
+        path = spire_cache_dir() / "kernels" / f"cpu_decode-{digest}.so"
         if not path.is_file():
             _build(path)
         lib = ctypes.CDLL(str(path))
@@ -108,7 +108,7 @@ def load() -> ctypes.CDLL | None:
             ctypes.c_void_p] + [ctypes.c_int64] * 5
         P, I = ctypes.c_void_p, ctypes.c_int64
         lib.spire_decode_block.restype = ctypes.c_int
-        lib.spire_decode_block.argtypes = ([P, P, I, I, P, P, I, I, P, P, I, P, P, P, P, ctypes.c_float, P, P, P, P,
+        lib.spire_decode_block.argtypes = ([P, P, I, I, P, I, I, P, P, I, P, P, P, P, ctypes.c_float, P, P, P, P,
                                             ctypes.c_int] + [I] * 5 + [P, P, I, I, I, ctypes.c_float, P])
         lib.spire_block_kv.restype = ctypes.c_int
         lib.spire_block_kv.argtypes = ([P, I, I, P, P, P, P, P, ctypes.c_float, P, ctypes.c_int] + [I] * 4
@@ -226,14 +226,14 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 BLOCK_MAX_ROWS = 32
 """Largest number of query rows per key/value head (H / KV × T) for :class:`DecodeBlock` (``ATT_MAX_ROWS`` in
-skinny_gemm.c); its matmuls take up to :data:`MAX_ROWS` rows M = B × T."""
+cpu_decode.c); its matmuls take up to :data:`MAX_ROWS` rows M = B × T."""
 
 
 class DecodeBlock:
-    """One decoder block's arguments to ``spire_decode_block`` (skinny_gemm.c), for M = B × T ≤ :data:`MAX_ROWS`
-    new tokens with at most :data:`BLOCK_MAX_ROWS` query rows per key/value head: RMSNorm, fused q/k/v matmul, RoPE, the cache write, attention over the
-    dense cache in place (full causal or sink + window, per-row positions), o projection, residual, RMSNorm,
-    SwiGLU MLP and residual in one call.
+    """One decoder block's arguments to ``spire_decode_block`` (cpu_decode.c), for M = B × T ≤ :data:`MAX_ROWS`
+    new tokens with at most :data:`BLOCK_MAX_ROWS` query rows per key/value head: RMSNorm, fused q/k/v matmul,
+    RoPE, the cache write, attention over the dense cache in place (full causal or sink + window, per-row
+    positions), o projection, residual, RMSNorm, SwiGLU MLP and residual in one call.
 
     Args:
         ln1, ln2: (d,) float32 norm weights; eps: their epsilon.
@@ -243,8 +243,9 @@ class DecodeBlock:
         n_heads: H.
     The weights are kept alive by the object; the cache is not (so that holding the object does not hold a
     finished generation's cache): it must stay alive, at the same address, while the object is used
-    (spire.model.fused_block checks the address before every forward). :func:`available` must be True. Raises ValueError for shapes or dtypes the kernel does not take (:func:`block_supported`
-    says so beforehand).
+    (spire.fastpath.native_block checks the address before every forward). :func:`available` must be True.
+    Raises ValueError for shapes or dtypes the kernel does not take (spire.fastpath.decode_step checks
+    beforehand).
     """
 
     __slots__ = ("_args", "_fn", "_kv_fn", "_keep", "d", "H", "KV", "D", "F", "nq", "rope_id")
@@ -269,7 +270,7 @@ class DecodeBlock:
             raise ValueError("decode_block: shapes, dtypes or layouts the kernel does not take")
         self.d, self.H, self.KV, self.D, self.F = d, H, KV, D, F
         self.nq = (H + 2 * KV) * D
-        self.rope_id = 0  # which of a model's RoPE tables the block reads (spire.model.FusedStep)
+        self.rope_id = 0  # which of a model's RoPE tables the block reads (spire.fastpath.DecodeStep)
         self._fn, self._kv_fn = lib.spire_decode_block, lib.spire_block_kv
         self._keep = (ln1, ln2, *ws)  # not the cache: a finished generation's cache must be freeable
         sb, sh, ss, _ = k_cache.stride()
@@ -281,24 +282,23 @@ class DecodeBlock:
         """Floats of scratch one call with M rows needs."""
         return M * (2 * self.d + self.nq + self.H * self.D + 2 * self.F)
 
-    def __call__(self, x: torch.Tensor, pos: torch.Tensor, k_start: torch.Tensor | None, sink: int, window: int,
-                 cos: torch.Tensor, sin: torch.Tensor, work: torch.Tensor, slots: torch.Tensor | None = None,
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor, sink: int, window: int, cos: torch.Tensor,
+                 sin: torch.Tensor, work: torch.Tensor, slots: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None) -> torch.Tensor:
         """x: (M, d) contiguous float32 residual stream entering the block, M = B × T; pos: (B, T) int64
-        contiguous absolute positions (< the cache length: checked by the caller); k_start: None or (B,) int64;
-        window 0 = full causal attention, else a sink + window view; cos, sin: (M, D) contiguous float32 RoPE
-        tables; work: at least :meth:`work_size` float32 scratch. Writes the new keys/values into the cache
-        and returns the (M, d) residual stream leaving the block.
+        contiguous absolute positions (< the cache length: checked by the caller); window 0 = full causal
+        attention, else a sink + window view; cos, sin: (M, D) contiguous float32 RoPE tables; work: at least
+        :meth:`work_size` float32 scratch. Writes the new keys/values into the cache and returns the (M, d)
+        residual stream leaving the block.
 
         A ring cache (:class:`spire.kv_cache.RingKVCache`) passes ``slots``: (B, T) int64 cache entries that
         receive the new keys/values, and ``mask``: (B, T, S) contiguous uint8 over the S cache entries, nonzero
-        where the query may read the entry; the position rule (k_start, sink, window) is then not used."""
+        where the query may read the entry; the position rule (sink, window) is then not used."""
         B, T = pos.shape
         (ln1, ln2, eps, wqkv, wo, wgu, wdown, bf16, d, H, KV, D, F, kc, vc, sb, sh, ss, scale) = self._args
         out = torch.empty_like(x)
         n_slots = 0 if mask is None else mask.shape[-1]
-        rc = self._fn(x.data_ptr(), out.data_ptr(), B, T, pos.data_ptr(),
-                      None if k_start is None else k_start.data_ptr(), sink, window,
+        rc = self._fn(x.data_ptr(), out.data_ptr(), B, T, pos.data_ptr(), sink, window,
                       None if slots is None else slots.data_ptr(), None if mask is None else mask.data_ptr(), n_slots,
                       cos.data_ptr(), sin.data_ptr(),
                       ln1, ln2, eps, wqkv, wo, wgu, wdown, bf16, d, H, KV, D, F, kc, vc, sb, sh, ss, scale,

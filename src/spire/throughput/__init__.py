@@ -12,7 +12,6 @@ from spire.throughput.cost_model import (  # noqa: F401
     critical_batch_size,
     delta_t,
     forward_time,
-    memory_values,
     multiplier,
     round_costs,
     throughput_rows,

@@ -266,18 +266,6 @@ def multiplier(tau: float, delta_t: float) -> float:
     return tau / delta_t
 
 
-def memory_values(costs: RoundCosts, draft_kind: str) -> int:
-    """Values resident in device memory for a round: target weights + target KV + draft weights + draft KV.
-
-    MagicDec's draft is the target reading a view of the target's own cache, so it adds nothing.
-    Multiply by bytes per value for bytes.
-    """
-    resident = costs.target.N + costs.target.KV
-    if draft_kind != "magicdec":
-        resident += costs.draft.N + costs.draft.KV
-    return resident
-
-
 def verify_operational_intensity(shape: ModelShape, B: int, L: int, k: int = 4) -> float:
     """OI of verification in FLOPs per byte: OI(B) = 2·N·(B·k) / (N + B·L·x) (paper Figure 3).
 
@@ -406,27 +394,8 @@ def throughput_rows(
     if best_k_max is not None:
         _check_positive_int("best_k_max", best_k_max)
     alphas = dict(alphas or {})
-    both = sorted(set(alphas) & set(taus or {}))
-    if both:
-        raise ConfigError(f"give tau or alpha for {both[0]}, not both")
-    for draft in alphas:
-        check_draft_kind(draft)
-    resolved = _resolve_taus(preset, k, {**(taus or {}), **{d: tau_from_alpha(a, k) for d, a in alphas.items()}})
-    for draft, a in alphas.items():
-        resolved[draft] = (resolved[draft][0], f"alpha={a:g}")
-
-    if contexts is not None:
-        contexts = _check_contexts(contexts)
-        n = len(contexts)
-        points = [(n, round(sum(contexts) / n), contexts)]
-    else:
-        Bs, Ls = list(Bs), list(Ls)
-        for name, values in (("B", Bs), ("L", Ls)):
-            if not values:
-                raise ConfigError(f"give at least one {name}")
-            for value in values:
-                _check_positive_int(name, value)
-        points = [(B, L, None) for B in Bs for L in Ls]
+    resolved = _taus_with_alphas(preset, k, taus, alphas)
+    points = _grid_points(Bs, Ls, contexts)
 
     def costs_at(draft: str, B: int, L: int, batch: list[int] | None, k_: int) -> RoundCosts:
         shapes = (preset.target, preset.draft_shape(draft))
@@ -469,6 +438,38 @@ def throughput_rows(
                                                               combine)
             rows.append(row)
     return rows
+
+
+def _taus_with_alphas(preset: Preset, k: int, taus: Mapping[str, float] | None, alphas: Mapping[str, float]
+                      ) -> dict[str, tuple[float, str]]:
+    """:func:`_resolve_taus` with τ(k) from an acceptance rate α where one is given (tau_source "alpha=α").
+    Raises ConfigError when a draft has both τ and α, or an unknown draft kind."""
+    both = sorted(set(alphas) & set(taus or {}))
+    if both:
+        raise ConfigError(f"give tau or alpha for {both[0]}, not both")
+    for draft in alphas:
+        check_draft_kind(draft)
+    resolved = _resolve_taus(preset, k, {**(taus or {}), **{d: tau_from_alpha(a, k) for d, a in alphas.items()}})
+    for draft, a in alphas.items():
+        resolved[draft] = (resolved[draft][0], f"alpha={a:g}")
+    return resolved
+
+
+def _grid_points(Bs: Iterable[int], Ls: Iterable[int], contexts: Sequence[int] | None
+                 ) -> list[tuple[int, int, list[int] | None]]:
+    """(B, L, batch) of every grid point: one mixed batch of ``contexts`` (B = its size, L = its rounded mean),
+    else B × L uniform points (batch None). Raises ConfigError on an empty or non-positive B or L."""
+    if contexts is not None:
+        contexts = _check_contexts(contexts)
+        n = len(contexts)
+        return [(n, round(sum(contexts) / n), contexts)]
+    Bs, Ls = list(Bs), list(Ls)
+    for name, values in (("B", Bs), ("L", Ls)):
+        if not values:
+            raise ConfigError(f"give at least one {name}")
+        for value in values:
+            _check_positive_int(name, value)
+    return [(B, L, None) for B in Bs for L in Ls]
 
 
 def _resolve_taus(preset: Preset, k: int, overrides: Mapping[str, float]) -> dict[str, tuple[float, str]]:

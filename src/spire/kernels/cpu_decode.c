@@ -1,4 +1,9 @@
-/* Skinny matmul for decoding on x86-64 CPUs with AVX2 + FMA (spire.kernels): float32 activations times
+/* CPU decoding kernels for x86-64 with AVX2 + FMA (spire.kernels): the skinny matmul (spire_skinny_gemm[_bf16]),
+ * RMSNorm (spire_rms_norm), decode attention (spire_attn_scores, spire_attn_pv), and the whole decoder block
+ * of a decode step (spire_decode_block) with its memory-key/value variant (spire_block_kv), each described
+ * where it is defined.
+ *
+ * Skinny matmul: float32 activations times
  * float32 weights (spire_skinny_gemm) or bf16 weights (spire_skinny_gemm_bf16: half the weight bytes to
  * stream, widened to float32 in registers, float32 arithmetic).
  *
@@ -542,7 +547,7 @@ int spire_rms_norm(const float *x, int64_t ldx, const float *w, float *y, int64_
  * by torch, grouped-query attention (query head h reads key/value head h / (H / KV)), float32 throughout.
  *
  * Attention reads the dense cache in place. Query (b, t) at position p = pos[b, t] attends to keys j with
- * kstart[b] <= j <= p and, with a sink + window view (window > 0), j < sink or j > p - window (StreamingLLM;
+ * j <= p and, with a sink + window view (window > 0), j < sink or j > p - window (StreamingLLM;
  * spire.kv_cache.attention_mask). Only the key ranges some query of the group needs are visited, so a
  * sink + window step costs O(sink + window + T) whatever the context length. With an explicit mask over
  * the cache entries (the SPIRe draft's ring cache, whose slots carry positions) the rule is replaced by the
@@ -587,7 +592,7 @@ static inline float exp1(float x) {
 /* Keys [j0, j1) of one (b, kv head) group against its R query rows (row r: q + r_off[r], position qpos[r]),
  * folded into the running softmax state (m, l) and the unnormalized outputs o + o_off[r]. */
 static void attend_block(const float *q, const int64_t *q_off, const int64_t *qpos, const uint8_t *const *mrow, int R,
-                         int64_t kstart, int64_t sink, int64_t window, const float *kb, const float *vb, int64_t kss,
+                         int64_t sink, int64_t window, const float *kb, const float *vb, int64_t kss,
                          int64_t j0, int64_t j1, int64_t D, float scale, float *m, float *l, float *o,
                          const int64_t *o_off) {
     float s[ATT_MAX_ROWS][ATT_BLOCK];
@@ -609,7 +614,7 @@ static void attend_block(const float *q, const int64_t *q_off, const int64_t *qp
         float bm = -__builtin_inff();
         for (int64_t jj = 0; jj < n; jj++) {
             int64_t j = j0 + jj;
-            int ok = mrow ? mrow[r][j] != 0 : (j >= kstart && j <= p && (window <= 0 || j < sink || j > p - window));
+            int ok = mrow ? mrow[r][j] != 0 : (j <= p && (window <= 0 || j < sink || j > p - window));
             float x = ok ? s[r][jj] * scale : -__builtin_inff();
             s[r][jj] = x;
             bm = x > bm ? x : bm;
@@ -674,11 +679,11 @@ static void attend_block(const float *q, const int64_t *q_off, const int64_t *qp
 }
 
 static void attend_range(const float *q, const int64_t *q_off, const int64_t *qpos, const uint8_t *const *mrow, int R,
-                         int64_t kstart, int64_t sink, int64_t window, const float *kb, const float *vb, int64_t kss,
+                         int64_t sink, int64_t window, const float *kb, const float *vb, int64_t kss,
                          int64_t lo, int64_t hi, int64_t D, float scale, float *m, float *l, float *o,
                          const int64_t *o_off) {
     for (int64_t j0 = lo; j0 < hi; j0 += ATT_BLOCK)
-        attend_block(q, q_off, qpos, mrow, R, kstart, sink, window, kb, vb, kss, j0,
+        attend_block(q, q_off, qpos, mrow, R, sink, window, kb, vb, kss, j0,
                      j0 + ATT_BLOCK < hi ? j0 + ATT_BLOCK : hi, D, scale, m, l, o, o_off);
 }
 
@@ -730,15 +735,15 @@ static void rope_write(float *qkv, int64_t M, int64_t T, int64_t H, int64_t KV, 
     }
 }
 
-/* x, xo: (M, d) with M = B * T (xo may not alias x); pos: (B, T); kstart: (B,) or NULL; window <= 0: no view;
+/* x, xo: (M, d) with M = B * T (xo may not alias x); pos: (B, T); window <= 0: no view;
  * slot: NULL (new keys/values go to cache entry pos[b, t]) or (B, T) cache entries to write instead (a ring
  * cache); mask: NULL (the position rule above over a dense cache) or (B, T, n_slots) uint8, nonzero where query
  * (b, t) may read cache entry j < n_slots (the rule is then not applied);
  * cos, sin: (M, D); ln1, ln2: (d,); wqkv ((H + 2 KV) D, d), wo (d, H D), wgu (2 F, d), wdown (d, F): row-major,
  * float32 (bf16 = 0) or bf16 (bf16 = 1); kc, vc: the layer's cache, element [b, h, s, :] at b csb + h csh + s css;
  * work: M (d + (H + 2 KV) D + H D + 2 F + d) floats of scratch. */
-int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const int64_t *pos, const int64_t *kstart,
-                       int64_t sink, int64_t window, const int64_t *slot, const uint8_t *mask, int64_t n_slots,
+int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const int64_t *pos, int64_t sink,
+                       int64_t window, const int64_t *slot, const uint8_t *mask, int64_t n_slots,
                        const float *cos, const float *sin, const float *ln1,
                        const float *ln2, float eps, const void *wqkv, const void *wo, const void *wgu,
                        const void *wdown, int bf16, int64_t d, int64_t H, int64_t KV, int64_t D, int64_t F,
@@ -771,24 +776,21 @@ int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const in
                 l_run[R] = 0.0f;
                 for (int64_t i = 0; i < D; i++) att[o_off[R] + i] = 0.0f;
             }
-        int64_t ks = kstart ? kstart[b] : 0;
-        if (ks < 0) ks = 0;
         const float *kb = kc + b * csb + hk * csh, *vb = vc + b * csb + hk * csh;
         const uint8_t *const *mr = mask ? mrow : 0;
         if (mask) {
-            attend_range(qkv, q_off, qpos, mr, R, ks, sink, window, kb, vb, css, 0, n_slots, D, scale, m_run, l_run,
+            attend_range(qkv, q_off, qpos, mr, R, sink, window, kb, vb, css, 0, n_slots, D, scale, m_run, l_run,
                          att, o_off);
         } else if (window > 0) {
             int64_t s1 = sink < pmax + 1 ? sink : pmax + 1;
-            attend_range(qkv, q_off, qpos, mr, R, ks, sink, window, kb, vb, css, ks, s1, D, scale, m_run, l_run, att,
+            attend_range(qkv, q_off, qpos, mr, R, sink, window, kb, vb, css, 0, s1, D, scale, m_run, l_run, att,
                          o_off);
             int64_t lo = pmin - window + 1;
             lo = lo > s1 ? lo : s1;
-            lo = lo > ks ? lo : ks;
-            attend_range(qkv, q_off, qpos, mr, R, ks, sink, window, kb, vb, css, lo, pmax + 1, D, scale, m_run, l_run,
+            attend_range(qkv, q_off, qpos, mr, R, sink, window, kb, vb, css, lo, pmax + 1, D, scale, m_run, l_run,
                          att, o_off);
         } else {
-            attend_range(qkv, q_off, qpos, mr, R, ks, sink, window, kb, vb, css, ks, pmax + 1, D, scale, m_run, l_run,
+            attend_range(qkv, q_off, qpos, mr, R, sink, window, kb, vb, css, 0, pmax + 1, D, scale, m_run, l_run,
                          att, o_off);
         }
         for (int r = 0; r < R; r++) {
