@@ -724,6 +724,16 @@ def load_token_data(path: str | os.PathLike) -> TokenData:
     return TokenData(splits["train"], splits["heldout"], manifest, folder)
 
 
+def document_separator_id(tokenizer) -> int | None:
+    """The id that separates documents in pretraining (``<|endoftext|>`` for SmolLM2), else EOS: the ``eos_id``
+    that :func:`prepare_data` and :func:`prepare_text_files` put between documents."""
+    for token in ("<|endoftext|>", "</s>", "<eos>"):
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            return tid
+    return tokenizer.eos_token_id
+
+
 def prepare_data(tokenizer: Any, cache_dir: str | os.PathLike | None = None, sources: Sequence[str] = SOURCES,
                  heldout_fraction: float = 0.1, seed: int = 0, progress: bool = True, eos_id: int | None = None,
                  max_stdlib_files: int = 400) -> TokenData:

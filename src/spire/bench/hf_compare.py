@@ -24,6 +24,7 @@ from typing import Any, Callable
 
 import torch
 
+from spire import defaults
 from spire.errors import ConfigError
 
 
@@ -34,9 +35,9 @@ class HFCompareConfig:
     Bs: list[int] = field(default_factory=lambda: [1, 8])
     L: int = 128
     G: int = 64
-    k: int = 4
-    sink: int = 1
-    window: int = 64
+    k: int = defaults.K
+    sink: int = defaults.SINK
+    window: int = defaults.WINDOW
     repeats: int = 3
     seed: int = 0
     clock: str = "wall"  # "cpu": process CPU time (single-threaded CPU runs on a shared machine)

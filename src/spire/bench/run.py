@@ -35,6 +35,7 @@ from typing import Any, Callable
 
 import torch
 
+from spire import defaults
 from spire.drafts.base import Draft
 from spire.errors import ConfigError
 from spire.model import Transformer
@@ -59,11 +60,11 @@ class BenchConfig:
 
     Bs: list[int] = field(default_factory=lambda: list(DEFAULT_BS))
     Ls: list[int] = field(default_factory=lambda: list(DEFAULT_LS))
-    k: int = 4
+    k: int = defaults.K
     G: int = 32
     reps: int = 5
-    sink: int = 1
-    window: int = 64
+    sink: int = defaults.SINK
+    window: int = defaults.WINDOW
     combine: str = "max"
     seed: int = 0
     clock: str = "wall"

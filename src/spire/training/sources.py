@@ -110,7 +110,7 @@ class LiveTarget:
     """Run the frozen target on each step's batch (the trainer's default data source).
 
     ``data`` gives ``sample_train_batch(batch_size, seq_len, generator)``; step s draws with the generator of
-    (seed, s mod data_steps) (:func:`spire.training.distill.step_generator`), or of (seed, s) when data_steps
+    (seed, s mod data_steps) (:func:`step_generator`), or of (seed, s) when data_steps
     is None.
     """
 

@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from spire import defaults
+from spire.bench.calibrate import load_calibration
 from spire.errors import ConfigError
 from spire.evaluation.tau_file import L_RULE, read_tau_file, select_taus
 from spire.throughput.analysis import growing_rows, read_contexts, sample_contexts
@@ -20,11 +27,10 @@ from spire.throughput.shapes import ModelShape, Preset, get_preset, preset_from_
 @dataclass
 class ThroughputArgs:
     """Every option of ``spire throughput``, already split into Python values (None = not given)."""
-
     preset: str = "paper-67m"
     Bs: list[int] = field(default_factory=lambda: [64])
     Ls: list[int] = field(default_factory=lambda: [512])
-    k: int = 4
+    k: int = defaults.K
     hoi: float | None = None
     combine: str = "max"
     taus: dict[str, float] = field(default_factory=dict)
@@ -59,7 +65,7 @@ class ThroughputArgs:
 def resolve_preset(a: ThroughputArgs) -> tuple[Preset, int | None, int]:
     """The preset, with the target / drafts replaced from HF or spire configs; (preset, window, sink)."""
     base = get_preset(a.preset)
-    window, sink = a.draft_window, 1
+    window, sink = a.draft_window, defaults.SINK
     if not (a.config or a.vanilla_config or a.spire_config or a.spire_layers):
         return base, window, sink
     target = ModelShape.from_hf_config_file(a.config) if a.config else base.target
@@ -87,7 +93,6 @@ def resolve_hardware(a: ThroughputArgs) -> Hardware | None:
     if a.calibration is not None:  # measured on this machine (spire.bench.calibrate)
         if a.hardware or a.flops is not None or a.bandwidth is not None:
             raise ConfigError("give --calibration or --hardware / --flops / --bandwidth, not several")
-        from spire.bench.calibrate import load_calibration
 
         cal = load_calibration(a.calibration)
         return cal.hardware(a.dtype if a.dtype is not None and a.dtype in cal.dtypes else None)
@@ -107,7 +112,7 @@ def build(a: ThroughputArgs) -> tuple[dict[str, Any], list[dict[str, Any]], Pres
     preset, window, sink = resolve_preset(a)
     hw = resolve_hardware(a)
     if a.calibration is not None and a.dtype is None and a.bytes_per_value is None:
-        import dataclasses  # measured hardware: real bytes per value of the dtype it was measured with
+        # measured hardware: real bytes per value of the dtype it was measured with
 
         a = dataclasses.replace(a, dtype="fp32" if "fp32" in hw.flops else next(iter(hw.flops)))
     for dtype in (a.dtype, a.kv_dtype):
@@ -249,9 +254,6 @@ EXTRA_COLUMNS = [  # (row key, header, format)
 
 def print_table(name: str, description: str, rows: list[dict[str, Any]]) -> None:
     """A rich table of the rows; extra columns appear when a row has them."""
-    from rich.console import Console
-    from rich.table import Table
-
     extras = [c for c in EXTRA_COLUMNS if any(c[0] in r for r in rows)]
     table = Table(title=f"{name}: {description}", caption="multiplier = τ / Δt (throughput over AD)")
     for column in ("draft", "B", "L", "τ", "Δt", "multiplier", "memory (GB)", *(c[1] for c in extras)):
@@ -265,6 +267,5 @@ def print_table(name: str, description: str, rows: list[dict[str, Any]]) -> None
         L = f"{r['L']} (mean)" if "contexts" in r else str(r["L"])
         cells = [fmt.format(r[key]) if r.get(key) is not None else "-" for key, _, fmt in extras]
         table.add_row(r["draft"], str(r["B"]), L, f"{r['tau']:.3f}", dt, m, memory, *cells)
-    import sys
 
     Console(width=None if sys.stdout.isatty() else 160).print(table)  # no truncated columns in pipes
