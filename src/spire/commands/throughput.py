@@ -19,7 +19,7 @@ from spire.bench.calibrate import load_calibration
 from spire.errors import ConfigError
 from spire.evaluation.tau_file import L_RULE, read_tau_file, select_taus
 from spire.throughput.analysis import growing_rows, read_contexts, sample_contexts
-from spire.throughput.cost_model import HOI, CostOptions, throughput_rows
+from spire.throughput.cost_model import HOI, CostOptions, RowOptions, throughput_rows
 from spire.throughput.hardware import DTYPE_BYTES, Hardware, check_dtype, custom_hardware, get_hardware
 from spire.throughput.shapes import ModelShape, Preset, get_preset, preset_from_configs, spire_draft_from_config
 
@@ -144,11 +144,9 @@ def build(a: ThroughputArgs) -> tuple[dict[str, Any], list[dict[str, Any]], Pres
     curves = _tau_curves(a)
 
     def rows_at(Ls: list[int], taus: dict[str, float]) -> list[dict[str, Any]]:
-        return throughput_rows(
-            preset, a.Bs, Ls, k=a.k, hoi=hoi, combine=a.combine, taus=taus, memory_bytes=memory_bytes,
-            options=options, contexts=contexts, alphas=a.alphas, best_k_max=a.best_k, flops_per_s=flops_per_s,
-            cost_analysis=a.cost_analysis,
-        )  # fmt: skip
+        return throughput_rows(preset, a.Bs, Ls, RowOptions(
+            k=a.k, hoi=hoi, combine=a.combine, taus=taus, memory_bytes=memory_bytes, cost=options, contexts=contexts,
+            alphas=a.alphas, best_k_max=a.best_k, flops_per_s=flops_per_s, cost_analysis=a.cost_analysis))
 
     if not curves or not (a.Bs and a.Ls):
         rows = rows_at(a.Ls, a.taus)

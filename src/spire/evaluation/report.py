@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from spire.paths import atomic_write
-from spire.throughput import get_preset, throughput_rows
+from spire.throughput import RowOptions, get_preset, throughput_rows
 from spire.throughput.shapes import PAPER_TAUS, ModelShape, Preset
 from spire.throughput.plots import plot_multiplier_heatmaps, plot_multiplier_vs_L
 
@@ -157,7 +157,8 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
         key = f"T={temperature:g}"
         taus = {d: _tau_of(results, d, temperature)["tau"] for d in MEASURED}
         rows = [dict(r, tau_source=f"measured ({key}, L={cfg.L})")
-                for r in throughput_rows(preset, cfg.grid_B, sorted(set(cfg.grid_L) | {cfg.L}), k=cfg.k, taus=taus)
+                for r in throughput_rows(preset, cfg.grid_B, sorted(set(cfg.grid_L) | {cfg.L}),
+                                          RowOptions(k=cfg.k, taus=taus))
                 if r["draft"] in MEASURED]
         grids[key] = rows
         goals[key] = goal_check(rows, B_main, cfg.L, cfg.k)
@@ -181,7 +182,7 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
                        f"{name}: τ against context length (greedy, G = {cfg.G}, k = {cfg.k})")
         figures.append("tau_vs_L.png")
     paper = get_preset("paper-67m")
-    paper_rows = throughput_rows(paper, sorted({*cfg.grid_B, 64}), [2 ** i for i in range(3, 14)], k=4)
+    paper_rows = throughput_rows(paper, sorted({*cfg.grid_B, 64}), [2 ** i for i in range(3, 14)], RowOptions(k=4))
     plot_multiplier_heatmaps(paper_rows, out / "throughput_paper67m.png",
                              "Paper 67M target with the paper's τ (L = 512): the paper's setting")
     figures.append("throughput_paper67m.png")
