@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -49,6 +50,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from spire.errors import DataError
 from spire.paths import atomic_write, spire_cache_dir
@@ -226,7 +228,6 @@ def _extract_sdist(pkg: str, ver: str, cache: Path) -> Path:
 
 
 def _rmtree(path: Path) -> None:
-    import shutil
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -651,8 +652,6 @@ def _encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 
 def _tokenize_docs(tokenizer: Any, docs: list[Document], eos_id: int | None, progress: bool, desc: str
                    ) -> tuple[list[np.ndarray], int]:
-    from tqdm.auto import tqdm
-
     out: list[np.ndarray] = []
     max_id = -1
     chunk: list[Document] = []

@@ -99,8 +99,6 @@ class KVCache:
         ``valid`` is accepted for interface parity with :class:`RingKVCache`; padding entries are written
         (they lie past the committed length and are overwritten before being read)."""
         if int(pos.max()) >= self.max_len:
-            from spire.errors import ConfigError
-
             raise ConfigError(f"position {int(pos.max())} is beyond the cache length {self.max_len}")
         B, T = pos.shape
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
@@ -152,8 +150,6 @@ class RingKVCache:
     def __init__(self, n_layers: int, batch_size: int, n_kv: int, view: SinkWindow, slack: int, d_head: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         if slack < 1:
-            from spire.errors import ConfigError
-
             raise ConfigError(f"ring slack must be >= 1 (use k + 1), got {slack}")
         self.view, self.ring = view, view.window + slack
         n_slots = view.sink + self.ring

@@ -18,14 +18,21 @@ Rows: HF AD, spire AD, spire SD with MagicDec; at B = 1 with a vanilla draft als
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from spire import defaults
+from spire.bench.run import SMOLLM2_CONFIG, random_target
+from spire.drafts.magicdec import MagicDecDraft
+from spire.drafts.vanilla import VanillaDraft
 from spire.errors import ConfigError
+from spire.speculative import generate
 
 
 @dataclass
@@ -72,9 +79,7 @@ def hf_generate(hf, ids: torch.Tensor, G: int, assistant=None) -> list[list[int]
 def random_pair(dtype: torch.dtype, device: torch.device, seed: int = 0):
     """(spire Transformer, HF LlamaForCausalLM) of SmolLM2-135M's shape sharing the same random weights, for
     machines without the real checkpoint (timings only: the text is noise, greedy identity still holds)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from spire.bench.run import SMOLLM2_CONFIG, random_target
+    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: transformers takes seconds to import
 
     c = SMOLLM2_CONFIG
     target = random_target(torch.float32, "cpu", seed)
@@ -101,10 +106,6 @@ def compare(target, hf, contexts: torch.Tensor, cfg: HFCompareConfig, vanilla=No
     Returns rows {"B", "method", "tokens_per_s", "decode_tokens_per_s", "seconds", "identical", "tau", ...}.
     Raises ConfigError when contexts are too few or too short.
     """
-    from spire.drafts.magicdec import MagicDecDraft
-    from spire.drafts.vanilla import VanillaDraft
-    from spire.speculative import generate
-
     if contexts.shape[0] < max(cfg.Bs) or contexts.shape[1] < cfg.L:
         raise ConfigError(f"need {max(cfg.Bs)} contexts of {cfg.L} tokens, got {tuple(contexts.shape)}")
     need = cfg.L + cfg.G + cfg.k + 1  # prompt, new tokens, and the k + 1 positions a last verify may write
@@ -173,11 +174,6 @@ def compare(target, hf, contexts: torch.Tensor, cfg: HFCompareConfig, vanilla=No
 
 def print_rows(rows: list[dict[str, Any]], title: str) -> None:
     """A rich table of :func:`compare`'s rows."""
-    import sys
-
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=title, caption="best of the interleaved repeats; ratio = tokens/s ÷ HF generate's at the "
                                        "same B; decode = without the prefill")
     for col in ("B", "method", "tok/s", "ratio", "decode tok/s", "decode ratio", "τ", "identical to HF"):

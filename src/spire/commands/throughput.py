@@ -27,6 +27,7 @@ from spire.throughput.shapes import ModelShape, Preset, get_preset, preset_from_
 @dataclass
 class ThroughputArgs:
     """Every option of ``spire throughput``, already split into Python values (None = not given)."""
+
     preset: str = "paper-67m"
     Bs: list[int] = field(default_factory=lambda: [64])
     Ls: list[int] = field(default_factory=lambda: [512])

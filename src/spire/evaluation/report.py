@@ -7,11 +7,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+from matplotlib.figure import Figure
 
+from spire.evaluation.tau import paired_ratio_ci
 from spire.paths import atomic_write
 from spire.throughput import RowOptions, get_preset, throughput_rows
+from spire.throughput.analysis import NO_SPARSE_KV, ablation_rows
 from spire.throughput.shapes import PAPER_TAUS, ModelShape, Preset
-from spire.throughput.plots import plot_multiplier_heatmaps, plot_multiplier_vs_L
+from spire.throughput.plots import plot_ablation, plot_multiplier_heatmaps, plot_multiplier_vs_L
+from spire.training.distill import PAPER_ABLATION_TAU
 
 MEASURED = ("vanilla", "magicdec", "spire")  # the drafts whose τ the main job measures
 PAPER_TAU = {"magicdec": 3.891, "spire": 3.401, "vanilla": 2.647}  # paper, 67M target, L = 512
@@ -59,8 +63,6 @@ def multiplier_ratio_ci(results: dict, rows: list[dict], temperature: float, B: 
     τ_MagicDec over the shared contexts (:func:`spire.evaluation.tau.paired_ratio_ci`) times Δt_MagicDec /
     Δt_SPIRe (the cost model's Δt has no sampling error). None when per-context counts are missing (a τ taken
     from an older measurement cache)."""
-    from spire.evaluation.tau import paired_ratio_ci
-
     s, m = _tau_of(results, "spire", temperature), _tau_of(results, "magicdec", temperature)
     if not (s and m and s.get("emitted") and m.get("emitted")) or len(s["emitted"]) != len(m["emitted"]):
         return None
@@ -84,8 +86,6 @@ def target_preset(target: dict, n_draft_layers: int) -> Preset:
 
 
 def _plot_training(history: list[dict], path: Path, heldout: list[dict] | None = None) -> None:
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(6.5, 3.2), layout="constrained")
     ax = fig.subplots()
     tokens = [h["tokens"] / 1e3 for h in history]
@@ -104,8 +104,6 @@ def _plot_training(history: list[dict], path: Path, heldout: list[dict] | None =
 
 
 def _plot_tau_vs_L(rows: list[dict], path: Path, title: str) -> None:
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(6.5, 3.4), layout="constrained")
     ax = fig.subplots()
     for d in MEASURED:
@@ -126,8 +124,6 @@ def _plot_tau_vs_L(rows: list[dict], path: Path, title: str) -> None:
 def _ablation_rows(results: dict, cfg, preset: Preset, temperature: float) -> list[dict]:
     """Figure 5 from measured τ: each trained ablation's multiplier over L at B = 64 (full-KV ablation with a
     full draft KV cache in the cost model, the others with SPIRe's sink + window costs)."""
-    from spire.throughput.analysis import NO_SPARSE_KV, ablation_rows
-
     ref = "spire-none" if "none" in cfg.ablations else "spire"
     taus = {"SPIRe": _tau_of(results, ref, temperature)["tau"]}
     for a in cfg.ablations:
@@ -145,8 +141,6 @@ def _ablation_rows(results: dict, cfg, preset: Preset, temperature: float) -> li
 def write_report(results: dict, cfg, t_start: float) -> Path:
     """Compute the throughput grids from the measured τ, draw the figures, write results.json and REPORT.md
     (last) into cfg.out. Returns the report path."""
-    from spire.throughput.plots import plot_ablation
-
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     preset = target_preset(results["target"], cfg.n_draft_layers)
@@ -276,8 +270,6 @@ def _training_lines(results: dict, cfg) -> list[str]:
 
 
 def _ablation_lines(results: dict, cfg) -> list[str]:
-    from spire.training.distill import PAPER_ABLATION_TAU
-
     if not cfg.ablations:
         return ["No ablations in this run (`spire reproduce --ablations all` trains and measures each of the "
                 "paper's Figure 5 ablations with `--ablation-budget` seconds).", ""]
