@@ -84,6 +84,7 @@ _OPT = typer.Option
 
 @app.command()
 def throughput(
+    ctx: typer.Context,
     preset: Annotated[str, _OPT(help="Model preset: paper-67m, llama3-70b (alias paper-70b) or smollm2-135m.")]
     = "paper-67m",
     B: Annotated[list[str], _OPT("-B", "--batch", metavar="INT[,INT...]", help=GRID_HELP)] = ["64"],
@@ -143,24 +144,16 @@ def throughput(
     plot: Annotated[Optional[Path], _OPT(help="Also write a PNG heatmap of the multiplier here.")] = None,
 ) -> None:
     """Throughput multiplier τ/Δt of vanilla SD, MagicDec and SPIRe from the paper's cost model."""
-    from spire.commands.throughput import ThroughputArgs, build, print_table, to_csv, to_json
+    from spire.commands.throughput import ThroughputArgs, build, print_table, to_csv, to_json, write_plot
 
-    args = ThroughputArgs(
-        preset=preset, Bs=_ints("-B", B), Ls=_ints("-L", L), k=k, hoi=hoi, combine=combine, taus=_taus(tau),
-        alphas=_floats(alpha, "--alpha"), best_k=best_k, memory_gb=memory_gb, bytes_per_value=bytes_per_value,
-        dtype=dtype, kv_dtype=kv_dtype, hardware=hardware, flops=flops, bandwidth=bandwidth,
-        attention_flops=attention_flops, embeddings=embeddings, draft_window=draft_window, config=config,
-        vanilla_config=vanilla_config, spire_config=spire_config, spire_layers=spire_layers,
-        contexts=None if contexts is None else _ints("--contexts", [contexts]), contexts_file=contexts_file,
-        context_dist=context_dist, seed=seed, grow=grow, cost_analysis=cost_analysis, tau_from=tau_from,
-        tau_temperature=tau_temperature, tau_drafts=_names(tau_draft), calibration=calibration,
-    )  # fmt: skip
-    summary, rows, chosen = build(args)
+    given = {name: value for name, value in ctx.params.items() if name not in ("fmt", "plot")}
+    for name in ("B", "L", "tau", "alpha", "contexts", "tau_draft"):  # parsed here, in this order
+        given.pop(name)
+    parsed = {"Bs": _ints("-B", B), "Ls": _ints("-L", L), "taus": _taus(tau), "alphas": _floats(alpha, "--alpha"),
+              "contexts": None if contexts is None else _ints("--contexts", [contexts]), "tau_drafts": _names(tau_draft)}
+    summary, rows, chosen = build(ThroughputArgs(**given, **parsed))
     if plot is not None:
-        from spire.throughput.plots import plot_multiplier_heatmaps
-
-        title = f"{chosen.name}: throughput multiplier (k={k}, HOI={summary['hoi']:g}, {combine})"
-        typer.echo(f"wrote {plot_multiplier_heatmaps(rows, plot, title)}", err=True)
+        typer.echo(f"wrote {write_plot(summary, rows, chosen, plot)}", err=True)
     if fmt == "json":
         typer.echo(to_json(summary, rows))
     elif fmt == "csv":

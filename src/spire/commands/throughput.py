@@ -221,6 +221,14 @@ def _per_L(Bs: list[int], Ls: list[int], rows_for_L) -> list[dict[str, Any]]:
     return [dict(r) for i in range(len(Bs)) for L in Ls for r in per[L][i * n: (i + 1) * n]]
 
 
+def write_plot(summary: dict[str, Any], rows: list[dict[str, Any]], preset: Preset, path: Path) -> Path:
+    """A PNG heatmap of the rows' multiplier at ``path`` (``--plot``). Returns its path."""
+    from spire.throughput.plots import plot_multiplier_heatmaps  # lazy: matplotlib's import, for --plot only
+
+    title = f"{preset.name}: throughput multiplier (k={summary['k']}, HOI={summary['hoi']:g}, {summary['combine']})"
+    return plot_multiplier_heatmaps(rows, path, title)
+
+
 def to_json(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """One JSON object: the summary's keys and "rows" (the skeleton issue's contract)."""
     return json.dumps({**summary, "rows": rows})
