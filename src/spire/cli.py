@@ -365,8 +365,15 @@ def train(
                    f"draft at {summary['draft_path']}")
 
 
+REPRODUCE_OPTIONS = ("budget", "n_contexts", "L", "G", "vanilla_budget", "ablation_budget", "tau_L_contexts", "steps",
+                     "vanilla_steps", "ablation_steps", "first_layers", "cache_steps", "preset", "target", "out", "k",
+                     "n_draft_layers", "seed")
+"""`spire reproduce` options passed to ReproduceConfig as given (budget -> budget_s, and the other budgets alike)."""
+
+
 @app.command()
 def reproduce(
+    ctx: typer.Context,
     preset: Annotated[str, typer.Option(help="Target preset (the embedded default: smollm2-135m).")] = "smollm2-135m",
     target: Annotated[Optional[str], typer.Option(help="A .gguf file or HF Llama-family folder to use instead "
                                                       "of the preset's checkpoint.")] = None,
@@ -390,7 +397,8 @@ def reproduce(
     L: Annotated[Optional[int], typer.Option("-L", "--context", help="Context length for τ (tokens).")] = None,
     G: Annotated[Optional[int], typer.Option("-G", "--generate", help="Tokens generated per context.")] = None,
     k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,
-    n_draft_layers: Annotated[int, typer.Option(help="Target layers pruned into the SPIRe draft.")] = 8,
+    n_draft_layers: Annotated[int, typer.Option(help="Target layers pruned into the SPIRe draft.")]
+    = defaults.N_DRAFT_LAYERS,
     first_layers: Annotated[Optional[int], typer.Option(help="Of those, how many come from the bottom of the target "
                                                         "(beyond the paper; 0 = the paper's last layers) [2].")] = None,
     draft_vocab: Annotated[Optional[int], typer.Option(help="SPIRe head over the N most frequent training tokens "
@@ -408,28 +416,20 @@ def reproduce(
 
     from spire.training.distill import ABLATIONS
 
-    overrides = {name: value for name, value in (("budget_s", budget), ("n_contexts", n_contexts), ("L", L),
-                                                  ("G", G), ("vanilla_budget_s", vanilla_budget),
-                                                  ("ablation_budget_s", ablation_budget),
-                                                  ("tau_L_contexts", tau_L_contexts), ("steps", steps),
-                                                  ("vanilla_steps", vanilla_steps),
-                                                  ("ablation_steps", ablation_steps)) if value is not None}
+    fields = {"budget": "budget_s", "vanilla_budget": "vanilla_budget_s", "ablation_budget": "ablation_budget_s"}
+    overrides = {fields.get(name, name): value for name, value in _given(ctx, REPRODUCE_OPTIONS).items()
+                 if value is not None}
     if ablations is not None:
         names = [a.strip() for a in ablations.split(",") if a.strip()]
         overrides["ablations"] = tuple(ABLATIONS) if names == ["all"] else tuple(names)
     if tau_L is not None:
         overrides["tau_Ls"] = tuple(_ints("--tau-L", [tau_L]))
-    if first_layers is not None:
-        overrides["first_layers"] = first_layers
     if draft_vocab is not None:
         overrides["draft_vocab"] = draft_vocab or None
-    if cache_steps is not None:
-        overrides["cache_steps"] = cache_steps
     if target_cache is not None:
         if target_cache not in ("bfloat16", "float32", "none"):
             raise ConfigError(f"--target-cache must be bfloat16, float32 or none, got {target_cache!r}")
         overrides["target_cache"] = None if target_cache == "none" else target_cache
-    overrides.update(preset=preset, target=target, out=out, k=k, n_draft_layers=n_draft_layers, seed=seed)
     cfg = ReproduceConfig.quick_config(**overrides) if quick else ReproduceConfig(**overrides)
     run(cfg, log=lambda msg: typer.echo(msg, err=True))
     typer.echo(f"wrote {out / 'REPORT.md'}, {out / 'results.json'} and figures")

@@ -66,7 +66,7 @@ class ReproduceConfig:
     tau_Ls: tuple[int, ...] = (256, 512, 960, 2048, 4096)
     tau_L_contexts: int = 8
     batch_size: int = 8
-    n_draft_layers: int = 8
+    n_draft_layers: int = defaults.N_DRAFT_LAYERS
     first_layers: int = 2
     draft_vocab: int | None = 16384
     cache_steps: int = 400

@@ -6,6 +6,12 @@ autocast when asked); the draft computes teacher-forced logits (SPIRe: the k-pas
 :meth:`SpireDraftModel.forward_train`; vanilla: one causal pass) and is trained by AdamW with linear warmup
 and cosine decay to 10 %, gradient clipping, and MixedLoss(omega) or HardTargetLoss.
 
+The trainer never asks which class of draft it has: ``TrainConfig.draft`` names a class in
+:data:`DRAFT_CLASSES`, and every draft model implements the training interface
+:class:`spire.drafts.base.TrainableDraft` (target layers it reads, teacher-forced logits, draft vocabulary,
+checkpoint, export). The run is a :class:`Trainer` in pieces (setup, step, checkpoint, evaluate, finish) that
+:func:`train_draft` drives.
+
 Runs are resumable and exact: the batch of step s depends only on (seed, s), the learning rate on s (when
 ``max_steps`` is set; with only a time budget it follows the saved elapsed time), and the checkpoint holds
 the draft, the AdamW state and the JSON state. A checkpoint is a folder replaced atomically
