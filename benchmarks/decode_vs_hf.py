@@ -52,12 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from spire.bench.calibrate import resolve_device
-    from spire.bench.cli_support import set_threads
     from spire.bench.hf_compare import HFCompareConfig, compare, print_rows
-    from spire.data import prepare_data
+    from spire.commands.bench import set_threads
+    from spire.data import document_separator_id, prepare_data
     from spire.errors import ConfigError, SpireError
     from spire.loading import load_target
-    from spire.pipeline import document_separator_id
 
     try:
         for flag, value in (("-B", min(a.batch or [1])), ("-L", a.prompt_len), ("-G", a.new_tokens), ("-k", a.k),

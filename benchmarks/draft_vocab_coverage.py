@@ -17,10 +17,9 @@ from pathlib import Path
 
 import torch
 
-from spire.data import prepare_data
+from spire.data import document_separator_id, prepare_data
 from spire.drafts.spire import frequent_tokens
 from spire.loading import load_target
-from spire.pipeline import document_separator_id
 
 
 def main() -> None:

@@ -20,13 +20,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from spire.data import prepare_data
+from spire.data import document_separator_id, prepare_data
 from spire.drafts.magicdec import MagicDecDraft
 from spire.drafts.spire import SpireDraft
 from spire.evaluation.tau import measure_tau_shared, paired_ratio_ci
 from spire.loading import load_target
 from spire.paths import atomic_write
-from spire.pipeline import ReproduceConfig, document_separator_id, spire_architecture
+from spire.pipeline import ReproduceConfig, spire_architecture
 from spire.sampling import SamplingParams
 from spire.training.distill import TrainConfig, train_draft
 

@@ -20,17 +20,16 @@ from pathlib import Path
 
 import torch
 
+from spire.data import document_separator_id, prepare_data
 from spire.drafts.spire import SpireConfig, SpireDraft
 from spire.drafts.vanilla import VanillaDraft
 from spire.evaluation.tau import measure_tau
 from spire.loading import load_target
-from spire.pipeline import document_separator_id
 from spire.sampling import SamplingParams
 from spire.training import distill
 from spire.timing import Stopwatch
 from spire.training.distill import TrainConfig, train_draft
 from spire.training.sources import CachedTarget, LiveTarget, TargetCache
-from spire.data import prepare_data
 
 
 def step_rate(target, data, cfg: TrainConfig, steps: int) -> float:
@@ -38,7 +37,7 @@ def step_rate(target, data, cfg: TrainConfig, steps: int) -> float:
     model = distill._build_model(target, cfg, data)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr)
-    src = LiveTarget(target, data, distill._needs_hidden(model), distill.needs_teacher(model, cfg),
+    src = LiveTarget(target, data, model.target_layers(), distill.needs_teacher(model, cfg),
                      cfg.batch_size, cfg.seq_len, cfg.seed, cfg.data_steps, bool(cfg.bf16))
     times = []
     for s in range(steps + 1):
@@ -64,7 +63,7 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
     for name, (n, dtype) in paths.items():
         cfg = TrainConfig(bf16=False, data_steps=steps + 1, spire=SpireConfig(vocab_size=n, **spire_cfg))
         model = distill._build_model(target, cfg, data)
-        layers_needed, teacher = distill._needs_hidden(model), distill.needs_teacher(model, cfg)
+        layers_needed, teacher = model.target_layers(), distill.needs_teacher(model, cfg)
         if dtype is None:
             src = LiveTarget(target, data, layers_needed, teacher, cfg.batch_size, cfg.seq_len, cfg.seed,
                              cfg.data_steps)

@@ -101,3 +101,35 @@ def test_mismatched_tokenizer_is_refused(smollm2):
                                                                                  unk_token="[UNK]")))
     with pytest.raises(TokenizerMismatchError, match="target has 49152 tokens, draft x has 3"):
         check_same_vocabulary(smollm2[1], other, "target", "draft x")
+
+
+def test_dash_reads_prompts_from_stdin(folder):
+    """`-` as a prompt stands for the lines of standard input (one prompt each, blank lines skipped), in its
+    place among the other prompts."""
+    common = ["--draft", "none", "--max-new-tokens", "3", "--format", "json"]
+    res = _run(["The capital of France is", "-", *common], stdin="def add(a, b):\n\nOnce upon a time\n")
+    assert res.returncode == 0, res.stderr
+    ref = _run(["The capital of France is", "def add(a, b):", "Once upon a time", *common])
+    assert ref.returncode == 0, ref.stderr
+    got = [o["token_ids"] for o in json.loads(res.stdout)["outputs"]]
+    assert len(got) == 3 and got == [o["token_ids"] for o in json.loads(ref.stdout)["outputs"]]
+
+
+@pytest.mark.parametrize("args,warned", [
+    (["--top-k", "5"], "--top-k does nothing"),
+    (["--top-p", "0.9"], "--top-p does nothing"),
+    (["--top-k", "5", "--top-p", "0.9"], "--top-k and --top-p do nothing"),
+    (["--top-k", "5", "--temperature", "1"], None),  # they act at T > 0
+    ([], None),
+])
+def test_sampling_flags_that_do_nothing_at_temperature_0_warn_once(args, warned):
+    """At T = 0 (greedy) --top-k and --top-p change nothing: one warning line on stderr says so (checked before
+    the target loads: here a missing one, so the run ends with its error line)."""
+    res = _run(["hi", *args, "--target", "/nonexistent/model"])
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode != 0 and lines[-1].startswith("error: ") and "checkpoint not found" in lines[-1]
+    warnings = [ln for ln in lines if ln.startswith("warning: ")]
+    if warned is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and warned in warnings[0] and "temperature 0" in warnings[0], res.stderr

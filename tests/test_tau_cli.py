@@ -13,7 +13,7 @@ from spire.cli import main
 from spire.data import TokenData, TokenSplit
 from spire.drafts.magicdec import MagicDecDraft
 from spire.errors import ConfigError, DataError
-from spire.evaluation.tau_cli import DraftSpec, TauArgs, build_contexts, measure, parse_drafts, validate
+from spire.commands.tau import DraftSpec, TauArgs, build_contexts, measure, parse_drafts, validate
 from spire.evaluation.tau_file import select_taus
 from tests.conftest import make_tiny, smollm2_available
 from tests.helpers import NoisyTargetDraft

@@ -8,7 +8,9 @@ from spire.errors import ConfigError
 from spire.throughput import (
     DRAFTS,
     PRESETS,
+    CostOptions,
     ModelShape,
+    RowOptions,
     critical_batch_size,
     delta_t,
     forward_time,
@@ -103,7 +105,7 @@ def test_delta_t_from_shape_pair_matches_preset():
 
 
 def test_rows_contract_and_order():
-    rows = throughput_rows(PAPER, [1, 64], [8, 512], taus={"spire": 3.0})
+    rows = throughput_rows(PAPER, [1, 64], [8, 512], RowOptions(taus={"spire": 3.0}))
     assert [(r["B"], r["L"], r["draft"]) for r in rows[:4]] == [
         (1, 8, "vanilla"), (1, 8, "magicdec"), (1, 8, "spire"), (1, 512, "vanilla"),
     ]  # fmt: skip
@@ -130,13 +132,13 @@ def test_memory_needed_counts_weights_and_both_caches():
     assert vanilla["memory_bytes_needed"] == N_t + KV_t + 8_390_656 + 64 * 512 * 4096
     assert spire["memory_bytes_needed"] == N_t + KV_t + 16_779_264 + 64 * (1 + 512 // 8) * 4096
     assert magicdec["memory_bytes_needed"] == N_t + KV_t  # the target reading a view of its own cache
-    (doubled, *_) = throughput_rows(PAPER, [64], [512], bytes_per_value=2)
+    (doubled, *_) = throughput_rows(PAPER, [64], [512], RowOptions(cost=CostOptions(weight_bytes=2, kv_bytes=2)))
     assert doubled["memory_bytes_needed"] == 2 * vanilla["memory_bytes_needed"]
 
 
 def test_points_that_do_not_fit_have_no_multiplier():
     free = throughput_rows(PAPER, [1, 64], [512, 8192])
-    capped = throughput_rows(PAPER, [1, 64], [512, 8192], memory_bytes=2e9)
+    capped = throughput_rows(PAPER, [1, 64], [512, 8192], RowOptions(memory_bytes=2e9))
     for a, b in zip(free, capped):
         if a["memory_bytes_needed"] <= 2e9:
             assert b["fits"] is True and b["multiplier"] == a["multiplier"]
@@ -144,9 +146,9 @@ def test_points_that_do_not_fit_have_no_multiplier():
             assert b["fits"] is False and b["multiplier"] is None and b["delta_t"] is None
     assert {r["fits"] for r in capped} == {True, False}  # (64, 8192) needs ~8.7 GB
     exact = free[0]["memory_bytes_needed"]
-    (row, *_) = throughput_rows(PAPER, [1], [512], memory_bytes=exact)
+    (row, *_) = throughput_rows(PAPER, [1], [512], RowOptions(memory_bytes=exact))
     assert row["fits"] is True
-    (row, *_) = throughput_rows(PAPER, [1], [512], memory_bytes=exact - 1)
+    (row, *_) = throughput_rows(PAPER, [1], [512], RowOptions(memory_bytes=exact - 1))
     assert row["fits"] is False
 
 
@@ -186,8 +188,9 @@ def test_critical_batch_size():
 )
 def test_bad_input_raises_config_error(kwargs, match):
     args = {"Bs": [64], "Ls": [512], **kwargs}
+    Bs, Ls = args.pop("Bs"), args.pop("Ls")
     with pytest.raises(ConfigError, match=match):
-        throughput_rows(PAPER, **args)
+        throughput_rows(PAPER, Bs, Ls, RowOptions(**args))
 
 
 def test_bad_input_single_point():
@@ -203,7 +206,7 @@ def test_bad_input_single_point():
 
 
 def test_plots_write_pngs(tmp_path):
-    rows = throughput_rows(PAPER, [1, 64], [8, 512, 8192], memory_bytes=2e9)  # includes points that do not fit
+    rows = throughput_rows(PAPER, [1, 64], [8, 512, 8192], RowOptions(memory_bytes=2e9))  # includes points that do not fit
     heat = plot_multiplier_heatmaps(rows, tmp_path / "heat.png", "paper-67m")
     line = plot_multiplier_vs_L(rows, tmp_path / "sub" / "line.png", B=64)
     for path in (heat, line):

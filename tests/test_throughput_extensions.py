@@ -13,9 +13,11 @@ from spire.errors import ConfigError
 from spire.throughput import ModelShape, get_preset, round_costs, throughput_rows
 from spire.throughput import shapes
 from spire.throughput.analysis import read_contexts, sample_contexts
-from spire.throughput.cost_model import CostOptions, batch_costs, tau_from_alpha
+from spire.throughput.cost_model import CostOptions, RowOptions, batch_costs, tau_from_alpha
 from spire.throughput.hardware import DTYPE_BYTES, HARDWARE, custom_hardware, get_hardware
 from spire.throughput.shapes import preset_from_configs, spire_draft_from_config
+
+BYTES2 = CostOptions(weight_bytes=2, kv_bytes=2)  # 2 bytes per weight and KV value
 
 PAPER = get_preset("paper-67m")
 
@@ -112,7 +114,7 @@ def test_hardware_presets():
 def test_tokens_per_second():
     # AD step at (64, 512), memory-bound: (N + KV) bytes / 3.35e12 B/s = 603,987,968 / 3.35e12 s
     hw = get_hardware("h100-sxm")
-    rows = throughput_rows(PAPER, [64], [512], hoi=hw.hoi("fp8"), flops_per_s=hw.flops_for("fp8"))
+    rows = throughput_rows(PAPER, [64], [512], RowOptions(hoi=hw.hoi("fp8"), flops_per_s=hw.flops_for("fp8")))
     assert rows[2]["ad_tokens_per_s"] == pytest.approx(64 * 3.35e12 / 603_987_968)
     assert rows[2]["sd_tokens_per_s"] == pytest.approx(rows[2]["ad_tokens_per_s"] * rows[2]["multiplier"])
 
@@ -120,7 +122,7 @@ def test_tokens_per_second():
 def test_bytes_per_value_scale_memory_time():
     # bf16 weights and KV at HOI 300 take the same time as 1-byte values at HOI 600: same multipliers
     a = throughput_rows(PAPER, [64], [512])
-    b = throughput_rows(PAPER, [64], [512], hoi=300, options=CostOptions(weight_bytes=2, kv_bytes=2))
+    b = throughput_rows(PAPER, [64], [512], RowOptions(hoi=300, cost=CostOptions(weight_bytes=2, kv_bytes=2)))
     assert [r["multiplier"] for r in a] == pytest.approx([r["multiplier"] for r in b])
     c = round_costs(PAPER.target, PAPER.target, "magicdec", 2, 100, options=CostOptions(weight_bytes=2, kv_bytes=0.5))
     assert (c.target.N, c.target.KV) == (2 * 67_117_056, 0.5 * 2 * 100 * 16_384)
@@ -130,13 +132,13 @@ def test_memory_check_with_device_size():
     # Llama 3 70B in bf16 on a 180 GB B200: weights 136.9 GB + 8B draft 14.0 GB; KV 327,680 B/token (target)
     hw = get_hardware("b200")
     p = get_preset("llama3-70b")
-    rows = throughput_rows(p, [64], [512, 2048], memory_bytes=hw.memory_bytes, bytes_per_value=2)
+    rows = throughput_rows(p, [64], [512, 2048], RowOptions(memory_bytes=hw.memory_bytes, cost=BYTES2))
     vanilla_512 = rows[0]
     assert vanilla_512["memory_bytes_needed"] == 2 * (68_452_352_000 + 6_979_584_000) + 64 * 512 * 2 * (163_840 + 65_536)
     assert vanilla_512["fits"] is True and vanilla_512["multiplier"] > 1
     assert [r["fits"] for r in rows if r["L"] == 2048] == [False, True, False]  # +42.9 GB target KV; MagicDec
     assert all(r["multiplier"] is None for r in rows if r["fits"] is False)
-    on_h100 = throughput_rows(p, [1], [8], memory_bytes=80e9, bytes_per_value=2)  # 137 GB of weights alone
+    on_h100 = throughput_rows(p, [1], [8], RowOptions(memory_bytes=80e9, cost=BYTES2))  # 137 GB of weights alone
     assert [r["fits"] for r in on_h100] == [False, False, False]
 
 
@@ -154,13 +156,13 @@ def test_attention_flops_and_embeddings():
     e = round_costs(smol.target, smol.drafts["spire"], "spire", 4, 100, options=CostOptions(embeddings=True))
     assert e.target.N == smol.target.body_params() + 49_152 * 576
     assert e.target.C == 2 * 4 * (smol.target.body_params() + 49_152 * 576)
-    (row,) = [r for r in throughput_rows(smol, [4], [100], options=CostOptions(embeddings=True)) if r["draft"] == "spire"]
+    (row,) = [r for r in throughput_rows(smol, [4], [100], RowOptions(cost=CostOptions(embeddings=True))) if r["draft"] == "spire"]
     plain = round_costs(smol.target, smol.drafts["spire"], "spire", 4, 100)
     # tied embedding counted once; the SPIRe draft shares the target's
     assert row["memory_bytes_needed"] == (smol.target.body_params() + plain.target.KV + smol.drafts["spire"].body_params()
                                           + plain.draft.KV + 49_152 * 576)
     with pytest.raises(ConfigError, match="vocab_size"):
-        throughput_rows(PAPER, [1], [8], options=CostOptions(embeddings=True))  # the paper gives no vocabulary
+        throughput_rows(PAPER, [1], [8], RowOptions(cost=CostOptions(embeddings=True)))  # the paper gives no vocabulary
 
 
 # --- mixed batches --------------------------------------------------------------------------------------
@@ -172,7 +174,7 @@ def test_mixed_batch():
     assert c.target.KV == (64 + 4096 + 512 + 96) * 16_384
     # draft windows 1 + L//8: 9 + 513 + 65 + 13 = 600 = 4·(1 + 1192//8): the same as the uniform batch at the mean
     assert c.draft.KV == 600 * 4096
-    rows = throughput_rows(PAPER, contexts=ctx)
+    rows = throughput_rows(PAPER, options=RowOptions(contexts=ctx))
     assert [(r["B"], r["L"]) for r in rows] == [(4, 1192)] * 3
     assert rows[2]["contexts"] == {"n": 4, "min": 64, "mean": 1192.0, "max": 4096}
     assert rows[2]["multiplier"] == pytest.approx(rows[2]["uniform_multiplier"])
@@ -220,8 +222,8 @@ def test_best_k_by_hand():
     # r = (16,779,264 + 65·4,096) / (67,117,056 + 512·16,384) = 17,045,504 / 75,505,664
     r = 17_045_504 / 75_505_664
     by_hand = {k: (1 - 0.8 ** (k + 1)) / 0.2 / (1 + k * r) for k in range(1, 9)}
-    (row,) = [r_ for r_ in throughput_rows(PAPER, [1], [512], alphas={"spire": 0.8}, best_k_max=8) if r_["draft"] == "spire"]
+    (row,) = [r_ for r_ in throughput_rows(PAPER, [1], [512], RowOptions(alphas={"spire": 0.8}, best_k_max=8)) if r_["draft"] == "spire"]
     assert (row["best_k"], row["tau_source"]) == (4, "alpha=0.8")
     assert row["best_k_multiplier"] == pytest.approx(by_hand[4]) and row["multiplier"] == pytest.approx(by_hand[4])
     with pytest.raises(ConfigError, match="not both"):
-        throughput_rows(PAPER, [1], [512], taus={"spire": 3.0}, alphas={"spire": 0.8})
+        throughput_rows(PAPER, [1], [512], RowOptions(taus={"spire": 3.0}, alphas={"spire": 0.8}))

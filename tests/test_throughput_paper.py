@@ -3,7 +3,7 @@
 
 import pytest
 
-from spire.throughput import DRAFTS, delta_t, get_preset, round_costs, throughput_rows
+from spire.throughput import DRAFTS, RowOptions, delta_t, get_preset, round_costs, throughput_rows
 from spire.throughput import shapes
 from spire.throughput.analysis import (
     NO_SPARSE_KV,
@@ -40,7 +40,7 @@ def test_cost_analysis_formula():
     assert saving_units(1.0, training_cost=0.25) == -0.25  # no speedup: only the training cost
     assert saving_units(2.0, training_cost=0.0) == 5.0
     assert round(headline(PAPER)["spire_saving_units"], 3) == 6.151  # unrounded m = 2.77867
-    rows = {r["draft"]: r for r in throughput_rows(PAPER, [64], [512], cost_analysis=True)}
+    rows = {r["draft"]: r for r in throughput_rows(PAPER, [64], [512], RowOptions(cost_analysis=True))}
     # MagicDec trains nothing; vanilla costs its body share 8,390,656 / 67,117,056 = 0.12502
     assert rows["magicdec"]["saving_units"] == pytest.approx(10 * (1 - 1 / rows["magicdec"]["multiplier"]))
     assert rows["vanilla"]["saving_units"] == pytest.approx(10 * (1 - 1 / rows["vanilla"]["multiplier"])

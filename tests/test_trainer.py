@@ -399,7 +399,7 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
 
 def test_resume_takes_the_saved_settings(tmp_path, tiny):
     """`spire train --resume` rebuilds the run's config from its checkpoint; only the limits are new."""
-    from spire.training.run import saved_config
+    from spire.commands.train import saved_config
 
     cfg = config("spire", 2, 2)
     cfg.lr, cfg.seq_len = 2e-3, 16

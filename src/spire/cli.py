@@ -1,6 +1,10 @@
 """The ``spire`` command line. One function per command; each is a thin call into the library.
 
 Any :class:`spire.errors.SpireError` is printed as one line ``error: <message>`` on stderr, exit code 2.
+
+What a command does beyond parsing its options lives in :mod:`spire.commands`. Each command imports the
+library inside its function, on purpose: ``spire --help`` and every command load only what they use (importing
+torch alone takes seconds). Defaults shared with the library come from :mod:`spire.defaults`.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import typer
+from click.core import ParameterSource
 
+from spire import defaults
 from spire.errors import ConfigError, SpireError
 
 app = typer.Typer(
@@ -78,11 +84,12 @@ _OPT = typer.Option
 
 @app.command()
 def throughput(
+    ctx: typer.Context,
     preset: Annotated[str, _OPT(help="Model preset: paper-67m, llama3-70b (alias paper-70b) or smollm2-135m.")]
     = "paper-67m",
     B: Annotated[list[str], _OPT("-B", "--batch", metavar="INT[,INT...]", help=GRID_HELP)] = ["64"],
     L: Annotated[list[str], _OPT("-L", "--context", metavar="INT[,INT...]", help=GRID_HELP)] = [GOLDEN_LS],
-    k: Annotated[int, _OPT("--k", "-k", help="Speculation depth: draft tokens per round.")] = 4,
+    k: Annotated[int, _OPT("--k", "-k", help="Speculation depth: draft tokens per round.")] = defaults.K,
     hoi: Annotated[Optional[float], _OPT(help="Hardware operational intensity, FLOPs per byte "
                                               "[default: 600, or the --hardware's].")] = None,
     combine: Annotated[Literal["max", "sum"], _OPT(help="Overlap compute and memory fully (max) or not at all (sum).")]
@@ -137,24 +144,16 @@ def throughput(
     plot: Annotated[Optional[Path], _OPT(help="Also write a PNG heatmap of the multiplier here.")] = None,
 ) -> None:
     """Throughput multiplier τ/Δt of vanilla SD, MagicDec and SPIRe from the paper's cost model."""
-    from spire.throughput.cli_support import ThroughputArgs, build, print_table, to_csv, to_json
+    from spire.commands.throughput import ThroughputArgs, build, print_table, to_csv, to_json, write_plot
 
-    args = ThroughputArgs(
-        preset=preset, Bs=_ints("-B", B), Ls=_ints("-L", L), k=k, hoi=hoi, combine=combine, taus=_taus(tau),
-        alphas=_floats(alpha, "--alpha"), best_k=best_k, memory_gb=memory_gb, bytes_per_value=bytes_per_value,
-        dtype=dtype, kv_dtype=kv_dtype, hardware=hardware, flops=flops, bandwidth=bandwidth,
-        attention_flops=attention_flops, embeddings=embeddings, draft_window=draft_window, config=config,
-        vanilla_config=vanilla_config, spire_config=spire_config, spire_layers=spire_layers,
-        contexts=None if contexts is None else _ints("--contexts", [contexts]), contexts_file=contexts_file,
-        context_dist=context_dist, seed=seed, grow=grow, cost_analysis=cost_analysis, tau_from=tau_from,
-        tau_temperature=tau_temperature, tau_drafts=_names(tau_draft), calibration=calibration,
-    )  # fmt: skip
-    summary, rows, chosen = build(args)
+    given = {name: value for name, value in ctx.params.items() if name not in ("fmt", "plot")}
+    for name in ("B", "L", "tau", "alpha", "contexts", "tau_draft"):  # parsed here, in this order
+        given.pop(name)
+    parsed = {"Bs": _ints("-B", B), "Ls": _ints("-L", L), "taus": _taus(tau), "alphas": _floats(alpha, "--alpha"),
+              "contexts": None if contexts is None else _ints("--contexts", [contexts]), "tau_drafts": _names(tau_draft)}
+    summary, rows, chosen = build(ThroughputArgs(**given, **parsed))
     if plot is not None:
-        from spire.throughput.plots import plot_multiplier_heatmaps
-
-        title = f"{chosen.name}: throughput multiplier (k={k}, HOI={summary['hoi']:g}, {combine})"
-        typer.echo(f"wrote {plot_multiplier_heatmaps(rows, plot, title)}", err=True)
+        typer.echo(f"wrote {write_plot(summary, rows, chosen, plot)}", err=True)
     if fmt == "json":
         typer.echo(to_json(summary, rows))
     elif fmt == "csv":
@@ -168,7 +167,7 @@ def throughput_figures(
     out: Annotated[Path, _OPT(help="Folder for the PNGs and figures.json.")] = Path("spire-figures"),
     preset: Annotated[str, _OPT(help="Model preset of Figures 1, 3, 4, 5.")] = "paper-67m",
     extrapolation: Annotated[str, _OPT(help="Preset of Figure 6.")] = "llama3-70b",
-    k: Annotated[int, _OPT("--k", "-k", help="Speculation depth.")] = 4,
+    k: Annotated[int, _OPT("--k", "-k", help="Speculation depth.")] = defaults.K,
     hoi: Annotated[float, _OPT(help="Hardware operational intensity, FLOPs per byte.")] = 600.0,
     G: Annotated[int, _OPT("-G", help="Generated tokens for the growing-context metric.")] = 64,
 ) -> None:
@@ -197,7 +196,7 @@ def tau(
                                                                                "comma-separate: -L 256,512.")]
     = ["512"],
     G: Annotated[int, _OPT("-G", "--generate", help="Tokens generated per context.")] = 64,
-    k: Annotated[int, _OPT("--k", "-k", help="Draft tokens per round.")] = 4,
+    k: Annotated[int, _OPT("--k", "-k", help="Draft tokens per round.")] = defaults.K,
     temperature: Annotated[list[str], _OPT(metavar="T[,T...]", help="Sampling temperatures (0 = greedy); "
                                                                     "repeatable (default: 0,1).")] = [],
     n_contexts: Annotated[int, _OPT(help="Held-out contexts per measurement.")] = 16,
@@ -206,8 +205,8 @@ def tau(
     max_batch_tokens: Annotated[int, _OPT(help="Cap on batch × L per batch (prefill logits memory).")] = 8192,
     seed: Annotated[int, _OPT(help="Seed of the held-out windows and of sampling.")] = 0,
     target: Annotated[str, _OPT(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
-    sink: Annotated[int, _OPT(help="MagicDec sink tokens.")] = 1,
-    window: Annotated[int, _OPT(help="MagicDec window (tokens).")] = 64,
+    sink: Annotated[int, _OPT(help="MagicDec sink tokens.")] = defaults.SINK,
+    window: Annotated[int, _OPT(help="MagicDec window (tokens).")] = defaults.WINDOW,
     nested: Annotated[bool, _OPT("--nested", help="Same windows for every L: a shorter context is the end of the "
                                                   "longest one (paired comparison across L).")] = False,
     nested_length: Annotated[Optional[int], _OPT(help="With --nested: cut the windows for this L [default: the "
@@ -223,7 +222,7 @@ def tau(
     no_progress: Annotated[bool, _OPT("--no-progress", help="No progress bars or log lines.")] = False,
 ) -> None:
     """τ (tokens per round) with a 95 % CI on held-out text: several drafts, L and temperatures in one run."""
-    from spire.evaluation.tau_cli import merge_files, print_table, table_markdown, write_json
+    from spire.commands.tau import merge_files, print_table, table_markdown, write_json
 
     if show:
         result = merge_files(show)
@@ -244,7 +243,7 @@ def tau(
 def _measure_tau(draft, draft_path, spire_draft, vanilla_draft, L, G, k, temperature, n_contexts, batch_size,
                  max_batch_tokens, seed, target, sink, window, nested, nested_length, threads, no_progress,
                  out) -> dict:
-    from spire.evaluation.tau_cli import TauArgs, parse_drafts, run_tau, validate
+    from spire.commands.tau import TauArgs, parse_drafts, run_tau, validate
 
     temps: list[float] = []
     for value in temperature or ["0,1"]:
@@ -265,8 +264,24 @@ def _measure_tau(draft, draft_path, spire_draft, vanilla_draft, L, G, k, tempera
     return result
 
 
+TRAIN_FIELDS = {"budget": "budget_s", "max_steps": "max_steps", "batch_size": "batch_size", "seq_len": "seq_len",
+                "k": "k", "lr": "lr", "warmup_steps": "warmup_steps", "weight_decay": "weight_decay", "loss": "loss",
+                "omega": "omega", "grad_clip": "grad_clip", "bf16": "bf16", "seed": "seed",
+                "checkpoint_every": "checkpoint_every", "eval_every": "eval_every", "vanilla_layers": "vanilla_layers",
+                "cache_steps": "data_steps", "target_cache": "target_cache"}
+"""`spire train` option -> TrainConfig field."""
+SPIRE_FIELDS = ("n_draft_layers", "init", "sink", "window", "vocab_size")
+"""`spire train` options that are SpireConfig fields of the same name."""
+
+
+def _given(ctx: typer.Context, names) -> dict:
+    """The options among ``names`` that the user set, by name (a default is left to the library)."""
+    return {name: ctx.params[name] for name in names if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT}
+
+
 @app.command()
 def train(
+    ctx: typer.Context,
     draft: Annotated[Literal["spire", "vanilla"], _OPT(help="SPIRe (pruned from the target) or the vanilla "
                                                             "baseline (small, random init, full KV).")] = "spire",
     target: Annotated[str, _OPT(help="Target: smollm2-135m, a .gguf file or an HF Llama-family folder.")]
@@ -280,32 +295,36 @@ def train(
                                                   "--eval-every apply).")] = False,
     ablation: Annotated[str, _OPT(help="Paper Figure 5 ablation: none, no-feedback, no-feedback-no-target, omega1, "
                                        "hard-loss, random-init, full-kv.")] = "none",
-    budget: Annotated[Optional[float], _OPT(help="Training seconds (evaluation excluded) [1200].")] = None,
+    budget: Annotated[Optional[float], _OPT(help=f"Training seconds (evaluation excluded) "
+                                                 f"[{defaults.TRAIN_BUDGET_S:g}].")] = None,
     max_steps: Annotated[Optional[int], _OPT(help="Stop after this many steps (the cosine schedule then runs over "
                                                   "steps: resumed runs are exact).")] = None,
-    batch_size: Annotated[int, _OPT(help="Global batch: rows per step (split over torchrun processes).")] = 4,
-    seq_len: Annotated[int, _OPT(help="Tokens per row (a multiple of k).")] = 256,
-    k: Annotated[int, _OPT("--k", "-k", help="Speculation depth the draft is trained for.")] = 4,
-    lr: Annotated[float, _OPT(help="AdamW peak learning rate (warmup, then cosine to 10 %).")] = 1e-3,
-    warmup_steps: Annotated[int, _OPT(help="Linear warmup steps.")] = 20,
-    weight_decay: Annotated[float, _OPT(help="AdamW weight decay.")] = 0.0,
+    batch_size: Annotated[int, _OPT(help="Global batch: rows per step (split over torchrun processes).")]
+    = defaults.BATCH_SIZE,
+    seq_len: Annotated[int, _OPT(help="Tokens per row (a multiple of k).")] = defaults.SEQ_LEN,
+    k: Annotated[int, _OPT("--k", "-k", help="Speculation depth the draft is trained for.")] = defaults.K,
+    lr: Annotated[float, _OPT(help="AdamW peak learning rate (warmup, then cosine to 10 %).")] = defaults.LR,
+    warmup_steps: Annotated[int, _OPT(help="Linear warmup steps.")] = defaults.WARMUP_STEPS,
+    weight_decay: Annotated[float, _OPT(help="AdamW weight decay.")] = defaults.WEIGHT_DECAY,
     loss: Annotated[Optional[str], _OPT(help="mixed (MixedLoss(omega)) or hard (HardTargetLoss) [default: mixed "
                                              "for spire, hard for vanilla].")] = None,
-    omega: Annotated[Optional[float], _OPT(help="MixedLoss weight of distillation (1 = pure distillation) "
-                                                "[default: 0.5].")] = None,
-    grad_clip: Annotated[float, _OPT(help="Gradient-norm clip.")] = 1.0,
+    omega: Annotated[Optional[float], _OPT(help=f"MixedLoss weight of distillation (1 = pure distillation) "
+                                                f"[default: {defaults.OMEGA}].")] = None,
+    grad_clip: Annotated[float, _OPT(help="Gradient-norm clip.")] = defaults.GRAD_CLIP,
     bf16: Annotated[Optional[bool], _OPT("--bf16/--no-bf16", help="bf16 autocast [default: where it is fast].")]
     = None,
-    seed: Annotated[int, _OPT(help="Seed of batches and initialization.")] = 0,
-    checkpoint_every: Annotated[float, _OPT(help="Seconds between checkpoints.")] = 60.0,
-    eval_every: Annotated[int, _OPT(help="Steps between held-out evaluations (0: at the end).")] = 100,
+    seed: Annotated[int, _OPT(help="Seed of batches and initialization.")] = defaults.SEED,
+    checkpoint_every: Annotated[float, _OPT(help="Seconds between checkpoints.")] = defaults.CHECKPOINT_EVERY_S,
+    eval_every: Annotated[int, _OPT(help="Steps between held-out evaluations (0: at the end).")]
+    = defaults.EVAL_EVERY,
     eval_windows: Annotated[int, _OPT(help="Held-out windows per evaluation.")] = 16,
-    n_draft_layers: Annotated[Optional[int], _OPT(help="SPIRe: target layers pruned into the draft [8].")] = None,
+    n_draft_layers: Annotated[Optional[int], _OPT(help=f"SPIRe: target layers pruned into the draft "
+                                                       f"[{defaults.N_DRAFT_LAYERS}].")] = None,
     layers: Annotated[Optional[str], _OPT(metavar="J,J,...", help="SPIRe: which target layers [the last N].")]
     = None,
     init: Annotated[Optional[str], _OPT(help="SPIRe: pruned or random.")] = None,
-    sink: Annotated[Optional[int], _OPT(help="SPIRe: sink tokens [1].")] = None,
-    window: Annotated[Optional[int], _OPT(help="SPIRe: window tokens [64].")] = None,
+    sink: Annotated[Optional[int], _OPT(help=f"SPIRe: sink tokens [{defaults.SINK}].")] = None,
+    window: Annotated[Optional[int], _OPT(help=f"SPIRe: window tokens [{defaults.WINDOW}].")] = None,
     full_kv: Annotated[bool, _OPT("--full-kv", help="SPIRe: full KV cache instead of sink + window.")] = False,
     no_feedback_memory: Annotated[bool, _OPT("--no-feedback-memory", help="SPIRe: no feedback memory.")] = False,
     no_target_activations: Annotated[bool, _OPT("--no-target-activations", help="SPIRe: the draft reads its own "
@@ -327,37 +346,19 @@ def train(
     device: Annotated[str, _OPT(help="auto, cpu or cuda.")] = "auto",
 ) -> None:
     """Train a draft (SPIRe or vanilla) against the target; resumable; data parallel under torchrun."""
-    from spire.training.run import TrainRunArgs, run
+    from spire.commands.train import TrainRunArgs, run
 
-    spire_kw = {name: value for name, value in (("n_draft_layers", n_draft_layers), ("init", init),
-                                                 ("sink", sink), ("window", window), ("vocab_size", vocab_size))
-                if value is not None}
+    spire_kw = {name: value for name, value in _given(ctx, SPIRE_FIELDS).items() if value is not None}
     if layers is not None:
         spire_kw["layers"] = tuple(_ints("--layers", [layers]))
-    if full_kv:
-        spire_kw["window"] = None
-    if no_feedback_memory:
-        spire_kw["feedback_memory"] = False
-    if no_target_activations:
-        spire_kw["target_activations"] = False
-    if feature_input:
-        spire_kw["feature_input"] = True
-    if no_self_attend:
-        spire_kw["self_attend"] = False
-    train_kw = dict(budget_s=1200.0 if budget is None else budget, max_steps=max_steps, batch_size=batch_size, seq_len=seq_len, k=k, lr=lr,
-                    warmup_steps=warmup_steps, weight_decay=weight_decay, grad_clip=grad_clip, bf16=bf16, seed=seed,
-                    checkpoint_every=checkpoint_every, eval_every=eval_every, vanilla_layers=vanilla_layers,
-                    data_steps=cache_steps, target_cache=target_cache)
-    if loss is not None:
-        train_kw["loss"] = loss
-    if omega is not None:
-        train_kw["omega"] = omega
-    if device not in ("auto", "cpu", "cuda"):
-        raise ConfigError(f"--device must be auto, cpu or cuda, got {device!r}")
-    limits = {name: value for name, value in (("budget_s", budget), ("max_steps", max_steps)) if value is not None}
+    for flag, name, value in ((full_kv, "window", None), (no_feedback_memory, "feedback_memory", False),
+                              (no_target_activations, "target_activations", False),
+                              (no_self_attend, "self_attend", False), (feature_input, "feature_input", True)):
+        if flag:
+            spire_kw[name] = value
+    train_kw = {TRAIN_FIELDS[name]: value for name, value in _given(ctx, TRAIN_FIELDS).items() if value is not None}
     args = TrainRunArgs(draft=draft, target=target, data=data, out=out, ablation=ablation, resume=resume,
-                        device=device, eval_windows=eval_windows, spire_overrides=spire_kw, train_overrides=train_kw,
-                        resume_limits={**limits, "checkpoint_every": checkpoint_every, "eval_every": eval_every})
+                        device=device, eval_windows=eval_windows, spire_overrides=spire_kw, train_overrides=train_kw)
     summary = run(args, log=lambda m: typer.echo(m, err=True))
     if summary.get("rank", 0) == 0:
         h = summary["heldout"] or {}
@@ -367,8 +368,15 @@ def train(
                    f"draft at {summary['draft_path']}")
 
 
+REPRODUCE_OPTIONS = ("budget", "n_contexts", "L", "G", "vanilla_budget", "ablation_budget", "tau_L_contexts", "steps",
+                     "vanilla_steps", "ablation_steps", "first_layers", "cache_steps", "preset", "target", "out", "k",
+                     "n_draft_layers", "seed", "train_processes")
+"""`spire reproduce` options passed to ReproduceConfig as given (budget -> budget_s, and the other budgets alike)."""
+
+
 @app.command()
 def reproduce(
+    ctx: typer.Context,
     preset: Annotated[str, typer.Option(help="Target preset (the embedded default: smollm2-135m).")] = "smollm2-135m",
     target: Annotated[Optional[str], typer.Option(help="A .gguf file or HF Llama-family folder to use instead "
                                                       "of the preset's checkpoint.")] = None,
@@ -391,8 +399,9 @@ def reproduce(
     n_contexts: Annotated[Optional[int], typer.Option(help="Held-out contexts per τ measurement.")] = None,
     L: Annotated[Optional[int], typer.Option("-L", "--context", help="Context length for τ (tokens).")] = None,
     G: Annotated[Optional[int], typer.Option("-G", "--generate", help="Tokens generated per context.")] = None,
-    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = 4,
-    n_draft_layers: Annotated[int, typer.Option(help="Target layers pruned into the SPIRe draft.")] = 8,
+    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,
+    n_draft_layers: Annotated[int, typer.Option(help="Target layers pruned into the SPIRe draft.")]
+    = defaults.N_DRAFT_LAYERS,
     first_layers: Annotated[Optional[int], typer.Option(help="Of those, how many come from the bottom of the target "
                                                         "(beyond the paper; 0 = the paper's last layers) [2].")] = None,
     draft_vocab: Annotated[Optional[int], typer.Option(help="SPIRe head over the N most frequent training tokens "
@@ -413,30 +422,20 @@ def reproduce(
 
     from spire.training.distill import ABLATIONS
 
-    overrides = {name: value for name, value in (("budget_s", budget), ("n_contexts", n_contexts), ("L", L),
-                                                  ("G", G), ("vanilla_budget_s", vanilla_budget),
-                                                  ("ablation_budget_s", ablation_budget),
-                                                  ("tau_L_contexts", tau_L_contexts), ("steps", steps),
-                                                  ("vanilla_steps", vanilla_steps),
-                                                  ("ablation_steps", ablation_steps)) if value is not None}
+    fields = {"budget": "budget_s", "vanilla_budget": "vanilla_budget_s", "ablation_budget": "ablation_budget_s"}
+    overrides = {fields.get(name, name): value for name, value in _given(ctx, REPRODUCE_OPTIONS).items()
+                 if value is not None}
     if ablations is not None:
         names = [a.strip() for a in ablations.split(",") if a.strip()]
         overrides["ablations"] = tuple(ABLATIONS) if names == ["all"] else tuple(names)
     if tau_L is not None:
         overrides["tau_Ls"] = tuple(_ints("--tau-L", [tau_L]))
-    if first_layers is not None:
-        overrides["first_layers"] = first_layers
     if draft_vocab is not None:
         overrides["draft_vocab"] = draft_vocab or None
-    if cache_steps is not None:
-        overrides["cache_steps"] = cache_steps
-    if train_processes is not None:
-        overrides["train_processes"] = train_processes
     if target_cache is not None:
         if target_cache not in ("bfloat16", "float32", "none"):
             raise ConfigError(f"--target-cache must be bfloat16, float32 or none, got {target_cache!r}")
         overrides["target_cache"] = None if target_cache == "none" else target_cache
-    overrides.update(preset=preset, target=target, out=out, k=k, n_draft_layers=n_draft_layers, seed=seed)
     cfg = ReproduceConfig.quick_config(**overrides) if quick else ReproduceConfig(**overrides)
     run(cfg, log=lambda msg: typer.echo(msg, err=True))
     typer.echo(f"wrote {out / 'REPORT.md'}, {out / 'results.json'} and figures")
@@ -450,9 +449,8 @@ def data(
     seed: Annotated[int, typer.Option(help="Seed of the document split.")] = 0,
 ) -> None:
     """Prepare token windows from registry texts, held out by document (cached)."""
-    from spire.data import data_summary_table, prepare_data
+    from spire.data import data_summary_table, document_separator_id, prepare_data
     from spire.loading import load_target
-    from spire.pipeline import document_separator_id
 
     if not 0 < heldout_fraction < 1:
         raise ConfigError(f"--heldout-fraction must be in (0, 1), got {heldout_fraction}")
@@ -462,17 +460,50 @@ def data(
     typer.echo(data_summary_table(td))
 
 
+def _stdin_lines() -> list[str]:
+    """The non-empty lines of standard input: one prompt each."""
+    return [line for line in sys.stdin.read().splitlines() if line.strip()]
+
+
+def _prompts(args: list[str], file: Path | None) -> list[str]:
+    """The prompts of `spire generate`: the arguments (``-`` stands for the lines of standard input), then the
+    lines of ``file``; with neither, piped standard input. Raises ConfigError (none, an empty one, an unreadable
+    file)."""
+    texts = [t for arg in args for t in (_stdin_lines() if arg == "-" else [arg])]
+    if file is not None:
+        try:
+            texts += [line for line in file.read_text().splitlines() if line.strip()]
+        except OSError as e:
+            raise ConfigError(f"cannot read prompts from {file}: {e.strerror}") from None
+    if not args and not texts and not sys.stdin.isatty():
+        texts = _stdin_lines()
+    if not texts:
+        raise ConfigError("no prompt given (pass prompts as arguments, --file, or on stdin)")
+    if any(not t.strip() for t in texts):
+        raise ConfigError("empty prompt")
+    return texts
+
+
+def _warn_unused_sampling(temperature: float, top_k: int, top_p: float) -> None:
+    """One warning line on stderr when --top-k / --top-p are set but do nothing (greedy decoding at T = 0)."""
+    unused = [flag for flag, on in (("--top-k", top_k != 0), ("--top-p", top_p != 1.0)) if on]
+    if temperature == 0 and unused:
+        typer.echo(f"warning: {' and '.join(unused)} {'does' if len(unused) == 1 else 'do'} nothing at "
+                   "--temperature 0 (greedy decoding)", err=True)
+
+
 @app.command()
 def generate(
-    prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts; or use --file, or pipe them on stdin "
-                                                               "(one per line).")] = None,
+    prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts; - reads prompts from standard input (one "
+                                                               "per line); or use --file, or pipe them on stdin.")]
+    = None,
     file: Annotated[Optional[Path], typer.Option(help="A text file with one prompt per line.")] = None,
     target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
     draft: Annotated[Literal["none", "vanilla", "magicdec", "spire"], typer.Option(help="Draft model.")] = "magicdec",
     draft_path: Annotated[Optional[str], typer.Option(help="SPIRe draft .safetensors, run folder or `spire export` "
                                                            "folder, or vanilla draft model.")]
     = None,
-    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = 4,
+    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1].")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
@@ -480,7 +511,7 @@ def generate(
     stop: Annotated[list[str], typer.Option(help="Stop string; repeatable.")] = [],
     seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 0,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the model's chat template.")] = False,
-    window: Annotated[int, typer.Option(help="MagicDec window (tokens).")] = 64,
+    window: Annotated[int, typer.Option(help="MagicDec window (tokens).")] = defaults.WINDOW,
     fmt: Annotated[Literal["text", "json"], typer.Option("--format", help="Plain text or one JSON object.")]
     = "text",
     weights: Annotated[Literal["fp32", "float32", "bf16"], typer.Option(
@@ -499,18 +530,8 @@ def generate(
     params = SamplingParams(temperature, top_k, top_p)
     if k < 1:
         raise ConfigError(f"k must be >= 1, got {k}")
-    texts = list(prompts or [])
-    if file is not None:
-        try:
-            texts += [line for line in file.read_text().splitlines() if line.strip()]
-        except OSError as e:
-            raise ConfigError(f"cannot read prompts from {file}: {e.strerror}") from None
-    if not texts and not sys.stdin.isatty():
-        texts = [line for line in sys.stdin.read().splitlines() if line.strip()]
-    if not texts:
-        raise ConfigError("no prompt given (pass prompts as arguments, --file, or on stdin)")
-    if any(not t.strip() for t in texts):
-        raise ConfigError("empty prompt")
+    _warn_unused_sampling(temperature, top_k, top_p)
+    texts = _prompts(prompts or [], file)
     if window < 1:
         raise ConfigError(f"--window must be >= 1, got {window}")
     model, tokenizer, _ = load_target(target, progress=False)
@@ -552,7 +573,8 @@ def export(
     draft: Annotated[Literal["spire", "vanilla"], typer.Option(help="Draft kind.")] = "spire",
     target: Annotated[str, typer.Option(help="The draft's target (verifier): smollm2-135m, a .gguf file or an HF "
                                              "folder.")] = "smollm2-135m",
-    k: Annotated[int, typer.Option("--k", "-k", help="Speculative tokens per round recorded for serving.")] = 4,
+    k: Annotated[int, typer.Option("--k", "-k", help="Speculative tokens per round recorded for serving.")]
+    = defaults.K,
 ) -> None:
     """Write a trained draft as a folder serving engines can read (speculators-style config.json with
     speculators_config, and model.safetensors; docs/serving.md). spire reads it back with --draft-path FOLDER."""
@@ -575,7 +597,7 @@ def compare(
                                                            "folder, or vanilla draft model.")]
     = None,
     dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="Weights and activations.")] = "bfloat16",
-    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = 4,
+    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per prompt.")] = 64,
 ) -> None:
     """Greedy SD vs greedy AD: identical, or the first divergence and the target's top-2 logit gap there."""
@@ -600,12 +622,6 @@ def compare(
                        f"target top-2 logit gap there {r.top2_gap:.4f} ({dtype})")
 
 
-def _print_table(name: str, description: str, rows: list[dict]) -> None:
-    from spire.throughput.cli_support import print_table
-
-    print_table(name, description, rows)
-
-
 # ------------------------------------------------------------------------------------------- spire bench
 bench_app = typer.Typer(
     help="Measured SD vs AD throughput on this machine against the cost model; `spire bench calibrate` "
@@ -623,7 +639,7 @@ def bench(
                                  + GRID_HELP)] = [],
     L: Annotated[list[str], _OPT("-L", "--context", metavar="INT[,INT...]", help="Context lengths (default: "
                                  "512,2048,4096).")] = [],
-    k: Annotated[int, _OPT("--k", "-k", help="Draft tokens per round.")] = 4,
+    k: Annotated[int, _OPT("--k", "-k", help="Draft tokens per round.")] = defaults.K,
     G: Annotated[Optional[int], _OPT("-G", "--generate", help="Tokens generated per row in the τ / tokens/s runs "
                                                              "(default: 32).")] = None,
     reps: Annotated[Optional[int], _OPT(help="Timed forwards per t_* (median) (default: 5).")] = None,
@@ -639,8 +655,8 @@ def bench(
     no_spire: Annotated[bool, _OPT("--no-spire", help="Skip the SPIRe draft.")] = False,
     vanilla_draft: Annotated[Optional[str], _OPT(help="Vanilla draft: HF folder (config.json, model.safetensors, "
                                                       "tokenizer) [skipped when not given].")] = None,
-    sink: Annotated[int, _OPT(help="MagicDec sink tokens.")] = 1,
-    window: Annotated[int, _OPT(help="MagicDec window (tokens).")] = 64,
+    sink: Annotated[int, _OPT(help="MagicDec sink tokens.")] = defaults.SINK,
+    window: Annotated[int, _OPT(help="MagicDec window (tokens).")] = defaults.WINDOW,
     calibration: Annotated[Optional[Path], _OPT(help="Calibration JSON (default: this device's cached one, else "
                                                      "measured now).")] = None,
     out: Annotated[Path, _OPT(help="Folder for bench.json and BENCH.md.")] = Path("spire-bench"),
@@ -661,7 +677,7 @@ def bench(
     the cost model's prediction; writes bench.json and BENCH.md."""
     if ctx.invoked_subcommand is not None:
         return
-    from spire.bench.cli_support import BenchArgs, run
+    from spire.commands.bench import BenchArgs, run
     from spire.bench.report import print_table, write_outputs
 
     args = BenchArgs(Bs=_ints("-B", B) or None, Ls=_ints("-L", L) or None, k=k, G=G, reps=reps, target=target,
@@ -697,7 +713,7 @@ def bench_calibrate(
     """Measure this machine's sustained matmul FLOP/s and memory bandwidth per dtype; saved for `spire bench`
     and `spire throughput --calibration FILE`."""
     from spire.bench.calibrate import calibrate
-    from spire.bench.cli_support import set_threads
+    from spire.commands.bench import set_threads
 
     names = [d.strip() for v in dtype for d in v.split(",") if d.strip()] or ["fp32", "bf16"]
     if buffer_mb is not None and not buffer_mb > 0:

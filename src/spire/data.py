@@ -38,6 +38,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -49,6 +50,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from spire.errors import DataError
 from spire.paths import atomic_write, spire_cache_dir
@@ -226,7 +228,6 @@ def _extract_sdist(pkg: str, ver: str, cache: Path) -> Path:
 
 
 def _rmtree(path: Path) -> None:
-    import shutil
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -651,8 +652,6 @@ def _encode_texts(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 
 def _tokenize_docs(tokenizer: Any, docs: list[Document], eos_id: int | None, progress: bool, desc: str
                    ) -> tuple[list[np.ndarray], int]:
-    from tqdm.auto import tqdm
-
     out: list[np.ndarray] = []
     max_id = -1
     chunk: list[Document] = []
@@ -722,6 +721,16 @@ def load_token_data(path: str | os.PathLike) -> TokenData:
         raise DataError(f"prepared token data in {folder} is unreadable or inconsistent ({e}); "
                         "delete the folder and prepare again") from None
     return TokenData(splits["train"], splits["heldout"], manifest, folder)
+
+
+def document_separator_id(tokenizer) -> int | None:
+    """The id that separates documents in pretraining (``<|endoftext|>`` for SmolLM2), else EOS: the ``eos_id``
+    that :func:`prepare_data` and :func:`prepare_text_files` put between documents."""
+    for token in ("<|endoftext|>", "</s>", "<eos>"):
+        tid = tokenizer.convert_tokens_to_ids(token)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            return tid
+    return tokenizer.eos_token_id
 
 
 def prepare_data(tokenizer: Any, cache_dir: str | os.PathLike | None = None, sources: Sequence[str] = SOURCES,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from spire import defaults
 from spire.errors import ConfigError
 
 
@@ -27,8 +28,8 @@ class SinkWindow:
     SPIRe and MagicDec use sink 1, window 64 (SPIRe paper §3; MagicDec, Chen et al. 2024).
     """
 
-    sink: int = 1
-    window: int = 64
+    sink: int = defaults.SINK
+    window: int = defaults.WINDOW
 
     def __post_init__(self) -> None:
         if self.sink < 0 or self.window < 1:

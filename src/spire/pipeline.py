@@ -15,8 +15,18 @@ from pathlib import Path
 
 import torch
 
+from spire import defaults
+from spire.data import document_separator_id, prepare_data
+from spire.drafts.magicdec import MagicDecDraft
+from spire.drafts.spire import SpireConfig
 from spire.errors import ConfigError
+from spire.evaluation.report import write_report
+from spire.evaluation.tau import measure_tau_shared
+from spire.loading import load_target
 from spire.paths import atomic_write, spire_cache_dir
+from spire.sampling import SamplingParams
+from spire.training.distill import ABLATIONS, LOG_FILE, TrainConfig, ablation_config
+from spire.training.parallel import train_in_processes
 
 PRESETS = {"smollm2-135m": "smollm2-135m"}  # reproduce preset -> target checkpoint spec
 
@@ -51,25 +61,25 @@ class ReproduceConfig:
     ablation_steps: int | None = None
     L: int = 512
     G: int = 64
-    k: int = 4
+    k: int = defaults.K
     n_contexts: int = 48
     temperatures: tuple[float, ...] = (0.0, 1.0)
     tau_Ls: tuple[int, ...] = (256, 512, 960, 2048, 4096)
     tau_L_contexts: int = 8
     batch_size: int = 8
-    n_draft_layers: int = 8
+    n_draft_layers: int = defaults.N_DRAFT_LAYERS
     first_layers: int = 2
     draft_vocab: int | None = 16384
     cache_steps: int = 400
     target_cache: str | None = "bfloat16"
     vanilla_token_share: float | None = 0.5
-    sink: int = 1
-    window: int = 64
+    sink: int = defaults.SINK
+    window: int = defaults.WINDOW
     seed: int = 0
     grid_B: tuple[int, ...] = (1, 4, 16, 64, 256)
     grid_L: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
     alpha_windows: int = 16
-    eval_every: int = 100  # SPIRe steps between held-out evaluations (the learning curve of the report)
+    eval_every: int = defaults.EVAL_EVERY  # SPIRe steps between held-out evaluations (the report's learning curve)
     train_processes: int | None = None  # data-parallel training processes; None: one per torch thread on a CPU
     quick: bool = False
 
@@ -82,8 +92,6 @@ class ReproduceConfig:
         return cls(**base)
 
     def validate(self) -> None:
-        from spire.training.distill import ABLATIONS
-
         if self.preset not in PRESETS:
             raise ConfigError(f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
         for name in ("L", "G", "k", "n_contexts", "batch_size", "n_draft_layers", "window", "tau_L_contexts",
@@ -135,8 +143,6 @@ def training_processes(cfg: ReproduceConfig, device: torch.device, batch_size: i
 def heldout_curve(run_dir: Path) -> list[dict]:
     """The held-out evaluations of a run, in order: [{"step", "tokens", "alpha_per_position"}] (its learning
     curve; the log of a resumed run holds each step once)."""
-    from spire.training.distill import LOG_FILE
-
     path = Path(run_dir) / LOG_FILE
     if not path.is_file():
         return []
@@ -150,8 +156,6 @@ def spire_architecture(cfg: ReproduceConfig, n_target_layers: int, vocab_size: i
     bottom of the target and the rest from its top, sink + window, and a draft vocabulary of
     min(draft_vocab, vocab_size) tokens (None: the whole vocabulary). Raises ConfigError when n_draft_layers
     exceeds the target's layers."""
-    from spire.drafts.spire import SpireConfig
-
     if cfg.n_draft_layers > n_target_layers:
         raise ConfigError(f"--n-draft-layers {cfg.n_draft_layers} exceeds the target's {n_target_layers} layers")
     n, first = cfg.n_draft_layers, min(cfg.first_layers, cfg.n_draft_layers)
@@ -159,15 +163,6 @@ def spire_architecture(cfg: ReproduceConfig, n_target_layers: int, vocab_size: i
                                                                       n_target_layers))
     vocab = None if cfg.draft_vocab is None or cfg.draft_vocab >= vocab_size else cfg.draft_vocab
     return SpireConfig(n_draft_layers=n, sink=cfg.sink, window=cfg.window, layers=layers, vocab_size=vocab)
-
-
-def document_separator_id(tokenizer) -> int | None:
-    """The id that separates documents in pretraining (``<|endoftext|>`` for SmolLM2), else EOS."""
-    for token in ("<|endoftext|>", "</s>", "<eos>"):
-        tid = tokenizer.convert_tokens_to_ids(token)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            return tid
-    return tokenizer.eos_token_id
 
 
 def _draft_dir(cfg: ReproduceConfig, train_cfg, folder: Path, label: str = "spire") -> Path:
@@ -219,28 +214,10 @@ def _tau_cache_put(key: str, row: dict) -> None:
     atomic_write(folder / f"{key}.json", None, text=json.dumps(row))
 
 
-def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
-    """Run the whole job and write REPORT.md, results.json and PNG figures to ``cfg.out``.
-
-    Returns the results dict (also written as results.json). Raises SpireError subclasses on bad input,
-    before anything is written to the output folder.
-    """
-    from spire.data import prepare_data
-    from spire.drafts.magicdec import MagicDecDraft
-    from spire.drafts.spire import SpireConfig, SpireDraft
-    from spire.drafts.vanilla import VanillaDraft
-    from spire.evaluation.report import write_report
-    from spire.evaluation.tau import measure_tau_shared
-    from spire.loading import load_target
-    from spire.sampling import SamplingParams
-    from spire.training.distill import TrainConfig, ablation_config
-    from spire.training.parallel import train_in_processes
-
-    cfg.validate()
-    t_start = time.time()
-    timings: dict[str, float] = {}
-    torch.manual_seed(cfg.seed)
-
+def _load(cfg: ReproduceConfig, progress: bool, log, timings: dict) -> tuple:
+    """Steps 1-2: the target and the text. Returns (target, folder, data, contexts (N, L), the τ-vs-L
+    contexts {L: (n, L)}, the held-out windows for alpha (n, 256)). Raises ConfigError when the longest
+    context does not fit the target."""
     log(f"[1/6] target: {cfg.target or cfg.preset}")
     t = time.time()
     target, tokenizer, folder = load_target(cfg.target or PRESETS[cfg.preset], progress=progress)
@@ -257,34 +234,55 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     sweep = {L: data.heldout_contexts(L, cfg.G, cfg.tau_L_contexts, seed=cfg.seed)[:, :L] for L in cfg.tau_Ls}
     windows = data.heldout_contexts(192, 64, cfg.alpha_windows, seed=cfg.seed + 1)  # 256-token windows
     timings["data_s"] = time.time() - t
+    return target, folder, data, contexts, sweep, windows
 
-    spire_arch = spire_architecture(cfg, target.cfg.n_layers, target.cfg.vocab_size)
+
+def _limits(budget: float, steps: int | None) -> dict:
+    return {"budget_s": budget} if steps is None else {"budget_s": 1e9, "max_steps": steps}
+
+
+def _amount(budget: float, steps: int | None) -> str:
+    return f"{budget:.0f} s" if steps is None else f"{steps} steps"
+
+
+def training_runs(cfg: ReproduceConfig, spire_arch: SpireConfig) -> list[tuple[str, TrainConfig]]:
+    """(label, TrainConfig) of every draft the job trains: "spire", "vanilla", then "spire-<ablation>"."""
     cache = {} if cfg.target_cache is None else {"data_steps": cfg.cache_steps, "target_cache": cfg.target_cache}
-
-    def limits(budget: float, steps: int | None) -> dict:
-        return {"budget_s": budget} if steps is None else {"budget_s": 1e9, "max_steps": steps}
-
     runs = [("spire", TrainConfig(k=cfg.k, seed=cfg.seed, spire=spire_arch, **cache, eval_every=cfg.eval_every,
-                                  **limits(cfg.budget_s, cfg.steps))),
+                                  **_limits(cfg.budget_s, cfg.steps))),
             ("vanilla", TrainConfig(draft="vanilla", k=cfg.k, seed=cfg.seed,
-                                    **limits(cfg.vanilla_budget_s, cfg.vanilla_steps)))]
+                                    **_limits(cfg.vanilla_budget_s, cfg.vanilla_steps)))]
     runs += [(f"spire-{a}", ablation_config(a, k=cfg.k, seed=cfg.seed, spire=spire_arch, **cache,
                                             eval_every=cfg.eval_every,
-                                            **limits(cfg.ablation_budget_s, cfg.ablation_steps)))
+                                            **_limits(cfg.ablation_budget_s, cfg.ablation_steps)))
              for a in cfg.ablations]
-    def amount(budget: float, steps: int | None) -> str:
-        return f"{budget:.0f} s" if steps is None else f"{steps} steps"
+    return runs
 
-    log(f"[3/6] drafts: SPIRe ({cfg.n_draft_layers} of {target.cfg.n_layers} target layers "
-        f"{list(spire_arch.source_layers(target.cfg.n_layers))}"
-        + (f", draft vocabulary {spire_arch.vocab_size}" if spire_arch.vocab_size else "")
-        + (f", target cache of {cfg.cache_steps} batches ({cfg.target_cache})" if cache else "") + ", "
-        f"{amount(cfg.budget_s, cfg.steps)}), vanilla ({amount(cfg.vanilla_budget_s, cfg.vanilla_steps)})"
-        + (f", {len(cfg.ablations)} ablations ({amount(cfg.ablation_budget_s, cfg.ablation_steps)} each)"
-           if cfg.ablations else ""))
-    n_procs, threads = training_processes(cfg, target.device)
-    t = time.time()
+
+def _training_summary(run_dir: Path, train_cfg: TrainConfig, model, state: dict) -> dict:
+    """What results.json records of one training run."""
+    return {
+        "run_dir": str(run_dir), "draft": train_cfg.draft, "ablation": train_cfg.ablation,
+        "steps": state["step"], "tokens": state["tokens"], "elapsed_s": state["elapsed_s"],
+        "tokens_per_s": state["tokens"] / max(state["elapsed_s"], 1e-9), "bf16": train_cfg.bf16,
+        "lr": train_cfg.lr, "loss": train_cfg.resolved_loss(), "omega": train_cfg.omega,
+        "batch_size": train_cfg.batch_size, "seq_len": train_cfg.seq_len,
+        "draft_body_params": sum(p.numel() for p in model.layers.parameters()),
+        "source_layers": list(getattr(model, "source_layers", ())) or None,
+        "draft_vocab": None if model.vocab is None else len(model.vocab),
+        "target_cache": None if train_cfg.target_cache is None or train_cfg.draft != "spire" else {
+            "batches": train_cfg.data_steps, "dtype": train_cfg.target_cache,
+            "tokens": train_cfg.data_steps * train_cfg.batch_size * train_cfg.seq_len},
+        "heldout_alpha_per_position": state["heldout"]["alpha_per_position"], "heldout_loss": state["heldout"]["loss"],
+        "heldout_curve": heldout_curve(run_dir),
+        "history": state["history"]}
+
+
+def _train(cfg: ReproduceConfig, runs: list, target, data, windows, folder: Path, progress: bool, log
+           ) -> tuple[dict, dict, dict]:
+    """Step 3: train (or find trained) every run once. Returns (models, training summaries, states) by label."""
     trained, training, states, by_config = {}, {}, {}, {}
+    n_procs, threads = training_processes(cfg, target.device)
     for label, train_cfg in runs:
         if label == "vanilla" and cfg.vanilla_token_share is not None and cfg.vanilla_steps is None:
             # a fair baseline: at least this share of SPIRe's training tokens (capped by vanilla_budget_s)
@@ -299,45 +297,40 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
         run_dir = _draft_dir(cfg, train_cfg, folder, label)
         model, state = train_in_processes(target, data, run_dir, train_cfg, n_procs, threads, heldout=windows,
                                           target_folder=folder, progress=progress, log=log)
-        states[label] = state
-        alpha = state["heldout"]["alpha_per_position"]
+        states[label], trained[label] = state, model
         log(f"      {label}: {state['step']} steps, {state['tokens']:,} tokens, held-out alpha per drafted position "
-            f"{', '.join(f'{a:.3f}' for a in alpha)}")
-        trained[label] = model
-        training[label] = {
-            "run_dir": str(run_dir), "draft": train_cfg.draft, "ablation": train_cfg.ablation,
-            "steps": state["step"], "tokens": state["tokens"], "elapsed_s": state["elapsed_s"],
-            "tokens_per_s": state["tokens"] / max(state["elapsed_s"], 1e-9), "bf16": train_cfg.bf16,
-            "processes": n_procs, "threads_per_process": threads,
-            "lr": train_cfg.lr, "loss": train_cfg.resolved_loss(), "omega": train_cfg.omega,
-            "batch_size": train_cfg.batch_size, "seq_len": train_cfg.seq_len,
-            "draft_body_params": sum(p.numel() for p in model.layers.parameters()),
-            "source_layers": list(getattr(model, "source_layers", ())) or None,
-            "draft_vocab": None if getattr(model, "vocab", None) is None else len(model.vocab),
-            "target_cache": None if train_cfg.target_cache is None or train_cfg.draft != "spire" else {
-                "batches": train_cfg.data_steps, "dtype": train_cfg.target_cache,
-                "tokens": train_cfg.data_steps * train_cfg.batch_size * train_cfg.seq_len},
-            "heldout_alpha_per_position": alpha, "heldout_loss": state["heldout"]["loss"],
-            "heldout_curve": heldout_curve(run_dir),
-            "history": state["history"]}
-    timings["train_s"] = time.time() - t
+            f"{', '.join(f'{a:.3f}' for a in state['heldout']['alpha_per_position'])}")
+        training[label] = {**_training_summary(run_dir, train_cfg, model, state), "processes": n_procs,
+                           "threads_per_process": threads}
+    return trained, training, states
 
-    def draft_of(name: str):
+
+class _TauMeter:
+    """Steps 4-5: τ rows of the job's drafts, from the measurement cache when there (:func:`_tau_key`), the
+    rest measured together from one prefill per batch (:func:`measure_tau_shared`)."""
+
+    def __init__(self, cfg: ReproduceConfig, target, folder: Path, trained: dict, training: dict, states: dict,
+                 progress: bool) -> None:
+        self.cfg, self.target, self.folder, self.progress = cfg, target, folder, progress
+        self.trained, self.training, self.states = trained, training, states
+
+    def draft(self, name: str):
         if name == "magicdec":
-            return MagicDecDraft(cfg.sink, cfg.window)
-        return VanillaDraft(trained[name]) if name == "vanilla" else SpireDraft(trained[name])
+            return MagicDecDraft(self.cfg.sink, self.cfg.window)
+        return self.trained[name].as_draft()
 
-    def measure(names: list[str], ctx: torch.Tensor, temperature: float) -> list[dict]:
-        """τ rows of ``names`` on ``ctx``: from the measurement cache when there, the rest measured together
-        from one prefill per batch (:func:`measure_tau_shared`)."""
+    def identity(self, name: str) -> dict:
+        if name == "magicdec":
+            return {"magicdec": [self.cfg.sink, self.cfg.window]}
+        return {"run_dir": self.training[name]["run_dir"], "step": self.states[name]["step"]}
+
+    def measure(self, names: list[str], ctx: torch.Tensor, temperature: float) -> list[dict]:
+        """One row per name, in order, on contexts ``ctx`` (N, L) at ``temperature``."""
+        cfg = self.cfg
         batch = _tau_batch(cfg, ctx.shape[1])
         rows, todo = {}, {}
         for name in names:
-            if name == "magicdec":
-                identity = {"magicdec": [cfg.sink, cfg.window]}
-            else:
-                identity = {"run_dir": training[name]["run_dir"], "step": states[name]["step"]}
-            key = _tau_key(folder, identity, ctx, cfg, temperature, batch)
+            key = _tau_key(self.folder, self.identity(name), ctx, cfg, temperature, batch)
             cached = _tau_cache_get(key)
             if cached is not None:
                 rows[name] = {**cached, "draft": name, "cached": True}
@@ -347,21 +340,24 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
         for name, key in todo.items():
             first.setdefault(key, name)
         if first:
-            measured = measure_tau_shared(target, {name: draft_of(name) for name in first.values()}, ctx, G=cfg.G,
-                                          k=cfg.k, params=SamplingParams(temperature), batch_size=batch,
-                                          seed=cfg.seed, progress=progress)
+            measured = measure_tau_shared(self.target, {name: self.draft(name) for name in first.values()}, ctx,
+                                          G=cfg.G, k=cfg.k, params=SamplingParams(temperature), batch_size=batch,
+                                          seed=cfg.seed, progress=self.progress)
             for key, name in first.items():
                 _tau_cache_put(key, measured[name].to_dict(per_context=True))
             for name, key in todo.items():
                 rows[name] = {**measured[first[key]].to_dict(per_context=True), "draft": name}
         return [rows[name] for name in names]
 
-    names = ["magicdec", "vanilla", "spire"] + [label for label, _ in runs[2:]]
+
+def _measure_taus(cfg: ReproduceConfig, meter: _TauMeter, names: list[str], contexts, sweep: dict, log,
+                  timings: dict) -> tuple[list[dict], list[dict]]:
+    """Steps 4-5: τ of every draft at L and each temperature, then τ vs L (greedy, the three methods)."""
     log(f"[4/6] tau: {cfg.n_contexts} held-out contexts, L={cfg.L}, G={cfg.G}, k={cfg.k}")
     t = time.time()
     taus = []
     for temperature in cfg.temperatures:
-        for r in measure(names, contexts, temperature):
+        for r in meter.measure(names, contexts, temperature):
             log(f"      {r['draft']:28s} T={temperature:g}: tau {r['tau']:.3f} [{r['ci_low']:.3f}, "
                 f"{r['ci_high']:.3f}] " + ("(cached)" if r.get("cached") else f"({r['wall_s']:.0f} s)"))
             taus.append(r)
@@ -371,14 +367,18 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     t = time.time()
     tau_vs_L = []
     for L, ctx in sweep.items():
-        for r in measure(["magicdec", "vanilla", "spire"], ctx, 0.0):
+        for r in meter.measure(["magicdec", "vanilla", "spire"], ctx, 0.0):
             log(f"      L={L:5d} {r['draft']:9s}: tau {r['tau']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
                 + (" (cached)" if r.get("cached") else ""))
             tau_vs_L.append(r)
     timings["tau_vs_L_s"] = time.time() - t
+    return taus, tau_vs_L
 
-    log("[6/6] throughput model and report")
-    results = {
+
+def _results(cfg: ReproduceConfig, target, folder: Path, data, training: dict, taus: list, tau_vs_L: list,
+             timings: dict) -> dict:
+    """The results dict (results.json)."""
+    return {
         "preset": cfg.preset,
         "config": {k: (list(v) if isinstance(v, tuple) else str(v) if isinstance(v, Path) else v)
                    for k, v in asdict(cfg).items()},
@@ -395,5 +395,38 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
         "tau_vs_L": tau_vs_L,
         "timings": timings,
     }
+
+
+def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
+    """Run the whole job and write REPORT.md, results.json and PNG figures to ``cfg.out``.
+
+    Returns the results dict (also written as results.json). Raises SpireError subclasses on bad input,
+    before anything is written to the output folder.
+    """
+    cfg.validate()
+    t_start = time.time()
+    timings: dict[str, float] = {}
+    torch.manual_seed(cfg.seed)
+    target, folder, data, contexts, sweep, windows = _load(cfg, progress, log, timings)
+
+    spire_arch = spire_architecture(cfg, target.cfg.n_layers, target.cfg.vocab_size)
+    runs = training_runs(cfg, spire_arch)
+    log(f"[3/6] drafts: SPIRe ({cfg.n_draft_layers} of {target.cfg.n_layers} target layers "
+        f"{list(spire_arch.source_layers(target.cfg.n_layers))}"
+        + (f", draft vocabulary {spire_arch.vocab_size}" if spire_arch.vocab_size else "")
+        + (f", target cache of {cfg.cache_steps} batches ({cfg.target_cache})" if cfg.target_cache else "") + ", "
+        f"{_amount(cfg.budget_s, cfg.steps)}), vanilla ({_amount(cfg.vanilla_budget_s, cfg.vanilla_steps)})"
+        + (f", {len(cfg.ablations)} ablations ({_amount(cfg.ablation_budget_s, cfg.ablation_steps)} each)"
+           if cfg.ablations else ""))
+    t = time.time()
+    trained, training, states = _train(cfg, runs, target, data, windows, folder, progress, log)
+    timings["train_s"] = time.time() - t
+
+    meter = _TauMeter(cfg, target, folder, trained, training, states, progress)
+    names = ["magicdec", "vanilla", "spire"] + [label for label, _ in runs[2:]]
+    taus, tau_vs_L = _measure_taus(cfg, meter, names, contexts, sweep, log, timings)
+
+    log("[6/6] throughput model and report")
+    results = _results(cfg, target, folder, data, training, taus, tau_vs_L, timings)
     write_report(results, cfg, t_start)
     return results

@@ -26,6 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from spire import defaults
 from spire.bench.run import SMOLLM2_CONFIG, random_target
 from spire.drafts.magicdec import MagicDecDraft
 from spire.drafts.vanilla import VanillaDraft
@@ -41,9 +42,9 @@ class HFCompareConfig:
     Bs: list[int] = field(default_factory=lambda: [1, 8])
     L: int = 128
     G: int = 64
-    k: int = 4
-    sink: int = 1
-    window: int = 64
+    k: int = defaults.K
+    sink: int = defaults.SINK
+    window: int = defaults.WINDOW
     repeats: int = 3
     seed: int = 0
     clock: str = "wall"  # "cpu": process CPU time (single-threaded CPU runs on a shared machine)

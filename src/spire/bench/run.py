@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 
+from spire import defaults
 from spire.drafts.base import Draft
 from spire.drafts.magicdec import MagicDecDraft
 from spire.drafts.spire import SpireDraft
@@ -62,11 +63,11 @@ class BenchConfig:
 
     Bs: list[int] = field(default_factory=lambda: list(DEFAULT_BS))
     Ls: list[int] = field(default_factory=lambda: list(DEFAULT_LS))
-    k: int = 4
+    k: int = defaults.K
     G: int = 32
     reps: int = 5
-    sink: int = 1
-    window: int = 64
+    sink: int = defaults.SINK
+    window: int = defaults.WINDOW
     combine: str = "max"
     seed: int = 0
     clock: str = "wall"
@@ -125,7 +126,7 @@ def draft_kind_and_shape(draft: Draft, target: Transformer) -> tuple[str, ModelS
     if isinstance(draft, MagicDecDraft):
         return "magicdec", t, draft.view.sink, draft.view.window
     if isinstance(draft, VanillaDraft):
-        return "vanilla", shape_of(draft.model), 1, 64
+        return "vanilla", shape_of(draft.model), defaults.SINK, defaults.WINDOW
     if isinstance(draft, SpireDraft):
         view = draft.model.view
         return "spire", t.with_layers(len(draft.model.layers)), view.sink, view.window

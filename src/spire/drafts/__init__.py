@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+from spire import defaults
 from spire.drafts.base import Draft
+from spire.drafts.magicdec import MagicDecDraft
+from spire.drafts.spire import SpireDraft, SpireDraftModel, _fingerprint, read_draft_file
+from spire.drafts.vanilla import VanillaDraft, check_same_vocabulary
 from spire.errors import CheckpointError, ConfigError
+from spire.export import check_export, load_exported_spire, read_export
+from spire.loading import load_target
+from spire.paths import existing_dir, spire_cache_dir
 
 DRAFT_KINDS = ("none", "vanilla", "magicdec", "spire")
 
@@ -13,10 +21,6 @@ DRAFT_KINDS = ("none", "vanilla", "magicdec", "spire")
 def _finished(run_dir: Path) -> bool:
     """Whether the training run in run_dir finished (new layout: checkpoint/train_state.json; older runs:
     train_state.json beside the draft; a draft without any state was saved by hand and counts as finished)."""
-    import json
-
-    from spire.paths import existing_dir
-
     ckpt = existing_dir(run_dir / "checkpoint")
     for state in ([ckpt / "train_state.json"] if ckpt else []) + [run_dir / "train_state.json"]:
         if state.is_file():
@@ -27,9 +31,6 @@ def _finished(run_dir: Path) -> bool:
 def find_trained_spire(target) -> Path | None:
     """The most recently written finished full-method (not ablated) SPIRe draft in the cache that fits
     ``target``, or None."""
-    from spire.drafts.spire import _fingerprint, read_draft_file
-    from spire.paths import spire_cache_dir
-
     want = _fingerprint(target)
     found = []
     for f in (spire_cache_dir() / "drafts").glob("*/draft.safetensors"):
@@ -50,8 +51,6 @@ def resolve_draft_path(kind: str, path: str | Path) -> Path:
     if not p.exists():
         raise CheckpointError(f"draft not found: {p}")
     if p.is_dir():
-        from spire.export import read_export
-
         if kind == "spire" and read_export(p) is not None:  # a `spire export` folder
             return p
         inner = p / ("draft.safetensors" if kind == "spire" else "draft")
@@ -71,8 +70,8 @@ def resolve_draft_path(kind: str, path: str | Path) -> Path:
     return p
 
 
-def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink: int = 1, window: int = 64,
-               dtype=None) -> Draft | None:
+def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink: int = defaults.SINK,
+               window: int = defaults.WINDOW, dtype=None) -> Draft | None:
     """Build a draft by name for ``target``.
 
     kind: "none" (AD, returns None), "magicdec" (sink/window), "spire" (path: a trained draft .safetensors,
@@ -86,31 +85,21 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
     if kind == "none":
         return None
     if kind == "magicdec":
-        from spire.drafts.magicdec import MagicDecDraft
-
         return MagicDecDraft(sink, window)
     if kind == "spire":
-        from spire.drafts.spire import SpireDraft, SpireDraftModel
-
         file = resolve_draft_path(kind, path) if path else find_trained_spire(target)
         if file is None:
             raise CheckpointError("no trained SPIRe draft for this target in the cache: run `spire reproduce` "
                                   "(or pass --draft-path)")
         if file.is_dir():
-            from spire.export import load_exported_spire
-
             return SpireDraft(load_exported_spire(file, target))
         return SpireDraft(SpireDraftModel.load(file, target))
-    from spire.drafts.vanilla import VanillaDraft, check_same_vocabulary
-    from spire.loading import load_target
 
     if not path:
         raise ConfigError("--draft vanilla needs --draft-path (a .gguf file or HF folder of a small model "
                           "with the target's tokenizer)")
     path = resolve_draft_path(kind, path)
     if path.is_dir():
-        from spire.export import check_export, read_export
-
         if read_export(path) is not None:  # a `spire export` folder: refuse one exported for another target
             check_export(path, target)
     model, draft_tok, _ = load_target(path, dtype=dtype or target.dtype, device=str(target.device))

@@ -8,6 +8,8 @@ Positions are absolute text positions, starting at 0 at each row's first token.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -39,3 +41,49 @@ class Draft(ABC):
         holds its logits and the requested hidden states; ``valid`` (B, T) marks real tokens (False for
         right-padding in a batched prefill). Entries past each row's committed length may be stale; the
         next round overwrites them before any query reads them."""
+
+
+@runtime_checkable
+class TrainableDraft(Protocol):
+    """What the trainer (:mod:`spire.training.distill`) asks of a draft model, so that it never asks which class
+    it has. Implemented by :class:`spire.drafts.spire.SpireDraftModel` and
+    :class:`spire.drafts.vanilla.VanillaDraftModel`; the trainer finds the class by ``TrainConfig.draft``
+    (``spire.training.distill.DRAFT_CLASSES``).
+
+    kind: the name in ``TrainConfig.draft``. default_loss: "mixed" or "hard" (the method's loss when the
+    config names none). export_name: what :meth:`export` writes inside a run folder. vocab: the draft
+    vocabulary's target ids (N,), or None when the draft's logits cover the target's whole vocabulary.
+    """
+
+    kind: str
+    default_loss: str
+    export_name: str
+    vocab: torch.Tensor | None
+
+    @classmethod
+    def for_training(cls, target: Transformer, cfg, data=None) -> "TrainableDraft":
+        """A fresh draft for the TrainConfig ``cfg`` (float32, on the target's device, trainable); ``data``: the
+        training text (a draft vocabulary is chosen from its counts). Raises ConfigError."""
+
+    def target_layers(self) -> tuple[int, ...]:
+        """Target layers whose input residual streams the teacher-forced pass reads (() for none)."""
+
+    def train_logits(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], k: int) -> torch.Tensor:
+        """Teacher-forced logits (B, T, N) for tokens (B, T), as inference computes them; position t predicts
+        token t + 1. hidden: target layer j -> (B, T, d) for every layer of :meth:`target_layers`."""
+
+    def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target token ids (...) -> columns of the draft's logits (...), -100 outside a draft vocabulary."""
+
+    def save_checkpoint(self, path: Path, target: Transformer, meta: dict) -> None:
+        """Write the trainable weights to the file ``path`` (atomically), with ``meta`` in its metadata."""
+
+    def load_checkpoint(self, path: Path, target: Transformer) -> None:
+        """Load weights written by :meth:`save_checkpoint`. Raises CheckpointError / TokenizerMismatchError."""
+
+    def export(self, out_dir: Path, target: Transformer, meta: dict, target_folder: Path | None = None) -> Path:
+        """Write the user-facing draft into the run folder ``out_dir`` (``out_dir / export_name``), readable by
+        ``spire generate --draft <kind> --draft-path``. Returns its path."""
+
+    def as_draft(self) -> Draft:
+        """The inference :class:`Draft` over this model (for the round loop in :mod:`spire.speculative`)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from spire import defaults
 from spire.drafts.base import Draft
 from spire.kv_cache import KVCache, SinkWindow
 from spire.model import Transformer
@@ -19,7 +20,7 @@ class MagicDecDraft(Draft):
 
     name = "magicdec"
 
-    def __init__(self, sink: int = 1, window: int = 64) -> None:
+    def __init__(self, sink: int = defaults.SINK, window: int = defaults.WINDOW) -> None:
         self.view = SinkWindow(sink, window)
         self._target: Transformer | None = None
         self._cache: KVCache | None = None

@@ -37,6 +37,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save
 
 from spire import fastpath
+from spire import defaults
 from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
@@ -73,9 +74,9 @@ class SpireConfig:
         is the feature (None: the last draft layer).
     """
 
-    n_draft_layers: int = 8
-    sink: int = 1
-    window: int | None = 64
+    n_draft_layers: int = defaults.N_DRAFT_LAYERS
+    sink: int = defaults.SINK
+    window: int | None = defaults.WINDOW
     mix_init: float = 4.0
     layers: tuple[int, ...] | None = None
     init: str = "pruned"
@@ -407,6 +408,45 @@ class SpireDraftModel(nn.Module):
         model = cls(target, cfg)
         model.load_state_dict(state)
         return model.to(target.dtype)
+
+    # -- the training interface (spire.drafts.base.TrainableDraft) ------------------------------------
+    kind, default_loss, export_name = "spire", "mixed", "draft.safetensors"
+
+    @classmethod
+    def for_training(cls, target: Transformer, cfg, data=None) -> "SpireDraftModel":
+        """A fresh draft of ``cfg.spire`` (a TrainConfig's); with a draft vocabulary, the most frequent tokens of
+        the training text (``data.train.tokens``). Raises ConfigError."""
+        torch.manual_seed(cfg.seed)  # the random-init ablation draws its weights here
+        vocab = None
+        if cfg.spire.vocab_size is not None:
+            tokens = getattr(getattr(data, "train", None), "tokens", None)
+            if tokens is None:
+                raise ConfigError("a draft vocabulary is chosen from the training text's token counts: this data "
+                                  "source has none (data.train.tokens)")
+            vocab = frequent_tokens(tokens, cfg.spire.vocab_size, target.cfg.vocab_size)
+        return cls(target, cfg.spire, vocab)
+
+    def target_layers(self) -> tuple[int, ...]:
+        """The source layers when the draft reads target activations, else () (the target need not run)."""
+        return self.source_layers if self.cfg.target_activations else ()
+
+    def train_logits(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], k: int) -> torch.Tensor:
+        """The k-pass procedure (:meth:`forward_train`)."""
+        return self.forward_train(tokens, hidden, k)
+
+    def save_checkpoint(self, path: Path, target: Transformer, meta: dict) -> None:
+        self.save(path, meta)
+
+    def load_checkpoint(self, path: Path, target: Transformer) -> None:
+        self.load_state_dict(type(self).load(path, target).state_dict())
+
+    def export(self, out_dir: Path, target: Transformer, meta: dict, target_folder: Path | None = None) -> Path:
+        """``draft.safetensors`` (the same file as :meth:`save`)."""
+        self.save(Path(out_dir) / self.export_name, meta)
+        return Path(out_dir) / self.export_name
+
+    def as_draft(self) -> "SpireDraft":
+        return SpireDraft(self)
 
 
 class SpireDraft(Draft):

@@ -3,12 +3,20 @@ shares the target's tokenizer, with its own full KV cache."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
 import torch
+from safetensors.torch import save_file
 
 from spire.drafts.base import Draft
-from spire.errors import TokenizerMismatchError
+from spire.drafts.spire import _fingerprint, read_draft_file, write_draft_file
+from spire.errors import ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache
 from spire.model import ForwardOutput, ModelConfig, Transformer
+from spire.paths import replace_dir
 
 
 def check_same_vocabulary(target_tok, draft_tok, target_name: str = "target", draft_name: str = "draft") -> None:
@@ -51,22 +59,60 @@ def vanilla_config(target: Transformer, n_layers: int | None = None) -> ModelCon
     """The vanilla baseline's shape (SPIRe paper §4): the target's width, heads and vocabulary with
     ``n_layers`` blocks; default round(target layers / 8), about 1/8 of the target's body parameters.
     Raises ConfigError when n_layers < 1."""
-    import dataclasses
-
-    from spire.errors import ConfigError
-
     n = max(1, round(target.cfg.n_layers / 8)) if n_layers is None else int(n_layers)
     if n < 1:
         raise ConfigError(f"the vanilla draft needs at least one layer, got {n}")
     return dataclasses.replace(target.cfg.without_layers(n), tie_embeddings=True)
 
 
-def build_vanilla(target: Transformer, n_layers: int | None = None, seed: int = 0) -> Transformer:
+class VanillaDraftModel(Transformer):
+    """A vanilla draft being trained: a :class:`Transformer` with the training interface
+    (:class:`spire.drafts.base.TrainableDraft`). Its checkpoint is a spire draft file of the body (the head is
+    tied to the embedding); its export an HF Llama folder (:func:`save_vanilla`)."""
+
+    kind, default_loss, export_name = "vanilla", "hard", "draft"
+    vocab = None  # always the target's whole vocabulary
+
+    @classmethod
+    def for_training(cls, target: Transformer, cfg, data=None) -> "VanillaDraftModel":
+        """:func:`build_vanilla` with the TrainConfig's ``vanilla_layers`` and ``seed``."""
+        return build_vanilla(target, cfg.vanilla_layers, cfg.seed)
+
+    def target_layers(self) -> tuple[int, ...]:
+        return ()
+
+    def train_logits(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], k: int) -> torch.Tensor:
+        """One causal pass (a full KV cache: teacher forcing is exact for any k)."""
+        pos = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
+        return self(tokens, pos).logits
+
+    def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
+        return tokens
+
+    def save_checkpoint(self, path: Path, target: Transformer, meta: dict) -> None:
+        meta = {"vanilla_config": self.cfg.to_dict(), "target": _fingerprint(target), **meta}
+        write_draft_file(path, {k: v for k, v in self.state_dict().items() if k != "lm_head.weight"}, meta)
+
+    def load_checkpoint(self, path: Path, target: Transformer) -> None:
+        _, sd = read_draft_file(path, target)
+        self.load_state_dict(sd, strict=False)
+
+    def export(self, out_dir: Path, target: Transformer, meta: dict, target_folder: Path | None = None) -> Path:
+        """``draft/``, an HF Llama folder with the target's tokenizer files when ``target_folder`` is given."""
+        folder = Path(out_dir) / self.export_name
+        save_vanilla(self, folder, target_folder, {"target": _fingerprint(target), **meta})
+        return folder
+
+    def as_draft(self) -> VanillaDraft:
+        return VanillaDraft(self)
+
+
+def build_vanilla(target: Transformer, n_layers: int | None = None, seed: int = 0) -> VanillaDraftModel:
     """A randomly initialized vanilla draft (normal(0, 0.02) weights, unit norms, tied embeddings), float32,
     on the target's device, trainable."""
     cfg = vanilla_config(target, n_layers)
     g = torch.Generator().manual_seed(seed)
-    model = Transformer(cfg)
+    model = VanillaDraftModel(cfg)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
@@ -92,14 +138,6 @@ def save_vanilla(model: Transformer, folder, target_folder, meta: dict) -> None:
     """Write the draft as a Hugging Face Llama folder (config.json from the target's with the draft's
     layer count, model.safetensors, the target's tokenizer files, spire_train.json), replacing ``folder``
     atomically. Loadable by :func:`spire.loading.load_target` and by transformers' AutoModelForCausalLM."""
-    import json
-    import shutil
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
-    from spire.paths import replace_dir
-
     target_folder = Path(target_folder) if target_folder is not None else None
     cfg = json.loads((target_folder / "config.json").read_text()) if target_folder else hf_config(model.cfg)
     n = model.cfg.n_layers

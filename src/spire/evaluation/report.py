@@ -7,11 +7,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+from matplotlib.figure import Figure
 
+from spire.evaluation.tau import paired_ratio_ci
 from spire.paths import atomic_write
-from spire.throughput import get_preset, throughput_rows
+from spire.throughput import RowOptions, get_preset, throughput_rows
+from spire.throughput.analysis import NO_SPARSE_KV, ablation_rows
 from spire.throughput.shapes import PAPER_TAUS, ModelShape, Preset
-from spire.throughput.plots import plot_multiplier_heatmaps, plot_multiplier_vs_L
+from spire.throughput.plots import plot_ablation, plot_multiplier_heatmaps, plot_multiplier_vs_L
+from spire.training.distill import PAPER_ABLATION_TAU
 
 MEASURED = ("vanilla", "magicdec", "spire")  # the drafts whose τ the main job measures
 PAPER_TAU = {"magicdec": 3.891, "spire": 3.401, "vanilla": 2.647}  # paper, 67M target, L = 512
@@ -59,8 +63,6 @@ def multiplier_ratio_ci(results: dict, rows: list[dict], temperature: float, B: 
     τ_MagicDec over the shared contexts (:func:`spire.evaluation.tau.paired_ratio_ci`) times Δt_MagicDec /
     Δt_SPIRe (the cost model's Δt has no sampling error). None when per-context counts are missing (a τ taken
     from an older measurement cache)."""
-    from spire.evaluation.tau import paired_ratio_ci
-
     s, m = _tau_of(results, "spire", temperature), _tau_of(results, "magicdec", temperature)
     if not (s and m and s.get("emitted") and m.get("emitted")) or len(s["emitted"]) != len(m["emitted"]):
         return None
@@ -84,8 +86,6 @@ def target_preset(target: dict, n_draft_layers: int) -> Preset:
 
 
 def _plot_training(history: list[dict], path: Path, heldout: list[dict] | None = None) -> None:
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(6.5, 3.2), layout="constrained")
     ax = fig.subplots()
     tokens = [h["tokens"] / 1e3 for h in history]
@@ -104,8 +104,6 @@ def _plot_training(history: list[dict], path: Path, heldout: list[dict] | None =
 
 
 def _plot_tau_vs_L(rows: list[dict], path: Path, title: str) -> None:
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(6.5, 3.4), layout="constrained")
     ax = fig.subplots()
     for d in MEASURED:
@@ -126,8 +124,6 @@ def _plot_tau_vs_L(rows: list[dict], path: Path, title: str) -> None:
 def _ablation_rows(results: dict, cfg, preset: Preset, temperature: float) -> list[dict]:
     """Figure 5 from measured τ: each trained ablation's multiplier over L at B = 64 (full-KV ablation with a
     full draft KV cache in the cost model, the others with SPIRe's sink + window costs)."""
-    from spire.throughput.analysis import NO_SPARSE_KV, ablation_rows
-
     ref = "spire-none" if "none" in cfg.ablations else "spire"
     taus = {"SPIRe": _tau_of(results, ref, temperature)["tau"]}
     for a in cfg.ablations:
@@ -145,8 +141,6 @@ def _ablation_rows(results: dict, cfg, preset: Preset, temperature: float) -> li
 def write_report(results: dict, cfg, t_start: float) -> Path:
     """Compute the throughput grids from the measured τ, draw the figures, write results.json and REPORT.md
     (last) into cfg.out. Returns the report path."""
-    from spire.throughput.plots import plot_ablation
-
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     preset = target_preset(results["target"], cfg.n_draft_layers)
@@ -157,7 +151,8 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
         key = f"T={temperature:g}"
         taus = {d: _tau_of(results, d, temperature)["tau"] for d in MEASURED}
         rows = [dict(r, tau_source=f"measured ({key}, L={cfg.L})")
-                for r in throughput_rows(preset, cfg.grid_B, sorted(set(cfg.grid_L) | {cfg.L}), k=cfg.k, taus=taus)
+                for r in throughput_rows(preset, cfg.grid_B, sorted(set(cfg.grid_L) | {cfg.L}),
+                                          RowOptions(k=cfg.k, taus=taus))
                 if r["draft"] in MEASURED]
         grids[key] = rows
         goals[key] = goal_check(rows, B_main, cfg.L, cfg.k)
@@ -181,7 +176,7 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
                        f"{name}: τ against context length (greedy, G = {cfg.G}, k = {cfg.k})")
         figures.append("tau_vs_L.png")
     paper = get_preset("paper-67m")
-    paper_rows = throughput_rows(paper, sorted({*cfg.grid_B, 64}), [2 ** i for i in range(3, 14)], k=4)
+    paper_rows = throughput_rows(paper, sorted({*cfg.grid_B, 64}), [2 ** i for i in range(3, 14)], RowOptions(k=4))
     plot_multiplier_heatmaps(paper_rows, out / "throughput_paper67m.png",
                              "Paper 67M target with the paper's τ (L = 512): the paper's setting")
     figures.append("throughput_paper67m.png")
@@ -278,8 +273,6 @@ def _training_lines(results: dict, cfg) -> list[str]:
 
 
 def _ablation_lines(results: dict, cfg) -> list[str]:
-    from spire.training.distill import PAPER_ABLATION_TAU
-
     if not cfg.ablations:
         return ["No ablations in this run (`spire reproduce --ablations all` trains and measures each of the "
                 "paper's Figure 5 ablations with `--ablation-budget` seconds).", ""]

@@ -9,6 +9,7 @@ from spire.throughput.cost_model import (  # noqa: F401
     saving_units,
     tau_from_alpha,
     RoundCosts,
+    RowOptions,
     critical_batch_size,
     delta_t,
     forward_time,

@@ -20,6 +20,7 @@ from spire.throughput.cost_model import (
     HOI,
     PAPER_OPTIONS,
     CostOptions,
+    RowOptions,
     _check_positive,
     _check_positive_int,
     _delta_t,
@@ -139,7 +140,7 @@ def growing_rows(
 ) -> list[dict[str, Any]]:
     """:func:`growing_context_multiplier` for each draft over a (B, L) grid; rows also carry the
     fixed-context multiplier at L ("multiplier_fixed_L") for comparison."""
-    fixed = throughput_rows(preset, Bs, Ls, k, hoi, combine, taus, options=options)
+    fixed = throughput_rows(preset, Bs, Ls, RowOptions(k=k, hoi=hoi, combine=combine, taus=taus, cost=options))
     rows = []
     for r in fixed:
         g = growing_context_multiplier(preset, r["draft"], r["B"], r["L"], G, r["tau"], k, hoi, combine, options)
@@ -151,10 +152,11 @@ def growing_rows(
 # --- headline and cost analysis ---------------------------------------------------------------------------
 
 
-def headline(preset: Preset, B: int = 64, L: int = 512, training_cost: float = 0.25, **kwargs: Any) -> dict[str, Any]:
+def headline(preset: Preset, B: int = 64, L: int = 512, training_cost: float = 0.25,
+             options: RowOptions = RowOptions()) -> dict[str, Any]:
     """The paper's headline at (B, L) = (64, 512): each draft's multiplier, SPIRe's gain over vanilla SD and
     MagicDec in percent, and the cost analysis saving 10·(1 − 1/m) − training cost for SPIRe."""
-    rows = {r["draft"]: r for r in throughput_rows(preset, [B], [L], **kwargs)}
+    rows = {r["draft"]: r for r in throughput_rows(preset, [B], [L], options)}
     m = {d: rows[d]["multiplier"] for d in DRAFTS}
     return {
         "B": B,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any, NamedTuple
 
+from spire import defaults
 from spire.errors import ConfigError
 from spire.throughput.shapes import DRAFTS, ModelShape, Preset, check_draft_kind
 
@@ -69,7 +70,7 @@ class CostOptions:
     kv_bytes: float = 1
     attention_flops: bool = False
     embeddings: bool = False
-    sink: int = 1
+    sink: int = defaults.SINK
     window_divisor: int = 8
     window: int | None = None
 
@@ -142,7 +143,7 @@ def batch_costs(
     draft: ModelShape,
     draft_kind: str,
     contexts: Sequence[int],
-    k: int = 4,
+    k: int = defaults.K,
     options: CostOptions = PAPER_OPTIONS,
 ) -> RoundCosts:
     """Costs of a round for a batch whose requests have context lengths ``contexts`` (B = len(contexts)).
@@ -202,10 +203,8 @@ def round_costs(
     draft_kind: str,
     B: int,
     L: int,
-    k: int = 4,
-    sink: int = 1,
-    window_divisor: int = 8,
-    options: CostOptions | None = None,
+    k: int = defaults.K,
+    options: CostOptions = PAPER_OPTIONS,
 ) -> RoundCosts:
     """FLOPs and bytes of each forward in a round at batch B, context L (paper conventions, SPIRE.md §2).
 
@@ -215,12 +214,11 @@ def round_costs(
     - MagicDec: the target over a StreamingLLM cache, N_d = N_t, KV_d = B·(sink + L//8)·x_t;
     - SPIRe: KV_d = B·(sink + L//8)·x_d, and C_d adds 2·(2·n_layers_d·n_kv_d·d_model_d·d_head_d)·B for
       projecting each new memory vector to a key and a value.
-    For MagicDec pass ``draft=target``. ``options`` (default: the paper's) replaces sink and window_divisor.
+    For MagicDec pass ``draft=target``. ``options``: :class:`CostOptions` (default: the paper's).
     """
     for name, value in (("B", B), ("L", L), ("k", k)):
         _check_positive_int(name, value)
-    o = options if options is not None else CostOptions(sink=sink, window_divisor=window_divisor)
-    return _costs(target, draft, draft_kind, B, B * L, B * o.draft_window(L), k, o)
+    return _costs(target, draft, draft_kind, B, B * L, B * options.draft_window(L), k, options)
 
 
 def _shapes(model: Preset | tuple[ModelShape, ModelShape], draft_kind: str) -> tuple[ModelShape, ModelShape]:
@@ -237,11 +235,10 @@ def delta_t(
     draft_kind: str,
     B: int,
     L: int,
-    k: int = 4,
+    k: int = defaults.K,
     hoi: float = HOI,
     combine: str = "max",
-    sink: int = 1,
-    window_divisor: int = 8,
+    options: CostOptions = PAPER_OPTIONS,
 ) -> float:
     """Δt: time of one speculative round relative to one AD target step (dimensionless; paper §"evaluation").
 
@@ -250,7 +247,7 @@ def delta_t(
     ``model`` is a :class:`Preset` or a (target, draft) shape pair (the draft is ignored for MagicDec).
     """
     _check_positive("hoi", hoi)
-    costs = round_costs(*_shapes(model, draft_kind), draft_kind, B, L, k, sink, window_divisor)
+    costs = round_costs(*_shapes(model, draft_kind), draft_kind, B, L, k, options)
     return _delta_t(costs, k, hoi, combine)
 
 
@@ -266,7 +263,7 @@ def multiplier(tau: float, delta_t: float) -> float:
     return tau / delta_t
 
 
-def verify_operational_intensity(shape: ModelShape, B: int, L: int, k: int = 4) -> float:
+def verify_operational_intensity(shape: ModelShape, B: int, L: int, k: int = defaults.K) -> float:
     """OI of verification in FLOPs per byte: OI(B) = 2·N·(B·k) / (N + B·L·x) (paper Figure 3).
 
     Verification is compute-bound where OI ≥ HOI.
@@ -278,7 +275,7 @@ def verify_operational_intensity(shape: ModelShape, B: int, L: int, k: int = 4) 
 
 
 def critical_batch_size(
-    shape: ModelShape, L: int, k: int = 4, hoi: float = HOI, B_max: int | None = None
+    shape: ModelShape, L: int, k: int = defaults.K, hoi: float = HOI, B_max: int | None = None
 ) -> int | None:
     """B_crit: the smallest B with OI(B) ≥ HOI (paper Figure 3), or None if there is none (≤ B_max).
 
@@ -341,39 +338,17 @@ def resident_bytes(target: ModelShape, draft: ModelShape, draft_kind: str, costs
     return resident
 
 
-def throughput_rows(
-    preset: Preset,
-    Bs: Iterable[int] = (64,),
-    Ls: Iterable[int] = (512,),
-    k: int = 4,
-    hoi: float = HOI,
-    combine: str = "max",
-    taus: Mapping[str, float] | None = None,
-    memory_bytes: float | None = None,
-    bytes_per_value: float = 1,
-    sink: int = 1,
-    window_divisor: int = 8,
-    *,
-    options: CostOptions | None = None,
-    contexts: Sequence[int] | None = None,
-    alphas: Mapping[str, float] | None = None,
-    best_k_max: int | None = None,
-    flops_per_s: float | None = None,
-    cost_analysis: bool = False,
-    training_cost: float = 0.25,
-) -> list[dict[str, Any]]:
-    """The cost model over a grid: one row per draft (vanilla, magicdec, spire) per (B, L), B outermost.
+@dataclass(frozen=True)
+class RowOptions:
+    """Settings of :func:`throughput_rows` beyond the (B, L) grid; each default is the paper's (SPIRE.md §2).
 
-    Each row holds "draft", "B", "L", "tau", "delta_t", "multiplier" (the public contract) and also
-    "k", "hoi", "combine", "tau_source", "memory_bytes_needed" and "fits".
-
-    taus: overrides of the preset's τ per draft kind (1 ≤ τ ≤ k+1). memory_bytes: device memory in bytes;
-    a point whose resident set (:func:`resident_bytes`) exceeds it gets "fits": false and null "delta_t"
-    and "multiplier" (CASES.md 10). Without memory_bytes, "fits" is None (not checked).
+    k: draft tokens per round. hoi: FLOPs per byte. combine: "max" (compute and memory overlap) or "sum".
+    taus: overrides of the preset's τ per draft kind (1 ≤ τ ≤ k+1). memory_bytes: device memory in bytes; a
+    point whose resident set (:func:`resident_bytes`) exceeds it gets "fits": false and null "delta_t" and
+    "multiplier" (CASES.md 10); None: "fits" is None (not checked). cost: :class:`CostOptions` (bytes per
+    weight / KV value, attention FLOPs, embeddings, the draft's window).
 
     Beyond the paper (all off by default):
-    - options: :class:`CostOptions` (bytes per weight / KV value, attention FLOPs, embeddings, window);
-      without it, ``bytes_per_value`` (weights and KV), ``sink`` and ``window_divisor`` build one;
     - contexts: per-request context lengths of ONE mixed batch (replaces Bs and Ls); rows get B = len,
       L = the rounded mean, "contexts" (min / mean / max) and "uniform_multiplier" at B × mean L;
     - alphas: acceptance rate α per draft; τ becomes τ(k) = (1 − α^{k+1})/(1 − α) ("tau_source" alpha);
@@ -381,63 +356,114 @@ def throughput_rows(
     - flops_per_s: the chip's FLOP/s, for "ad_tokens_per_s" and "sd_tokens_per_s";
     - cost_analysis: adds "saving_units" = 10·(1 − 1/m) − training_cost (paper's cost analysis).
     """
-    if options is None:
-        options = CostOptions(weight_bytes=_check_positive("bytes_per_value", bytes_per_value),
-                              kv_bytes=bytes_per_value, sink=sink, window_divisor=window_divisor)
-    _check_positive_int("k", k)
-    _check_positive("hoi", hoi)
-    _check_combine(combine)
-    if memory_bytes is not None:
-        _check_positive("memory_bytes", memory_bytes)
-    if flops_per_s is not None:
-        _check_positive("flops_per_s", flops_per_s)
-    if best_k_max is not None:
-        _check_positive_int("best_k_max", best_k_max)
-    alphas = dict(alphas or {})
-    resolved = _taus_with_alphas(preset, k, taus, alphas)
-    points = _grid_points(Bs, Ls, contexts)
 
-    def costs_at(draft: str, B: int, L: int, batch: list[int] | None, k_: int) -> RoundCosts:
-        shapes = (preset.target, preset.draft_shape(draft))
-        if batch is None:
-            return round_costs(*shapes, draft, B, L, k_, options=options)
-        return batch_costs(*shapes, draft, batch, k_, options)
+    k: int = defaults.K
+    hoi: float = HOI
+    combine: str = "max"
+    taus: Mapping[str, float] | None = None
+    memory_bytes: float | None = None
+    cost: CostOptions = PAPER_OPTIONS
+    contexts: Sequence[int] | None = None
+    alphas: Mapping[str, float] | None = None
+    best_k_max: int | None = None
+    flops_per_s: float | None = None
+    cost_analysis: bool = False
+    training_cost: float = 0.25
 
-    rows = []
-    for B, L, batch in points:
-        for draft in DRAFTS:
-            tau, tau_source = resolved[draft]
-            costs = costs_at(draft, B, L, batch, k)
-            needed = resident_bytes(preset.target, preset.draft_shape(draft), draft, costs, options)
-            fits = None if memory_bytes is None else needed <= memory_bytes
-            dt = m = None
-            if fits is not False:
-                dt = _delta_t(costs, k, hoi, combine)
-                m = multiplier(tau, dt)
-            row = {
-                "draft": draft, "B": B, "L": L, "tau": tau, "delta_t": dt, "multiplier": m, "k": k, "hoi": hoi,
-                "combine": combine, "tau_source": tau_source, "memory_bytes_needed": needed, "fits": fits,
-            }  # fmt: skip
-            if batch is not None:
-                row["contexts"] = {"n": B, "min": min(batch), "mean": sum(batch) / B, "max": max(batch)}
-                uniform = round_costs(preset.target, preset.draft_shape(draft), draft, B, L, k, options=options)
-                row["uniform_multiplier"] = None if m is None else multiplier(tau, _delta_t(uniform, k, hoi, combine))
-            if flops_per_s is not None and m is not None:
-                t_ad = forward_time(costs.target.C, costs.target.N, costs.target.KV, hoi, combine) / flops_per_s
-                row["ad_tokens_per_s"] = B / t_ad
-                row["sd_tokens_per_s"] = B / t_ad * m
-            if cost_analysis and m is not None:
-                row["saving_units"] = saving_units(m, draft_training_cost(preset, draft, training_cost))
-            if best_k_max is not None and draft in alphas and m is not None:
-                best = max(
-                    ((k_, tau_from_alpha(alphas[draft], k_)) for k_ in range(1, best_k_max + 1)),
-                    key=lambda kt: kt[1] / _delta_t(costs_at(draft, B, L, batch, kt[0]), kt[0], hoi, combine),
-                )
-                row["best_k"], row["best_k_tau"] = best
-                row["best_k_multiplier"] = best[1] / _delta_t(costs_at(draft, B, L, batch, best[0]), best[0], hoi,
-                                                              combine)
-            rows.append(row)
-    return rows
+    def check(self) -> None:
+        """Raise ConfigError for impossible settings."""
+        _check_positive_int("k", self.k)
+        _check_positive("hoi", self.hoi)
+        _check_combine(self.combine)
+        for name in ("memory_bytes", "flops_per_s"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.best_k_max is not None:
+            _check_positive_int("best_k_max", self.best_k_max)
+        both = sorted(set(self.alphas or {}) & set(self.taus or {}))
+        if both:
+            raise ConfigError(f"give tau or alpha for {both[0]}, not both")
+        for draft in self.alphas or {}:
+            check_draft_kind(draft)
+
+
+def _grid_points(Bs: Iterable[int], Ls: Iterable[int], contexts: Sequence[int] | None
+                 ) -> list[tuple[int, int, list[int] | None]]:
+    """(B, L, contexts of a mixed batch or None) of every point, B outermost."""
+    if contexts is not None:
+        contexts = _check_contexts(contexts)
+        n = len(contexts)
+        return [(n, round(sum(contexts) / n), contexts)]
+    Bs, Ls = list(Bs), list(Ls)
+    for name, values in (("B", Bs), ("L", Ls)):
+        if not values:
+            raise ConfigError(f"give at least one {name}")
+        for value in values:
+            _check_positive_int(name, value)
+    return [(B, L, None) for B in Bs for L in Ls]
+
+
+def throughput_rows(preset: Preset, Bs: Iterable[int] = (64,), Ls: Iterable[int] = (512,),
+                    options: RowOptions = RowOptions()) -> list[dict[str, Any]]:
+    """The cost model over a grid: one row per draft (vanilla, magicdec, spire) per (B, L), B outermost.
+
+    Each row holds "draft", "B", "L", "tau", "delta_t", "multiplier" (the public contract) and also
+    "k", "hoi", "combine", "tau_source", "memory_bytes_needed" and "fits", plus the columns that
+    :class:`RowOptions` asks for. Raises ConfigError for impossible settings.
+    """
+    o = options
+    o.check()
+    alphas = dict(o.alphas or {})
+    resolved = _resolve_taus(preset, o.k, {**(o.taus or {}), **{d: tau_from_alpha(a, o.k) for d, a in alphas.items()}})
+    for draft, a in alphas.items():
+        resolved[draft] = (resolved[draft][0], f"alpha={a:g}")
+    return [_row(preset, draft, B, L, batch, *resolved[draft], o) for B, L, batch in _grid_points(Bs, Ls, o.contexts)
+            for draft in DRAFTS]
+
+
+def _point_costs(preset: Preset, draft: str, B: int, L: int, batch: list[int] | None, k: int, cost: CostOptions
+                 ) -> RoundCosts:
+    shapes = (preset.target, preset.draft_shape(draft))
+    if batch is None:
+        return round_costs(*shapes, draft, B, L, k, cost)
+    return batch_costs(*shapes, draft, batch, k, cost)
+
+
+def _row(preset: Preset, draft: str, B: int, L: int, batch: list[int] | None, tau: float, tau_source: str,
+         o: RowOptions) -> dict[str, Any]:
+    """One row of :func:`throughput_rows`."""
+    k, hoi, combine = o.k, o.hoi, o.combine
+    costs = _point_costs(preset, draft, B, L, batch, k, o.cost)
+    needed = resident_bytes(preset.target, preset.draft_shape(draft), draft, costs, o.cost)
+    fits = None if o.memory_bytes is None else needed <= o.memory_bytes
+    dt = m = None
+    if fits is not False:
+        dt = _delta_t(costs, k, hoi, combine)
+        m = multiplier(tau, dt)
+    row = {
+        "draft": draft, "B": B, "L": L, "tau": tau, "delta_t": dt, "multiplier": m, "k": k, "hoi": hoi,
+        "combine": combine, "tau_source": tau_source, "memory_bytes_needed": needed, "fits": fits,
+    }  # fmt: skip
+    if batch is not None:
+        row["contexts"] = {"n": B, "min": min(batch), "mean": sum(batch) / B, "max": max(batch)}
+        uniform = round_costs(preset.target, preset.draft_shape(draft), draft, B, L, k, o.cost)
+        row["uniform_multiplier"] = None if m is None else multiplier(tau, _delta_t(uniform, k, hoi, combine))
+    if o.flops_per_s is not None and m is not None:
+        t_ad = forward_time(costs.target.C, costs.target.N, costs.target.KV, hoi, combine) / o.flops_per_s
+        row["ad_tokens_per_s"] = B / t_ad
+        row["sd_tokens_per_s"] = B / t_ad * m
+    if o.cost_analysis and m is not None:
+        row["saving_units"] = saving_units(m, draft_training_cost(preset, draft, o.training_cost))
+    if o.best_k_max is not None and draft in (o.alphas or {}) and m is not None:
+        alpha = o.alphas[draft]
+
+        def multiplier_at(k_: int) -> float:
+            return tau_from_alpha(alpha, k_) / _delta_t(_point_costs(preset, draft, B, L, batch, k_, o.cost), k_,
+                                                        hoi, combine)
+        best = max(range(1, o.best_k_max + 1), key=multiplier_at)
+        row["best_k"], row["best_k_tau"] = best, tau_from_alpha(alpha, best)
+        row["best_k_multiplier"] = multiplier_at(best)
+    return row
 
 
 def _taus_with_alphas(preset: Preset, k: int, taus: Mapping[str, float] | None, alphas: Mapping[str, float]

@@ -15,7 +15,7 @@ from spire.throughput.analysis import (
     headline,
     operational_intensity_data,
 )
-from spire.throughput.cost_model import HOI, throughput_rows
+from spire.throughput.cost_model import HOI, RowOptions, throughput_rows
 from spire.throughput.plots import (
     plot_ablation,
     plot_multiplier_heatmaps,
@@ -55,9 +55,9 @@ def write_figures(
     extrapolation = extrapolation or get_preset("llama3-70b")
     Bs, Ls = Bs or FIGURE_BS, Ls or FIGURE_LS
     out = Path(out)
-    kw = {"k": k, "hoi": hoi}
-    grid = throughput_rows(preset, Bs, Ls, **kw)
-    big = throughput_rows(extrapolation, Bs, Ls, **kw)
+    options = RowOptions(k=k, hoi=hoi)
+    grid = throughput_rows(preset, Bs, Ls, options)
+    big = throughput_rows(extrapolation, Bs, Ls, options)
     b64 = 64 if 64 in Bs else Bs[len(Bs) // 2]
     oi = operational_intensity_data(preset.target, OI_LS, [2**i for i in range(13)], k, hoi)
     ablation = ablation_rows(preset, Ls, b64, k, hoi)
@@ -81,7 +81,7 @@ def write_figures(
         "extrapolation": extrapolation.name,
         "k": k,
         "hoi": hoi,
-        "headline": headline(preset, **kw),
+        "headline": headline(preset, options=options),
         "figure1_4_rows": grid,
         "figure3": oi,
         "figure5_rows": ablation,

@@ -6,6 +6,12 @@ autocast when asked); the draft computes teacher-forced logits (SPIRe: the k-pas
 :meth:`SpireDraftModel.forward_train`; vanilla: one causal pass) and is trained by AdamW with linear warmup
 and cosine decay to 10 %, gradient clipping, and MixedLoss(omega) or HardTargetLoss.
 
+The trainer never asks which class of draft it has: ``TrainConfig.draft`` names a class in
+:data:`DRAFT_CLASSES`, and every draft model implements the training interface
+:class:`spire.drafts.base.TrainableDraft` (target layers it reads, teacher-forced logits, draft vocabulary,
+checkpoint, export). The run is a :class:`Trainer` in pieces (setup, step, checkpoint, evaluate, finish) that
+:func:`train_draft` drives.
+
 Runs are resumable and exact: the batch of step s depends only on (seed, s), the learning rate on s (when
 ``max_steps`` is set; with only a time budget it follows the saved elapsed time), and the checkpoint holds
 the draft, the AdamW state and the JSON state. A checkpoint is a folder replaced atomically
@@ -27,27 +33,34 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
 
-from spire.drafts.spire import (SpireConfig, SpireDraftModel, _fingerprint, frequent_tokens, read_draft_file,
-                               write_draft_file)
+from spire import defaults
+from spire.drafts.base import TrainableDraft
+from spire.drafts.spire import SpireConfig, SpireDraftModel
+from spire.drafts.vanilla import VanillaDraftModel
 from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.model import Transformer
 from spire.paths import atomic_write, existing_dir, replace_dir
 from spire.training.losses import acceptance_alpha_logp, hard_target_loss, mixed_loss_logp
 from spire.training.sources import (STORAGE_DTYPES, CachedTarget, LiveTarget, TargetCache, TeacherBatch, autocast,
-                                    run_target, step_generator)
+                                    run_target)
 
 CHECKPOINT_DIR = "checkpoint"
 DRAFT_FILE = "draft.safetensors"
 STATE_FILE = "train_state.json"
 OPTIM_FILE = "optimizer.pt"
 LOG_FILE = "train_log.jsonl"
-DRAFT_KINDS = ("spire", "vanilla")
+DRAFT_CLASSES: dict[str, type] = {"spire": SpireDraftModel, "vanilla": VanillaDraftModel}
+"""TrainConfig.draft -> the draft class trained for it (each implements :class:`spire.drafts.base.TrainableDraft`)."""
+DRAFT_KINDS = tuple(DRAFT_CLASSES)
 LOSSES = ("mixed", "hard")
 
 # The paper's Figure 5 ablations: name -> (SpireConfig overrides, TrainConfig overrides), and the paper's
@@ -85,20 +98,20 @@ class TrainConfig:
     """
 
     draft: str = "spire"
-    budget_s: float = 1200.0
+    budget_s: float = defaults.TRAIN_BUDGET_S
     max_steps: int | None = None
-    batch_size: int = 4
-    seq_len: int = 256
-    k: int = 4
-    lr: float = 1e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.0
+    batch_size: int = defaults.BATCH_SIZE
+    seq_len: int = defaults.SEQ_LEN
+    k: int = defaults.K
+    lr: float = defaults.LR
+    warmup_steps: int = defaults.WARMUP_STEPS
+    weight_decay: float = defaults.WEIGHT_DECAY
     loss: str | None = None
-    omega: float = 0.5
-    grad_clip: float = 1.0
+    omega: float = defaults.OMEGA
+    grad_clip: float = defaults.GRAD_CLIP
     bf16: bool | None = None
-    seed: int = 0
-    checkpoint_every: float = 60.0
+    seed: int = defaults.SEED
+    checkpoint_every: float = defaults.CHECKPOINT_EVERY_S
     eval_every: int = 0
     ablation: str = "none"
     spire: SpireConfig = field(default_factory=SpireConfig)
@@ -108,7 +121,8 @@ class TrainConfig:
     data: str | None = None  # identity of the training text (its cache key), recorded so a resume can check it
 
     def resolved_loss(self) -> str:
-        return self.loss or ("hard" if self.draft == "vanilla" else "mixed")
+        """The loss given, else the draft method's default (SPIRe: mixed, vanilla: hard)."""
+        return self.loss or getattr(DRAFT_CLASSES.get(self.draft), "default_loss", "mixed")
 
     def validate(self) -> None:
         """Raise ConfigError for impossible settings."""
@@ -163,48 +177,24 @@ def fast_bf16(device: torch.device) -> bool:
     return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
-_autocast = autocast
+def _build_model(target: Transformer, cfg: TrainConfig, data=None) -> TrainableDraft:
+    """A fresh draft of the class registered for ``cfg.draft`` (:data:`DRAFT_CLASSES`). Raises ConfigError."""
+    return DRAFT_CLASSES[cfg.draft].for_training(target, cfg, data)
 
 
-def draft_vocab(model: torch.nn.Module) -> torch.Tensor | None:
-    """The draft vocabulary's target ids (N,), or None when the draft covers the whole vocabulary."""
-    return getattr(model, "vocab", None)
-
-
-def to_draft_ids(model: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Data tokens as indices into the draft's logits (-100 outside a draft vocabulary)."""
-    return model.to_draft_ids(tokens) if draft_vocab(model) is not None else tokens
-
-
-def step_loss(model: torch.nn.Module, target: Transformer, tb: TeacherBatch, cfg: "TrainConfig"
+def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg: TrainConfig
               ) -> tuple[torch.Tensor, float]:
     """The training loss of one batch and its alpha (nan when there is no teacher): teacher-forced draft logits
     (under bf16 autocast when cfg.bf16), then MixedLoss(omega) against the teacher or HardTargetLoss."""
-    with _autocast(bool(cfg.bf16), tb.tokens.device):
-        q_logits = draft_logits(model, tb.tokens, tb.hidden, cfg.k)
-    vocab = draft_vocab(model)
+    with autocast(bool(cfg.bf16), tb.tokens.device):
+        q_logits = model.train_logits(tb.tokens, tb.hidden, cfg.k)
     if cfg.resolved_loss() == "mixed":
-        terms = mixed_loss_logp(q_logits, tb.target_logp(target, vocab), cfg.omega)
+        terms = mixed_loss_logp(q_logits, tb.target_logp(target, model.vocab), cfg.omega)
         return terms.loss, terms.alpha
-    loss = hard_target_loss(q_logits[:, :-1], to_draft_ids(model, tb.tokens[:, 1:]))
+    loss = hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tb.tokens[:, 1:]))
     if tb.final is None:
         return loss, float("nan")
-    return loss, float(acceptance_alpha_logp(q_logits, tb.target_logp(target, vocab)).mean())
-
-
-def draft_logits(model: torch.nn.Module, tokens: torch.Tensor, hidden: dict, k: int) -> torch.Tensor:
-    """Teacher-forced draft logits (B, T, V), position t predicting token t + 1, as inference computes them:
-    the k-pass procedure for a SPIRe draft, one causal pass for a vanilla draft (a Transformer)."""
-    if isinstance(model, SpireDraftModel):
-        return model.forward_train(tokens, hidden, k)
-    pos = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
-    return model(tokens, pos).logits
-
-
-def _needs_hidden(model: torch.nn.Module) -> tuple[int, ...]:
-    if isinstance(model, SpireDraftModel) and model.cfg.target_activations:
-        return model.source_layers
-    return ()
+    return loss, float(acceptance_alpha_logp(q_logits, tb.target_logp(target, model.vocab)).mean())
 
 
 def _lr_at(cfg: TrainConfig, step: int, frac: float) -> float:
@@ -223,8 +213,6 @@ def load_state(out_dir: Path) -> dict | None:
 
 def _distributed():
     """(torch.distributed or None, rank, world size)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist, dist.get_rank(), dist.get_world_size()
     return None, 0, 1
@@ -233,10 +221,6 @@ def _distributed():
 def init_distributed() -> tuple[int, int]:
     """Initialize torch.distributed from torchrun's environment (WORLD_SIZE > 1): gloo on CPU, NCCL on CUDA.
     Returns (rank, world size); (0, 1) outside torchrun."""
-    import os
-
-    import torch.distributed as dist
-
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -247,57 +231,219 @@ def init_distributed() -> tuple[int, int]:
     return rank, world
 
 
-def _build_model(target: Transformer, cfg: TrainConfig, data=None) -> torch.nn.Module:
-    """A fresh draft for ``cfg``; a SPIRe draft with a draft vocabulary takes the most frequent tokens of the
-    training text (``data.train.tokens``). Raises ConfigError."""
-    if cfg.draft == "spire":
-        torch.manual_seed(cfg.seed)  # the random-init ablation draws its weights here
-        vocab = None
-        if cfg.spire.vocab_size is not None:
-            tokens = getattr(getattr(data, "train", None), "tokens", None)
-            if tokens is None:
-                raise ConfigError("a draft vocabulary is chosen from the training text's token counts: this data "
-                                  "source has none (data.train.tokens)")
-            vocab = frequent_tokens(tokens, cfg.spire.vocab_size, target.cfg.vocab_size)
-        return SpireDraftModel(target, cfg.spire, vocab)
-    from spire.drafts.vanilla import build_vanilla
-
-    return build_vanilla(target, cfg.vanilla_layers, cfg.seed)
+def _check_saved_config(out_dir: Path, state: dict, cfg_dict: dict) -> None:
+    """Raise ConfigError when the run saved in out_dir has other settings than ``cfg_dict`` (the limits
+    budget_s, max_steps, checkpoint_every and eval_every may change; a field added since the run was saved
+    reads as its default)."""
+    budget_keys = ("budget_s", "max_steps", "checkpoint_every", "eval_every")
+    defaults = json.loads(json.dumps(TrainConfig().to_dict()))
+    saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in budget_keys}
+    now = {k: v for k, v in cfg_dict.items() if k not in budget_keys}
+    if saved != now:
+        diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        raise ConfigError(f"{out_dir} holds a run with other settings ({', '.join(diff)}); use another --out "
+                          "or delete it")
 
 
-def _save_weights(model: torch.nn.Module, target: Transformer, path: Path, meta: dict) -> None:
-    if isinstance(model, SpireDraftModel):
-        model.save(path, meta)
-        return
-    meta = {"vanilla_config": model.cfg.to_dict(), "target": _fingerprint(target), **meta}
-    write_draft_file(path, {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, meta)
+class Trainer:
+    """One training run in a run folder, in pieces: :meth:`__init__` (setup: settings, the saved run, the
+    draft, the optimizer), :meth:`step` (one optimizer step and its log line), :meth:`checkpoint`,
+    :meth:`evaluate` and :meth:`finish`; :func:`train_draft` drives them. Arguments as for :func:`train_draft`.
+    """
 
+    def __init__(self, target: Transformer, data, out_dir: Path, cfg: TrainConfig, heldout: torch.Tensor | None,
+                 resume: bool | None, target_folder: Path | None, log) -> None:
+        cfg.validate()
+        if cfg.bf16 is None:
+            cfg.bf16 = fast_bf16(target.device)
+        self.dist, self.rank, self.world = _distributed()
+        if cfg.batch_size % self.world:
+            raise ConfigError(f"the global batch {cfg.batch_size} must be divisible by the {self.world} processes")
+        if heldout is not None and heldout.shape[1] % cfg.k:
+            raise ConfigError(f"held-out windows of {heldout.shape[1]} tokens are not a multiple of k={cfg.k}")
+        self.target, self.data, self.out_dir, self.cfg, self.heldout = target, data, Path(out_dir), cfg, heldout
+        self.target_folder, self.log = target_folder, log
+        self.bar = self.source = None
+        self.ema_loss = self.ema_alpha = None
+        self.model = self._setup_model(resume)
+        self.meta = {"ablation": cfg.ablation, "loss": cfg.resolved_loss(), "omega": cfg.omega}
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        ckpt = existing_dir(self.out_dir / CHECKPOINT_DIR)
+        if ckpt is not None and self.state["step"] > 0:
+            self.opt.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=True))
+        if self.rank == 0 and (self.out_dir / LOG_FILE).is_file():  # drop log lines written after the checkpoint
+            lines = [ln for ln in (self.out_dir / LOG_FILE).read_text().splitlines()
+                     if ln.strip() and json.loads(ln)["step"] <= self.state["step"]]
+            atomic_write(self.out_dir / LOG_FILE, None, "".join(ln + "\n" for ln in lines))
 
-def _load_weights(model: torch.nn.Module, target: Transformer, path: Path) -> None:
-    """Load checkpoint weights into ``model``. Raises CheckpointError / TokenizerMismatchError."""
-    if isinstance(model, SpireDraftModel):
-        model.load_state_dict(SpireDraftModel.load(path, target).state_dict())
-        return
-    _, sd = read_draft_file(path, target)
-    model.load_state_dict(sd, strict=False)
+    def _setup_model(self, resume: bool | None) -> TrainableDraft:
+        """The draft, and ``self.state``: from the saved run (checked against the settings), or fresh."""
+        out_dir, cfg = self.out_dir, self.cfg
+        state = load_state(out_dir)
+        cfg_dict = json.loads(json.dumps(cfg.to_dict()))
+        if resume is True and state is None:
+            raise CheckpointError(f"nothing to resume: {out_dir} holds no checkpoint")
+        if resume is False and state is not None:
+            raise ConfigError(f"{out_dir} already holds a run (step {state['step']}); pass --resume to continue it "
+                              "or choose another --out")
+        model = _build_model(self.target, cfg, self.data)
+        if state is not None:
+            _check_saved_config(out_dir, state, cfg_dict)
+            model.load_checkpoint(existing_dir(out_dir / CHECKPOINT_DIR) / DRAFT_FILE, self.target)
+        else:
+            state = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "finished": False, "history": [], "heldout": None}
+            if self.rank == 0:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                atomic_write(out_dir / LOG_FILE, None, "")
+        state["config"] = cfg_dict
+        self.state = state
+        return model.train()
 
+    def done(self) -> bool:
+        cfg, state = self.cfg, self.state
+        return state["elapsed_s"] >= cfg.budget_s or (cfg.max_steps is not None and state["step"] >= cfg.max_steps)
 
-def export_draft(model: torch.nn.Module, target: Transformer, out_dir: Path, meta: dict,
-                 target_folder: Path | None = None) -> Path:
-    """Write the user-facing draft of a run: ``draft.safetensors`` (SPIRe) or ``draft/`` (vanilla HF folder,
-    with the target's tokenizer files when ``target_folder`` is given). Returns its path."""
-    if isinstance(model, SpireDraftModel):
-        model.save(out_dir / DRAFT_FILE, meta)
-        return out_dir / DRAFT_FILE
-    from spire.drafts.vanilla import save_vanilla
+    def start(self, progress: bool) -> None:
+        """The data source (a target cache may be built first, with its own bar) and the training bar."""
+        cfg, state, rank = self.cfg, self.state, self.rank
+        if self.done() and state["finished"]:
+            if self.log is not None and rank == 0:
+                self.log(f"      {self.out_dir.name}: finished run found ({state['step']} steps), not trained again")
+            progress = False  # nothing to train: no bar
+        elif not self.done():
+            self.source = make_source(self.target, self.data, self.model, cfg, self.target_folder,
+                                      progress and rank == 0, self.log if rank == 0 else None)
+        if progress and rank == 0:
+            total, initial, unit = ((cfg.max_steps, state["step"], "step") if cfg.max_steps is not None
+                                    else (round(cfg.budget_s), round(state["elapsed_s"]), "s"))
+            self.bar = tqdm(total=total, initial=initial, unit=unit, dynamic_ncols=True,
+                            desc=f"train {cfg.draft} draft")
 
-    save_vanilla(model, out_dir / "draft", target_folder, {"target": _fingerprint(target), **meta})
-    return out_dir / "draft"
+    def write_log(self, entry: dict) -> None:
+        if self.rank == 0:
+            with open(self.out_dir / LOG_FILE, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    def evaluate(self) -> None:
+        """The held-out loss and alpha (when there are held-out windows), logged and kept in the state."""
+        if self.heldout is None:
+            return
+        state = self.state
+        if self.dist is not None:  # rank 0 evaluates with every process's threads while the others wait
+            ev = None
+            if self.rank == 0:
+                threads = torch.get_num_threads()
+                torch.set_num_threads(threads * self.world)
+                ev = evaluate_heldout(self.model, self.target, self.heldout, self.cfg)
+                torch.set_num_threads(threads)
+            self.dist.barrier()
+            if ev is None:
+                return
+        else:
+            ev = evaluate_heldout(self.model, self.target, self.heldout, self.cfg)
+        self.model.train()
+        state["heldout"] = {"step": state["step"], **ev}
+        self.write_log({"event": "eval", "step": state["step"], "tokens": state["tokens"], **ev})
+        if self.bar is not None:
+            self.bar.write(f"step {state['step']}: held-out loss {ev['loss']:.4f}, alpha "
+                           + " ".join(f"{a:.3f}" for a in ev["alpha_per_position"]))
+
+    def checkpoint(self) -> None:
+        """Replace the checkpoint folder (weights, AdamW state, JSON state) and the exported draft (rank 0)."""
+        model, target, state, meta = self.model, self.target, self.state, self.meta
+        if self.rank == 0:
+            def write(tmp: Path) -> None:
+                model.save_checkpoint(tmp / DRAFT_FILE, target, {"train": {"step": state["step"]}, **meta})
+                torch.save(self.opt.state_dict(), tmp / OPTIM_FILE)
+                (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+            replace_dir(self.out_dir / CHECKPOINT_DIR, write)
+            model.export(self.out_dir, target, {"train": {"step": state["step"], "tokens": state["tokens"],
+                                                          "finished": state["finished"]}, **meta}, self.target_folder)
+        if self.dist is not None:
+            self.dist.barrier()
+
+    def finish(self) -> tuple[TrainableDraft, dict]:
+        """Mark the run finished (a last evaluation and checkpoint when it was not); the draft in eval mode."""
+        if not self.state["finished"]:
+            self.state["finished"] = True
+            self.evaluate()
+            self.checkpoint()
+        if self.bar is not None:
+            self.bar.close()
+        return self.model.eval().requires_grad_(False), self.state
+
+    def _update(self, lr: float, tb: TeacherBatch) -> tuple[float, float, float]:
+        """Loss, backward, gradients averaged over the processes, clip, AdamW: (loss, alpha, grad norm).
+        Raises TrainingError on a non-finite loss (before the update)."""
+        cfg, state, dist, world = self.cfg, self.state, self.dist, self.world
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        loss, alpha = step_loss(self.model, self.target, tb, cfg)
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        stats = torch.tensor([loss.item(), alpha])
+        if dist is not None:  # average gradients (and the logged values) over the processes
+            grads = [p.grad for p in self.params if p.grad is not None]
+            flat = torch.cat([g.flatten() for g in grads])
+            dist.all_reduce(flat)
+            flat /= world
+            for g, new in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(new)
+            dist.all_reduce(stats)
+            stats /= world
+        loss_value, alpha = float(stats[0]), float(stats[1])
+        if not math.isfinite(loss_value):
+            if self.bar is not None:
+                self.bar.close()
+            last = load_state(self.out_dir)
+            raise TrainingError(f"non-finite loss ({loss_value}) at step {state['step'] + 1} (lr {lr:.2e}); the "
+                                f"last good checkpoint (step {last['step'] if last else 0}) in {self.out_dir} is "
+                                "kept: lower --lr or check the data")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+        self.opt.step()
+        return loss_value, alpha, grad_norm
+
+    def step(self) -> None:
+        """One optimizer step on the batch of step ``state["step"]`` (this process's rows), its log line, the
+        smoothed history and the bar."""
+        cfg, state = self.cfg, self.state
+        t0 = time.time()
+        rows = slice(self.rank * cfg.batch_size // self.world, (self.rank + 1) * cfg.batch_size // self.world)
+        tb = self.source.batch(state["step"], rows)
+        frac = state["step"] / cfg.max_steps if cfg.max_steps is not None else state["elapsed_s"] / cfg.budget_s
+        lr = _lr_at(cfg, state["step"], frac)
+        loss_value, alpha, grad_norm = self._update(lr, tb)
+        dt = time.time() - t0
+        if self.dist is not None:  # every process stops at the same step: rank 0's clock decides
+            t = torch.tensor([dt])
+            self.dist.broadcast(t, 0)
+            dt = float(t)
+        state["step"] += 1
+        state["tokens"] += cfg.batch_size * cfg.seq_len
+        state["elapsed_s"] += dt
+        self.ema_loss = loss_value if self.ema_loss is None else 0.95 * self.ema_loss + 0.05 * loss_value
+        if math.isfinite(alpha):
+            self.ema_alpha = alpha if self.ema_alpha is None else 0.95 * self.ema_alpha + 0.05 * alpha
+        entry = {"event": "train", "step": state["step"], "tokens": state["tokens"],
+                 "elapsed_s": round(state["elapsed_s"], 3), "lr": lr, "loss": loss_value,
+                 "alpha": alpha if math.isfinite(alpha) else None, "grad_norm": grad_norm,
+                 "tokens_per_s": cfg.batch_size * cfg.seq_len / dt}
+        self.write_log(entry)
+        if state["step"] % 10 == 0 or self.done():
+            state["history"].append({"step": state["step"], "tokens": state["tokens"],
+                                     "elapsed_s": round(state["elapsed_s"], 2), "loss": round(self.ema_loss, 4),
+                                     "alpha": None if self.ema_alpha is None else round(self.ema_alpha, 4)})
+        if self.bar is not None:
+            bar = self.bar
+            bar.update((state["step"] if cfg.max_steps is not None else round(state["elapsed_s"])) - bar.n)
+            bar.set_postfix(loss=f"{self.ema_loss:.3f}", alpha="-" if self.ema_alpha is None else
+                            f"{self.ema_alpha:.3f}", tok_s=f"{entry['tokens_per_s']:.0f}")
 
 
 def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | None = None,
                 heldout: torch.Tensor | None = None, resume: bool | None = None, target_folder: Path | None = None,
-                progress: bool = True, log=print) -> tuple[torch.nn.Module, dict]:
+                progress: bool = True, log=print) -> tuple[TrainableDraft, dict]:
     """Train (or resume, or just load when finished) a draft in ``out_dir``.
 
     Args:
@@ -319,200 +465,34 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
         DataError: the data cannot give windows of seq_len tokens.
     """
     cfg = TrainConfig() if cfg is None else cfg
-    cfg.validate()
-    if cfg.bf16 is None:
-        cfg.bf16 = fast_bf16(target.device)
-    dist, rank, world = _distributed()
-    if cfg.batch_size % world:
-        raise ConfigError(f"the global batch {cfg.batch_size} must be divisible by the {world} processes")
-    if heldout is not None and heldout.shape[1] % cfg.k:
-        raise ConfigError(f"held-out windows of {heldout.shape[1]} tokens are not a multiple of k={cfg.k}")
-    out_dir = Path(out_dir)
-    device = target.device
-    state = load_state(out_dir)
-    cfg_dict = json.loads(json.dumps(cfg.to_dict()))
-    if resume is True and state is None:
-        raise CheckpointError(f"nothing to resume: {out_dir} holds no checkpoint")
-    if resume is False and state is not None:
-        raise ConfigError(f"{out_dir} already holds a run (step {state['step']}); pass --resume to continue it "
-                          "or choose another --out")
-    model = _build_model(target, cfg, data)
-    if state is not None:
-        budget_keys = ("budget_s", "max_steps", "checkpoint_every", "eval_every")
-        defaults = json.loads(json.dumps(TrainConfig().to_dict()))  # a field added since the run was saved
-        saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in budget_keys}
-        now = {k: v for k, v in cfg_dict.items() if k not in budget_keys}
-        if saved != now:
-            diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-            raise ConfigError(f"{out_dir} holds a run with other settings ({', '.join(diff)}); use another --out "
-                              "or delete it")
-        _load_weights(model, target, existing_dir(out_dir / CHECKPOINT_DIR) / DRAFT_FILE)
-    else:
-        state = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "finished": False, "history": [], "heldout": None}
-        if rank == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
-            atomic_write(out_dir / LOG_FILE, None, "")
-    state["config"] = cfg_dict
-    model.train()
-    meta = {"ablation": cfg.ablation, "loss": cfg.resolved_loss(), "omega": cfg.omega}
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    ckpt = existing_dir(out_dir / CHECKPOINT_DIR)
-    if ckpt is not None and state["step"] > 0:
-        opt.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=True))
-    if rank == 0 and (out_dir / LOG_FILE).is_file():  # drop log lines written after the checkpoint
-        lines = [ln for ln in (out_dir / LOG_FILE).read_text().splitlines()
-                 if ln.strip() and json.loads(ln)["step"] <= state["step"]]
-        atomic_write(out_dir / LOG_FILE, None, "".join(ln + "\n" for ln in lines))
-
-    def done() -> bool:
-        return state["elapsed_s"] >= cfg.budget_s or (cfg.max_steps is not None and state["step"] >= cfg.max_steps)
-
-    def write_log(entry: dict) -> None:
-        if rank == 0:
-            with open(out_dir / LOG_FILE, "a") as f:
-                f.write(json.dumps(entry) + "\n")
-
-    def evaluate() -> None:
-        if heldout is None:
-            return
-        if dist is not None:  # rank 0 evaluates with every process's threads while the others wait
-            if rank == 0:
-                threads = torch.get_num_threads()
-                torch.set_num_threads(threads * world)
-                ev = evaluate_heldout(model, target, heldout, cfg)
-                torch.set_num_threads(threads)
-            dist.barrier()
-            if rank != 0:
-                return
-        else:
-            ev = evaluate_heldout(model, target, heldout, cfg)
-        model.train()
-        state["heldout"] = {"step": state["step"], **ev}
-        write_log({"event": "eval", "step": state["step"], "tokens": state["tokens"], **ev})
-        if bar is not None:
-            bar.write(f"step {state['step']}: held-out loss {ev['loss']:.4f}, alpha "
-                      + " ".join(f"{a:.3f}" for a in ev["alpha_per_position"]))
-
-    def checkpoint() -> None:
-        if rank == 0:
-            def write(tmp: Path) -> None:
-                _save_weights(model, target, tmp / DRAFT_FILE, {"train": {"step": state["step"]}, **meta})
-                torch.save(opt.state_dict(), tmp / OPTIM_FILE)
-                (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
-            replace_dir(out_dir / CHECKPOINT_DIR, write)
-            export_draft(model, target, out_dir, {"train": {"step": state["step"], "tokens": state["tokens"],
-                                                            "finished": state["finished"]}, **meta}, target_folder)
-        if dist is not None:
-            dist.barrier()
-
-    bar = source = None
-    if done() and state["finished"]:
-        if log is not None and rank == 0:
-            log(f"      {out_dir.name}: finished run found ({state['step']} steps), not trained again")
-        progress = False  # nothing to train: no bar
-    elif not done():  # before the training bar: a target cache may be built first, with its own bar
-        source = make_source(target, data, model, cfg, target_folder, progress and rank == 0,
-                             log if rank == 0 else None)
-    if progress and rank == 0:
-        from tqdm.auto import tqdm
-
-        if cfg.max_steps is not None:
-            bar = tqdm(total=cfg.max_steps, initial=state["step"], unit="step", dynamic_ncols=True,
-                       desc=f"train {cfg.draft} draft")
-        else:
-            bar = tqdm(total=round(cfg.budget_s), initial=round(state["elapsed_s"]), unit="s", dynamic_ncols=True,
-                       desc=f"train {cfg.draft} draft")
-    def finish() -> tuple[torch.nn.Module, dict]:
-        if not state["finished"]:
-            state["finished"] = True
-            evaluate()
-            checkpoint()
-        if bar is not None:
-            bar.close()
-        return model.eval().requires_grad_(False), state
-
-    if done():
-        return finish()
-    state["finished"] = False  # a finished run given a larger budget goes on
-
-    rows = slice(rank * cfg.batch_size // world, (rank + 1) * cfg.batch_size // world)
+    run = Trainer(target, data, out_dir, cfg, heldout, resume, target_folder, log)
+    run.start(progress)
+    if run.done():
+        return run.finish()
+    run.state["finished"] = False  # a finished run given a larger budget goes on
     t_last_ckpt = time.time()
-    ema_loss = ema_alpha = None
-    while not done():
-        t0 = time.time()
-        tb = source.batch(state["step"], rows)
-        frac = state["step"] / cfg.max_steps if cfg.max_steps is not None else state["elapsed_s"] / cfg.budget_s
-        lr = _lr_at(cfg, state["step"], frac)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        loss, alpha = step_loss(model, target, tb, cfg)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        stats = torch.tensor([loss.item(), alpha])
-        if dist is not None:  # average gradients (and the logged values) over the processes
-            grads = [p.grad for p in params if p.grad is not None]
-            flat = torch.cat([g.flatten() for g in grads])
-            dist.all_reduce(flat)
-            flat /= world
-            for g, new in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(new)
-            dist.all_reduce(stats)
-            stats /= world
-        loss_value, alpha = float(stats[0]), float(stats[1])
-        if not math.isfinite(loss_value):
-            if bar is not None:
-                bar.close()
-            last = load_state(out_dir)
-            raise TrainingError(f"non-finite loss ({loss_value}) at step {state['step'] + 1} (lr {lr:.2e}); the "
-                                f"last good checkpoint (step {last['step'] if last else 0}) in {out_dir} is kept: "
-                                "lower --lr or check the data")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
-        opt.step()
-        dt = time.time() - t0
-        if dist is not None:  # every process stops at the same step: rank 0's clock decides
-            t = torch.tensor([dt])
-            dist.broadcast(t, 0)
-            dt = float(t)
-        state["step"] += 1
-        state["tokens"] += cfg.batch_size * cfg.seq_len
-        state["elapsed_s"] += dt
-        ema_loss = loss_value if ema_loss is None else 0.95 * ema_loss + 0.05 * loss_value
-        if math.isfinite(alpha):
-            ema_alpha = alpha if ema_alpha is None else 0.95 * ema_alpha + 0.05 * alpha
-        entry = {"event": "train", "step": state["step"], "tokens": state["tokens"],
-                 "elapsed_s": round(state["elapsed_s"], 3), "lr": lr, "loss": loss_value,
-                 "alpha": alpha if math.isfinite(alpha) else None, "grad_norm": grad_norm,
-                 "tokens_per_s": cfg.batch_size * cfg.seq_len / dt}
-        write_log(entry)
-        if state["step"] % 10 == 0 or done():
-            state["history"].append({"step": state["step"], "tokens": state["tokens"],
-                                     "elapsed_s": round(state["elapsed_s"], 2), "loss": round(ema_loss, 4),
-                                     "alpha": None if ema_alpha is None else round(ema_alpha, 4)})
-        if bar is not None:
-            bar.update((state["step"] if cfg.max_steps is not None else round(state["elapsed_s"])) - bar.n)
-            bar.set_postfix(loss=f"{ema_loss:.3f}", alpha="-" if ema_alpha is None else f"{ema_alpha:.3f}",
-                            tok_s=f"{entry['tokens_per_s']:.0f}")
-        if cfg.eval_every and state["step"] % cfg.eval_every == 0 and not done():
-            evaluate()
-        if time.time() - t_last_ckpt > cfg.checkpoint_every and not done():
-            checkpoint()
+    while not run.done():
+        run.step()
+        if cfg.eval_every and run.state["step"] % cfg.eval_every == 0 and not run.done():
+            run.evaluate()
+        if time.time() - t_last_ckpt > cfg.checkpoint_every and not run.done():
+            run.checkpoint()
             t_last_ckpt = time.time()
-    return finish()
+    return run.finish()
 
 
-def needs_teacher(model: torch.nn.Module, cfg: TrainConfig) -> bool:
+def needs_teacher(model: TrainableDraft, cfg: TrainConfig) -> bool:
     """Whether a step needs the teacher distribution: for MixedLoss, and for the logged alpha whenever the
     target runs anyway (a SPIRe draft reading its activations)."""
-    return cfg.resolved_loss() == "mixed" or bool(_needs_hidden(model))
+    return cfg.resolved_loss() == "mixed" or bool(model.target_layers())
 
 
-def make_source(target: Transformer, data, model: torch.nn.Module, cfg: TrainConfig,
+def make_source(target: Transformer, data, model: TrainableDraft, cfg: TrainConfig,
                 target_folder: Path | None = None, progress: bool = True, log=print):
     """The run's data source: :class:`LiveTarget`, or a :class:`CachedTarget` over the target cache of
     cfg.data_steps batches (built here when missing; under torchrun rank 0 builds while the others wait).
     Raises ConfigError / DataError (see :meth:`TargetCache.build`)."""
-    layers, teacher = _needs_hidden(model), needs_teacher(model, cfg)
+    layers, teacher = model.target_layers(), needs_teacher(model, cfg)
     if cfg.target_cache is None or not (layers or teacher):
         return LiveTarget(target, data, layers, teacher, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.data_steps,
                           bool(cfg.bf16))
@@ -539,7 +519,7 @@ def train_spire(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
 
 
 @torch.no_grad()
-def evaluate_heldout(model: torch.nn.Module, target: Transformer, windows: torch.Tensor, cfg: TrainConfig,
+def evaluate_heldout(model: TrainableDraft, target: Transformer, windows: torch.Tensor, cfg: TrainConfig,
                      batch_size: int = 4) -> dict:
     """Held-out loss (the training loss), cross-entropy against the data, and alpha per drafted position.
 
@@ -548,14 +528,14 @@ def evaluate_heldout(model: torch.nn.Module, target: Transformer, windows: torch
     model.eval()
     k = cfg.k
     sums, loss_sum, ce_sum, n_batches, count = torch.zeros(k), 0.0, 0.0, 0, 0
-    vocab = draft_vocab(model)
+    vocab = model.vocab
     for i in range(0, windows.shape[0], batch_size):
         tokens = windows[i: i + batch_size].to(target.device)
-        tb = run_target(target, tokens, _needs_hidden(model), True, bool(cfg.bf16))
-        with _autocast(bool(cfg.bf16), target.device):
-            q_logits = draft_logits(model, tokens, tb.hidden, k)
+        tb = run_target(target, tokens, model.target_layers(), True, bool(cfg.bf16))
+        with autocast(bool(cfg.bf16), target.device):
+            q_logits = model.train_logits(tokens, tb.hidden, k)
         logp = tb.target_logp(target, vocab)
-        ce = float(hard_target_loss(q_logits[:, :-1], to_draft_ids(model, tokens[:, 1:])))
+        ce = float(hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tokens[:, 1:])))
         loss = ce if cfg.resolved_loss() == "hard" else float(mixed_loss_logp(q_logits, logp, cfg.omega).loss)
         a = acceptance_alpha_logp(q_logits, logp)  # (B, T)
         sums += a.view(a.shape[0], -1, k).sum((0, 1)).cpu()
@@ -567,7 +547,7 @@ def evaluate_heldout(model: torch.nn.Module, target: Transformer, windows: torch
 
 
 @torch.no_grad()
-def evaluate_alpha(model: torch.nn.Module, target: Transformer, windows: torch.Tensor, k: int,
+def evaluate_alpha(model: TrainableDraft, target: Transformer, windows: torch.Tensor, k: int,
                    bf16: bool = False, batch_size: int = 4) -> list[float]:
     """Expected acceptance alpha = E[sum min(p, q)] per drafted position j = 1..k on held-out windows.
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from spire.errors import ConfigError, DataError
 from spire.model import Transformer
@@ -110,7 +111,7 @@ class LiveTarget:
     """Run the frozen target on each step's batch (the trainer's default data source).
 
     ``data`` gives ``sample_train_batch(batch_size, seq_len, generator)``; step s draws with the generator of
-    (seed, s mod data_steps) (:func:`spire.training.distill.step_generator`), or of (seed, s) when data_steps
+    (seed, s mod data_steps) (:func:`step_generator`), or of (seed, s) when data_steps
     is None.
     """
 
@@ -240,8 +241,6 @@ class TargetCache:
         live = LiveTarget(target, data, layers, teacher, batch_size, seq_len, seed)
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-
             bar = tqdm(total=steps, initial=done, unit="batch", dynamic_ncols=True, desc="target cache")
         for s in range(done, steps):
             tb = live.batch(s)

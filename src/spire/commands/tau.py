@@ -14,14 +14,27 @@ n_contexts, G and nested length use the same windows (e.g. one draft per run, me
 
 from __future__ import annotations
 
+import json
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from spire.errors import ConfigError, DataError
-from spire.evaluation.tau_file import FORMAT, VERSION
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from spire import defaults
+from spire.data import document_separator_id, prepare_data
+from spire.drafts import find_trained_spire, make_draft, resolve_draft_path
+from spire.errors import CheckpointError, ConfigError, DataError
+from spire.evaluation.tau import measure_tau
+from spire.evaluation.tau_file import FORMAT, VERSION, read_tau_file
+from spire.loading import load_target
+from spire.paths import atomic_write
+from spire.sampling import SamplingParams
 
 DRAFT_CHOICES = ("magicdec", "spire", "vanilla")
 
@@ -44,15 +57,15 @@ class TauArgs:
     drafts: list[DraftSpec] = field(default_factory=lambda: [DraftSpec("magicdec", "magicdec")])
     Ls: list[int] = field(default_factory=lambda: [512])
     G: int = 64
-    k: int = 4
+    k: int = defaults.K
     temperatures: list[float] = field(default_factory=lambda: [0.0, 1.0])
     n_contexts: int = 16
     batch_size: int = 8
     max_batch_tokens: int = 8192
     seed: int = 0
     target: str = "smollm2-135m"
-    sink: int = 1
-    window: int = 64
+    sink: int = defaults.SINK
+    window: int = defaults.WINDOW
     nested: bool = False
     nested_length: int | None = None  # with nested: cut the windows for this L (default the largest -L)
     threads: int | None = None  # torch CPU threads (None: torch's default)
@@ -158,9 +171,6 @@ def _draft_window(draft) -> tuple[int | None, int | None]:
 
 def build_drafts(target, tokenizer, a: TauArgs) -> list[tuple[DraftSpec, Any]]:
     """(spec, draft) per spec; a spire spec without a path gets the newest trained draft in the cache."""
-    from spire.drafts import find_trained_spire, make_draft, resolve_draft_path
-    from spire.errors import CheckpointError
-
     out = []
     for spec in a.drafts:
         if spec.kind == "spire" and not spec.path:
@@ -183,9 +193,6 @@ def measure(target, data, drafts: list[tuple[DraftSpec, Any]], a: TauArgs, progr
             on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
     """Every (draft, L, temperature) measurement, in that nesting order (a run cut short has whole drafts
     first); one row dict each. ``on_row(rows so far)`` is called after each measurement."""
-    from spire.evaluation.tau import measure_tau
-    from spire.sampling import SamplingParams
-
     validate(a, target.cfg.max_positions)
     contexts = contexts if contexts is not None else build_contexts(data, a)
     jobs = [(L, t, spec, d) for spec, d in drafts for L in dict.fromkeys(a.Ls)
@@ -213,12 +220,6 @@ def run_tau(a: TauArgs, progress: bool = True, log: Callable[[str], None] | None
     """Load the target and the token data, build the drafts and contexts (every check before measuring),
     measure, and return the result object (the ``--out`` JSON). With ``out``, the file is (re)written
     atomically after every measurement with ``"complete": false``, and at the end with ``"complete": true``."""
-    import torch
-
-    from spire.data import prepare_data
-    from spire.loading import load_target
-    from spire.pipeline import document_separator_id
-
     validate(a)
     if a.threads is not None:
         torch.set_num_threads(a.threads)
@@ -257,18 +258,12 @@ def run_tau(a: TauArgs, progress: bool = True, log: Callable[[str], None] | None
 
 def write_json(path: str | Path, result: dict[str, Any]) -> Path:
     """Write the result object atomically (readers see the old file or the whole new one)."""
-    import json
-
-    from spire.paths import atomic_write
-
     return atomic_write(path, None, json.dumps(result, indent=1) + "\n")
 
 
 def merge_files(paths: list[str | Path]) -> dict[str, Any]:
     """The rows of several ``spire tau`` JSON files in one object (the first file's other keys; "merged_from"
     lists the files). ConfigError for a missing or malformed file."""
-    from spire.evaluation.tau_file import read_tau_file
-
     objs = [read_tau_file(p, "--show") for p in paths]
     merged = dict(objs[0])
     merged["rows"] = [r for o in objs for r in o["rows"]]
@@ -294,11 +289,6 @@ def table_markdown(rows: list[dict]) -> str:
 
 def print_table(result: dict[str, Any]) -> None:
     """A rich table: one line per (draft, T), one column per L, τ with its 95 % CI."""
-    import sys
-
-    from rich.console import Console
-    from rich.table import Table
-
     rows = result["rows"]
     Ls = sorted({r["L"] for r in rows})
     keys = list(dict.fromkeys((r["name"], r["draft"], r["temperature"]) for r in rows))

@@ -12,14 +12,26 @@ from pathlib import Path
 
 import torch
 
-from spire.errors import ConfigError
+from spire import defaults
+from spire.data import document_separator_id, prepare_data, prepare_text_files
+from spire.drafts.spire import SpireConfig
+from spire.errors import CheckpointError, ConfigError
+from spire.loading import load_target
+from spire.training.distill import ABLATIONS, TrainConfig, ablation_config, init_distributed, load_state, train_draft
+
+RESUME_LIMITS = ("budget_s", "max_steps", "checkpoint_every", "eval_every")
+"""The settings a resumed run takes anew (every other one is the saved run's)."""
+COMMAND_DEFAULTS = {"eval_every": defaults.EVAL_EVERY}
+"""Where `spire train` differs from TrainConfig's defaults: it logs a held-out learning curve."""
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
 class TrainRunArgs:
     """What `spire train` was asked for. ``data``: "registry" (the registry texts of `spire data`) or paths of
     text files / folders. ``spire_overrides``: SpireConfig fields given explicitly (they win over --ablation).
-    ``train_overrides``: TrainConfig fields given explicitly."""
+    ``train_overrides``: TrainConfig fields given explicitly (:data:`COMMAND_DEFAULTS` fill the others first).
+    With ``resume`` only the :data:`RESUME_LIMITS` of ``train_overrides`` apply."""
 
     draft: str = "spire"
     target: str = "smollm2-135m"
@@ -31,7 +43,16 @@ class TrainRunArgs:
     eval_windows: int = 16
     spire_overrides: dict = field(default_factory=dict)
     train_overrides: dict = field(default_factory=dict)
-    resume_limits: dict = field(default_factory=dict)  # with resume: the new budget / step limit / intervals
+
+    def settings(self) -> dict:
+        """The TrainConfig fields of this command: its defaults, then what was given."""
+        return {**COMMAND_DEFAULTS, **self.train_overrides}
+
+    def resume_limits(self) -> dict:
+        """The new limits of a resumed run: those given, and the command's checkpoint and evaluation intervals
+        (a resumed run checkpoints and evaluates as `spire train` does unless told)."""
+        limits = {"checkpoint_every": defaults.CHECKPOINT_EVERY_S, **self.settings()}
+        return {k: v for k, v in limits.items() if k in RESUME_LIMITS}
 
 
 def default_out(args: TrainRunArgs) -> Path:
@@ -40,31 +61,24 @@ def default_out(args: TrainRunArgs) -> Path:
     return Path("spire-runs") / name
 
 
-def build_config(args: TrainRunArgs):
+def build_config(args: TrainRunArgs) -> TrainConfig:
     """The run's TrainConfig: the ablation's settings, then the explicit options. Raises ConfigError."""
-    from spire.drafts.spire import SpireConfig
-    from spire.training.distill import ABLATIONS, TrainConfig, ablation_config
-
     if args.ablation not in ABLATIONS:
         raise ConfigError(f"unknown ablation {args.ablation!r}; choose one of {', '.join(ABLATIONS)}")
     if args.draft == "vanilla" and (args.ablation != "none" or args.spire_overrides):
         raise ConfigError("ablation and SPIRe options apply to --draft spire only")
     if args.draft == "spire":
-        cfg = ablation_config(args.ablation, **args.train_overrides)
+        cfg = ablation_config(args.ablation, **args.settings())
         cfg.spire = SpireConfig(**{**cfg.spire.to_dict(), **args.spire_overrides})
     else:
-        cfg = TrainConfig(draft=args.draft, **args.train_overrides)
+        cfg = TrainConfig(draft=args.draft, **args.settings())
     cfg.validate()
     return cfg
 
 
-def saved_config(out: Path, limits: dict):
+def saved_config(out: Path, limits: dict) -> TrainConfig:
     """The TrainConfig of the run saved in ``out``, with new limits (budget_s, max_steps, checkpoint_every,
     eval_every) applied. Raises CheckpointError when there is nothing to resume."""
-    from spire.drafts.spire import SpireConfig
-    from spire.errors import CheckpointError
-    from spire.training.distill import TrainConfig, load_state
-
     state = load_state(out)
     if state is None:
         raise CheckpointError(f"nothing to resume: {out} holds no checkpoint")
@@ -76,9 +90,6 @@ def saved_config(out: Path, limits: dict):
 
 def load_data(spec: list[str], tokenizer, progress: bool):
     """Registry texts (``["registry"]``) or the user's files. Raises DataError."""
-    from spire.data import prepare_data, prepare_text_files
-    from spire.pipeline import document_separator_id
-
     eos = document_separator_id(tokenizer)
     if spec == ["registry"]:
         return prepare_data(tokenizer, eos_id=eos, progress=progress)
@@ -93,19 +104,23 @@ def heldout_windows(data, seq_len: int, n: int, seed: int = 1) -> torch.Tensor |
     return data.heldout_contexts(seq_len - G, G, n, seed=seed)
 
 
-def run(args: TrainRunArgs, log=print) -> dict:
-    """Train as asked and return a summary dict (also printed by the CLI). Raises SpireError subclasses."""
-    from spire.loading import load_target
-    from spire.training.distill import init_distributed, train_draft
-
-    out = args.out or default_out(args)
-    cfg = saved_config(out, args.resume_limits) if args.resume else build_config(args)
-    rank, world = init_distributed()
-    device = args.device
+def resolve_device(device: str, world: int) -> str:
+    """auto -> cuda when present, else cpu; under torchrun on CUDA, this process's GPU."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and world > 1:
         device = f"cuda:{torch.cuda.current_device()}"
+    return device
+
+
+def run(args: TrainRunArgs, log=print) -> dict:
+    """Train as asked and return a summary dict (also printed by the CLI). Raises SpireError subclasses."""
+    if args.device not in DEVICES:
+        raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
+    out = args.out or default_out(args)
+    cfg = saved_config(out, args.resume_limits()) if args.resume else build_config(args)
+    rank, world = init_distributed()
+    device = resolve_device(args.device, world)
     target, tokenizer, folder = load_target(args.target, device=device, progress=rank == 0)
     data = load_data(args.data, tokenizer, progress=rank == 0)
     cfg.data = data.manifest.get("key")
@@ -121,8 +136,7 @@ def run(args: TrainRunArgs, log=print) -> dict:
         "steps": state["step"], "tokens": state["tokens"], "elapsed_s": round(state["elapsed_s"], 1),
         "tokens_per_s": round(state["tokens"] / max(state["elapsed_s"], 1e-9), 1), "processes": world,
         "draft_body_params": sum(p.numel() for p in model.layers.parameters()),
-        "heldout": state.get("heldout"), "rank": rank,
-        "draft_path": str(out / ("draft.safetensors" if cfg.draft == "spire" else "draft")),
+        "heldout": state.get("heldout"), "rank": rank, "draft_path": str(out / model.export_name),
     }
     if rank == 0:
         (Path(out) / "summary.json").write_text(json.dumps(summary, indent=1))

@@ -8,10 +8,18 @@ from typing import Any, Callable
 
 import torch
 
+import spire.bench.run as bench_run
+from spire import defaults
 from spire.bench.calibrate import (TORCH_DTYPES, Calibration, cached_calibration, calibrate, load_calibration,
                                    resolve_device)
 from spire.bench.run import BenchConfig, run_bench, summarize
+from spire.data import document_separator_id, prepare_data
+from spire.drafts import find_trained_spire, make_draft
+from spire.drafts.magicdec import MagicDecDraft
+from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.errors import ConfigError
+from spire.loading import load_target
+from spire.model import use_bf16_weights
 
 QUICK = dict(Bs=[1, 2], Ls=[64, 128], G=8, reps=2)
 """``--quick``: a smoke-test grid (about a minute on 2 CPU cores with SmolLM2)."""
@@ -23,7 +31,7 @@ class BenchArgs:
 
     Bs: list[int] | None = None
     Ls: list[int] | None = None
-    k: int = 4
+    k: int = defaults.K
     G: int | None = None
     reps: int | None = None
     target: str = "smollm2-135m"
@@ -34,8 +42,8 @@ class BenchArgs:
     spire_draft: str | None = None
     no_spire: bool = False
     vanilla_draft: str | None = None
-    sink: int = 1
-    window: int = 64
+    sink: int = defaults.SINK
+    window: int = defaults.WINDOW
     calibration: Path | None = None
     out: Path | None = Path("spire-bench")
     quick: bool = False
@@ -85,9 +93,6 @@ def get_calibration(path: Path | None, device: torch.device, dtype: str, quick: 
 
 def load_drafts(args: BenchArgs, target, tokenizer, log: Callable[[str], None]) -> tuple[dict, list[str], dict]:
     """name -> draft for the run, messages for the drafts skipped, name -> where each draft came from."""
-    from spire.drafts import find_trained_spire, make_draft
-    from spire.drafts.magicdec import MagicDecDraft
-
     drafts: dict[str, Any] = {"magicdec": MagicDecDraft(args.sink, args.window)}
     sources = {"magicdec": f"target over sink {args.sink} + window {args.window}"}
     skipped: list[str] = []
@@ -129,11 +134,7 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
                           "(on a GPU use --dtype bf16)")
     cal = get_calibration(args.calibration, device, args.dtype, args.quick, log)
     if args.random_weights:
-        from spire.bench.run import random_target
-        from spire.drafts.magicdec import MagicDecDraft
-        from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
-
-        target, folder = random_target(TORCH_DTYPES[args.dtype], device, args.seed), None
+        target, folder = bench_run.random_target(TORCH_DTYPES[args.dtype], device, args.seed), None
         n_draft = max(1, round(target.cfg.n_layers * 8 / 30))  # SmolLM2: its last 8 of 30 layers
         drafts = {"magicdec": MagicDecDraft(args.sink, args.window),
                   "spire": SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=n_draft)))}
@@ -147,10 +148,6 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
         def contexts_for(L: int, n: int) -> torch.Tensor:
             return torch.randint(0, target.cfg.vocab_size, (n, L), generator=gen)
     else:
-        from spire.data import prepare_data
-        from spire.loading import load_target
-        from spire.pipeline import document_separator_id
-
         target, tokenizer, folder = load_target(args.target, dtype=TORCH_DTYPES[args.dtype], device=str(device),
                                                 progress=False)
         drafts, skipped, sources = load_drafts(args, target, tokenizer, log)
@@ -160,8 +157,6 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
             return data.heldout_contexts(L, cfg.G, n, seed=cfg.seed)[:, :L]
     weight_bytes = None
     if args.weights == "bf16":
-        from spire.model import use_bf16_weights
-
         use_bf16_weights(target, *(getattr(d, "model", None) for d in drafts.values()))
         weight_bytes = 2.0
         log("weight-only bf16: target and draft weights rounded to bf16, streamed at 2 bytes per value")

@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from spire import defaults
+from spire.bench.calibrate import load_calibration
 from spire.errors import ConfigError
 from spire.evaluation.tau_file import L_RULE, read_tau_file, select_taus
 from spire.throughput.analysis import growing_rows, read_contexts, sample_contexts
-from spire.throughput.cost_model import HOI, CostOptions, throughput_rows
+from spire.throughput.cost_model import HOI, CostOptions, RowOptions, throughput_rows
 from spire.throughput.hardware import DTYPE_BYTES, Hardware, check_dtype, custom_hardware, get_hardware
 from spire.throughput.shapes import ModelShape, Preset, get_preset, preset_from_configs, spire_draft_from_config
 
@@ -24,7 +31,7 @@ class ThroughputArgs:
     preset: str = "paper-67m"
     Bs: list[int] = field(default_factory=lambda: [64])
     Ls: list[int] = field(default_factory=lambda: [512])
-    k: int = 4
+    k: int = defaults.K
     hoi: float | None = None
     combine: str = "max"
     taus: dict[str, float] = field(default_factory=dict)
@@ -59,7 +66,7 @@ class ThroughputArgs:
 def resolve_preset(a: ThroughputArgs) -> tuple[Preset, int | None, int]:
     """The preset, with the target / drafts replaced from HF or spire configs; (preset, window, sink)."""
     base = get_preset(a.preset)
-    window, sink = a.draft_window, 1
+    window, sink = a.draft_window, defaults.SINK
     if not (a.config or a.vanilla_config or a.spire_config or a.spire_layers):
         return base, window, sink
     target = ModelShape.from_hf_config_file(a.config) if a.config else base.target
@@ -87,7 +94,6 @@ def resolve_hardware(a: ThroughputArgs) -> Hardware | None:
     if a.calibration is not None:  # measured on this machine (spire.bench.calibrate)
         if a.hardware or a.flops is not None or a.bandwidth is not None:
             raise ConfigError("give --calibration or --hardware / --flops / --bandwidth, not several")
-        from spire.bench.calibrate import load_calibration
 
         cal = load_calibration(a.calibration)
         return cal.hardware(a.dtype if a.dtype is not None and a.dtype in cal.dtypes else None)
@@ -107,7 +113,7 @@ def build(a: ThroughputArgs) -> tuple[dict[str, Any], list[dict[str, Any]], Pres
     preset, window, sink = resolve_preset(a)
     hw = resolve_hardware(a)
     if a.calibration is not None and a.dtype is None and a.bytes_per_value is None:
-        import dataclasses  # measured hardware: real bytes per value of the dtype it was measured with
+        # measured hardware: real bytes per value of the dtype it was measured with
 
         a = dataclasses.replace(a, dtype="fp32" if "fp32" in hw.flops else next(iter(hw.flops)))
     for dtype in (a.dtype, a.kv_dtype):
@@ -139,11 +145,9 @@ def build(a: ThroughputArgs) -> tuple[dict[str, Any], list[dict[str, Any]], Pres
     curves = _tau_curves(a)
 
     def rows_at(Ls: list[int], taus: dict[str, float]) -> list[dict[str, Any]]:
-        return throughput_rows(
-            preset, a.Bs, Ls, k=a.k, hoi=hoi, combine=a.combine, taus=taus, memory_bytes=memory_bytes,
-            options=options, contexts=contexts, alphas=a.alphas, best_k_max=a.best_k, flops_per_s=flops_per_s,
-            cost_analysis=a.cost_analysis,
-        )  # fmt: skip
+        return throughput_rows(preset, a.Bs, Ls, RowOptions(
+            k=a.k, hoi=hoi, combine=a.combine, taus=taus, memory_bytes=memory_bytes, cost=options, contexts=contexts,
+            alphas=a.alphas, best_k_max=a.best_k, flops_per_s=flops_per_s, cost_analysis=a.cost_analysis))
 
     if not curves or not (a.Bs and a.Ls):
         rows = rows_at(a.Ls, a.taus)
@@ -217,6 +221,14 @@ def _per_L(Bs: list[int], Ls: list[int], rows_for_L) -> list[dict[str, Any]]:
     return [dict(r) for i in range(len(Bs)) for L in Ls for r in per[L][i * n: (i + 1) * n]]
 
 
+def write_plot(summary: dict[str, Any], rows: list[dict[str, Any]], preset: Preset, path: Path) -> Path:
+    """A PNG heatmap of the rows' multiplier at ``path`` (``--plot``). Returns its path."""
+    from spire.throughput.plots import plot_multiplier_heatmaps  # lazy: matplotlib's import, for --plot only
+
+    title = f"{preset.name}: throughput multiplier (k={summary['k']}, HOI={summary['hoi']:g}, {summary['combine']})"
+    return plot_multiplier_heatmaps(rows, path, title)
+
+
 def to_json(summary: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """One JSON object: the summary's keys and "rows" (the skeleton issue's contract)."""
     return json.dumps({**summary, "rows": rows})
@@ -249,9 +261,6 @@ EXTRA_COLUMNS = [  # (row key, header, format)
 
 def print_table(name: str, description: str, rows: list[dict[str, Any]]) -> None:
     """A rich table of the rows; extra columns appear when a row has them."""
-    from rich.console import Console
-    from rich.table import Table
-
     extras = [c for c in EXTRA_COLUMNS if any(c[0] in r for r in rows)]
     table = Table(title=f"{name}: {description}", caption="multiplier = τ / Δt (throughput over AD)")
     for column in ("draft", "B", "L", "τ", "Δt", "multiplier", "memory (GB)", *(c[1] for c in extras)):
@@ -265,6 +274,5 @@ def print_table(name: str, description: str, rows: list[dict[str, Any]]) -> None
         L = f"{r['L']} (mean)" if "contexts" in r else str(r["L"])
         cells = [fmt.format(r[key]) if r.get(key) is not None else "-" for key, _, fmt in extras]
         table.add_row(r["draft"], str(r["B"]), L, f"{r['tau']:.3f}", dt, m, memory, *cells)
-    import sys
 
     Console(width=None if sys.stdout.isatty() else 160).print(table)  # no truncated columns in pipes
