@@ -108,7 +108,7 @@ def trained(tiny_folder, text_file, tmp_path_factory):
         mp.setattr(distill, "mixed_loss_logp", real)
         results["after_interrupt"] = json.loads((root / "resumed" / "checkpoint" / "train_state.json").read_text())
         _main(["train", "--resume", "--target", str(tiny_folder), "--data", str(text_file), "--out",
-              str(root / "resumed"), "--device", "cpu", "--eval-windows", "2"])  # not a saved setting
+              str(root / "resumed"), "--device", "cpu"])  # the run's own settings, evaluation windows included
     finally:
         torch.set_num_threads(threads)
         mp.undo()
@@ -180,3 +180,20 @@ def test_compare_reports_identical_in_float32(tiny_folder, trained, capsys):
     assert code == 0, err
     assert re.fullmatch(r"prompt 0: (identical to AD|first divergence at generated token \d+; target top-2 "
                         r"logit gap there \d+\.\d{4}) \(bfloat16\)\n", out), out
+
+
+def test_resume_keeps_the_run_settings_and_refuses_changed_ones(tiny_folder, text_file, trained, capsys):
+    """A resumed run keeps its own intervals and held-out windows (not the command's defaults), and a resume
+    that also changes a training setting is refused with one line naming it, the run left as it was."""
+    root, _ = trained
+    state = json.loads((root / "resumed" / "checkpoint" / "train_state.json").read_text())
+    assert state["config"]["eval_every"] == 0 and state["config"]["checkpoint_every"] == 0
+    assert state["heldout_windows"] == 2
+    before = (root / "resumed" / "checkpoint" / "train_state.json").read_bytes()
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--resume", "--target", str(tiny_folder), "--data", str(text_file), "--out",
+              str(root / "resumed"), "--device", "cpu", "--lr", "0.5", "--window", "4"])
+    assert e.value.code
+    err = capsys.readouterr().err
+    assert "lr" in err and "spire.window" in err and "--resume" in err
+    assert (root / "resumed" / "checkpoint" / "train_state.json").read_bytes() == before

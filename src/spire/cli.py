@@ -317,7 +317,8 @@ def train(
     checkpoint_every: Annotated[float, _OPT(help="Seconds between checkpoints.")] = defaults.CHECKPOINT_EVERY_S,
     eval_every: Annotated[int, _OPT(help="Steps between held-out evaluations (0: at the end).")]
     = defaults.EVAL_EVERY,
-    eval_windows: Annotated[int, _OPT(help="Held-out windows per evaluation.")] = 16,
+    eval_windows: Annotated[Optional[int], _OPT(help="Held-out windows per evaluation [16; a resumed run: its "
+                                                    "own].")] = None,
     n_draft_layers: Annotated[Optional[int], _OPT(help=f"SPIRe: target layers pruned into the draft "
                                                        f"[{defaults.N_DRAFT_LAYERS}].")] = None,
     layers: Annotated[Optional[str], _OPT(metavar="J,J,...", help="SPIRe: which target layers [the last N].")]
@@ -412,7 +413,7 @@ def reproduce(
     target_cache: Annotated[Optional[str], typer.Option(metavar="bfloat16|float32|none", help="Storage of the "
                                                         "target cache; none runs the target live on fresh batches "
                                                         "[bfloat16].")] = None,
-    train_processes: Annotated[Optional[int], typer.Option(help="Data-parallel training processes (each "
+    train_processes: Annotated[Optional[int], typer.Option(help="SPIRe's data-parallel training processes (each "
                                                            "1 thread on a CPU) [one per torch thread on a CPU].")]
     = None,
     seed: Annotated[int, typer.Option(help="Seed for data windows, training and sampling.")] = 0,

@@ -80,7 +80,7 @@ class ReproduceConfig:
     grid_L: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
     alpha_windows: int = 16
     eval_every: int = defaults.EVAL_EVERY  # SPIRe steps between held-out evaluations (the report's learning curve)
-    train_processes: int | None = None  # data-parallel training processes; None: one per torch thread on a CPU
+    train_processes: int | None = None  # SPIRe's data-parallel training processes; None: one per thread on a CPU
     quick: bool = False
 
     @classmethod
@@ -127,9 +127,9 @@ class ReproduceConfig:
 
 
 def training_processes(cfg: ReproduceConfig, device: torch.device, batch_size: int = 4) -> tuple[int, int]:
-    """(processes, torch threads each) for the main job's training: on a CPU by default one single-thread process
-    per torch thread (the largest count dividing the batch), which trains faster than one multi-thread process
-    (:mod:`spire.training.parallel`); one process elsewhere."""
+    """(processes, torch threads each) for the main job's SPIRe training: on a CPU by default one single-thread
+    process per torch thread (the largest count dividing the batch), which trains faster than one multi-thread
+    process (:mod:`spire.training.parallel`); one process elsewhere."""
     threads = torch.get_num_threads()
     if cfg.train_processes is not None:
         n = cfg.train_processes
@@ -295,13 +295,17 @@ def _train(cfg: ReproduceConfig, runs: list, target, data, windows, folder: Path
             trained[label], training[label], states[label] = trained[same], training[same], states[same]
             continue
         run_dir = _draft_dir(cfg, train_cfg, folder, label)
-        model, state = train_in_processes(target, data, run_dir, train_cfg, n_procs, threads, heldout=windows,
+        # the vanilla draft trains in one process: its step is light and its gradient (a full-vocabulary
+        # embedding) heavy, so averaging gradients across processes costs more than it saves (measured: 420 against
+        # 615 tokens/s on 2 cores)
+        procs, n_threads = (n_procs, threads) if train_cfg.draft == "spire" else (1, torch.get_num_threads())
+        model, state = train_in_processes(target, data, run_dir, train_cfg, procs, n_threads, heldout=windows,
                                           target_folder=folder, progress=progress, log=log)
         states[label], trained[label] = state, model
         log(f"      {label}: {state['step']} steps, {state['tokens']:,} tokens, held-out alpha per drafted position "
             f"{', '.join(f'{a:.3f}' for a in state['heldout']['alpha_per_position'])}")
-        training[label] = {**_training_summary(run_dir, train_cfg, model, state), "processes": n_procs,
-                           "threads_per_process": threads}
+        training[label] = {**_training_summary(run_dir, train_cfg, model, state), "processes": procs,
+                           "threads_per_process": n_threads}
     return trained, training, states
 
 
@@ -410,6 +414,9 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     target, folder, data, contexts, sweep, windows = _load(cfg, progress, log, timings)
 
     spire_arch = spire_architecture(cfg, target.cfg.n_layers, target.cfg.vocab_size)
+    if cfg.draft_vocab is not None and spire_arch.vocab_size is None:
+        log(f"      a draft vocabulary of {cfg.draft_vocab} covers the target's whole vocabulary "
+            f"({target.cfg.vocab_size}): SPIRe's head is the full one")
     runs = training_runs(cfg, spire_arch)
     log(f"[3/6] drafts: SPIRe ({cfg.n_draft_layers} of {target.cfg.n_layers} target layers "
         f"{list(spire_arch.source_layers(target.cfg.n_layers))}"

@@ -40,7 +40,7 @@ class TrainRunArgs:
     ablation: str = "none"
     resume: bool = False
     device: str = "auto"
-    eval_windows: int = 16
+    eval_windows: int | None = None  # None: 16, or a resumed run's own
     spire_overrides: dict = field(default_factory=dict)
     train_overrides: dict = field(default_factory=dict)
 
@@ -49,10 +49,8 @@ class TrainRunArgs:
         return {**COMMAND_DEFAULTS, **self.train_overrides}
 
     def resume_limits(self) -> dict:
-        """The new limits of a resumed run: those given, and the command's checkpoint and evaluation intervals
-        (a resumed run checkpoints and evaluates as `spire train` does unless told)."""
-        limits = {"checkpoint_every": defaults.CHECKPOINT_EVERY_S, **self.settings()}
-        return {k: v for k, v in limits.items() if k in RESUME_LIMITS}
+        """The new limits of a resumed run: those given (the others stay the run's own)."""
+        return {k: v for k, v in self.train_overrides.items() if k in RESUME_LIMITS}
 
 
 def default_out(args: TrainRunArgs) -> Path:
@@ -76,13 +74,23 @@ def build_config(args: TrainRunArgs) -> TrainConfig:
     return cfg
 
 
-def saved_config(out: Path, limits: dict) -> TrainConfig:
+def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None) -> TrainConfig:
     """The TrainConfig of the run saved in ``out``, with new limits (budget_s, max_steps, checkpoint_every,
-    eval_every) applied. Raises CheckpointError when there is nothing to resume."""
+    eval_every) applied. Raises CheckpointError when there is nothing to resume, ConfigError when ``args``
+    give settings other than the limits that differ from the saved run's (a resume keeps its settings)."""
     state = load_state(out)
     if state is None:
         raise CheckpointError(f"nothing to resume: {out} holds no checkpoint")
     saved = dict(state["config"])
+    if args is not None:
+        changed = sorted(k for k, v in args.train_overrides.items()
+                         if k not in RESUME_LIMITS and saved.get(k, getattr(TrainConfig(), k, None)) != v)
+        changed += sorted(f"spire.{k}" for k, v in args.spire_overrides.items()
+                          if saved["spire"].get(k, getattr(SpireConfig(), k, None)) != (list(v) if isinstance(v, tuple)
+                                                                                           else v))
+        if changed:
+            raise ConfigError(f"--resume continues {out} with its saved settings; these options differ from them: "
+                              f"{', '.join(changed)} (drop them, or train into another --out)")
     saved["spire"] = SpireConfig(**saved["spire"])
     saved.update(limits)
     return TrainConfig(**saved)
@@ -118,7 +126,10 @@ def run(args: TrainRunArgs, log=print) -> dict:
     if args.device not in DEVICES:
         raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
     out = args.out or default_out(args)
-    cfg = saved_config(out, args.resume_limits()) if args.resume else build_config(args)
+    cfg = saved_config(out, args.resume_limits(), args) if args.resume else build_config(args)
+    if args.eval_windows is None:
+        state = load_state(out) if args.resume else None
+        args.eval_windows = state.get("heldout_windows", 16) if state else 16
     rank, world = init_distributed()
     device = resolve_device(args.device, world)
     target, tokenizer, folder = load_target(args.target, device=device, progress=rank == 0)

@@ -387,22 +387,6 @@ class RowOptions:
             check_draft_kind(draft)
 
 
-def _grid_points(Bs: Iterable[int], Ls: Iterable[int], contexts: Sequence[int] | None
-                 ) -> list[tuple[int, int, list[int] | None]]:
-    """(B, L, contexts of a mixed batch or None) of every point, B outermost."""
-    if contexts is not None:
-        contexts = _check_contexts(contexts)
-        n = len(contexts)
-        return [(n, round(sum(contexts) / n), contexts)]
-    Bs, Ls = list(Bs), list(Ls)
-    for name, values in (("B", Bs), ("L", Ls)):
-        if not values:
-            raise ConfigError(f"give at least one {name}")
-        for value in values:
-            _check_positive_int(name, value)
-    return [(B, L, None) for B in Bs for L in Ls]
-
-
 def throughput_rows(preset: Preset, Bs: Iterable[int] = (64,), Ls: Iterable[int] = (512,),
                     options: RowOptions = RowOptions()) -> list[dict[str, Any]]:
     """The cost model over a grid: one row per draft (vanilla, magicdec, spire) per (B, L), B outermost.
@@ -464,21 +448,6 @@ def _row(preset: Preset, draft: str, B: int, L: int, batch: list[int] | None, ta
         row["best_k"], row["best_k_tau"] = best, tau_from_alpha(alpha, best)
         row["best_k_multiplier"] = multiplier_at(best)
     return row
-
-
-def _taus_with_alphas(preset: Preset, k: int, taus: Mapping[str, float] | None, alphas: Mapping[str, float]
-                      ) -> dict[str, tuple[float, str]]:
-    """:func:`_resolve_taus` with τ(k) from an acceptance rate α where one is given (tau_source "alpha=α").
-    Raises ConfigError when a draft has both τ and α, or an unknown draft kind."""
-    both = sorted(set(alphas) & set(taus or {}))
-    if both:
-        raise ConfigError(f"give tau or alpha for {both[0]}, not both")
-    for draft in alphas:
-        check_draft_kind(draft)
-    resolved = _resolve_taus(preset, k, {**(taus or {}), **{d: tau_from_alpha(a, k) for d, a in alphas.items()}})
-    for draft, a in alphas.items():
-        resolved[draft] = (resolved[draft][0], f"alpha={a:g}")
-    return resolved
 
 
 def _grid_points(Bs: Iterable[int], Ls: Iterable[int], contexts: Sequence[int] | None

@@ -297,6 +297,7 @@ class Trainer:
                 out_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write(out_dir / LOG_FILE, None, "")
         state["config"] = cfg_dict
+        state["heldout_windows"] = 0 if self.heldout is None else int(self.heldout.shape[0])  # for a resume
         self.state = state
         return model.train()
 
@@ -493,6 +494,9 @@ def make_source(target: Transformer, data, model: TrainableDraft, cfg: TrainConf
     cfg.data_steps batches (built here when missing; under torchrun rank 0 builds while the others wait).
     Raises ConfigError / DataError (see :meth:`TargetCache.build`)."""
     layers, teacher = model.target_layers(), needs_teacher(model, cfg)
+    if cfg.target_cache is not None and not (layers or teacher) and log is not None:
+        log(f"      target cache not used: this {cfg.draft} draft with {cfg.resolved_loss()} loss reads nothing from "
+            "the target (it trains on the text alone)")
     if cfg.target_cache is None or not (layers or teacher):
         return LiveTarget(target, data, layers, teacher, cfg.batch_size, cfg.seq_len, cfg.seed, cfg.data_steps,
                           bool(cfg.bf16))

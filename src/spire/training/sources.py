@@ -207,6 +207,8 @@ class TargetCache:
         base = cls.key(identity, data_key, (), False, batch_size, seq_len, seed, steps, dtype)
         final_dir, part = root / key, root / f"{key}.partial"
         if (final_dir / "meta.json").is_file():
+            if log is not None:
+                log(f"      target cache: reusing {final_dir} (built earlier for these settings)")
             return cls(final_dir)
         for meta_file in sorted(root.glob("*/meta.json")) if root.is_dir() else []:  # a cache that holds more
             meta = json.loads(meta_file.read_text())
@@ -238,6 +240,11 @@ class TargetCache:
             log(f"      target cache: {steps} batches x {batch_size} x {seq_len} tokens, {len(layers)} layers"
                 f"{' + teacher' if teacher else ''}, {dtype}: {need / 2**30:.2f} GiB in {final_dir}"
                 + (f" (resuming at batch {done})" if done else ""))
+            others = [p for p in root.glob("*.partial") if p != part]
+            if others:  # interrupted builds of other settings: resumed only by a run with their settings
+                log(f"      target cache: {len(others)} unfinished build(s) of other settings hold "
+                    f"{sum(f.stat().st_size for p in others for f in p.glob('*')) / 2**30:.2f} GiB "
+                    f"({', '.join(p.name for p in others)}): delete them to free the disk")
         live = LiveTarget(target, data, layers, teacher, batch_size, seq_len, seed)
         bar = None
         if progress:
