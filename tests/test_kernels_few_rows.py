@@ -1,4 +1,4 @@
-"""The few-row matmul of spire.kernels (skinny_gemm.c) against torch, for M = 1..8 activation rows (a decode
+"""The few-row matmul of spire.kernels (cpu_decode.c) against torch, for M = 1..8 activation rows (a decode
 step, a verify pass over k + 1 = 5 rows, B = 8 decode) and beyond, float32 and bf16 weights, at SmolLM2-135M's
 shapes (fused q/k/v 960 x 576, o 576 x 576, gate/up 3072 x 576, down 576 x 1536, a 1024-row slice of the
 unembedding) and at odd sizes (K not a multiple of 16 or 8, N not a multiple of the tile), through the AVX-512

@@ -130,7 +130,7 @@ def unavailable_reason() -> str | None:
 
 
 def set_avx512(on: bool) -> bool:
-    """Use the AVX-512 few-row matmul path (skinny_gemm.c) when the CPU has AVX-512F/BW/VL/DQ (on, the default
+    """Use the AVX-512 few-row matmul path (cpu_decode.c) when the CPU has AVX-512F/BW/VL/DQ (on, the default
     unless ``SPIRE_AVX512=0``) or the AVX2 paths (off). Returns whether the AVX-512 path is now used (False when
     the kernels are unavailable or the CPU lacks AVX-512). For A/B timing and tests."""
     lib = load()
