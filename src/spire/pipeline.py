@@ -296,7 +296,7 @@ def _train(cfg: ReproduceConfig, runs: list, target, data, windows, folder: Path
             continue
         run_dir = _draft_dir(cfg, train_cfg, folder, label)
         # the vanilla draft trains in one process: its step is light and its gradient (a full-vocabulary
-        # embedding) heavy, so averaging gradients across processes costs more than it saves (measured: 420 against
+        # embedding) heavy, so averaging gradients across processes costs more than it saves (measured: 490 against
         # 615 tokens/s on 2 cores)
         procs, n_threads = (n_procs, threads) if train_cfg.draft == "spire" else (1, torch.get_num_threads())
         model, state = train_in_processes(target, data, run_dir, train_cfg, procs, n_threads, heldout=windows,
