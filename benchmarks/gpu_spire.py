@@ -32,18 +32,21 @@ from spire.training.distill import TrainConfig, train_draft
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cuda")
+    class Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+        """The module docstring as written, and every option's default in its help."""
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=Formatter)
+    ap.add_argument("--device", default="cuda", help="torch device")
     ap.add_argument("--budget", type=float, default=300.0, help="training seconds")
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--batch-size", type=int, default=64, help="training rows per step")
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per training row")
     ap.add_argument("--cache-steps", type=int, default=64, help="batches in the target cache (epochs over them)")
-    ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--n-contexts", type=int, default=64)
-    ap.add_argument("-L", type=int, default=512)
-    ap.add_argument("-G", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=2e-3, help="AdamW peak learning rate")
+    ap.add_argument("--n-contexts", type=int, default=64, help="held-out contexts for tau")
+    ap.add_argument("-L", type=int, default=512, help="context length for tau (tokens)")
+    ap.add_argument("-G", type=int, default=64, help="tokens generated per context")
     ap.add_argument("--tiny", action="store_true", help="dry-run settings: a few seconds of everything")
-    ap.add_argument("--out", type=Path, default=Path("gpu-spire-out"))
+    ap.add_argument("--out", type=Path, default=Path("gpu-spire-out"), help="output folder")
     a = ap.parse_args()
     if a.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("error: no CUDA device (use --device cpu for a dry run)")
