@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import typer
-from click.core import ParameterSource
 
 from spire import defaults
 from spire.errors import ConfigError, SpireError
@@ -276,7 +275,9 @@ SPIRE_FIELDS = ("n_draft_layers", "init", "sink", "window", "vocab_size")
 
 def _given(ctx: typer.Context, names) -> dict:
     """The options among ``names`` that the user set, by name (a default is left to the library)."""
-    return {name: ctx.params[name] for name in names if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT}
+    # by name: typer's context may report a ParameterSource of another module than click's (an `is` test fails)
+    return {name: ctx.params[name] for name in names
+            if getattr(ctx.get_parameter_source(name), "name", None) not in ("DEFAULT", "DEFAULT_MAP")}
 
 
 @app.command()
