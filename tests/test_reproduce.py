@@ -105,3 +105,26 @@ def test_reproduce_end_to_end_tiny_budget(tmp_path, env, smollm2):
     for T in (0.0, 1.0):
         assert taus2[("spire-none", T)]["tau"] == taus[("spire", T)]["tau"]
     assert all(r.get("cached") for r in again["tau_vs_L"])
+
+
+def test_reproduce_help_states_the_config_defaults():
+    """`spire reproduce --help` writes each default in brackets; they must be ReproduceConfig's own."""
+    import inspect
+    import re
+
+    from spire import cli
+    from spire.pipeline import ReproduceConfig
+
+    c = ReproduceConfig()
+    src = inspect.getsource(cli.reproduce)
+    expected = {"SPIRe training budget in seconds": c.budget_s, "Vanilla draft training seconds, at most":
+                c.vanilla_budget_s, "Training seconds per ablation": c.ablation_budget_s,
+                "Contexts per L in the sweep": c.tau_L_contexts, "Held-out contexts per τ measurement": c.n_contexts,
+                "Context length for τ (tokens)": c.L, "Tokens generated per context": c.G,
+                "the paper's last layers)": c.first_layers, "the whole vocabulary)": c.draft_vocab,
+                "trains epochs over": c.cache_steps}
+    flat = re.sub(r'"\s*\n\s*"', "", src)  # join implicitly concatenated help strings
+    for text, value in expected.items():
+        m = re.search(re.escape(text) + r'[^\[]*\[([0-9.]+)\]', flat)
+        assert m, text
+        assert float(m.group(1)) == float(value), (text, m.group(1), value)

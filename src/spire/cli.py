@@ -384,8 +384,8 @@ def reproduce(
                                                       "of the preset's checkpoint.")] = None,
     out: Annotated[Path, typer.Option(help="Output folder for REPORT.md, results.json and PNGs.")] = Path("spire-out"),
     quick: Annotated[bool, typer.Option("--quick", help="Smoke-test settings: about 5 minutes on 2 cores.")] = False,
-    budget: Annotated[Optional[float], typer.Option(help="SPIRe training budget in seconds.")] = None,
-    vanilla_budget: Annotated[Optional[float], typer.Option(help="Vanilla draft training seconds [300].")] = None,
+    budget: Annotated[Optional[float], typer.Option(help="SPIRe training budget in seconds [1500].")] = None,
+    vanilla_budget: Annotated[Optional[float], typer.Option(help="Vanilla draft training seconds, at most [900].")] = None,
     ablations: Annotated[Optional[str], typer.Option(metavar="NAME[,NAME...]|all", help="Figure 5 ablations to "
                                                      "train and measure: none (full SPIRe at the ablation budget), "
                                                      "no-feedback, no-feedback-no-target, omega1, hard-loss, "
@@ -398,9 +398,9 @@ def reproduce(
     tau_L: Annotated[Optional[str], typer.Option("--tau-L", metavar="L[,L...]", help="Context lengths of the τ-vs-L "
                                                  "sweep [256,512,960,2048,4096].")] = None,
     tau_L_contexts: Annotated[Optional[int], typer.Option(help="Contexts per L in the sweep [8].")] = None,
-    n_contexts: Annotated[Optional[int], typer.Option(help="Held-out contexts per τ measurement.")] = None,
-    L: Annotated[Optional[int], typer.Option("-L", "--context", help="Context length for τ (tokens).")] = None,
-    G: Annotated[Optional[int], typer.Option("-G", "--generate", help="Tokens generated per context.")] = None,
+    n_contexts: Annotated[Optional[int], typer.Option(help="Held-out contexts per τ measurement [48].")] = None,
+    L: Annotated[Optional[int], typer.Option("-L", "--context", help="Context length for τ (tokens) [512].")] = None,
+    G: Annotated[Optional[int], typer.Option("-G", "--generate", help="Tokens generated per context [64].")] = None,
     k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,
     n_draft_layers: Annotated[int, typer.Option(help="Target layers pruned into the SPIRe draft.")]
     = defaults.N_DRAFT_LAYERS,
