@@ -128,3 +128,14 @@ def test_reproduce_help_states_the_config_defaults():
         m = re.search(re.escape(text) + r'[^\[]*\[([0-9.]+)\]', flat)
         assert m, text
         assert float(m.group(1)) == float(value), (text, m.group(1), value)
+
+
+def test_help_keeps_bracketed_defaults(capsys):
+    """Help texts are plain text: a bracketed default that starts with a letter ("[bfloat16]") is shown, not
+    swallowed as a rich style tag."""
+    from spire.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["reproduce", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "[bfloat16]" in out and "[one per torch thread on a CPU]" in out

@@ -38,3 +38,19 @@ def test_paired_ratio_needs_the_same_contexts():
         paired_ratio_ci(np.ones(3), np.ones(3), np.ones(4), np.ones(4))
     with pytest.raises(ConfigError):
         paired_ratio_ci(np.ones(0), np.ones(0), np.ones(0), np.ones(0))
+
+
+def test_goal_check_counts_a_cell_where_every_draft_loses_as_autoregressive():
+    """SPIRe is 'the best option' only where its multiplier beats 1 (AD) and every other draft's: a cell where
+    all drafts lose to AD is AD's, as in the report's 'Which pays off' table."""
+    from spire.evaluation.report import goal_check
+
+    def row(B, L, draft, m):
+        return {"B": B, "L": L, "draft": draft, "multiplier": m, "delta_t": 2.0}
+
+    rows = [row(1, 256, "spire", 0.67), row(1, 256, "magicdec", 0.5),   # AD wins
+            row(64, 512, "spire", 1.6), row(64, 512, "magicdec", 1.4),  # SPIRe wins
+            row(64, 4096, "spire", 1.8), row(64, 4096, "magicdec", 1.9)]  # MagicDec wins
+    g = goal_check(rows, 64, 512, 4)
+    assert g["spire_best_share"] == pytest.approx(1 / 3)
+    assert g["spire_vs_magicdec"] == pytest.approx(1.6 / 1.4)

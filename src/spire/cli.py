@@ -25,6 +25,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # help texts are plain: "[bfloat16]" is a default, not a rich style tag
 )
 
 GOLDEN_LS = "8,16,32,64,128,256,512,1024,2048,4096,8192"  # the L of the paper's B = 64 table
@@ -630,6 +631,7 @@ bench_app = typer.Typer(
          "measures the roofline.",
     invoke_without_command=True,
     no_args_is_help=False,
+    rich_markup_mode=None,
 )
 app.add_typer(bench_app, name="bench")
 

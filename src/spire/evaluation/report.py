@@ -50,7 +50,11 @@ def goal_check(rows: list[dict], B: int, L: int, k: int, target_ratio: float = 1
     if not {"spire", "magicdec"} <= set(at):
         return None
     cells = {(r["B"], r["L"]) for r in rows}
-    best = [max((r for r in rows if (r["B"], r["L"]) == c), key=lambda r: r["multiplier"])["draft"] for c in cells]
+
+    def winner(c) -> str:  # autoregressive decoding wins a cell where no draft's multiplier exceeds 1
+        top = max((r for r in rows if (r["B"], r["L"]) == c), key=lambda r: r["multiplier"])
+        return top["draft"] if top["multiplier"] > 1.0 else "ad"
+    best = [winner(c) for c in cells]
     need = target_ratio * at["magicdec"]["multiplier"] * at["spire"]["delta_t"]
     return {"B": B, "L": L, "spire_vs_magicdec": at["spire"]["multiplier"] / at["magicdec"]["multiplier"],
             "spire_vs_vanilla": (at["spire"]["multiplier"] / at["vanilla"]["multiplier"]) if "vanilla" in at else None,
