@@ -1,9 +1,10 @@
-"""Test-only drafts."""
+"""Test-only drafts, and the CLI run in-process."""
 
 from __future__ import annotations
 
 import torch
 
+from spire.cli import main
 from spire.drafts.base import Draft
 from spire.model import Transformer
 
@@ -28,3 +29,14 @@ class NoisyTargetDraft(Draft):
     def step(self, tokens, pos):
         logits = self.target(tokens, pos, self.cache).logits[:, -1]
         return logits + self.noise * logits.std() * torch.randn(logits.shape, generator=self.gen)
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """The CLI entry point in-process: (exit code, stdout, stderr)."""
+    try:
+        main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = e.code or 0
+    out, err = capsys.readouterr()
+    return code, out, err

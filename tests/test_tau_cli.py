@@ -17,17 +17,7 @@ from spire.commands.tau import DraftSpec, TauArgs, build_contexts, measure, pars
 from spire.evaluation.tau_file import select_taus
 from tests.conftest import make_tiny, smollm2_available
 from tests.helpers import NoisyTargetDraft
-
-
-def run(capsys, *args: str) -> tuple[int, str, str]:
-    """The CLI entry point in-process: (exit code, stdout, stderr)."""
-    try:
-        main(list(args))
-        code = 0
-    except SystemExit as e:
-        code = e.code or 0
-    out, err = capsys.readouterr()
-    return code, out, err
+from tests.helpers import run_cli as run
 
 
 def toy_data(doc_lengths: list[int], vocab: int = 97, seed: int = 0) -> TokenData:
