@@ -2,10 +2,15 @@
 
 Reads the ``train_log.jsonl`` of run folders (``spire train`` or the main job's runs under
 ``$SPIRE_CACHE/drafts/``), draws held-out α at the first drafted position and its mean over the k positions,
-and writes ``curves.json`` + ``curves.png``.
+and, for SPIRe runs on a preset's target, the modeled throughput multiplier at ``--at B,L`` (the paper's cost
+model, HOI 600): τ estimated from the held-out α by drafted position as 1 + α1 + α1·α2 + ... (each position's
+acceptance given the earlier ones accepted, as at T = 1), over the Δt of a draft of the run's layer count. This
+is the number that decides a draft's size: a smaller draft has a smaller Δt and trains faster, a larger one a
+higher α. ``--magicdec-tau`` draws ratio × MagicDec's multiplier for comparison. Writes ``curves.json`` +
+``curves.png``.
 
     python benchmarks/learning_curves.py first2+last6=~/.cache/spire/drafts/smollm2-135m-spire-XXXX \\
-        last8=runs/last8 --out measurements/learning-curves
+        last8=runs/last8 --out measurements/learning-curves --magicdec-tau 3.094
 """
 
 from __future__ import annotations
@@ -29,11 +34,59 @@ def read_curve(run: Path) -> dict:
     return {"eval": evals, "tokens_per_s": tokens / max(elapsed.get(last, 0.0), 1e-9)}
 
 
+def n_draft_layers(run: Path) -> int | None:
+    """The SPIRe draft's layer count saved in the run's checkpoint state (None: not a SPIRe run, or unknown)."""
+    state = run / "checkpoint" / "train_state.json"
+    if not state.is_file():
+        return None
+    cfg = json.loads(state.read_text()).get("config", {})
+    if cfg.get("draft") != "spire":
+        return None
+    spire = cfg.get("spire") or {}
+    return len(spire["layers"]) if spire.get("layers") else spire.get("n_draft_layers")
+
+
+def tau_estimate(alphas: list[float]) -> float:
+    """1 + Σ_j Π_{i<=j} α_i: expected tokens per round when drafted position i is accepted with probability α_i
+    given the earlier ones were (bonus included; :func:`spire.throughput.cost_model.tau_from_alpha` for i.i.d. α)."""
+    tau, run = 1.0, 1.0
+    for a in alphas:
+        run *= a
+        tau += run
+    return tau
+
+
+def add_multipliers(curves: dict, preset: str, B: int, L: int) -> float:
+    """Adds "n_draft_layers", "delta_t" and per evaluation "tau_estimate" and "multiplier" to SPIRe curves;
+    returns MagicDec's Δt at (B, L)."""
+    from spire.throughput.cost_model import delta_t
+    from spire.throughput.shapes import get_preset
+
+    p = get_preset(preset)
+    for c in curves.values():
+        n = c.get("n_draft_layers")
+        if n is None:
+            continue
+        c["delta_t"] = delta_t((p.target, p.target.with_layers(n)), "spire", B, L)
+        for e in c["eval"]:
+            e["tau_estimate"] = tau_estimate(e["alpha_per_position"])
+            e["multiplier"] = e["tau_estimate"] / c["delta_t"]
+    return delta_t(p, "magicdec", B, L)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", metavar="LABEL=RUN_DIR")
     ap.add_argument("--out", type=Path, default=Path("curves"))
+    ap.add_argument("--preset", default="smollm2-135m", help="target shapes of the cost model")
+    ap.add_argument("--at", default="64,512", metavar="B,L", help="where the multiplier is modeled")
+    ap.add_argument("--magicdec-tau", type=float, help="MagicDec's measured τ: draws ratio x its multiplier")
+    ap.add_argument("--ratio", type=float, default=1.35, help="the line drawn at ratio x MagicDec's multiplier")
     a = ap.parse_args()
+    try:
+        B, L = (int(v) for v in a.at.split(","))
+    except ValueError:
+        raise SystemExit(f"error: --at expects B,L (e.g. 64,512), got {a.at!r}") from None
     curves = {}
     for spec in a.runs:
         label, _, path = spec.partition("=")
@@ -42,11 +95,13 @@ def main() -> None:
         run = Path(path).expanduser()
         if not (run / "train_log.jsonl").is_file():
             raise SystemExit(f"error: {run} has no train_log.jsonl")
-        curves[label] = read_curve(run)
+        curves[label] = {**read_curve(run), "n_draft_layers": n_draft_layers(run)}
+    md_dt = add_multipliers(curves, a.preset, B, L)
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(10, 3.6), layout="constrained")
-    ax_tok, ax_s = fig.subplots(1, 2, sharey=True)
+    fig = Figure(figsize=(15, 3.6), layout="constrained")
+    ax_tok, ax_s, ax_m = fig.subplots(1, 3)
+    ax_s.sharey(ax_tok)
     for label, c in curves.items():
         ev = c["eval"]
         first = [e["alpha_per_position"][0] for e in ev]
@@ -54,6 +109,17 @@ def main() -> None:
         for ax, x in ((ax_tok, [e["tokens"] / 1e3 for e in ev]), (ax_s, [e["elapsed_s"] / 60 for e in ev])):
             line, = ax.plot(x, first, "o-", ms=3, label=f"{label}: 1st drafted")
             ax.plot(x, mean, "s--", ms=3, color=line.get_color(), label=f"{label}: mean over k")
+        if "delta_t" in c:
+            ax_m.plot([e["elapsed_s"] / 60 for e in ev], [e["multiplier"] for e in ev], "o-", ms=3,
+                      color=line.get_color(), label=f"{label} ({c['n_draft_layers']} layers, Δt {c['delta_t']:.3f})")
+    if a.magicdec_tau:
+        for r, style in ((1.0, ":"), (a.ratio, "--")):
+            ax_m.axhline(r * a.magicdec_tau / md_dt, color="gray", ls=style, lw=1,
+                         label=f"{r:g} × MagicDec (τ {a.magicdec_tau:g})")
+    ax_m.set_xlabel("training minutes (this machine)")
+    ax_m.set_ylabel(f"modeled multiplier at (B, L) = ({B}, {L})")
+    ax_m.grid(alpha=0.3)
+    ax_m.legend(fontsize=7, loc="lower right")
     ax_tok.set_xlabel("training tokens (thousands)")
     ax_s.set_xlabel("training minutes (this machine)")
     ax_tok.set_ylabel("held-out α = E[Σ min(p, q)]")
@@ -62,12 +128,19 @@ def main() -> None:
     ax_s.legend(fontsize=7, loc="lower right")
     a.out.mkdir(parents=True, exist_ok=True)
     atomic_write(a.out / "curves.png", lambda f: fig.savefig(f, format="png", dpi=120))
-    atomic_write(a.out / "curves.json", None, json.dumps(curves, indent=1))
+    meta = {"at": {"B": B, "L": L}, "preset": a.preset, "magicdec_tau": a.magicdec_tau,
+            "magicdec_delta_t": md_dt, "ratio": a.ratio}
+    atomic_write(a.out / "curves.json", None, json.dumps({**curves, "_model": meta}, indent=1))
     for label, c in curves.items():
         e = c["eval"][-1] if c["eval"] else None
         print(f"{label}: {len(c['eval'])} evaluations, {c['tokens_per_s']:.0f} training tokens/s"
               + (f", last at {e['tokens']:,} tokens: α " + " / ".join(f"{x:.3f}" for x in e["alpha_per_position"])
-                 if e else ""))
+                 if e else "")
+              + (f"; τ est. {e['tau_estimate']:.3f}, modeled multiplier {e['multiplier']:.3f} at ({B}, {L})"
+                 if e and "multiplier" in e else ""))
+    if a.magicdec_tau:
+        print(f"MagicDec (τ {a.magicdec_tau:g}): multiplier {a.magicdec_tau / md_dt:.3f}; {a.ratio:g}× that is "
+              f"{a.ratio * a.magicdec_tau / md_dt:.3f}")
     print(f"wrote {a.out / 'curves.png'} and curves.json")
 
 

@@ -188,3 +188,27 @@ def test_resume_keeps_the_run_settings_and_refuses_changed_ones(tiny_folder, tex
     err = capsys.readouterr().err
     assert "lr" in err and "spire.window" in err and "--resume" in err
     assert (root / "resumed" / "checkpoint" / "train_state.json").read_bytes() == before
+
+
+def test_hidden_loss_option(tiny_folder, text_file, tmp_path, capsys, monkeypatch):
+    """`--hidden-loss W` reaches the run's saved settings (and its log); a draft with one layer has no layer
+    input to match, and a negative weight is impossible: one error line each, non-zero exit, no run folder."""
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
+    args = _train_args(tiny_folder, text_file, tmp_path / "h")
+    layers = args.index("--n-draft-layers")
+    args[layers + 1] = "2"
+    _main(args + ["--hidden-loss", "0.5"])
+    state = json.loads((tmp_path / "h" / "checkpoint" / "train_state.json").read_text())
+    assert state["config"]["hidden_weight"] == 0.5 and state["step"] == 3
+    capsys.readouterr()
+    for bad, needle in ((["--n-draft-layers", "1", "--hidden-loss", "1"], "at least 2 draft layers"),
+                        (["--hidden-loss", "-1"], "--hidden-loss must be >= 0")):
+        out = tmp_path / f"bad{len(needle)}"
+        base = _train_args(tiny_folder, text_file, out)
+        i = base.index("--n-draft-layers")
+        base = base[:i] + base[i + 2:]
+        with pytest.raises(SystemExit) as e:
+            main(base + bad)
+        err = capsys.readouterr().err
+        assert e.value.code and needle in err, err
+        assert not out.exists()

@@ -268,7 +268,7 @@ TRAIN_FIELDS = {"budget": "budget_s", "max_steps": "max_steps", "batch_size": "b
                 "k": "k", "lr": "lr", "warmup_steps": "warmup_steps", "weight_decay": "weight_decay", "loss": "loss",
                 "omega": "omega", "grad_clip": "grad_clip", "bf16": "bf16", "seed": "seed",
                 "checkpoint_every": "checkpoint_every", "eval_every": "eval_every", "vanilla_layers": "vanilla_layers",
-                "cache_steps": "data_steps", "target_cache": "target_cache"}
+                "cache_steps": "data_steps", "target_cache": "target_cache", "hidden_loss": "hidden_weight"}
 """`spire train` option -> TrainConfig field."""
 SPIRE_FIELDS = ("n_draft_layers", "init", "sink", "window", "vocab_size")
 """`spire train` options that are SpireConfig fields of the same name."""
@@ -337,6 +337,10 @@ def train(
     feature_input: Annotated[bool, _OPT("--feature-input", help="SPIRe, beyond the paper: a drafted token's "
                                         "input adds a learned projection of the previous position's feature "
                                         "(EAGLE-style).")] = False,
+    hidden_loss: Annotated[Optional[float], _OPT(metavar="W", help="SPIRe, beyond the paper: add W x the "
+                                                 "mismatch between the draft's residual stream entering each draft "
+                                                 "layer and the target's entering its source layer, at drafted "
+                                                 "positions [0: the paper's loss].")] = None,
     vocab_size: Annotated[Optional[int], _OPT(help="SPIRe: draft vocabulary, the N most frequent tokens of the "
                                                    "training text (q = 0 elsewhere; lossless) [the target's].")]
     = None,
@@ -373,7 +377,7 @@ def train(
 
 REPRODUCE_OPTIONS = ("budget", "n_contexts", "L", "G", "vanilla_budget", "ablation_budget", "tau_L_contexts", "steps",
                      "vanilla_steps", "ablation_steps", "first_layers", "cache_steps", "preset", "target", "out", "k",
-                     "n_draft_layers", "seed", "train_processes")
+                     "n_draft_layers", "seed", "train_processes", "hidden_loss")
 """`spire reproduce` options passed to ReproduceConfig as given (budget -> budget_s, and the other budgets alike)."""
 
 
@@ -418,6 +422,10 @@ def reproduce(
     train_processes: Annotated[Optional[int], typer.Option(help="SPIRe's data-parallel training processes (each "
                                                            "1 thread on a CPU) [one per torch thread on a CPU].")]
     = None,
+    hidden_loss: Annotated[Optional[float], typer.Option(metavar="W", help="SPIRe's loss adds W x the mismatch "
+                                                         "of drafted positions' residual streams with the "
+                                                         "target's (beyond the paper; 0 = the paper's loss) "
+                                                         "[0].")] = None,
     seed: Annotated[int, typer.Option(help="Seed for data windows, training and sampling.")] = 0,
 ) -> None:
     """The main job: data, SPIRe + vanilla (+ ablation) training, τ tables, cost model, REPORT.md."""
@@ -425,7 +433,8 @@ def reproduce(
 
     from spire.training.distill import ABLATIONS
 
-    fields = {"budget": "budget_s", "vanilla_budget": "vanilla_budget_s", "ablation_budget": "ablation_budget_s"}
+    fields = {"budget": "budget_s", "vanilla_budget": "vanilla_budget_s", "ablation_budget": "ablation_budget_s",
+              "hidden_loss": "hidden_weight"}
     overrides = {fields.get(name, name): value for name, value in _given(ctx, REPRODUCE_OPTIONS).items()
                  if value is not None}
     if ablations is not None:

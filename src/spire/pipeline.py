@@ -47,7 +47,9 @@ class ReproduceConfig:
     cache_steps / target_cache: the target runs once over cache_steps batches, stored on disk, and SPIRe (and
     its ablations) train epochs over them (target_cache None: the target runs live on fresh batches).
     vanilla_token_share: the vanilla baseline trains on at least this share of SPIRe's tokens (its steps follow
-    from SPIRe's; vanilla_budget_s caps its seconds); None: vanilla_budget_s / vanilla_steps alone."""
+    from SPIRe's; vanilla_budget_s caps its seconds); None: vanilla_budget_s / vanilla_steps alone.
+    hidden_weight: SPIRe's (and its ablations') hidden-state matching term (TrainConfig.hidden_weight; 0: the
+    paper's loss)."""
 
     preset: str = "smollm2-135m"
     target: str | None = None  # a .gguf file or HF Llama-family folder instead of the preset's checkpoint
@@ -73,6 +75,7 @@ class ReproduceConfig:
     cache_steps: int = 400
     target_cache: str | None = "bfloat16"
     vanilla_token_share: float | None = 0.5
+    hidden_weight: float = 0.0
     sink: int = defaults.SINK
     window: int = defaults.WINDOW
     seed: int = 0
@@ -116,6 +119,8 @@ class ReproduceConfig:
             raise ConfigError(f"train_processes must divide the training batch of 4 rows, got {self.train_processes}")
         if self.vanilla_token_share is not None and not self.vanilla_token_share > 0:
             raise ConfigError(f"vanilla_token_share must be positive, got {self.vanilla_token_share}")
+        if not self.hidden_weight >= 0:
+            raise ConfigError(f"--hidden-loss must be >= 0, got {self.hidden_weight}")
         if any(x is not None and x < 1 for x in (self.steps, self.vanilla_steps, self.ablation_steps)):
             raise ConfigError("step counts must be >= 1")
         if any(not t >= 0 for t in self.temperatures):
@@ -248,6 +253,8 @@ def _amount(budget: float, steps: int | None) -> str:
 def training_runs(cfg: ReproduceConfig, spire_arch: SpireConfig) -> list[tuple[str, TrainConfig]]:
     """(label, TrainConfig) of every draft the job trains: "spire", "vanilla", then "spire-<ablation>"."""
     cache = {} if cfg.target_cache is None else {"data_steps": cfg.cache_steps, "target_cache": cfg.target_cache}
+    if cfg.hidden_weight:
+        cache["hidden_weight"] = cfg.hidden_weight
     runs = [("spire", TrainConfig(k=cfg.k, seed=cfg.seed, spire=spire_arch, **cache, eval_every=cfg.eval_every,
                                   **_limits(cfg.budget_s, cfg.steps))),
             ("vanilla", TrainConfig(draft="vanilla", k=cfg.k, seed=cfg.seed,
@@ -266,7 +273,7 @@ def _training_summary(run_dir: Path, train_cfg: TrainConfig, model, state: dict)
         "steps": state["step"], "tokens": state["tokens"], "elapsed_s": state["elapsed_s"],
         "tokens_per_s": state["tokens"] / max(state["elapsed_s"], 1e-9), "bf16": train_cfg.bf16,
         "lr": train_cfg.lr, "loss": train_cfg.resolved_loss(), "omega": train_cfg.omega,
-        "batch_size": train_cfg.batch_size, "seq_len": train_cfg.seq_len,
+        "batch_size": train_cfg.batch_size, "seq_len": train_cfg.seq_len, "hidden_weight": train_cfg.hidden_weight,
         "draft_body_params": sum(p.numel() for p in model.layers.parameters()),
         "source_layers": list(getattr(model, "source_layers", ())) or None,
         "draft_vocab": None if model.vocab is None else len(model.vocab),

@@ -316,7 +316,8 @@ class SpireDraftModel(nn.Module):
         return self.layers[i].memory_kv(m, cos, sin)
 
     # -- training: the k-pass procedure of the paper's Figure 2 -------------------------------------
-    def forward_train(self, tokens: torch.Tensor, target_hidden: dict[int, torch.Tensor], k: int) -> torch.Tensor:
+    def forward_train(self, tokens: torch.Tensor, target_hidden: dict[int, torch.Tensor], k: int,
+                      match_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Teacher-forced draft logits for every position, as inference would produce them.
 
         The sequence is cut into blocks of k positions. For the block starting at position s (verified
@@ -328,8 +329,11 @@ class SpireDraftModel(nn.Module):
             tokens: (B, T) token ids, T a multiple of k.
             target_hidden: target layer j -> (B, T, d) residual stream entering it, for every source layer.
             k: speculation depth.
+            match_hidden: also return the hidden-state matching term (beyond the paper, see
+                :meth:`hidden_mismatch`), averaged over every drafted position and draft layers 1..n_d - 1.
         Returns:
-            (B, T, N) float32 logits (N: :attr:`n_vocab`); position t predicts token t + 1.
+            (B, T, N) float32 logits (N: :attr:`n_vocab`); position t predicts token t + 1. With match_hidden,
+            (logits, scalar float32 tensor).
         """
         B, T = tokens.shape
         if T % k:
@@ -337,6 +341,8 @@ class SpireDraftModel(nn.Module):
         dev, dtype = tokens.device, self.target.dtype
         pos = torch.arange(T, device=dev)
         cos_all, sin_all = self.rope(pos[None], dtype)
+        if match_hidden and (not self.cfg.target_activations or len(self.layers) < 2):
+            raise ConfigError("hidden-state matching needs target activations and at least 2 draft layers")
         if not self.cfg.target_activations:  # an ordinary transformer: one causal pass is exact
             x = self.target.model.embed_tokens(tokens)
             mask = attention_mask(pos[None], pos, self.view)
@@ -352,6 +358,7 @@ class SpireDraftModel(nn.Module):
         out = torch.empty(B, T, self.n_vocab, device=dev)
         blocks = torch.arange(len(starts), device=dev)
         feature = None  # (B, T/k, d) the previous position's feature (feature_input)
+        mismatch = torch.zeros((), device=dev)
         if self.feature_proj is not None:  # pass 0: the target's, entering draft layer feature_from, at s - 1
             h_last = target_hidden[self.source_layers[self.feature_from]]
             feature = torch.cat([torch.zeros_like(h_last[:, :1]), h_last[:, starts[1:] - 1]], 1)
@@ -376,6 +383,9 @@ class SpireDraftModel(nn.Module):
                     return (torch.cat([kt[i], *kd[i], k_self], 2), torch.cat([vt[i], *vd[i], v_self], 2))
                 x = layer(x, cos, sin, kv_source, mask)
                 xs.append(x)
+            if match_hidden:
+                mismatch = mismatch + sum(self.hidden_mismatch(xs[i], target_hidden[self.source_layers[i]][:, q_pos])
+                                          for i in range(1, len(self.layers)))
             out[:, q_pos] = self.logits(x)
             if self.feature_proj is not None:  # the next pass reads this position's feature: the draft's own
                 feature = xs[self.feature_from]
@@ -385,7 +395,20 @@ class SpireDraftModel(nn.Module):
                     kk, vv = self.memory_kv(i, mem[i], cos, sin)
                     kd[i].append(kk)
                     vd[i].append(vv)
+        if match_hidden:
+            return out, mismatch / (k * (len(self.layers) - 1))
         return out
+
+    @staticmethod
+    def hidden_mismatch(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Beyond the paper: how far a drafted position's residual stream x (B, T, d) entering a draft layer is
+        from the target's t (B, T, d) entering that layer's source layer at the same positions: the mean over
+        positions of ||x - t||^2 / ||t||^2 (float32 scalar; 0 when they agree, 1 for x = 0). The deep blocks of a
+        draft pruned from the target's first and last layers expect the target's deep residual stream; this term
+        trains the shallow blocks and the memory attention to supply it (layer-skipping distillation of
+        hidden states, as in Kangaroo, Liu et al. 2024, and EAGLE's feature regression, Li et al. 2024)."""
+        x, t = x.float(), t.float()
+        return ((x - t).pow(2).sum(-1) / t.pow(2).sum(-1).clamp_min(1e-6)).mean()
 
     # -- persistence ----------------------------------------------------------------------------------
     def save(self, path: Path, extra: dict | None = None) -> None:
@@ -430,9 +453,10 @@ class SpireDraftModel(nn.Module):
         """The source layers when the draft reads target activations, else () (the target need not run)."""
         return self.source_layers if self.cfg.target_activations else ()
 
-    def train_logits(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], k: int) -> torch.Tensor:
+    def train_logits(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], k: int,
+                     match_hidden: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The k-pass procedure (:meth:`forward_train`)."""
-        return self.forward_train(tokens, hidden, k)
+        return self.forward_train(tokens, hidden, k, match_hidden)
 
     def save_checkpoint(self, path: Path, target: Transformer, meta: dict) -> None:
         self.save(path, meta)

@@ -253,6 +253,10 @@ def _training_lines(results: dict, cfg) -> list[str]:
         beyond.append(f"**beyond the paper**: the draft's head covers the {tr['draft_vocab']:,} most frequent "
                       "training tokens (q = 0 elsewhere, verification stays lossless; `--draft-vocab 0` gives the "
                       "whole vocabulary)")
+    if tr.get("hidden_weight"):
+        beyond.append(f"**beyond the paper**: SPIRe's loss adds {tr['hidden_weight']:g} × the mismatch between a "
+                      "drafted position's residual stream entering each draft layer and the target's entering that "
+                      "layer's source layer (`--hidden-loss 0` gives the paper's loss)")
     if tr.get("target_cache"):
         c = tr["target_cache"]
         beyond.append(f"the target ran once over {c['batches']} batches ({c['tokens']:,} tokens, stored as "

@@ -94,7 +94,9 @@ class TrainConfig:
     target on every step; "float32" (exact) or "bfloat16" (compact) runs it once over the data_steps batches
     and trains from the stored outputs (:class:`spire.training.sources.TargetCache`; needs data_steps).
     vanilla_layers: the vanilla draft's blocks (None: round(target layers / 8)). data: the training text's
-    identity (set by `spire train`; a resume on other text is refused).
+    identity (set by `spire train`; a resume on other text is refused). hidden_weight: beyond the paper, the
+    weight of SPIRe's hidden-state matching term (:meth:`spire.drafts.spire.SpireDraftModel.hidden_mismatch`)
+    added to the loss; 0 (the default) is the paper's loss.
     """
 
     draft: str = "spire"
@@ -119,6 +121,7 @@ class TrainConfig:
     data_steps: int | None = None
     target_cache: str | None = None
     data: str | None = None  # identity of the training text (its cache key), recorded so a resume can check it
+    hidden_weight: float = 0.0
 
     def resolved_loss(self) -> str:
         """The loss given, else the draft method's default (SPIRe: mixed, vanilla: hard)."""
@@ -149,6 +152,13 @@ class TrainConfig:
                               f"target), got {self.target_cache!r}")
         if self.target_cache is not None and self.data_steps is None:
             raise ConfigError("a target cache holds --cache-steps batches: give --cache-steps with --target-cache")
+        if not self.hidden_weight >= 0:
+            raise ConfigError(f"--hidden-loss must be >= 0, got {self.hidden_weight}")
+        if self.hidden_weight and self.draft != "spire":
+            raise ConfigError("--hidden-loss applies to the SPIRe draft only")
+        if self.hidden_weight and (self.spire.n_draft_layers < 2 or not self.spire.target_activations):
+            raise ConfigError("--hidden-loss needs target activations and at least 2 draft layers (it matches the "
+                              "residual stream entering draft layers 1..n-1)")
         if self.ablation not in ABLATIONS:
             raise ConfigError(f"unknown ablation {self.ablation!r}; choose one of {', '.join(ABLATIONS)}")
 
@@ -186,12 +196,17 @@ def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg:
               ) -> tuple[torch.Tensor, float]:
     """The training loss of one batch and its alpha (nan when there is no teacher): teacher-forced draft logits
     (under bf16 autocast when cfg.bf16), then MixedLoss(omega) against the teacher or HardTargetLoss."""
+    extra = 0.0
     with autocast(bool(cfg.bf16), tb.tokens.device):
-        q_logits = model.train_logits(tb.tokens, tb.hidden, cfg.k)
+        if cfg.hidden_weight:
+            q_logits, mismatch = model.train_logits(tb.tokens, tb.hidden, cfg.k, match_hidden=True)
+            extra = cfg.hidden_weight * mismatch
+        else:
+            q_logits = model.train_logits(tb.tokens, tb.hidden, cfg.k)
     if cfg.resolved_loss() == "mixed":
         terms = mixed_loss_logp(q_logits, tb.target_logp(target, model.vocab), cfg.omega)
-        return terms.loss, terms.alpha
-    loss = hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tb.tokens[:, 1:]))
+        return terms.loss + extra, terms.alpha
+    loss = hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tb.tokens[:, 1:])) + extra
     if tb.final is None:
         return loss, float("nan")
     return loss, float(acceptance_alpha_logp(q_logits, tb.target_logp(target, model.vocab)).mean())
