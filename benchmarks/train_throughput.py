@@ -29,6 +29,7 @@ from spire.sampling import SamplingParams
 from spire.training import distill
 from spire.timing import Stopwatch
 from spire.training.distill import TrainConfig, train_draft
+from spire.training.losses import mixed_loss_logp_reference
 from spire.training.sources import CachedTarget, LiveTarget, TargetCache
 
 
@@ -53,14 +54,18 @@ def step_rate(target, data, cfg: TrainConfig, steps: int) -> float:
 
 def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: str, layers) -> list[dict]:
     """Training tokens per second (wall and CPU) of one SPIRe step on the same batches, for the old path (live
-    target, full vocabulary) and each lever alone and together (draft vocabulary, target cache), steps timed
-    in turn (old, new, old, new, ...) so that load on the machine hits every path alike."""
+    target, full vocabulary, the autograd MixedLoss and the for-loop AdamW: the trainer before these levers) and
+    each lever alone and together (the hand-written MixedLoss gradient with the fused AdamW, draft vocabulary,
+    target cache), steps timed in turn (old, new, old, new, ...) so that load on the machine hits every path
+    alike."""
     spire_cfg = dict(layers=tuple(layers)) if layers else {}
-    paths = {"live, full vocabulary (old)": (None, None), f"live, vocabulary {vocab_size}": (vocab_size, None),
-             "cache, full vocabulary": (None, cache_dtype), f"cache, vocabulary {vocab_size} (new)": (vocab_size,
-                                                                                                     cache_dtype)}
+    paths = {"live, full vocabulary (old)": (None, None, False),
+             "live, full vocabulary, fused loss + AdamW": (None, None, True),
+             f"live, vocabulary {vocab_size}": (vocab_size, None, True),
+             "cache, full vocabulary": (None, cache_dtype, True),
+             f"cache, vocabulary {vocab_size} (new)": (vocab_size, cache_dtype, True)}
     runs, build_s = {}, None
-    for name, (n, dtype) in paths.items():
+    for name, (n, dtype, fused) in paths.items():
         cfg = TrainConfig(bf16=False, data_steps=steps + 1, spire=SpireConfig(vocab_size=n, **spire_cfg))
         model = distill._build_model(target, cfg, data)
         layers_needed, teacher = model.target_layers(), distill.needs_teacher(model, cfg)
@@ -77,10 +82,14 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
                 if seconds > 1.0:  # built here, not opened from an earlier run
                     build_s = seconds / cfg.data_steps
             src = CachedTarget(cache, layers_needed, teacher, target.device)
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr)
-        runs[name] = (cfg, model, src, opt, [], [])
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = distill.make_optimizer(params, cfg) if fused else torch.optim.AdamW(
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        runs[name] = (cfg, model, src, opt, fused, [], [])
+    fused_loss = distill.mixed_loss_logp
     for s in range(steps + 1):
-        for name, (cfg, model, src, opt, wall, cpu) in runs.items():
+        for name, (cfg, model, src, opt, fused, wall, cpu) in runs.items():
+            distill.mixed_loss_logp = fused_loss if fused else mixed_loss_logp_reference
             watch = Stopwatch(target.device)
             loss, _ = distill.step_loss(model, target, src.batch(s), cfg)
             opt.zero_grad()
@@ -90,8 +99,9 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
                 w, c = watch.stop()
                 wall.append(w)
                 cpu.append(c)
+    distill.mixed_loss_logp = fused_loss
     rows = []
-    for name, (cfg, _, _, _, wall, cpu) in runs.items():
+    for name, (cfg, _, _, _, _, wall, cpu) in runs.items():
         tok = cfg.batch_size * cfg.seq_len
         rows.append({"path": name, "tokens_per_s": tok / statistics.median(wall),
                      "tokens_per_cpu_s": tok / statistics.median(cpu), "step_s": statistics.median(wall)})
@@ -108,7 +118,9 @@ def whole_machine_rates(target, data, folder, steps: int, vocab_size: int, cache
     path (one process with all torch threads, live target, full vocabulary) against the new one (one
     single-thread process per thread, data parallel; target cache; draft vocabulary). Runs alternate (old, new,
     old, ...); each rate is the median over steps 3.. of the rank-0 training log (the cache build, spawning and
-    evaluation excluded). Both use the trainer's default numerics (bf16 autocast where it is fast)."""
+    evaluation excluded). Both use the trainer's default numerics (bf16 autocast where it is fast); the old path
+    runs with the autograd MixedLoss and the for-loop AdamW it had before (in this process), the new one with
+    the trainer's hand-written MixedLoss gradient and fused AdamW."""
     from spire.drafts.spire import SpireConfig
     from spire.pipeline import ReproduceConfig, training_processes
     from spire.training.parallel import train_in_processes
@@ -125,8 +137,15 @@ def whole_machine_rates(target, data, folder, steps: int, vocab_size: int, cache
                 cfg = TrainConfig(budget_s=1e9, max_steps=steps, checkpoint_every=1e9, data_steps=steps,
                                   target_cache=dtype, spire=SpireConfig(vocab_size=n, **spire_cfg))
                 out = Path(tmp) / f"{rep}-{procs}"
-                train_in_processes(target, data, out, cfg, procs, 1 if procs > 1 else torch.get_num_threads(),
-                                   target_folder=folder, progress=False, log=None)
+                old = dtype is None
+                fused_loss, fused_adamw = distill.mixed_loss_logp, distill.FUSED_ADAMW
+                if old:  # one process: it runs here, so the old implementations can be put in place
+                    distill.mixed_loss_logp, distill.FUSED_ADAMW = mixed_loss_logp_reference, False
+                try:
+                    train_in_processes(target, data, out, cfg, procs, 1 if procs > 1 else torch.get_num_threads(),
+                                       target_folder=folder, progress=False, log=None)
+                finally:
+                    distill.mixed_loss_logp, distill.FUSED_ADAMW = fused_loss, fused_adamw
                 log = [json.loads(ln) for ln in (out / distill.LOG_FILE).read_text().splitlines() if ln.strip()]
                 rates[name].append(statistics.median(r["tokens_per_s"] for r in log
                                                      if r.get("event") == "train" and r["step"] > 2))
@@ -177,9 +196,9 @@ def main() -> None:
         rows = lever_rates(target, data, folder, a.steps, a.vocab_size, a.cache_dtype, layers)
         print(f"SPIRe training on {torch.get_num_threads()} threads, float32, batch 4 x 256, {a.steps} timed steps "
               "each (median), interleaved")
-        print(f"{'path':34s} {'tokens/s':>9s} {'tokens/CPU-s':>13s} {'x old (CPU)':>12s}")
+        print(f"{'path':44s} {'tokens/s':>9s} {'tokens/CPU-s':>13s} {'x old (CPU)':>12s}")
         for r in rows:
-            print(f"{r['path']:34s} {r['tokens_per_s']:9.0f} {r['tokens_per_cpu_s']:13.0f} {r['speedup_cpu']:11.2f}x")
+            print(f"{r['path']:44s} {r['tokens_per_s']:9.0f} {r['tokens_per_cpu_s']:13.0f} {r['speedup_cpu']:11.2f}x")
         b = rows[-1]["cache_build_s_per_batch"]
         print("target cache: opened from an earlier run (not built here)" if b is None else
               f"target cache build: {b:.2f} s per batch of 1,024 tokens ({1024 / b:.0f} tokens/s, paid once per "

@@ -83,3 +83,65 @@ def test_logged_learning_rates_follow_the_schedule(tmp_path):
     assert sorted(lrs) == [1, 2, 3, 4, 5]
     for s, lr in lrs.items():
         assert lr == pytest.approx(3e-3 * min(1, s / 2) * (0.1 + 0.45 * (1 + math.cos(math.pi * (s - 1) / 5))))
+
+
+@pytest.mark.parametrize("omega", [0.5, 1.0, 0.0])
+def test_fused_mixed_loss_equals_autograd(omega):
+    """The hand-written gradient of MixedLoss equals autograd's on the reference formula, with p normalized
+    over a larger vocabulary than the draft's (Σ p < 1, as with a draft vocabulary) and with exact ties
+    p_i = q_i (torch.minimum's gradient gives each side half there)."""
+    import torch.nn.functional as F
+
+    from spire.training.losses import mixed_loss_logp, mixed_loss_logp_reference
+
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 5, 40, generator=g, dtype=torch.float64) * 2
+    logp = F.log_softmax(torch.randn(3, 5, 50, generator=g, dtype=torch.float64) * 2, -1)[..., :40]
+    logp[0, 0] = F.log_softmax(z[0, 0], -1)  # a row where p = q everywhere: every entry a tie
+    grads, terms = [], []
+    for fn in (mixed_loss_logp, mixed_loss_logp_reference):
+        zz = z.clone().float().double().requires_grad_()
+        t = fn(zz.float(), logp.float(), omega)
+        t.loss.backward()
+        grads.append(zz.grad)
+        terms.append(t)
+    assert terms[0].loss.item() == pytest.approx(terms[1].loss.item(), rel=1e-6, abs=1e-7)
+    assert terms[0].alpha == pytest.approx(terms[1].alpha, rel=1e-6)
+    assert terms[0].distill == pytest.approx(terms[1].distill, rel=1e-6)
+    scale = float(grads[1].abs().max())
+    assert torch.allclose(grads[0], grads[1], rtol=1e-5, atol=1e-5 * scale), (grads[0] - grads[1]).abs().max()
+    # and the values by hand on the first test's numbers
+    p_logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
+    q_logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]])).requires_grad_()
+    t = mixed_loss_logp(q_logits, p_logits, omega)
+    ce = -(0.5 * torch.log(torch.tensor(0.6)) + 0.3 * torch.log(torch.tensor(0.3)) + 0.2 * torch.log(torch.tensor(0.1)))
+    assert t.alpha == pytest.approx(0.9, abs=1e-6) and t.distill == pytest.approx(float(ce), abs=1e-5)
+    t.loss.backward()
+    q, p = torch.tensor([0.6, 0.3, 0.1]), torch.tensor([0.5, 0.3, 0.2])
+    m = torch.tensor([0.0, 0.5, 1.0])  # q > p, a tie, q < p
+    by_hand = omega * (q * p.sum() - p) - (1 - omega) * (m * q - q * (m * q).sum())
+    assert torch.allclose(q_logits.grad[0], by_hand, atol=1e-6)
+
+
+def test_optimizer_is_fused_and_resumes_either_way(tiny):
+    """The trainer's AdamW is torch's fused kernel; its state loads into the for-loop AdamW (and back), so a
+    checkpoint of either resumes in the other; one step of each from the same state agrees to float32 rounding."""
+    import copy
+
+    from spire.training import distill
+
+    ps = [torch.nn.Parameter(torch.randn(7, 5)), torch.nn.Parameter(torch.randn(3))]
+    fused = distill.make_optimizer(ps, TrainConfig(lr=1e-2))
+    assert fused.defaults.get("fused") is True
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    fused.step()
+    loop = torch.optim.AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2, betas=(0.9, 0.95))
+    loop.load_state_dict(copy.deepcopy(fused.state_dict()))  # (a state dict shares its tensors)
+    loop.param_groups[0].update(fused=None, foreach=False)  # the loaded group says fused: the for-loop step
+    for p, q in zip(ps, loop.param_groups[0]["params"]):
+        p.grad = q.grad = torch.full_like(p, 0.5)
+    fused.step()
+    loop.step()
+    for p, q in zip(ps, loop.param_groups[0]["params"]):
+        assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)

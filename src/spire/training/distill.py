@@ -192,6 +192,24 @@ def _build_model(target: Transformer, cfg: TrainConfig, data=None) -> TrainableD
     return DRAFT_CLASSES[cfg.draft].for_training(target, cfg, data)
 
 
+FUSED_ADAMW = True
+"""Use torch's fused AdamW kernel (one pass over each parameter instead of a dozen elementwise ops; 0.02 s against
+0.09-0.11 s a step for SPIRe's 28 M parameters on one CPU thread). False: the for-loop implementation (what the
+trainer used before; `benchmarks/train_throughput.py` times its old path with it)."""
+
+
+def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW(β = 0.9, 0.95) at cfg.lr and cfg.weight_decay; fused where torch has the kernel (:data:`FUSED_ADAMW`).
+    The optimizer state has the same form either way, so a checkpoint of one resumes in the other."""
+    kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    if FUSED_ADAMW and all(p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params):
+        try:
+            return torch.optim.AdamW(params, fused=True, **kw)
+        except (RuntimeError, ValueError):  # a device without the fused kernel
+            pass
+    return torch.optim.AdamW(params, **kw)
+
+
 def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg: TrainConfig
               ) -> tuple[torch.Tensor, float]:
     """The training loss of one batch and its alpha (nan when there is no teacher): teacher-forced draft logits
@@ -283,7 +301,7 @@ class Trainer:
         self.model = self._setup_model(resume)
         self.meta = {"ablation": cfg.ablation, "loss": cfg.resolved_loss(), "omega": cfg.omega}
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+        self.opt = make_optimizer(self.params, cfg)
         ckpt = existing_dir(self.out_dir / CHECKPOINT_DIR)
         if ckpt is not None and self.state["step"] > 0:
             self.opt.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=True))
