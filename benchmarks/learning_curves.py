@@ -34,15 +34,23 @@ def read_curve(run: Path) -> dict:
     return {"eval": evals, "tokens_per_s": tokens / max(elapsed.get(last, 0.0), 1e-9)}
 
 
-def n_draft_layers(run: Path) -> int | None:
-    """The SPIRe draft's layer count saved in the run's checkpoint state (None: not a SPIRe run, or unknown)."""
+def spire_settings(run: Path) -> dict | None:
+    """The SPIRe run's saved settings (its TrainConfig as a dict), or None: not a SPIRe run, or no saved state."""
     state = run / "checkpoint" / "train_state.json"
     if not state.is_file():
         return None
     cfg = json.loads(state.read_text()).get("config", {})
-    if cfg.get("draft") != "spire":
+    return cfg if cfg.get("draft") == "spire" else None
+
+
+def modeled_layers(cfg: dict | None) -> int | None:
+    """The layer count the cost model's SPIRe draft takes for a run, or None where that model does not describe
+    the draft (not SPIRe; a dense draft KV cache, which the paper's Δt does not count)."""
+    if cfg is None:
         return None
     spire = cfg.get("spire") or {}
+    if spire.get("window") is None:
+        return None
     return len(spire["layers"]) if spire.get("layers") else spire.get("n_draft_layers")
 
 
@@ -62,16 +70,26 @@ def add_multipliers(curves: dict, preset: str, B: int, L: int) -> float:
     from spire.throughput.cost_model import delta_t
     from spire.throughput.shapes import get_preset
 
-    p = get_preset(preset)
-    for c in curves.values():
+    from spire.errors import ConfigError
+
+    try:
+        p = get_preset(preset)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    for label, c in curves.items():
         n = c.get("n_draft_layers")
         if n is None:
             continue
-        c["delta_t"] = delta_t((p.target, p.target.with_layers(n)), "spire", B, L)
+        top = max(c.get("source_layers") or [0])
+        if n > p.target.n_layers or top >= p.target.n_layers:
+            raise SystemExit(f"error: run {label!r} prunes target layers up to {top}, beyond the {p.target.n_layers} "
+                             f"layers of preset {preset!r}: give the run's own target with --preset")
+        c["delta_t"] = delta_t((p.target, p.target.with_layers(n)), "spire", B, L, k=c["k"])
         for e in c["eval"]:
             e["tau_estimate"] = tau_estimate(e["alpha_per_position"])
             e["multiplier"] = e["tau_estimate"] / c["delta_t"]
-    return delta_t(p, "magicdec", B, L)
+    ks = {c["k"] for c in curves.values() if "delta_t" in c}
+    return delta_t(p, "magicdec", B, L, k=ks.pop() if len(ks) == 1 else 4)
 
 
 def main() -> None:
@@ -87,6 +105,8 @@ def main() -> None:
         B, L = (int(v) for v in a.at.split(","))
     except ValueError:
         raise SystemExit(f"error: --at expects B,L (e.g. 64,512), got {a.at!r}") from None
+    if B < 1 or L < 1:
+        raise SystemExit(f"error: --at expects a positive batch size and context length, got {a.at!r}")
     curves = {}
     for spec in a.runs:
         label, _, path = spec.partition("=")
@@ -95,7 +115,12 @@ def main() -> None:
         run = Path(path).expanduser()
         if not (run / "train_log.jsonl").is_file():
             raise SystemExit(f"error: {run} has no train_log.jsonl")
-        curves[label] = {**read_curve(run), "n_draft_layers": n_draft_layers(run)}
+        if label.startswith("_"):
+            raise SystemExit(f"error: a label may not start with '_' (curves.json keeps its metadata there): {label!r}")
+        settings = spire_settings(run)
+        spire = (settings or {}).get("spire") or {}
+        curves[label] = {**read_curve(run), "n_draft_layers": modeled_layers(settings),
+                         "k": (settings or {}).get("k", 4), "source_layers": spire.get("layers")}
     md_dt = add_multipliers(curves, a.preset, B, L)
     from matplotlib.figure import Figure
 
@@ -119,7 +144,11 @@ def main() -> None:
     ax_m.set_xlabel("training minutes (this machine)")
     ax_m.set_ylabel(f"modeled multiplier at (B, L) = ({B}, {L})")
     ax_m.grid(alpha=0.3)
-    ax_m.legend(fontsize=7, loc="lower right")
+    if ax_m.get_legend_handles_labels()[0]:
+        ax_m.legend(fontsize=7, loc="lower right")
+    else:
+        ax_m.text(0.5, 0.5, "no SPIRe run with a sink + window cache to model", ha="center", va="center",
+                  transform=ax_m.transAxes, fontsize=8)
     ax_tok.set_xlabel("training tokens (thousands)")
     ax_s.set_xlabel("training minutes (this machine)")
     ax_tok.set_ylabel("held-out α = E[Σ min(p, q)]")

@@ -202,7 +202,7 @@ def test_hidden_loss_option(tiny_folder, text_file, tmp_path, capsys, monkeypatc
     assert state["config"]["hidden_weight"] == 0.5 and state["step"] == 3
     capsys.readouterr()
     for bad, needle in ((["--n-draft-layers", "1", "--hidden-loss", "1"], "at least 2 draft layers"),
-                        (["--hidden-loss", "-1"], "--hidden-loss must be >= 0")):
+                        (["--hidden-loss", "-1"], "--hidden-loss must be a finite number >= 0")):
         out = tmp_path / f"bad{len(needle)}"
         base = _train_args(tiny_folder, text_file, out)
         i = base.index("--n-draft-layers")

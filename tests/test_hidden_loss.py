@@ -67,6 +67,7 @@ def test_loss_adds_the_weighted_term_and_trains_it_down(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("bad,match", [(dict(hidden_weight=-1.0), "hidden-loss"),
+                                       (dict(hidden_weight=float("inf")), "finite number"),
                                        (dict(hidden_weight=1.0, draft="vanilla"), "SPIRe draft only")])
 def test_bad_settings(bad, match):
     with pytest.raises(ConfigError, match=match):

@@ -139,3 +139,30 @@ def test_help_keeps_bracketed_defaults(capsys):
         main(["reproduce", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "[bfloat16]" in out and "[one per torch thread on a CPU]" in out
+
+
+def test_draft_keys_are_stable_and_every_run_is_checked_first(monkeypatch, tmp_path):
+    """A finished draft is found by a key over its settings: a setting added later and left off (the hidden-
+    state matching term at 0) must not change the key, or every cached draft would be trained again (keys
+    pinned from the code before the field existed). With the term on, an ablation without target activations
+    trains without it, and settings no run can take are refused before the first run trains."""
+    from pathlib import Path
+
+    from spire.errors import ConfigError
+    from spire.pipeline import ReproduceConfig, _draft_dir, spire_architecture, training_runs
+
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path))
+    cfg = ReproduceConfig()
+    runs = training_runs(cfg, spire_architecture(cfg, 30, 49152))
+    keys = {label: _draft_dir(cfg, tc, Path("/nonexistent/smollm2"), label).name for label, tc in runs}
+    assert keys == {"spire": "smollm2-135m-spire-20cb574c63", "vanilla": "smollm2-135m-vanilla-b098eef00a"}
+    cfg = ReproduceConfig(hidden_weight=1.0, ablations=("no-feedback", "no-feedback-no-target"))
+    runs = dict(training_runs(cfg, spire_architecture(cfg, 30, 49152)))
+    assert runs["spire"].hidden_weight == 1.0 and runs["spire-no-feedback"].hidden_weight == 1.0
+    assert runs["spire-no-feedback-no-target"].hidden_weight == 0.0 and runs["vanilla"].hidden_weight == 0.0
+    cfg = ReproduceConfig(hidden_weight=1.0, n_draft_layers=1, first_layers=0)
+    with pytest.raises(ConfigError, match="at least 2 draft layers"):
+        training_runs(cfg, spire_architecture(cfg, 30, 49152))
+    for bad in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ConfigError, match="finite number"):
+            ReproduceConfig(hidden_weight=bad).validate()

@@ -145,3 +145,20 @@ def test_optimizer_is_fused_and_resumes_either_way(tiny):
     loop.step()
     for p, q in zip(ps, loop.param_groups[0]["params"]):
         assert torch.allclose(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_resume_of_a_for_loop_checkpoint_keeps_the_fused_kernel(tmp_path, monkeypatch):
+    """A checkpoint written with the for-loop AdamW (a run from before the fused kernel) resumes into the fused
+    one: a loaded optimizer state must not carry the old implementation's setting over."""
+    from spire.training import distill
+    from tests.conftest import make_tiny
+    from tests.train_worker import config
+
+    target, data = make_tiny(), RepeatingData()
+    monkeypatch.setattr(distill, "FUSED_ADAMW", False)
+    train_spire(target, data, tmp_path, config("spire", 2, 2, checkpoint_every=0.0), progress=False)
+    monkeypatch.setattr(distill, "FUSED_ADAMW", True)
+    trainer = distill.Trainer(target, data, tmp_path, config("spire", 3, 2, checkpoint_every=0.0), None, True,
+                              None, None)
+    assert trainer.state["step"] == 2
+    assert all(g["fused"] is True for g in trainer.opt.param_groups)

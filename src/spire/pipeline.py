@@ -119,8 +119,8 @@ class ReproduceConfig:
             raise ConfigError(f"train_processes must divide the training batch of 4 rows, got {self.train_processes}")
         if self.vanilla_token_share is not None and not self.vanilla_token_share > 0:
             raise ConfigError(f"vanilla_token_share must be positive, got {self.vanilla_token_share}")
-        if not self.hidden_weight >= 0:
-            raise ConfigError(f"--hidden-loss must be >= 0, got {self.hidden_weight}")
+        if not (math.isfinite(self.hidden_weight) and self.hidden_weight >= 0):
+            raise ConfigError(f"--hidden-loss must be a finite number >= 0, got {self.hidden_weight}")
         if any(x is not None and x < 1 for x in (self.steps, self.vanilla_steps, self.ablation_steps)):
             raise ConfigError("step counts must be >= 1")
         if any(not t >= 0 for t in self.temperatures):
@@ -176,6 +176,8 @@ def _draft_dir(cfg: ReproduceConfig, train_cfg, folder: Path, label: str = "spir
     for field_name in ("data", "data_steps", "target_cache"):  # unset: keyed as before the field existed, so
         if train.get(field_name) is None:                     # older runs are found
             train.pop(field_name, None)
+    if not train.get("hidden_weight"):  # off (the paper's loss): keyed as before the field existed
+        train.pop("hidden_weight", None)
     for field_name in ("vocab_size",):
         if train["spire"].get(field_name) is None:
             train["spire"].pop(field_name, None)
@@ -259,10 +261,14 @@ def training_runs(cfg: ReproduceConfig, spire_arch: SpireConfig) -> list[tuple[s
                                   **_limits(cfg.budget_s, cfg.steps))),
             ("vanilla", TrainConfig(draft="vanilla", k=cfg.k, seed=cfg.seed,
                                     **_limits(cfg.vanilla_budget_s, cfg.vanilla_steps)))]
-    runs += [(f"spire-{a}", ablation_config(a, k=cfg.k, seed=cfg.seed, spire=spire_arch, **cache,
-                                            eval_every=cfg.eval_every,
-                                            **_limits(cfg.ablation_budget_s, cfg.ablation_steps)))
-             for a in cfg.ablations]
+    for a in cfg.ablations:
+        run = ablation_config(a, k=cfg.k, seed=cfg.seed, spire=spire_arch, **cache, eval_every=cfg.eval_every,
+                              **_limits(cfg.ablation_budget_s, cfg.ablation_steps))
+        if not run.spire.target_activations:  # the matching term reads target activations: this ablation has none
+            run.hidden_weight = 0.0
+        runs.append((f"spire-{a}", run))
+    for _, run in runs:  # every run's settings checked before the first one trains (one error line, nothing lost)
+        run.validate()
     return runs
 
 

@@ -152,8 +152,8 @@ class TrainConfig:
                               f"target), got {self.target_cache!r}")
         if self.target_cache is not None and self.data_steps is None:
             raise ConfigError("a target cache holds --cache-steps batches: give --cache-steps with --target-cache")
-        if not self.hidden_weight >= 0:
-            raise ConfigError(f"--hidden-loss must be >= 0, got {self.hidden_weight}")
+        if not (math.isfinite(self.hidden_weight) and self.hidden_weight >= 0):
+            raise ConfigError(f"--hidden-loss must be a finite number >= 0, got {self.hidden_weight}")
         if self.hidden_weight and self.draft != "spire":
             raise ConfigError("--hidden-loss applies to the SPIRe draft only")
         if self.hidden_weight and (self.spire.n_draft_layers < 2 or not self.spire.target_activations):
@@ -305,6 +305,8 @@ class Trainer:
         ckpt = existing_dir(self.out_dir / CHECKPOINT_DIR)
         if ckpt is not None and self.state["step"] > 0:
             self.opt.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=True))
+            for group in self.opt.param_groups:  # a saved group names its implementation: keep this trainer's
+                group.update(fused=self.opt.defaults.get("fused"), foreach=self.opt.defaults.get("foreach"))
         if self.rank == 0 and (self.out_dir / LOG_FILE).is_file():  # drop log lines written after the checkpoint
             lines = [ln for ln in (self.out_dir / LOG_FILE).read_text().splitlines()
                      if ln.strip() and json.loads(ln)["step"] <= self.state["step"]]
@@ -504,14 +506,17 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
     if run.done():
         return run.finish()
     run.state["finished"] = False  # a finished run given a larger budget goes on
-    t_last_ckpt = time.time()
+    # checkpoints every checkpoint_every seconds of training time: state["elapsed_s"] sums rank 0's step times,
+    # broadcast, so every process decides alike (a clock of each process's own let one enter the checkpoint's
+    # barrier while another entered the next step's all-reduce: a hang)
+    last_ckpt = run.state["elapsed_s"]
     while not run.done():
         run.step()
         if cfg.eval_every and run.state["step"] % cfg.eval_every == 0 and not run.done():
             run.evaluate()
-        if time.time() - t_last_ckpt > cfg.checkpoint_every and not run.done():
+        if run.state["elapsed_s"] - last_ckpt > cfg.checkpoint_every and not run.done():
             run.checkpoint()
-            t_last_ckpt = time.time()
+            last_ckpt = run.state["elapsed_s"]
     return run.finish()
 
 

@@ -50,6 +50,7 @@ class _MixedLoss(torch.autograd.Function):
         alpha = torch.minimum(p, q).sum() / n
         ctx.save_for_backward(q, p)
         ctx.omega, ctx.n = omega, n
+        ctx.mark_non_differentiable(distill, alpha)
         return omega * distill - (1 - omega) * alpha, distill, alpha
 
     @staticmethod
