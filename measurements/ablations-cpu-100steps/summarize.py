@@ -1,10 +1,10 @@
 """τ of the Figure 5 ablations at T = 0 from the main job's τ cache, with paired 95 % CIs against the full method.
 
 The run (`spire reproduce --steps 100 --ablations all --ablation-steps 100 --cache-steps 100 --tau-L 512
---tau-L-contexts 4 --n-contexts 32`) was stopped after its T = 0 measurement for want of session time, before
-REPORT.md; this reads the rows it cached, keyed exactly as the job keys them, and the ablations' training states.
+--tau-L-contexts 4 --n-contexts 32`; its REPORT.md is beside this file) reports unpaired CIs; this reads the rows
+it cached, keyed exactly as the job keys them, and the ablations' training states, and adds the paired ones.
 
-    SPIRE_CACHE=... python measurements/ablations-cpu-100steps/summarize.py > measurements/ablations-cpu-100steps/ABLATIONS.md
+    SPIRE_CACHE=... python measurements/ablations-cpu-100steps/summarize.py > measurements/ablations-cpu-100steps/ABLATIONS_T0.md   # 1: T = 1
 """
 
 import json
