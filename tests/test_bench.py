@@ -374,7 +374,8 @@ def test_bf16_weights_model_is_the_rounded_model(tiny):
     from spire import fastpath, kernels
 
     if kernels.available():  # the decode matmuls really streamed the bf16 copies
-        assert fastpath.weight_copies(model.layers[0].mlp)["gu"]._store["B"][1].dtype == torch.bfloat16
+        layout = "PB" if fastpath.PANEL_KERNEL else "B"  # the packed bf16 copy, or the row-major one
+        assert fastpath.weight_copies(model.layers[0].mlp)["gu"]._store[layout][1].dtype == torch.bfloat16
     prompts = ids[:, :20].tolist()
     ad = generate(model, prompts, 24)
     sd = generate(model, prompts, 24, draft=MagicDecDraft(1, 4), k=3)
@@ -408,3 +409,28 @@ def test_hf_compare_checks_lengths_before_running(tiny):
     contexts = torch.zeros(1, 1000, dtype=torch.long)
     with pytest.raises(ConfigError, match="need 1069 positions; the target has 1024"):
         compare(tiny, None, contexts, HFCompareConfig(Bs=[1], L=1000, G=64, k=4))
+
+
+def test_bench_contexts_total_tau_over_groups_of_contexts(tiny):
+    """--contexts n: the SD and AD runs go over n groups of B contexts and τ is total tokens / total rounds,
+    i.e. the same as the per-context runs added up (greedy decoding is deterministic); SD stays identical to
+    AD in every group; the timed forwards are taken once; too few contexts is a ConfigError."""
+    from spire.speculative import decode, prefill, start_draft
+
+    draft = MagicDecDraft(1, 4)
+    cfg = BenchConfig(Bs=[1], Ls=[12], k=3, G=6, reps=1, window=4, contexts=3)
+    res = run_bench(tiny, _contexts, {"magicdec": draft}, cfg, hoi=5.0, flops_per_s=1e10, dtype_name="fp32")
+    row = res["rows"][0]
+    assert row["contexts"] == 3 and res["ad"][0]["contexts"] == 3 and row["identical_to_ad"]
+    tokens = rounds = 0
+    for ctx in _contexts(12, 3)[:, :12]:
+        state = prefill(tiny, ctx[None], 12 + 6 + 4)
+        cache = state.clone_cache()
+        start_draft(draft, tiny, state, 3, cache)
+        sd = decode(tiny, state, 6, draft, 3, cache=cache)
+        tokens, rounds = tokens + sum(sd.emitted), rounds + sum(sd.rounds)
+    assert tokens == 18 and row["tau"] == pytest.approx(tokens / rounds)
+    with pytest.raises(ConfigError, match="contexts"):
+        BenchConfig(contexts=0).validate()
+    with pytest.raises(ConfigError, match="needed"):
+        run_bench(tiny, lambda L, n: _contexts(L, n)[:2], {}, BenchConfig(Bs=[1], Ls=[12], G=4, reps=1, contexts=3))

@@ -656,6 +656,8 @@ def bench(
     G: Annotated[Optional[int], _OPT("-G", "--generate", help="Tokens generated per row in the τ / tokens/s runs "
                                                              "(default: 32).")] = None,
     reps: Annotated[Optional[int], _OPT(help="Timed forwards per t_* (median) (default: 5).")] = None,
+    contexts: Annotated[int, _OPT(help="Groups of B held-out contexts the AD and SD runs go over; τ and tokens/s "
+                                       "are totals over them (at B = 1 one context's τ says little).")] = 1,
     target: Annotated[str, _OPT(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
     dtype: Annotated[Literal["fp32", "bf16", "fp16"], _OPT(help="Weights, activations and KV cache.")] = "fp32",
     weights: Annotated[Literal["fp32", "bf16"], _OPT(help="bf16: weight-only bf16 on the CPU (fp32 dtype): weights "
@@ -693,7 +695,8 @@ def bench(
     from spire.commands.bench import BenchArgs, run
     from spire.bench.report import print_table, write_outputs
 
-    args = BenchArgs(Bs=_ints("-B", B) or None, Ls=_ints("-L", L) or None, k=k, G=G, reps=reps, target=target,
+    args = BenchArgs(Bs=_ints("-B", B) or None, Ls=_ints("-L", L) or None, k=k, G=G, reps=reps, contexts=contexts,
+                     target=target,
                      dtype=dtype, weights=weights, device=device, threads=threads, spire_draft=spire_draft, no_spire=no_spire,
                      vanilla_draft=vanilla_draft, sink=sink, window=window, calibration=calibration, out=out,
                      quick=quick, random_weights=random_weights, seed=seed, combine=combine, clock=clock)

@@ -58,6 +58,12 @@ ATTENTION_KERNEL_ROWS = 4
 step: the query heads sharing a KV head) uses :func:`spire.kernels.decode_attention` (each key and value row
 read once for all of them); verify passes and prefills use torch's SDPA."""
 
+PANEL_KERNEL = True
+"""On CPU in float32, decode matmuls (M ≤ KERNEL_MAX_M rows in :func:`linear`, every native block) multiply by a
+copy of the weights packed once for :func:`spire.kernels.panel_linear` (float32, or bf16 after
+:func:`use_bf16_weights`): on an AVX2 core 1.3-1.7x faster than the row-major kernels and MKL's GEMV at M = 1..5
+(docs/bench.md). Set False for the row-major paths (A/B timing)."""
+
 RMSNORM_KERNEL = True
 """On CPU in float32 inference, RMSNorm is one call of :func:`spire.kernels.rms_norm` (~7 small torch ops)."""
 
@@ -70,7 +76,8 @@ KVSource = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tens
 
 class WeightCache:
     """Inference copies of one or more ``nn.Linear`` weights: concatenated along the output dimension, in
-    (out, in) layout ("N"), transposed to a contiguous (in, out) layout ("T"), or bf16 (out, in) ("B").
+    (out, in) layout ("N"), transposed to a contiguous (in, out) layout ("T"), bf16 (out, in) ("B"), or packed
+    for the panel matmul (:func:`spire.kernels.pack_panels`) in float32 ("P") or bf16 ("PB").
 
     A copy is rebuilt whenever a source parameter changes: its key holds each weight's data pointer,
     version counter (bumped by every in-place update, e.g. an optimizer step or ``load_state_dict``), dtype
@@ -88,8 +95,8 @@ class WeightCache:
         self._store.clear()
 
     def get(self, linears: Sequence[nn.Linear], layout: str) -> torch.Tensor:
-        """The (out_total, in) ("N"), (in, out_total) ("T") or bf16 (out_total, in) ("B") weight of
-        ``linears`` concatenated."""
+        """The (out_total, in) ("N"), (in, out_total) ("T"), bf16 (out_total, in) ("B") or packed ("P", "PB")
+        weight of ``linears`` concatenated."""
         ws = [lin.weight for lin in linears]
         if layout == "N" and len(ws) == 1:
             return ws[0]
@@ -100,8 +107,11 @@ class WeightCache:
         self._store.pop(layout, None)  # free the stale copy before building the new one
         with torch.no_grad():
             w = ws[0].detach() if len(ws) == 1 else torch.cat([w.detach() for w in ws])
-            w = (w.t().contiguous() if layout == "T" else w.to(torch.bfloat16).contiguous() if layout == "B"
-                 else w.contiguous())
+            if layout in ("P", "PB"):
+                w = kernels.pack_panels(w.to(torch.bfloat16) if layout == "PB" else w)
+            else:
+                w = (w.t().contiguous() if layout == "T" else w.to(torch.bfloat16).contiguous() if layout == "B"
+                     else w.contiguous())
         self._store[layout] = (key, w)
         return w
 
@@ -196,7 +206,11 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
     M = x2.shape[0]
     y = None
     if x.device.type == "cpu" and x2.dtype == torch.float32:
-        if cache.weight_dtype == torch.bfloat16 and M <= KERNEL_MAX_M:
+        if PANEL_KERNEL and M <= KERNEL_MAX_M and kernels.available():
+            xc = x2 if x2.stride(-1) == 1 else x2.contiguous()
+            y = kernels.panel_linear(xc, cache.get(linears, "PB" if cache.weight_dtype == torch.bfloat16 else "P"),
+                                     sum(lin.out_features for lin in linears))
+        elif cache.weight_dtype == torch.bfloat16 and M <= KERNEL_MAX_M:
             y = kernels.skinny_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), [cache.get(linears, "B")])
         elif M == 1 and TRANSPOSED_GEMV:
             y = x2 @ cache.get(linears, "T")
@@ -417,6 +431,8 @@ def native_block(block: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor,
     attn, m = block.self_attn, block.mlp
     qkv = _copies(attn, "qkv")
     layout = "B" if qkv.weight_dtype == torch.bfloat16 else "N"
+    if PANEL_KERNEL:
+        layout = "P" + layout.replace("N", "")
     ws = (qkv.get((attn.q_proj, attn.k_proj, attn.v_proj), layout), _copies(attn, "o").get((attn.o_proj,), layout),
           _copies(m, "gu").get((m.gate_proj, m.up_proj), layout), _copies(m, "down").get((m.down_proj,), layout))
     ln1, ln2 = block.input_layernorm.weight, block.post_attention_layernorm.weight

@@ -69,7 +69,9 @@ def markdown(result: dict[str, Any], summary: dict[str, Any]) -> str:
     bf16w = " with weight-only bf16 (2 bytes per weight value)" if wb == 2 and result["dtype"] == "fp32" else ""
     lines.append(f"Target `{result.get('target', '?')}`, dtype {result['dtype']}{bf16w}, device {result['device']}"
                  + (f" ({hw.get('device_name')})" if hw else "") + f", k = {cfg['k']}, G = {cfg['G']} tokens per "
-                 f"row, MagicDec sink {cfg['sink']} + window {cfg['window']}, {cfg['reps']} timed reps per forward.")
+                 f"row, MagicDec sink {cfg['sink']} + window {cfg['window']}, {cfg['reps']} timed reps per forward"
+                 + (f"; τ and tokens/s over {cfg['contexts']} groups of B held-out contexts"
+                    if cfg.get("contexts", 1) > 1 else "") + ".")
     if hw:
         d = hw["dtypes"].get(result["dtype"], {})
         lines.append(f"Calibration: matmul {d.get('matmul_flops', 0) / 1e9:,.1f} GFLOP/s, read bandwidth "

@@ -11,6 +11,9 @@ one prefill is shared by every decoder (:func:`spire.speculative.prefill`, cache
 - τ: tokens per round of a real greedy SD run of G tokens per row from the same contexts;
 - tokens/s of that SD run and of an AD run (round loop only: emitted tokens / decode seconds; the prefill is
   excluded); measured multiplier = SD tokens/s ÷ AD tokens/s;
+- with ``contexts`` = n > 1 the AD and SD runs (not the timed forwards) repeat over n groups of B held-out
+  contexts each, and τ and tokens/s are totals over all groups (total tokens / total rounds, total tokens /
+  total seconds): at B = 1 one context's τ says little about a draft;
 - seconds are wall-clock, or with ``clock="cpu"`` the process's CPU time (single-threaded CPU runs on a
   shared machine, where other jobs' time slices would otherwise be counted);
 - predicted Δt: the cost model (spire.throughput.cost_model.round_costs and forward_time) for the same
@@ -58,7 +61,8 @@ class BenchConfig:
 
     Bs, Ls: batch sizes and context lengths (tokens) of the grid; k: draft tokens per round; G: tokens
     generated per row in the τ / tokens/s runs; reps: timed calls per t_* (median); sink, window: MagicDec's
-    view; combine: "max" (compute and memory overlap, the paper) or "sum"; seed: held-out window choice.
+    view; combine: "max" (compute and memory overlap, the paper) or "sum"; seed: held-out window choice;
+    contexts: groups of B held-out contexts the AD and SD runs go over (τ and tokens/s totals over them).
     """
 
     Bs: list[int] = field(default_factory=lambda: list(DEFAULT_BS))
@@ -71,6 +75,7 @@ class BenchConfig:
     combine: str = "max"
     seed: int = 0
     clock: str = "wall"
+    contexts: int = 1
 
     def validate(self) -> None:
         """Raises ConfigError for empty grids or non-positive values."""
@@ -80,7 +85,7 @@ class BenchConfig:
             for v in values:
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                     raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        for name in ("k", "G", "reps", "window"):
+        for name in ("k", "G", "reps", "window", "contexts"):
             v = getattr(self, name)
             if v < 1:
                 raise ConfigError(f"{name} must be >= 1, got {v}")
@@ -199,17 +204,24 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
     rows: list[dict[str, Any]] = []
     ad_rows: list[dict[str, Any]] = []
     for L in cfg.Ls:
-        windows = contexts_for(L, max(cfg.Bs))
+        windows = contexts_for(L, max(cfg.Bs) * cfg.contexts)
         if windows.shape[1] < L:
             raise ConfigError(f"contexts of {windows.shape[1]} tokens given for L={L}")
+        if windows.shape[0] < max(cfg.Bs) * cfg.contexts:
+            raise ConfigError(f"{windows.shape[0]} held-out contexts of L={L} tokens, {max(cfg.Bs) * cfg.contexts} "
+                              f"needed (B x contexts)")
         for B in cfg.Bs:
-            ctx = windows[:B, :L].to(dev)
-            max_len = cache_length(target, ctx.tolist(), cfg.G, cfg.k)
-            say(f"B={B} L={L}: prefill {B}×{L - 1} tokens")
-            state = prefill(target, ctx, max_len, hidden)
-            cell = _measure_cell(target, state, drafts, cfg, B, L, say)
+            cell = None
+            for group in range(cfg.contexts):
+                ctx = windows[group * B:(group + 1) * B, :L].to(dev)
+                max_len = cache_length(target, ctx.tolist(), cfg.G, cfg.k)
+                say(f"B={B} L={L}: prefill {B}×{L - 1} tokens" + (f" (group {group + 1} of {cfg.contexts})"
+                                                                  if cfg.contexts > 1 else ""))
+                state = prefill(target, ctx, max_len, hidden)
+                cell = _measure_cell(target, state, drafts, cfg, B, L, say, cell)
             ad_rows.append({"B": B, "L": L, "t_ad_s": cell["t_ad"], "t_verify_s": cell["t_verify"],
-                            "ad_tokens_per_s": cell["ad_tps"], "prefill_s": state.prefill_s})
+                            "ad_tokens_per_s": cell["ad_tps"], "prefill_s": state.prefill_s,
+                            "contexts": B * cfg.contexts})
             for name, m in cell["drafts"].items():
                 kind, d_shape, sink, window = kinds[name]
                 opts = CostOptions(weight_bytes=weight_bytes or bytes_per, kv_bytes=bytes_per, attention_flops=True,
@@ -238,6 +250,7 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
                     f"delta_t_predicted_{other}": alt["delta_t"],
                     "delta_t_paper_conventions": paper["delta_t"],
                     "identical_to_ad": m["identical"],
+                    "contexts": B * cfg.contexts,
                 }  # fmt: skip
                 row["note"] = _fmt_reason(row)
                 rows.append(row)
@@ -248,7 +261,9 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
 
 
 def _measure_cell(target: Transformer, state: Prefilled, drafts: dict[str, Draft], cfg: BenchConfig, B: int,
-                  L: int, say: Callable[[str], None]) -> dict[str, Any]:
+                  L: int, say: Callable[[str], None], before: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The timed forwards and the AD / SD runs of one group of B contexts; with ``before`` (the cell of the
+    groups so far) the forwards are not timed again and the runs' tokens, rounds and seconds add to it."""
     dev, k = target.device, cfg.k
     pending = torch.tensor([r[-1] for r in state.rows], device=dev)[:, None]  # (B, 1)
     pos0 = torch.full((B, 1), L - 1, device=dev)
@@ -258,32 +273,47 @@ def _measure_cell(target: Transformer, state: Prefilled, drafts: dict[str, Draft
     def median_s(fn: Callable[[], Any]) -> float:  # median seconds of cfg.reps synchronized calls after a warm-up
         return statistics.median(time_calls(fn, dev, cfg.clock, min_reps=cfg.reps))
 
-    cache = state.clone_cache()
-    say(f"B={B} L={L}: timing AD step and verify ({cfg.reps} reps each)")
-    t_ad = median_s(lambda: target(pending, pos0, cache).logits)
-    t_verify = median_s(lambda: target(vtok, vpos, cache).logits)
-    cache = None  # free the copy
+    if before is None:
+        cache = state.clone_cache()
+        say(f"B={B} L={L}: timing AD step and verify ({cfg.reps} reps each)")
+        t_ad = median_s(lambda: target(pending, pos0, cache).logits)
+        t_verify = median_s(lambda: target(vtok, vpos, cache).logits)
+        cache = None  # free the copy
+    else:
+        t_ad, t_verify = before["t_ad"], before["t_verify"]
+
+    def seconds(res) -> float:
+        return res.decode_cpu_s if cfg.clock == "cpu" else res.decode_s
+
+    def totals(key: str | None, res) -> tuple[int, int, float]:  # (tokens, rounds, seconds) so far
+        prev = (0, 0, 0.0) if before is None else (before["totals"] if key is None else before["drafts"][key]["totals"])
+        return prev[0] + sum(res.emitted), prev[1] + sum(res.rounds), prev[2] + seconds(res)
 
     say(f"B={B} L={L}: AD run, {cfg.G} tokens per row")
     cache = state.clone_cache()
     ad = decode(target, state, cfg.G, None, k, cache=cache)
     cache = None  # free the copy
-    ad_tps = sum(ad.emitted) / (ad.decode_cpu_s if cfg.clock == "cpu" else ad.decode_s)
-    out: dict[str, Any] = {"t_ad": t_ad, "t_verify": t_verify, "ad_tps": ad_tps, "drafts": {}}
+    ad_tot = totals(None, ad)
+    out: dict[str, Any] = {"t_ad": t_ad, "t_verify": t_verify, "ad_tps": ad_tot[0] / ad_tot[2], "totals": ad_tot,
+                           "drafts": {}}
     for name, draft in drafts.items():
-        cache = state.clone_cache()
-        start_draft(draft, target, state, k, cache)
-        say(f"B={B} L={L}: timing {name} draft step")
-        t_draft = median_s(lambda: draft.step(pending, pos0))
-        cache = None  # free the copy
+        if before is None:
+            cache = state.clone_cache()
+            start_draft(draft, target, state, k, cache)
+            say(f"B={B} L={L}: timing {name} draft step")
+            t_draft = median_s(lambda: draft.step(pending, pos0))
+            cache = None  # free the copy
+        else:
+            t_draft = before["drafts"][name]["t_draft"]
         cache = state.clone_cache()  # fresh: the timed steps wrote draft entries (harmless, but start clean)
         start_draft(draft, target, state, k, cache)
         say(f"B={B} L={L}: {name} SD run, {cfg.G} tokens per row")
         sd = decode(target, state, cfg.G, draft, k, cache=cache)
         cache = None  # free the copy
-        sd_s = sd.decode_cpu_s if cfg.clock == "cpu" else sd.decode_s
-        out["drafts"][name] = {"t_draft": t_draft, "tau": sd.tau, "sd_tps": sum(sd.emitted) / sd_s,
-                               "identical": sd.tokens == ad.tokens}
+        tot = totals(name, sd)
+        out["drafts"][name] = {"t_draft": t_draft, "tau": tot[0] / max(1, tot[1]), "sd_tps": tot[0] / tot[2],
+                               "totals": tot, "identical": sd.tokens == ad.tokens
+                               and (before is None or before["drafts"][name]["identical"])}
     return out
 
 

@@ -34,6 +34,7 @@ class BenchArgs:
     k: int = defaults.K
     G: int | None = None
     reps: int | None = None
+    contexts: int = 1
     target: str = "smollm2-135m"
     dtype: str = "fp32"
     weights: str = "fp32"  # "bf16": weight-only bf16 (CPU, fp32 dtype)
@@ -59,7 +60,7 @@ class BenchArgs:
             if value is not None:
                 setattr(base, name, value)
         base.k, base.sink, base.window, base.seed, base.combine = self.k, self.sink, self.window, self.seed, self.combine
-        base.clock = self.clock
+        base.clock, base.contexts = self.clock, self.contexts
         base.validate()
         return base
 

@@ -97,6 +97,10 @@ def load() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        for fn in (lib.spire_panel_gemm, lib.spire_panel_gemm_bf16):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
         lib.spire_rms_norm.restype = ctypes.c_int
         lib.spire_rms_norm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
@@ -163,6 +167,44 @@ def skinny_linear(x: torch.Tensor, weights: Sequence[torch.Tensor]) -> torch.Ten
     ptrs = (ctypes.c_void_p * len(weights))(*[w.data_ptr() for w in weights])
     sizes = (ctypes.c_int64 * len(weights))(*ns)
     gemm(x.data_ptr(), x.stride(0), M, K, len(weights), ptrs, sizes, y.data_ptr(), y.shape[1])
+    return y
+
+
+PANEL_TILE = 32
+"""Output columns per tile of a packed weight (``PANEL_TILE`` in cpu_decode.c): four panels of eight."""
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """The (N, K) row-major weight w (float32 or bfloat16, CPU) packed for :func:`panel_linear` and
+    :class:`DecodeBlock`: shape (ceil(N / 32), 4, K, 8), element [q, s, k, c] = w[32 q + 8 s + c, k], zero rows
+    padding N to a multiple of 32 (cpu_decode.c, "Panel matmul"). Same dtype, a new contiguous tensor."""
+    if w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu":
+        raise ValueError(f"pack_panels: a 2-D float32 or bfloat16 CPU weight, got {tuple(w.shape)} {w.dtype} "
+                         f"on {w.device.type}")
+    N, K = w.shape
+    nt = -(-N // PANEL_TILE)
+    with torch.no_grad():
+        if nt * PANEL_TILE != N:
+            w = torch.cat([w, w.new_zeros(nt * PANEL_TILE - N, K)])
+        return w.reshape(nt, 4, 8, K).transpose(2, 3).contiguous()
+
+
+def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor | None:
+    """x: (M, K) float32 CPU with unit inner stride, 1 ≤ M ≤ MAX_ROWS; packed: :func:`pack_panels` of an
+    (n, K) weight W -> (M, n) float32 = x @ Wᵀ. Each output is summed in the same order whatever M (blocks of 64 k steps),
+    so a row's result is the same bit for bit whatever other rows share the call. None when the kernel does not apply
+    (caller falls back to torch)."""
+    M, K = x.shape
+    if (M > MAX_ROWS or M == 0 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1
+            or packed.dtype not in (torch.float32, torch.bfloat16) or not packed.is_contiguous()
+            or packed.shape != (-(-n // PANEL_TILE), 4, K, 8)):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    gemm = lib.spire_panel_gemm if packed.dtype == torch.float32 else lib.spire_panel_gemm_bf16
+    y = torch.empty(M, n, dtype=torch.float32)
+    gemm(x.data_ptr(), x.stride(0), M, K, packed.data_ptr(), n, y.data_ptr(), n)
     return y
 
 
@@ -238,7 +280,8 @@ class DecodeBlock:
     Args:
         ln1, ln2: (d,) float32 norm weights; eps: their epsilon.
         wqkv: ((H + 2 KV) D, d); wo: (d, H D); wgu: (2 F, d); wdown: (d, F): row-major, all float32 or all
-            bfloat16 (float32 arithmetic either way).
+            bfloat16 (float32 arithmetic either way), or all four packed by :func:`pack_panels` (the panel
+            matmul: faster at every M on an AVX2 core, and row-count invariant).
         k_cache, v_cache: (B, KV, S, D) float32 with unit inner stride (a :class:`spire.kv_cache.KVCache` layer).
         n_heads: H.
     The weights are kept alive by the object; the cache is not (so that holding the object does not hold a
@@ -257,13 +300,16 @@ class DecodeBlock:
         if lib is None:
             raise ValueError(f"spire kernels unavailable: {_ERROR}")
         B, KV, S, D = k_cache.shape
-        d, F, H = ln1.shape[0], wdown.shape[1], n_heads
+        packed = wqkv.dim() == 4
+        d, F, H = ln1.shape[0], wdown.shape[2 if packed else 1], n_heads
         bf16 = wqkv.dtype == torch.bfloat16
         ws = (wqkv, wo, wgu, wdown)
+        shapes = (((H + 2 * KV) * D, d), (d, H * D), (2 * F, d), (d, F))
+        if packed:
+            shapes = tuple((-(-n // PANEL_TILE), 4, k, 8) for n, k in shapes)
         if (any(w.dtype != wqkv.dtype or not w.is_contiguous() or w.device.type != "cpu" for w in ws)
                 or wqkv.dtype not in (torch.float32, torch.bfloat16)
-                or wqkv.shape != ((H + 2 * KV) * D, d) or wo.shape != (d, H * D) or wgu.shape != (2 * F, d)
-                or wdown.shape != (d, F) or H % KV or D % 8 or D > 256
+                or tuple(tuple(w.shape) for w in ws) != shapes or H % KV or D % 8 or D > 256
                 or k_cache.dtype != torch.float32 or v_cache.shape != k_cache.shape or v_cache.dtype != torch.float32
                 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.device.type != "cpu"
                 or ln1.dtype != torch.float32 or ln2.dtype != torch.float32):
@@ -275,7 +321,7 @@ class DecodeBlock:
         self._keep = (ln1, ln2, *ws)  # not the cache: a finished generation's cache must be freeable
         sb, sh, ss, _ = k_cache.stride()
         self._args = (ln1.data_ptr(), ln2.data_ptr(), float(eps), wqkv.data_ptr(), wo.data_ptr(), wgu.data_ptr(),
-                      wdown.data_ptr(), int(bf16), d, H, KV, D, F, k_cache.data_ptr(), v_cache.data_ptr(), sb, sh,
+                      wdown.data_ptr(), int(bf16) | (2 if packed else 0), d, H, KV, D, F, k_cache.data_ptr(), v_cache.data_ptr(), sb, sh,
                       ss, D ** -0.5)
 
     def work_size(self, M: int) -> int:
