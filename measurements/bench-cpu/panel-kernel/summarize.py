@@ -1,4 +1,4 @@
-"""Medians over the rounds of ab.sh's runs: python summarize.py [RUNS_DIR] (default: runs/ beside this file)."""
+"""Medians over the rounds of ab.sh's runs: python summarize.py [RUNS_DIR] (default: ab-runs/ beside this file)."""
 import collections
 import glob
 import json
@@ -6,7 +6,7 @@ import os
 import statistics
 import sys
 
-root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "runs")
+root = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "ab-runs")
 rows = collections.defaultdict(list)
 for f in glob.glob(os.path.join(root, "*", "bench.json")):
     code, w, k, _ = os.path.basename(os.path.dirname(f)).split("-")
