@@ -136,8 +136,8 @@ def whole_machine_rates(target, data, folder, steps: int, vocab_size: int, cache
             for name, (n, dtype, procs) in paths.items():
                 cfg = TrainConfig(budget_s=1e9, max_steps=steps, checkpoint_every=1e9, data_steps=steps,
                                   target_cache=dtype, spire=SpireConfig(vocab_size=n, **spire_cfg))
-                out = Path(tmp) / f"{rep}-{procs}"
                 old = dtype is None
+                out = Path(tmp) / f"{rep}-{'old' if old else 'new'}"  # one folder per run (procs may be 1 for both)
                 fused_loss, fused_adamw = distill.mixed_loss_logp, distill.FUSED_ADAMW
                 if old:  # one process: it runs here, so the old implementations can be put in place
                     distill.mixed_loss_logp, distill.FUSED_ADAMW = mixed_loss_logp_reference, False

@@ -188,6 +188,15 @@ def test_resume_keeps_the_run_settings_and_refuses_changed_ones(tiny_folder, tex
     err = capsys.readouterr().err
     assert "lr" in err and "spire.window" in err and "--resume" in err
     assert (root / "resumed" / "checkpoint" / "train_state.json").read_bytes() == before
+    for flag, name in ((["--draft", "vanilla"], "draft"), (["--ablation", "omega1"], "ablation")):
+        # a SPIRe run resumed as another draft or ablation: refused too (it used to be ignored silently)
+        with pytest.raises(SystemExit) as e:
+            main(["train", "--resume", "--target", str(tiny_folder), "--data", str(text_file), "--out",
+                  str(root / "resumed"), "--device", "cpu", *flag])
+        assert e.value.code
+        err = capsys.readouterr().err
+        assert f"differ from them: {name}" in err and len(err.strip().splitlines()) == 1
+        assert (root / "resumed" / "checkpoint" / "train_state.json").read_bytes() == before
 
 
 def test_hidden_loss_option(tiny_folder, text_file, tmp_path, capsys, monkeypatch):

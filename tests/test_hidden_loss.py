@@ -1,11 +1,13 @@
 """Beyond the paper: SPIRe's hidden-state matching term (TrainConfig.hidden_weight, `spire train --hidden-loss`)."""
 
+import json
+
 import pytest
 import torch
 
 from spire.drafts.spire import SpireConfig, SpireDraftModel
 from spire.errors import ConfigError
-from spire.training.distill import TrainConfig, load_state, step_loss, train_spire
+from spire.training.distill import LOG_FILE, TrainConfig, load_state, step_loss, train_spire
 from spire.training.sources import run_target
 from tests.train_worker import RepeatingData
 
@@ -49,9 +51,11 @@ def test_loss_adds_the_weighted_term_and_trains_it_down(tiny, tmp_path):
     tokens, tb = _batch(tiny, model.source_layers)
     base, alpha = step_loss(model, tiny, tb, cfg)
     cfg.hidden_weight = 0.5
-    with_term, alpha2 = step_loss(model, tiny, tb, cfg)
+    parts = {}
+    with_term, alpha2 = step_loss(model, tiny, tb, cfg, parts)
     _, mismatch = model.forward_train(tokens, tb.hidden, 4, match_hidden=True)
     assert alpha2 == alpha and float(with_term - base) == pytest.approx(0.5 * float(mismatch), rel=1e-5)
+    assert parts["hidden"] == pytest.approx(float(mismatch), rel=1e-5)
     # training with a large weight lowers the term on held-in data
     cfg = TrainConfig(max_steps=40, batch_size=4, seq_len=32, k=4, lr=3e-3, bf16=False, hidden_weight=5.0,
                       spire=SpireConfig(layers=(0, 3), window=8))
@@ -64,6 +68,10 @@ def test_loss_adds_the_weighted_term_and_trains_it_down(tiny, tmp_path):
     after = float(trained.forward_train(seq, tb.hidden, 4, match_hidden=True)[1])
     assert state["finished"] and after < 0.7 * before, (before, after)
     assert load_state(tmp_path)["config"]["hidden_weight"] == 5.0
+    # the log carries the term on its own (unweighted), and it goes down with the loss
+    logged = [json.loads(ln) for ln in (tmp_path / LOG_FILE).read_text().splitlines()]
+    mism = [r["hidden_mismatch"] for r in logged if r.get("event") == "train"]
+    assert len(mism) == 40 and all(m > 0 for m in mism) and sum(mism[-5:]) < 0.7 * sum(mism[:5])
 
 
 @pytest.mark.parametrize("bad,match", [(dict(hidden_weight=-1.0), "hidden-loss"),

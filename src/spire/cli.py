@@ -365,7 +365,8 @@ def train(
             spire_kw[name] = value
     train_kw = {TRAIN_FIELDS[name]: value for name, value in _given(ctx, TRAIN_FIELDS).items() if value is not None}
     args = TrainRunArgs(draft=draft, target=target, data=data, out=out, ablation=ablation, resume=resume,
-                        device=device, eval_windows=eval_windows, spire_overrides=spire_kw, train_overrides=train_kw)
+                        device=device, eval_windows=eval_windows, spire_overrides=spire_kw, train_overrides=train_kw,
+                        given=tuple(_given(ctx, ("draft", "ablation"))))
     summary = run(args, log=lambda m: typer.echo(m, err=True))
     if summary.get("rank", 0) == 0:
         h = summary["heldout"] or {}

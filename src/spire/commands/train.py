@@ -43,6 +43,7 @@ class TrainRunArgs:
     eval_windows: int | None = None  # None: 16, or a resumed run's own
     spire_overrides: dict = field(default_factory=dict)
     train_overrides: dict = field(default_factory=dict)
+    given: tuple[str, ...] = ()  # of "draft", "ablation": those the user set (a resume checks them)
 
     def settings(self) -> dict:
         """The TrainConfig fields of this command: its defaults, then what was given."""
@@ -85,6 +86,8 @@ def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None) -> T
     if args is not None:
         changed = sorted(k for k, v in args.train_overrides.items()
                          if k not in RESUME_LIMITS and saved.get(k, getattr(TrainConfig(), k, None)) != v)
+        changed += [name for name in ("draft", "ablation")
+                    if name in args.given and getattr(args, name) != saved.get(name, getattr(TrainConfig(), name))]
         changed += sorted(f"spire.{k}" for k, v in args.spire_overrides.items()
                           if saved["spire"].get(k, getattr(SpireConfig(), k, None)) != (list(v) if isinstance(v, tuple)
                                                                                            else v))

@@ -210,15 +210,19 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.
     return torch.optim.AdamW(params, **kw)
 
 
-def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg: TrainConfig
-              ) -> tuple[torch.Tensor, float]:
+def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg: TrainConfig,
+              parts: dict | None = None) -> tuple[torch.Tensor, float]:
     """The training loss of one batch and its alpha (nan when there is no teacher): teacher-forced draft logits
-    (under bf16 autocast when cfg.bf16), then MixedLoss(omega) against the teacher or HardTargetLoss."""
+    (under bf16 autocast when cfg.bf16), then MixedLoss(omega) against the teacher or HardTargetLoss, plus
+    cfg.hidden_weight × the hidden-state mismatch when that is on (its unweighted value goes to
+    ``parts["hidden"]`` when a dict is given)."""
     extra = 0.0
     with autocast(bool(cfg.bf16), tb.tokens.device):
         if cfg.hidden_weight:
             q_logits, mismatch = model.train_logits(tb.tokens, tb.hidden, cfg.k, match_hidden=True)
             extra = cfg.hidden_weight * mismatch
+            if parts is not None:
+                parts["hidden"] = float(mismatch.detach())
         else:
             q_logits = model.train_logits(tb.tokens, tb.hidden, cfg.k)
     if cfg.resolved_loss() == "mixed":
@@ -298,6 +302,7 @@ class Trainer:
         self.target_folder, self.log = target_folder, log
         self.bar = self.source = None
         self.ema_loss = self.ema_alpha = None
+        self.hidden_mismatch: float | None = None  # the last step's hidden-state mismatch (hidden_weight > 0)
         self.model = self._setup_model(resume)
         self.meta = {"ablation": cfg.ablation, "loss": cfg.resolved_loss(), "omega": cfg.omega}
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -415,10 +420,11 @@ class Trainer:
         cfg, state, dist, world = self.cfg, self.state, self.dist, self.world
         for g in self.opt.param_groups:
             g["lr"] = lr
-        loss, alpha = step_loss(self.model, self.target, tb, cfg)
+        parts: dict = {}
+        loss, alpha = step_loss(self.model, self.target, tb, cfg, parts)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        stats = torch.tensor([loss.item(), alpha])
+        stats = torch.tensor([loss.item(), alpha, parts.get("hidden", 0.0)])
         if dist is not None:  # average gradients (and the logged values) over the processes
             grads = [p.grad for p in self.params if p.grad is not None]
             flat = torch.cat([g.flatten() for g in grads])
@@ -429,6 +435,7 @@ class Trainer:
             dist.all_reduce(stats)
             stats /= world
         loss_value, alpha = float(stats[0]), float(stats[1])
+        self.hidden_mismatch = float(stats[2]) if "hidden" in parts else None
         if not math.isfinite(loss_value):
             if self.bar is not None:
                 self.bar.close()
@@ -465,6 +472,8 @@ class Trainer:
                  "elapsed_s": round(state["elapsed_s"], 3), "lr": lr, "loss": loss_value,
                  "alpha": alpha if math.isfinite(alpha) else None, "grad_norm": grad_norm,
                  "tokens_per_s": cfg.batch_size * cfg.seq_len / dt}
+        if self.hidden_mismatch is not None:  # the matching term before its weight (loss includes weight × it)
+            entry["hidden_mismatch"] = self.hidden_mismatch
         self.write_log(entry)
         if state["step"] % 10 == 0 or self.done():
             state["history"].append({"step": state["step"], "tokens": state["tokens"],
