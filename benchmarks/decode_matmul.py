@@ -44,13 +44,20 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         rows = [int(r) for r in args.rows.split(",")]
-        H, KV, D = (int(v) for v in args.heads.split(","))
+        H, KV, D = (int(v) for v in (args.heads.split(",") + ["0", "0"])[:3])
     except ValueError:
         print("error: --rows and --heads take comma-separated integers", file=sys.stderr)
         return 2
-    if not rows or any(not 1 <= m <= kernels.MAX_ROWS for m in rows) or args.repeats < 1 or args.layers < 1:
-        print(f"error: --rows must lie in 1..{kernels.MAX_ROWS}; --repeats and --layers must be >= 1",
-              file=sys.stderr)
+    if len(args.heads.split(",")) != 3:
+        print("error: --heads takes three integers: query heads, key/value heads, head size", file=sys.stderr)
+        return 2
+    if not rows or any(not 1 <= m <= kernels.MAX_ROWS for m in rows):
+        print(f"error: --rows must lie in 1..{kernels.MAX_ROWS}", file=sys.stderr)
+        return 2
+    small = [name for name in ("repeats", "threads", "layers", "d_model", "d_ff", "vocab")
+             if getattr(args, name) < 1] + (["heads"] if min(H, KV, D) < 1 else [])
+    if small:
+        print(f"error: {', '.join('--' + n.replace('_', '-') for n in small)} must be >= 1", file=sys.stderr)
         return 2
     if not kernels.available():
         print(f"error: spire kernels unavailable: {kernels.unavailable_reason()}", file=sys.stderr)

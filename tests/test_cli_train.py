@@ -221,3 +221,12 @@ def test_hidden_loss_option(tiny_folder, text_file, tmp_path, capsys, monkeypatc
         err = capsys.readouterr().err
         assert e.value.code and needle in err, err
         assert not out.exists()
+
+
+def test_target_cache_none_is_the_live_target(tiny_folder, text_file, tmp_path, monkeypatch):
+    """`--target-cache none` (as `spire reproduce` takes it) trains against the live target; it used to be
+    refused with a message that listed `none` as allowed."""
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
+    _main(_train_args(tiny_folder, text_file, tmp_path / "live", "--max-steps", "1", "--target-cache", "none"))
+    state = json.loads((tmp_path / "live" / "checkpoint" / "train_state.json").read_text())
+    assert state["config"]["target_cache"] is None and state["step"] == 1

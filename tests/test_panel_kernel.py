@@ -60,6 +60,7 @@ def test_panel_linear_rows_do_not_depend_on_the_other_rows(dtype):
     assert kernels.panel_linear(xs, p, N) is None
     assert kernels.panel_linear(x[:1], p, N + 32) is None  # packed shape does not match N
     assert kernels.panel_linear(torch.randn(65, K), p, N) is None  # more rows than MAX_ROWS
+    assert kernels.panel_linear(torch.randn(2, 0), kernels.pack_panels(torch.randn(40, 0)), 40) is None  # K = 0
 
 
 def _target(heads, bf16):

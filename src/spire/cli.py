@@ -346,7 +346,7 @@ def train(
     = None,
     cache_steps: Annotated[Optional[int], _OPT(help="Distinct batches: step s trains on batch s mod N (epochs "
                                                     "over N batches) [a fresh batch every step].")] = None,
-    target_cache: Annotated[Optional[str], _OPT(metavar="float32|bfloat16", help="Run the target once over the "
+    target_cache: Annotated[Optional[str], _OPT(metavar="float32|bfloat16|none", help="Run the target once over the "
                                                 "--cache-steps batches, store its outputs on disk and train from "
                                                 "them (float32: exact; bfloat16: half the bytes) [live].")] = None,
     vanilla_layers: Annotated[Optional[int], _OPT(help="Vanilla: blocks [target layers / 8].")] = None,
@@ -364,6 +364,8 @@ def train(
         if flag:
             spire_kw[name] = value
     train_kw = {TRAIN_FIELDS[name]: value for name, value in _given(ctx, TRAIN_FIELDS).items() if value is not None}
+    if train_kw.get("target_cache") == "none":  # as in `spire reproduce`: the live target (the default)
+        train_kw["target_cache"] = None
     args = TrainRunArgs(draft=draft, target=target, data=data, out=out, ablation=ablation, resume=resume,
                         device=device, eval_windows=eval_windows, spire_overrides=spire_kw, train_overrides=train_kw,
                         given=tuple(_given(ctx, ("draft", "ablation"))))

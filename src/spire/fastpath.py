@@ -61,8 +61,9 @@ read once for all of them); verify passes and prefills use torch's SDPA."""
 PANEL_KERNEL = True
 """On CPU in float32, decode matmuls (M ≤ KERNEL_MAX_M rows in :func:`linear`, every native block) multiply by a
 copy of the weights packed once for :func:`spire.kernels.panel_linear` (float32, or bf16 after
-:func:`use_bf16_weights`): on an AVX2 core 1.3-1.7x faster than the row-major kernels and MKL's GEMV at M = 1..5
-(docs/bench.md). Set False for the row-major paths (A/B timing)."""
+:func:`use_bf16_weights`): on a Zen 2 core 1.4-1.8x faster than the row-major kernel in float32 at M = 1..8 and
+1.3-1.8x faster than MKL; with bf16 weights 1.1-1.4x at M = 1..5 and 0.92x at M = 8 (docs/bench.md). Set False for
+the row-major paths (A/B timing)."""
 
 RMSNORM_KERNEL = True
 """On CPU in float32 inference, RMSNorm is one call of :func:`spire.kernels.rms_norm` (~7 small torch ops)."""

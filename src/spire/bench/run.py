@@ -42,7 +42,7 @@ from spire.drafts.base import Draft
 from spire.drafts.magicdec import MagicDecDraft
 from spire.drafts.spire import SpireDraft
 from spire.drafts.vanilla import VanillaDraft
-from spire.errors import ConfigError
+from spire.errors import ConfigError, DataError
 from spire.model import ModelConfig, Transformer
 from spire.speculative import Prefilled, cache_length, decode, prefill, start_draft
 from spire.throughput.cost_model import CostOptions, forward_time, round_costs
@@ -204,7 +204,10 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
     rows: list[dict[str, Any]] = []
     ad_rows: list[dict[str, Any]] = []
     for L in cfg.Ls:
-        windows = contexts_for(L, max(cfg.Bs) * cfg.contexts)
+        try:
+            windows = contexts_for(L, max(cfg.Bs) * cfg.contexts)
+        except DataError as e:
+            raise DataError(f"{e} (B = {max(cfg.Bs)} x --contexts {cfg.contexts} contexts of L = {L} asked)") from None
         if windows.shape[1] < L:
             raise ConfigError(f"contexts of {windows.shape[1]} tokens given for L={L}")
         if windows.shape[0] < max(cfg.Bs) * cfg.contexts:

@@ -17,12 +17,18 @@ and MagicDec draft steps, where the ~40 torch ops per block cost as much as the 
 
 The shared library is compiled once per machine into ``<spire cache>/kernels/`` with
 ``cc -O3 -mavx2 -mfma -fopenmp`` (about a second) and loaded with ctypes after torch, so its OpenMP calls
-use torch's libgomp and thread count. Used only for float32 CPU tensors whose inner dimension is contiguous,
-on CPUs with AVX2 and FMA; on CPUs with AVX-512F/BW/VL/DQ (detected at run time, the flags stay the same so the
-library builds and runs on AVX2-only machines) matmuls of 3 to 8 rows take an AVX-512 path that multiplies a
-tile of 3-6 weight rows with all rows at once (:func:`set_avx512`, ``SPIRE_AVX512=0`` to keep the AVX2 path);
-anything else (no compiler, another CPU, bf16, ``SPIRE_KERNELS=0``) returns None
-and the caller falls back to torch. Results agree with torch to float32 rounding (different summation order).
+use torch's libgomp and thread count. Used only for float32 CPU activations whose inner dimension is
+contiguous (weights float32 or bf16), on CPUs with AVX2 and FMA; on CPUs with AVX-512F/BW/VL/DQ (detected at run
+time, the flags stay the same so the library builds and runs on AVX2-only machines) :func:`skinny_linear`'s
+matmuls of 3 to 8 rows take an AVX-512 path that multiplies a tile of 3-6 weight rows with all rows at once
+(:func:`set_avx512`, ``SPIRE_AVX512=0`` to keep the AVX2 path).
+
+:func:`pack_panels` / :func:`panel_linear` are the panel matmul (cpu_decode.c, "Panel matmul") over a weight
+packed once, which the decode path uses by default (spire.fastpath.PANEL_KERNEL; DecodeBlock takes packed
+weights too): AVX2 code on every CPU, rows bit-identical whatever M.
+
+Anything else (no compiler, another CPU, float16, ``SPIRE_KERNELS=0``) returns None and the caller falls
+back to torch. Results agree with torch to float32 rounding (different summation order).
 """
 
 from __future__ import annotations
@@ -195,7 +201,7 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor 
     so a row's result is the same bit for bit whatever other rows share the call. None when the kernel does not apply
     (caller falls back to torch)."""
     M, K = x.shape
-    if (M > MAX_ROWS or M == 0 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1
+    if (M > MAX_ROWS or M == 0 or K == 0 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1
             or packed.dtype not in (torch.float32, torch.bfloat16) or not packed.is_contiguous()
             or packed.shape != (-(-n // PANEL_TILE), 4, K, 8)):
         return None
