@@ -40,3 +40,21 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
         code = e.code or 0
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def spire_rounds(target: Transformer, model, prompts: list[list[int]], new_tokens: int = 24, k: int = 4):
+    """Greedy SD of ``prompts`` with a SPIRe draft over ``model`` (prefill 64 positions, the draft's memory fed
+    from the prefill): (SD result, the draft's logits of every step concatenated, its ring cache's keys and values
+    stacked) — what the fused / panel tests compare across paths."""
+    from spire.drafts.spire import SpireDraft
+    from spire.speculative import decode, prefill
+
+    draft = SpireDraft(model)
+    logged = []
+    step = draft.step
+    draft.step = lambda tokens, pos: logged.append(step(tokens, pos)) or logged[-1]
+    state = prefill(target, prompts, 64, hidden_layers=draft.hidden_layers)
+    draft.start(target, state.cache, len(prompts), 64, k)
+    draft.observe(state.tokens, state.pos, state.out, state.valid)
+    res = decode(target, state, new_tokens, draft=draft, k=k)
+    return res, torch.cat(logged), torch.stack(draft._cache.k + draft._cache.v)

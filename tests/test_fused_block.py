@@ -12,6 +12,7 @@ from spire import fastpath, kernels
 from spire.errors import ConfigError
 from spire.kv_cache import SinkWindow
 from tests.conftest import make_tiny
+from tests.helpers import spire_rounds
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels.unavailable_reason()}")
 
@@ -123,8 +124,8 @@ def test_speculative_decoding_through_the_fused_block_is_lossless(tiny16):
 def test_spire_draft_step_through_the_fused_block(tiny16, self_attend, monkeypatch):
     """The SPIRe draft's step over its ring cache (explicit slot mask, slot writes) gives the same draft
     logits and the same cache as the per-op path, round after round, and greedy SD with it equals AD."""
-    from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
-    from spire.speculative import decode, generate, prefill
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+    from spire.speculative import generate
 
     torch.manual_seed(11)
     model = SpireDraftModel(tiny16, SpireConfig(n_draft_layers=2, sink=1, window=5, self_attend=self_attend))
@@ -136,15 +137,8 @@ def test_spire_draft_step_through_the_fused_block(tiny16, self_attend, monkeypat
     runs = []
     for fused in (True, False):
         monkeypatch.setattr(fastpath, "FUSED_BLOCK", fused)
-        draft = SpireDraft(model)
-        logged = []
-        step = draft.step
-        draft.step = lambda tokens, pos: logged.append(step(tokens, pos)) or logged[-1]
-        state = prefill(tiny16, prompts, 64, hidden_layers=draft.hidden_layers)
-        draft.start(tiny16, state.cache, 2, 64, 4)
-        draft.observe(state.tokens, state.pos, state.out, state.valid)
-        res = decode(tiny16, state, 24, draft=draft, k=4)
-        runs.append((res.tokens, torch.cat(logged), torch.stack(draft._cache.k + draft._cache.v)))
+        res, logits, cache = spire_rounds(tiny16, model, prompts)
+        runs.append((res.tokens, logits, cache))
     assert fastpath.native_blocks(model), "the fused path did not run"
     assert runs[0][0] == runs[1][0] == generate(tiny16, prompts, 24).tokens
     torch.testing.assert_close(runs[0][1], runs[1][1], atol=1e-5, rtol=1e-5)

@@ -9,6 +9,7 @@ import torch
 
 from spire import fastpath, kernels
 from tests.conftest import make_tiny
+from tests.helpers import spire_rounds
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels.unavailable_reason()}")
 
@@ -109,8 +110,8 @@ def test_spire_draft_memory_writes_with_panels_equal_row_major(heads, monkeypatc
     packed q/k/v weight only) give the row-major kernels' draft logits and ring cache, round after round, and
     greedy SD with it equals AD. H D = 48 (3 heads of 16) is not a multiple of the 32-column tiles: the memory
     write then computes the whole q/k/v product."""
-    from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
-    from spire.speculative import decode, generate, prefill
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+    from spire.speculative import generate
 
     prompts = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(12)).tolist()
     prompts[0] = prompts[0][:13]
@@ -123,18 +124,10 @@ def test_spire_draft_memory_writes_with_panels_equal_row_major(heads, monkeypatc
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
-        draft = SpireDraft(model)
-        logged = []
-        step = draft.step
-        draft.step = lambda tokens, pos: logged.append(step(tokens, pos)) or logged[-1]
-        state = prefill(target, prompts, 64, hidden_layers=draft.hidden_layers)
-        draft.start(target, state.cache, 2, 64, 4)
-        draft.observe(state.tokens, state.pos, state.out, state.valid)
-        res = decode(target, state, 24, draft=draft, k=4)
+        res, logits, cache = spire_rounds(target, model, prompts)
         assert fastpath.native_blocks(model), "the native block did not run"
         assert ("P" in _layouts(model.layers[0].self_attn)) == panel
-        runs.append((res.tokens, generate(target, prompts, 24).tokens, torch.cat(logged),
-                     torch.stack(draft._cache.k + draft._cache.v)))
+        runs.append((res.tokens, generate(target, prompts, 24).tokens, logits, cache))
     assert runs[0][0] == runs[0][1] == runs[1][0] == runs[1][1]
     torch.testing.assert_close(runs[0][2], runs[1][2], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(runs[0][3], runs[1][3], atol=1e-5, rtol=1e-5)

@@ -22,10 +22,12 @@ applies; when it returns None the caller runs its blocks per op, which still tak
   (:class:`CacheAccess`), so its cost does not grow with the context;
 - weight-only bf16 (:func:`use_bf16_weights`).
 
-The weight copies (fused, transposed, bf16) and the native blocks are kept per module by this module
+The weight copies (fused, transposed, bf16, packed) and the native blocks are kept per module by this module
 (:func:`weight_copies`, :func:`native_blocks`), built on first use and rebuilt whenever a source parameter
 changes (data pointer, version counter, dtype, device), so training in place stays correct. They are not
-buffers (never saved) and a deepcopy starts without them. They cost up to one extra copy of the weights.
+buffers (never saved) and a deepcopy starts without them. Decoding with the panel matmul keeps one packed copy
+of every weight; a prefill (F.linear over the fused q/k/v and gate/up weights) adds those fused copies, so up to
+two extra copies of the weights in all.
 """
 
 from __future__ import annotations
@@ -431,9 +433,8 @@ def native_block(block: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor,
     :func:`use_bf16_weights`."""
     attn, m = block.self_attn, block.mlp
     qkv = _copies(attn, "qkv")
-    layout = "B" if qkv.weight_dtype == torch.bfloat16 else "N"
-    if PANEL_KERNEL:
-        layout = "P" + layout.replace("N", "")
+    bf16 = qkv.weight_dtype == torch.bfloat16
+    layout = ("PB" if bf16 else "P") if PANEL_KERNEL else ("B" if bf16 else "N")
     ws = (qkv.get((attn.q_proj, attn.k_proj, attn.v_proj), layout), _copies(attn, "o").get((attn.o_proj,), layout),
           _copies(m, "gu").get((m.gate_proj, m.up_proj), layout), _copies(m, "down").get((m.down_proj,), layout))
     ln1, ln2 = block.input_layernorm.weight, block.post_attention_layernorm.weight

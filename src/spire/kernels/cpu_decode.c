@@ -466,12 +466,12 @@ static inline __attribute__((always_inline)) void ptile_##SUF(const float *restr
 }                                                                                                             \
                                                                                                               \
 static void prows_##SUF(const float *x, int64_t ldx, int64_t M, const WT *w, int64_t ps, int64_t nk, float *y, \
-                        int64_t ldy, int init) {                                                              \
+                        int64_t ldy, int first) {                                                             \
     for (int64_t m = 0; m < M; m += 3) {                                                                      \
         int64_t r = M - m < 3 ? M - m : 3;                                                                    \
-        if (r == 3) ptile_##SUF(x + m * ldx, ldx, w, ps, nk, y + m * ldy, ldy, 3, init);                      \
-        else if (r == 2) ptile_##SUF(x + m * ldx, ldx, w, ps, nk, y + m * ldy, ldy, 2, init);                 \
-        else ptile_##SUF(x + m * ldx, ldx, w, ps, nk, y + m * ldy, ldy, 1, init);                             \
+        if (r == 3) ptile_##SUF(x + m * ldx, ldx, w, ps, nk, y + m * ldy, ldy, 3, first);                      \
+        else if (r == 2) ptile_##SUF(x + m * ldx, ldx, w, ps, nk, y + m * ldy, ldy, 2, first);                 \
+        else ptile_##SUF(x + m * ldx, ldx, w, ps, nk, y + m * ldy, ldy, 1, first);                             \
     }                                                                                                         \
 }
 
@@ -861,20 +861,21 @@ static void rope_write(float *qkv, int64_t M, int64_t T, int64_t H, int64_t KV, 
  * slot: NULL (new keys/values go to cache entry pos[b, t]) or (B, T) cache entries to write instead (a ring
  * cache); mask: NULL (the position rule above over a dense cache) or (B, T, n_slots) uint8, nonzero where query
  * (b, t) may read cache entry j < n_slots (the rule is then not applied);
- * cos, sin: (M, D); ln1, ln2: (d,); wqkv ((H + 2 KV) D, d), wo (d, H D), wgu (2 F, d), wdown (d, F): row-major,
- * float32 (bf16 = 0) or bf16 (bf16 = 1), or the same packed by spire.kernels.pack_panels (bf16 | 2); kc, vc: the layer's cache, element [b, h, s, :] at b csb + h csh + s css;
+ * cos, sin: (M, D); ln1, ln2: (d,); wqkv ((H + 2 KV) D, d), wo (d, H D), wgu (2 F, d), wdown (d, F): wfmt bit 0
+ * = bf16 weights (else float32), bit 1 = packed by spire.kernels.pack_panels (else row-major);
+ * kc, vc: the layer's cache, element [b, h, s, :] at b csb + h csh + s css;
  * work: M (d + (H + 2 KV) D + H D + 2 F + d) floats of scratch. */
 int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const int64_t *pos, int64_t sink,
                        int64_t window, const int64_t *slot, const uint8_t *mask, int64_t n_slots,
                        const float *cos, const float *sin, const float *ln1,
                        const float *ln2, float eps, const void *wqkv, const void *wo, const void *wgu,
-                       const void *wdown, int bf16, int64_t d, int64_t H, int64_t KV, int64_t D, int64_t F,
+                       const void *wdown, int wfmt, int64_t d, int64_t H, int64_t KV, int64_t D, int64_t F,
                        float *kc, float *vc, int64_t csb, int64_t csh, int64_t css, float scale, float *work) {
     int64_t M = B * T, G = H / KV, NQ = (H + 2 * KV) * D;
     if (D % 8 || D > 256 || H % KV || G * T > ATT_MAX_ROWS) return -1;
     float *h = work, *qkv = h + M * d, *att = qkv + M * NQ, *gu = att + M * H * D, *tmp = gu + M * 2 * F;
     spire_rms_norm(x, d, ln1, h, M, d, eps);
-    gemm_any(bf16, h, d, M, d, wqkv, NQ, qkv, NQ);
+    gemm_any(wfmt, h, d, M, d, wqkv, NQ, qkv, NQ);
     rope_write(qkv, M, T, H, KV, D, 0, cos, sin, pos, slot, kc, vc, csb, csh, css);
     /* attention: one task per (b, kv head) with its G x T query rows */
 #pragma omp parallel for schedule(static)
@@ -920,12 +921,12 @@ int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const in
             for (int64_t i = 0; i < D; i++) att[o_off[r] + i] *= inv;
         }
     }
-    gemm_any(bf16, att, H * D, M, H * D, wo, d, xo, d);
+    gemm_any(wfmt, att, H * D, M, H * D, wo, d, xo, d);
     for (int64_t i = 0; i < M * d; i++) xo[i] += x[i];
     spire_rms_norm(xo, d, ln2, h, M, d, eps);
-    gemm_any(bf16, h, d, M, d, wgu, 2 * F, gu, 2 * F);
+    gemm_any(wfmt, h, d, M, d, wgu, 2 * F, gu, 2 * F);
     silu_mul(gu, M, F);
-    gemm_any(bf16, gu, 2 * F, M, F, wdown, d, tmp, d);
+    gemm_any(wfmt, gu, 2 * F, M, F, wdown, d, tmp, d);
     for (int64_t i = 0; i < M * d; i++) xo[i] += tmp[i];
     return 0;
 }
@@ -934,7 +935,7 @@ int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const in
  * ln1, the k and v rows of wqkv, RoPE on k), written into the cache at slot[m] (or pos[m]); arguments as
  * spire_decode_block's (work: M (d + (H + 2 KV) D) floats at least). Returns 0, or -1 for unsupported sizes. */
 int spire_block_kv(const float *x, int64_t B, int64_t T, const int64_t *pos, const int64_t *slot, const float *cos,
-                   const float *sin, const float *ln1, float eps, const void *wqkv, int bf16, int64_t d, int64_t H,
+                   const float *sin, const float *ln1, float eps, const void *wqkv, int wfmt, int64_t d, int64_t H,
                    int64_t KV, int64_t D, float *kc, float *vc, int64_t csb, int64_t csh, int64_t css, float *work) {
     int64_t M = B * T, NQ = (H + 2 * KV) * D;
     if (D % 8 || D > 256 || H % KV) return -1;
@@ -942,9 +943,9 @@ int spire_block_kv(const float *x, int64_t B, int64_t T, const int64_t *pos, con
     spire_rms_norm(x, d, ln1, h, M, d, eps);
     /* the k and v rows start H D rows in: H D * d elements into a row-major weight, and as many into a packed
      * one when H D is a multiple of its 32-column tiles (else the whole q/k/v product is computed) */
-    int64_t lo = (bf16 & 2) && (H * D) % PANEL_TILE ? 0 : H * D;
-    const void *wkv = (bf16 & 1) ? (const void *)((const uint16_t *)wqkv + lo * d) : (const void *)((const float *)wqkv + lo * d);
-    gemm_any(bf16, h, d, M, d, wkv, NQ - lo, qkv + lo, NQ);
+    int64_t lo = (wfmt & 2) && (H * D) % PANEL_TILE ? 0 : H * D;
+    const void *wkv = (wfmt & 1) ? (const void *)((const uint16_t *)wqkv + lo * d) : (const void *)((const float *)wqkv + lo * d);
+    gemm_any(wfmt, h, d, M, d, wkv, NQ - lo, qkv + lo, NQ);
     rope_write(qkv, M, T, H, KV, D, H, cos, sin, pos, slot, kc, vc, csb, csh, css);
     return 0;
 }
