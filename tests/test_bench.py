@@ -294,6 +294,17 @@ def test_bench_cli_smoke(tmp_path, monkeypatch, capsys, tiny):
     assert (tmp_path / "out" / "bench.json").is_file() and "## Goals" in (tmp_path / "out" / "BENCH.md").read_text()
 
 
+def _tiny_bench_json(out, capsys, *flags) -> dict:
+    """`spire bench --random-weights` at B = 1, L = 12 (random_target patched by the caller) with ``flags``:
+    the JSON it prints."""
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--random-weights", "--quick", "-B", "1", "-L", "12", "-G", "3", "--reps", "1", "--window", "4",
+              "--device", "cpu", "--threads", "1", *flags, "--out", str(out), "--format", "json"])
+    captured = capsys.readouterr()
+    assert (e.value.code or 0) == 0, captured.err
+    return json.loads(captured.out)
+
+
 def test_bench_cli_bf16_weights(tmp_path, monkeypatch, capsys, tiny):
     """`spire bench --weights bf16`: the target is rounded to bf16 weights, SD stays identical to AD, and the
     prediction counts 2 bytes per weight value (a smaller predicted t_AD than with 4)."""
@@ -304,15 +315,7 @@ def test_bench_cli_bf16_weights(tmp_path, monkeypatch, capsys, tiny):
     model = copy.deepcopy(tiny)
     monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(bench_run, "random_target", lambda dtype, device, seed=0: model)
-    outs = {}
-    for weights in ("fp32", "bf16"):
-        with pytest.raises(SystemExit) as e:
-            main(["bench", "--random-weights", "--quick", "-B", "1", "-L", "12", "-G", "3", "--reps", "1",
-                  "--window", "4", "--device", "cpu", "--threads", "1", "--weights", weights, "--out",
-                  str(tmp_path / weights), "--format", "json"])
-        captured = capsys.readouterr()
-        assert (e.value.code or 0) == 0, captured.err
-        outs[weights] = json.loads(captured.out)
+    outs = {w: _tiny_bench_json(tmp_path / w, capsys, "--weights", w) for w in ("fp32", "bf16")}
     assert (outs["fp32"]["weight_bytes"], outs["bf16"]["weight_bytes"]) == (4, 2)
     assert all(r["identical_to_ad"] for r in outs["bf16"]["rows"])
     t32, t16 = outs["fp32"]["rows"][0]["predicted_t_ad_s"], outs["bf16"]["rows"][0]["predicted_t_ad_s"]
@@ -320,6 +323,50 @@ def test_bench_cli_bf16_weights(tmp_path, monkeypatch, capsys, tiny):
     up = model.layers[0].mlp.up_proj.weight
     assert torch.equal(up, up.bfloat16().float()) and not torch.equal(up, tiny.layers[0].mlp.up_proj.weight)
     assert "weight-only bf16" in (tmp_path / "bf16" / "BENCH.md").read_text()
+
+
+def test_bench_cli_bf16_draft_weights(tmp_path, monkeypatch, capsys, tiny):
+    """`spire bench --draft-weights bf16` beside a float32 target: only the SPIRe draft's own weights are
+    rounded, SD stays identical to AD, the draft step is predicted at 2 bytes per weight value (MagicDec's,
+    the target's weights, and verify at 4), and BENCH.md says so; a bad value is one error line."""
+    import copy
+
+    import spire.bench.run as bench_run
+    from spire.commands import bench as bench_cmd
+
+    model = copy.deepcopy(tiny)
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(bench_run, "random_target", lambda dtype, device, seed=0: model)
+    drafts = []
+    real_draft = bench_cmd.SpireDraft
+    monkeypatch.setattr(bench_cmd, "SpireDraft", lambda m: drafts.append(m) or real_draft(m))
+    outs = {w: _tiny_bench_json(tmp_path / w, capsys, "--draft-weights", w) for w in ("fp32", "bf16")}
+    assert (outs["fp32"]["draft_weight_bytes"], outs["bf16"]["draft_weight_bytes"]) == (4, 2)
+    assert outs["bf16"]["weight_bytes"] == 4
+    assert all(r["identical_to_ad"] for r in outs["bf16"]["rows"])
+    rows = {(dw, r["draft"]): r for dw, o in outs.items() for r in o["rows"]}
+    assert rows["bf16", "spire"]["draft_weight_bytes"] == 2 and rows["bf16", "magicdec"]["draft_weight_bytes"] == 4
+    # the prediction: only the draft forward of a draft with its own weights is costed at 2 bytes
+    from spire.bench.run import predict, predict_split, shape_of
+    from spire.throughput.cost_model import CostOptions
+    shape = shape_of(tiny)
+    d_shape = bench_run.draft_kind_and_shape(real_draft(drafts[0]), tiny)[1]
+    opts = CostOptions(weight_bytes=4, kv_bytes=4, attention_flops=True, embeddings=True, window=4)
+    same = predict(shape, d_shape, "spire", 1, 64, 4, 5.0, 1e10, opts)
+    assert predict_split(shape, d_shape, "spire", 1, 64, 4, 5.0, 1e10, opts, opts) == same
+    half = predict_split(shape, d_shape, "spire", 1, 64, 4, 5.0, 1e10, opts, CostOptions(
+        weight_bytes=2, kv_bytes=4, attention_flops=True, embeddings=True, window=4))
+    assert (half["t_ad_s"], half["t_verify_s"]) == (same["t_ad_s"], same["t_verify_s"])
+    assert half["t_draft_s"] < same["t_draft_s"]
+    assert half["delta_t"] == pytest.approx((4 * half["t_draft_s"] + half["t_verify_s"]) / half["t_ad_s"])
+    up = model.layers[0].mlp.up_proj.weight
+    assert torch.equal(up, tiny.layers[0].mlp.up_proj.weight)  # the target stays float32
+    dup = drafts[-1].layers[0].mlp.up_proj.weight
+    assert torch.equal(dup, dup.bfloat16().float()) and not torch.equal(dup, drafts[0].layers[0].mlp.up_proj.weight)
+    assert "draft's own weights at 2 bytes per value" in (tmp_path / "bf16" / "BENCH.md").read_text()
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--random-weights", "--quick", "--draft-weights", "int4"])
+    assert e.value.code == 2
 
 
 def test_skinny_kernel_bf16_weights():

@@ -533,6 +533,10 @@ def generate(
         help="bf16: weight-only bf16 on the CPU (target and draft weights rounded to bf16 and streamed at half the "
              "bytes; float32 arithmetic). A slightly different model: compare with --weights bf16 --draft none.")]
     = "fp32",
+    draft_weights: Annotated[Optional[Literal["fp32", "float32", "bf16"]], typer.Option(
+        help="The SPIRe / vanilla draft's own weights (default: as --weights). bf16 beside a float32 target: the "
+             "draft streams half the bytes and the output stays the float32 target's (SD is lossless whatever "
+             "the draft computes).")] = None,
 ) -> None:
     """Generate with speculative decoding (lossless: greedy output equals --draft none)."""
     import torch
@@ -557,10 +561,12 @@ def generate(
         ids = [tokenizer(t).input_ids for t in texts]
     ids = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
     d = make_draft(draft, model, tokenizer, draft_path, window=window)
-    if weights == "bf16":
+    draft_bf16 = (draft_weights or weights) == "bf16"
+    own = [d.model] if draft_bf16 and getattr(d, "model", None) is not None else []  # a draft with own weights
+    if weights == "bf16" or own:
         from spire.model import use_bf16_weights
 
-        use_bf16_weights(model, getattr(d, "model", None))
+        use_bf16_weights(*([model] if weights == "bf16" else []), *own)
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     stopper = StopStrings(stop, tokenizer.decode) if stop else None
     res = run(model, ids, max_new_tokens, draft=d, k=k, params=params,
@@ -666,6 +672,10 @@ def bench(
     weights: Annotated[Literal["fp32", "bf16"], _OPT(help="bf16: weight-only bf16 on the CPU (fp32 dtype): weights "
                                                      "rounded and streamed at 2 bytes, predicted with 2 bytes per "
                                                      "weight value.")] = "fp32",
+    draft_weights: Annotated[Optional[Literal["fp32", "bf16"]], _OPT(
+        help="The SPIRe / vanilla draft's own weights (default: as --weights). bf16 beside a float32 target: the "
+             "draft streams half the bytes, the target stays exact (q is whatever the draft computes, so SD stays "
+             "lossless); MagicDec's draft is the target's weights.")] = None,
     device: Annotated[str, _OPT(help="auto (cuda when present), cpu, cuda, cuda:N.")] = "auto",
     threads: Annotated[Optional[int], _OPT(help="torch intra-op threads (default: torch's).")] = None,
     spire_draft: Annotated[Optional[str], _OPT(help="SPIRe draft .safetensors (default: the newest trained one in "
@@ -700,7 +710,8 @@ def bench(
 
     args = BenchArgs(Bs=_ints("-B", B) or None, Ls=_ints("-L", L) or None, k=k, G=G, reps=reps, contexts=contexts,
                      target=target,
-                     dtype=dtype, weights=weights, device=device, threads=threads, spire_draft=spire_draft, no_spire=no_spire,
+                     dtype=dtype, weights=weights, draft_weights=draft_weights, device=device, threads=threads,
+                     spire_draft=spire_draft, no_spire=no_spire,
                      vanilla_draft=vanilla_draft, sink=sink, window=window, calibration=calibration, out=out,
                      quick=quick, random_weights=random_weights, seed=seed, combine=combine, clock=clock)
     result, summary = run(args, log=lambda msg: typer.echo(msg, err=True))
@@ -709,7 +720,9 @@ def bench(
         typer.echo(json.dumps({**result, "summary": summary}))
     else:
         print_table(result, title=f"spire bench: {target}, {dtype}"
-                                  + (" (bf16 weights)" if weights == "bf16" else "") + f", {result['device']}")
+                                  + (" (bf16 weights)" if weights == "bf16" else "")
+                                  + (f" ({draft_weights} draft weights)" if draft_weights not in (None, weights) else "")
+                                  + f", {result['device']}")
     typer.echo(f"wrote {j} and {m}", err=True)
 
 

@@ -67,6 +67,10 @@ def markdown(result: dict[str, Any], summary: dict[str, Any]) -> str:
     lines = ["# spire bench: measured vs predicted throughput", ""]
     wb = result.get("weight_bytes")
     bf16w = " with weight-only bf16 (2 bytes per weight value)" if wb == 2 and result["dtype"] == "fp32" else ""
+    dwb = result.get("draft_weight_bytes", wb)
+    if dwb != wb:
+        bf16w += (f"; the SPIRe / vanilla draft's own weights at {dwb:g} bytes per value"
+                  + (" (bf16)" if dwb == 2 else ""))
     lines.append(f"Target `{result.get('target', '?')}`, dtype {result['dtype']}{bf16w}, device {result['device']}"
                  + (f" ({hw.get('device_name')})" if hw else "") + f", k = {cfg['k']}, G = {cfg['G']} tokens per "
                  f"row, MagicDec sink {cfg['sink']} + window {cfg['window']}, {cfg['reps']} timed reps per forward"

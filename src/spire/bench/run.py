@@ -20,7 +20,9 @@ one prefill is shared by every decoder (:func:`spire.speculative.prefill`, cache
   shapes (the target's, each draft's), B, L and k, on the calibrated hardware (HOI = measured matmul FLOP/s ÷
   measured read bandwidth) with real bytes per value (4 for fp32, 2 for bf16), the unembedding counted
   (SmolLM2's tied 49,152 × 576 head is a fifth of its weights), attention-score FLOPs counted and spire's
-  fixed sink + window draft cache; predicted multiplier = measured τ ÷ predicted Δt. The paper-convention
+  fixed sink + window draft cache (a draft with its own weights is costed at its own bytes per weight value,
+  ``draft_weight_bytes``: e.g. bf16 draft weights beside a float32 target); predicted multiplier = measured
+  τ ÷ predicted Δt. The paper-convention
   prediction (1 byte per value, HOI 600, body only, window L/8) and the prediction with the other
 ``combine`` ("sum": compute and memory traffic not overlapped at all) are kept in the JSON for reference.
 
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -156,6 +158,18 @@ def predict(target: ModelShape, draft: ModelShape, kind: str, B: int, L: int, k:
             "ad_memory_bound": (c.target.N + c.target.KV) * hoi >= c.target.C}
 
 
+def predict_split(target: ModelShape, draft: ModelShape, kind: str, B: int, L: int, k: int, hoi: float,
+                  flops_per_s: float | None, options: CostOptions, draft_options: CostOptions,
+                  combine: str = "max") -> dict[str, Any]:
+    """:func:`predict` with the draft forward costed under ``draft_options`` (its own bytes per weight value)
+    and the verify and AD forwards under ``options``; equal to :func:`predict` when both are the same."""
+    pred = predict(target, draft, kind, B, L, k, hoi, flops_per_s, options, combine)
+    if draft_options == options:
+        return pred
+    t_d = predict(target, draft, kind, B, L, k, hoi, flops_per_s, draft_options, combine)["t_draft_s"]
+    return {**pred, "t_draft_s": t_d, "delta_t": (k * t_d + pred["t_verify_s"]) / pred["t_ad_s"]}
+
+
 def _fmt_reason(row: dict[str, Any]) -> str:
     """One line on why SD wins or loses in a cell, from the measured parts."""
     if row.get("t_ad_s") is None:
@@ -173,7 +187,8 @@ def _fmt_reason(row: dict[str, Any]) -> str:
 def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tensor],
               drafts: dict[str, Draft], cfg: BenchConfig, hoi: float | None = None,
               flops_per_s: float | None = None, dtype_name: str = "fp32",
-              progress: Callable[[str], None] | None = None, weight_bytes: float | None = None) -> dict[str, Any]:
+              progress: Callable[[str], None] | None = None, weight_bytes: float | None = None,
+              draft_weight_bytes: float | None = None) -> dict[str, Any]:
     """Run the benchmark grid.
 
     Args:
@@ -185,6 +200,9 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
         dtype_name: the weights' and cache's dtype name for bytes per value ("fp32", "bf16", ...).
         weight_bytes: bytes per weight value when it differs from the dtype's (2 for weight-only bf16,
             :func:`spire.model.use_bf16_weights`); the KV cache keeps the dtype's.
+        draft_weight_bytes: bytes per weight value of the drafts with weights of their own (SPIRe, vanilla)
+            when they differ from the target's (e.g. 2: a float32 target with bf16 draft weights); None: the
+            target's. MagicDec's draft is the target's own weights.
     Returns:
         {"config", "rows": one dict per (B, L, draft) (see the module docstring for the fields),
          "ad": one dict per (B, L) with the AD run's tokens/s}.
@@ -227,12 +245,15 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
                             "contexts": B * cfg.contexts})
             for name, m in cell["drafts"].items():
                 kind, d_shape, sink, window = kinds[name]
+                d_bytes = (draft_weight_bytes or weight_bytes or bytes_per) if kind != "magicdec" else (
+                    weight_bytes or bytes_per)
                 opts = CostOptions(weight_bytes=weight_bytes or bytes_per, kv_bytes=bytes_per, attention_flops=True,
                                    embeddings=True,
                                    sink=sink, window=window)
-                pred = predict(t_shape, d_shape, kind, B, L, cfg.k, hoi_used, flops_per_s, opts, cfg.combine)
+                d_opts = replace(opts, weight_bytes=d_bytes)
                 other = "sum" if cfg.combine == "max" else "max"
-                alt = predict(t_shape, d_shape, kind, B, L, cfg.k, hoi_used, flops_per_s, opts, other)
+                pred, alt = (predict_split(t_shape, d_shape, kind, B, L, cfg.k, hoi_used, flops_per_s, opts, d_opts, c)
+                             for c in (cfg.combine, other))
                 paper = predict(t_shape, d_shape, kind, B, L, cfg.k, PAPER_HOI, None, CostOptions(), "max")
                 dt_meas = (cfg.k * m["t_draft"] + cell["t_verify"]) / cell["t_ad"]
                 mult_meas = m["sd_tps"] / cell["ad_tps"] if cell["ad_tps"] else None
@@ -254,12 +275,13 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
                     "delta_t_paper_conventions": paper["delta_t"],
                     "identical_to_ad": m["identical"],
                     "contexts": B * cfg.contexts,
+                    "draft_weight_bytes": d_bytes,
                 }  # fmt: skip
                 row["note"] = _fmt_reason(row)
                 rows.append(row)
             state = None  # free the prefill
     return {"config": asdict(cfg), "hoi": hoi_used, "flops_per_s": flops_per_s, "dtype": dtype_name,
-            "weight_bytes": weight_bytes or bytes_per,
+            "weight_bytes": weight_bytes or bytes_per, "draft_weight_bytes": draft_weight_bytes or weight_bytes or bytes_per,
             "device": str(dev), "rows": rows, "ad": ad_rows}
 
 

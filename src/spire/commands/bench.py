@@ -38,6 +38,7 @@ class BenchArgs:
     target: str = "smollm2-135m"
     dtype: str = "fp32"
     weights: str = "fp32"  # "bf16": weight-only bf16 (CPU, fp32 dtype)
+    draft_weights: str | None = None  # SPIRe / vanilla weights: "fp32" or "bf16"; None: as ``weights``
     device: str = "auto"
     threads: int | None = None
     spire_draft: str | None = None
@@ -130,8 +131,11 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
     device = resolve_device(args.device)
     if args.weights not in ("fp32", "bf16"):
         raise ConfigError(f"--weights must be fp32 or bf16, got {args.weights!r}")
-    if args.weights == "bf16" and (args.dtype != "fp32" or device.type != "cpu"):
-        raise ConfigError("--weights bf16 is weight-only bf16 for --dtype fp32 on the CPU "
+    draft_weights = args.weights if args.draft_weights is None else args.draft_weights
+    if draft_weights not in ("fp32", "bf16"):
+        raise ConfigError(f"--draft-weights must be fp32 or bf16, got {draft_weights!r}")
+    if "bf16" in (args.weights, draft_weights) and (args.dtype != "fp32" or device.type != "cpu"):
+        raise ConfigError("--weights / --draft-weights bf16 is weight-only bf16 for --dtype fp32 on the CPU "
                           "(on a GPU use --dtype bf16)")
     cal = get_calibration(args.calibration, device, args.dtype, args.quick, log)
     if args.random_weights:
@@ -156,11 +160,19 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
 
         def contexts_for(L: int, n: int) -> torch.Tensor:
             return data.heldout_contexts(L, cfg.G, n, seed=cfg.seed)[:, :L]
-    weight_bytes = None
+    weight_bytes = draft_weight_bytes = None
+    own = [d.model for d in drafts.values() if getattr(d, "model", None) is not None]  # drafts with own weights
     if args.weights == "bf16":
-        use_bf16_weights(target, *(getattr(d, "model", None) for d in drafts.values()))
+        use_bf16_weights(target, *(own if draft_weights == "bf16" else []))
         weight_bytes = 2.0
-        log("weight-only bf16: target and draft weights rounded to bf16, streamed at 2 bytes per value")
+        log("weight-only bf16: target" + (" and draft" if draft_weights == "bf16" else "") + " weights rounded to "
+            "bf16, streamed at 2 bytes per value" + ("" if draft_weights == "bf16" else "; draft weights float32"))
+    elif draft_weights == "bf16":
+        use_bf16_weights(*own)
+        log("draft weights bf16: the SPIRe / vanilla draft weights rounded to bf16 and streamed at 2 bytes per "
+            "value; the target stays float32 (SD stays lossless: q is what the draft samples from)")
+    if draft_weights != args.weights:
+        draft_weight_bytes = 2.0 if draft_weights == "bf16" else 4.0
     longest = max(cfg.Ls) + cfg.G + cfg.k + 1
     if longest > target.cfg.max_positions:
         raise ConfigError(f"L={max(cfg.Ls)} + G={cfg.G} + k+1={cfg.k + 1} exceeds the target's "
@@ -168,7 +180,8 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
 
     hw = cal.hardware(args.dtype)
     result = run_bench(target, contexts_for, drafts, cfg, hoi=hw.hoi(args.dtype), flops_per_s=hw.flops_for(args.dtype),
-                       dtype_name=args.dtype, progress=log, weight_bytes=weight_bytes)
+                       dtype_name=args.dtype, progress=log, weight_bytes=weight_bytes,
+                       draft_weight_bytes=draft_weight_bytes)
     result.update(target=str(args.target) + (" (random weights)" if args.random_weights else ""),
                   folder=None if folder is None else str(folder), calibration=cal.to_dict(), skipped=skipped,
                   drafts=sources,

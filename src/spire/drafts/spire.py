@@ -355,7 +355,7 @@ class SpireDraftModel(nn.Module):
         kd: list[list[torch.Tensor]] = [[] for _ in self.layers]  # draft memory of earlier passes
         vd: list[list[torch.Tensor]] = [[] for _ in self.layers]
         starts = torch.arange(0, T, k, device=dev)  # (T/k,) first position of each block
-        out = torch.empty(B, T, self.n_vocab, device=dev)
+        outs: list[torch.Tensor] = []  # pass j's logits (B, T/k, N), positions starts + j
         blocks = torch.arange(len(starts), device=dev)
         feature = None  # (B, T/k, d) the previous position's feature (feature_input)
         mismatch = torch.zeros((), device=dev)
@@ -386,7 +386,7 @@ class SpireDraftModel(nn.Module):
             if match_hidden:
                 mismatch = mismatch + sum(self.hidden_mismatch(xs[i], target_hidden[self.source_layers[i]][:, q_pos])
                                           for i in range(1, len(self.layers)))
-            out[:, q_pos] = self.logits(x)
+            outs.append(self.logits(x))
             if self.feature_proj is not None:  # the next pass reads this position's feature: the draft's own
                 feature = xs[self.feature_from]
             if j < k - 1:
@@ -395,6 +395,7 @@ class SpireDraftModel(nn.Module):
                     kk, vv = self.memory_kv(i, mem[i], cos, sin)
                     kd[i].append(kk)
                     vd[i].append(vv)
+        out = torch.stack(outs, 2).view(B, T, -1)  # (B, T/k, k, N): block b's pass j is position b·k + j
         if match_hidden:
             return out, mismatch / (k * (len(self.layers) - 1))
         return out

@@ -125,6 +125,8 @@ def load() -> ctypes.CDLL | None:
                                        + [P, P, I, I, I, P])
         lib.spire_set_avx512.restype = ctypes.c_int
         lib.spire_set_avx512.argtypes = [ctypes.c_int]
+        lib.spire_mixed_loss.restype = ctypes.c_int
+        lib.spire_mixed_loss.argtypes = [P, P, I, I, ctypes.c_float, P, P, P]
         if os.environ.get("SPIRE_AVX512", "1") in ("0", "off", "false", "no"):
             lib.spire_set_avx512(0)
         _LIB = lib
@@ -212,6 +214,29 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor 
     y = torch.empty(M, n, dtype=torch.float32)
     gemm(x.data_ptr(), x.stride(0), M, K, packed.data_ptr(), n, y.data_ptr(), n)
     return y
+
+
+def mixed_loss_rows(z: torch.Tensor, logp: torch.Tensor, omega: float
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """MixedLoss(omega) per row in one native pass (cpu_decode.c, "MixedLoss rows"; the formulas of
+    :class:`spire.training.losses._MixedLoss`): draft logits z and the target's log-probabilities logp, both
+    (n, N) float32 contiguous CPU -> (grad (n, N) float32: d(omega·distill − (1 − omega)·alpha)/dz of each
+    row, distill (n,) float64: −Σ p log q, alpha (n,) float64: Σ min(p, q)). None when the kernel does not
+    apply (the caller computes it with torch)."""
+    if (z.dim() != 2 or z.shape != logp.shape or z.numel() == 0 or z.dtype != torch.float32
+            or logp.dtype != torch.float32 or z.device.type != "cpu" or logp.device.type != "cpu"
+            or not z.is_contiguous() or not logp.is_contiguous()):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    n, N = z.shape
+    grad = torch.empty_like(z)
+    distill, alpha = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
+    if lib.spire_mixed_loss(z.data_ptr(), logp.data_ptr(), n, N, float(omega), grad.data_ptr(), distill.data_ptr(),
+                            alpha.data_ptr()):
+        return None
+    return grad, distill, alpha
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

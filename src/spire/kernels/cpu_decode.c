@@ -23,6 +23,7 @@
  * Summation order differs from BLAS: results agree to float32 rounding (about 1e-6 relative); with bf16
  * weights, to float32 rounding of the product with the bf16 values (the widening is exact).
  */
+#include <math.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <stddef.h>
@@ -947,5 +948,98 @@ int spire_block_kv(const float *x, int64_t B, int64_t T, const int64_t *pos, con
     const void *wkv = (wfmt & 1) ? (const void *)((const uint16_t *)wqkv + lo * d) : (const void *)((const float *)wqkv + lo * d);
     gemm_any(wfmt, h, d, M, d, wkv, NQ - lo, qkv + lo, NQ);
     rope_write(qkv, M, T, H, KV, D, H, cos, sin, pos, slot, kc, vc, csb, csh, css);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------
+ * MixedLoss rows (spire.training.losses._MixedLoss, SPIRe paper §3.6) in one pass per row: with z a row of N
+ * draft logits, q = softmax(z), log p a row of the target's log-probabilities over the same N tokens, omega w,
+ * S_p = sum p and m_i = 1[q_i < p_i] (1/2 at q_i = p_i, torch.minimum's gradient):
+ *
+ *   distill[r] = -sum_i p_i log q_i        alpha[r] = sum_i min(p_i, q_i)
+ *   grad[r, j] = q_j (w S_p + (1 - w) sum_i m_i q_i) - w p_j - (1 - w) m_j q_j
+ *
+ * grad is d(w distill - (1 - w) alpha)/dz of the row (the caller scales it by the upstream gradient / rows).
+ * Three passes over the row (max; the sum of exp; q = exp(log q), p and the sums), a fourth writes grad; exp
+ * is decode attention's exp256 (Cephes' polynomial, ~1 ulp), flushed to 0 below float range; log q = (z - max) -
+ * log(sum), as log_softmax. z, logp, grad: (n, N) contiguous;
+ * distill, alpha: n doubles. Parallel over rows. */
+static inline __m256 exp256_flush(__m256 x) {  /* exp256 (decode attention's), 0 below exp's float range */
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.3365447505531f), _CMP_LT_OQ), exp256(x));
+}
+
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+static inline float exp1_flush(float x) {  /* exp256_flush of one value (row tails) */
+    float v[8];
+    _mm256_storeu_ps(v, exp256_flush(_mm256_set1_ps(x)));
+    return v[0];
+}
+
+int spire_mixed_loss(const float *z, const float *logp, int64_t n, int64_t N, float w, float *grad,
+                     double *distill, double *alpha) {
+    if (N < 1) return -1;
+    int64_t N8 = N - N % 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const float *zr = z + r * N, *lr = logp + r * N;
+        float *g = grad + r * N;
+        __m256 vm = _mm256_set1_ps(-__builtin_inff());
+        float mx = -__builtin_inff();
+        for (int64_t i = 0; i < N8; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(zr + i));
+        float t[8];
+        _mm256_storeu_ps(t, vm);
+        for (int c = 0; c < 8; c++) mx = t[c] > mx ? t[c] : mx;
+        for (int64_t i = N8; i < N; i++) mx = zr[i] > mx ? zr[i] : mx;
+        __m256 vmx = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
+        for (int64_t i = 0; i < N8; i += 8)  /* S = sum exp(z - max) */
+            vs = _mm256_add_ps(vs, exp256_flush(_mm256_sub_ps(_mm256_loadu_ps(zr + i), vmx)));
+        float s = hsum256(vs);
+        for (int64_t i = N8; i < N; i++) s += exp1_flush(zr[i] - mx);
+        float ls = logf(s);  /* log q = (z - max) - log S, in that order (log_softmax's rounding) */
+        __m256 vls = _mm256_set1_ps(ls), half = _mm256_set1_ps(0.5f);
+        __m256 ad = _mm256_setzero_ps(), asp = ad, amn = ad, amq = ad;
+        for (int64_t i = 0; i < N8; i += 8) {  /* q = exp(log q), p and the row's sums */
+            __m256 lq = _mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(zr + i), vmx), vls);
+            __m256 q = exp256_flush(lq);
+            __m256 p = exp256_flush(_mm256_loadu_ps(lr + i));
+            ad = _mm256_fmadd_ps(p, lq, ad);
+            asp = _mm256_add_ps(asp, p);
+            amn = _mm256_add_ps(amn, _mm256_min_ps(p, q));
+            __m256 m = _mm256_add_ps(_mm256_and_ps(_mm256_cmp_ps(q, p, _CMP_LT_OQ), _mm256_set1_ps(1.0f)),
+                                     _mm256_and_ps(_mm256_cmp_ps(q, p, _CMP_EQ_OQ), half));
+            amq = _mm256_fmadd_ps(m, q, amq);
+            _mm256_storeu_ps(g + i, q);
+        }
+        float d = hsum256(ad), sp = hsum256(asp), mn = hsum256(amn), mq = hsum256(amq);
+        for (int64_t i = N8; i < N; i++) {
+            float lq = (zr[i] - mx) - ls;
+            float q = exp1_flush(lq), p = exp1_flush(lr[i]), m = q < p ? 1.0f : (q == p ? 0.5f : 0.0f);
+            d += p * lq;
+            sp += p;
+            mn += p < q ? p : q;
+            mq += m * q;
+            g[i] = q;
+        }
+        float c = w * sp + (1.0f - w) * mq;
+        __m256 vc = _mm256_set1_ps(c), vw = _mm256_set1_ps(w), vw1 = _mm256_set1_ps(1.0f - w);
+        for (int64_t i = 0; i < N8; i += 8) {  /* grad = q c - w p - (1 - w) m q */
+            __m256 q = _mm256_loadu_ps(g + i), p = exp256_flush(_mm256_loadu_ps(lr + i));
+            __m256 m = _mm256_add_ps(_mm256_and_ps(_mm256_cmp_ps(q, p, _CMP_LT_OQ), _mm256_set1_ps(1.0f)),
+                                     _mm256_and_ps(_mm256_cmp_ps(q, p, _CMP_EQ_OQ), half));
+            __m256 o = _mm256_fnmadd_ps(vw, p, _mm256_mul_ps(q, vc));
+            _mm256_storeu_ps(g + i, _mm256_fnmadd_ps(_mm256_mul_ps(vw1, m), q, o));
+        }
+        for (int64_t i = N8; i < N; i++) {
+            float q = g[i], p = exp1_flush(lr[i]), m = q < p ? 1.0f : (q == p ? 0.5f : 0.0f);
+            g[i] = q * c - w * p - (1.0f - w) * m * q;
+        }
+        distill[r] = -(double)d;
+        alpha[r] = (double)mn;
+    }
     return 0;
 }

@@ -20,6 +20,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from spire import kernels
+
+LOSS_KERNEL = True
+"""MixedLoss through the native row kernel (:func:`spire.kernels.mixed_loss_rows`) where it applies (float32 CPU);
+False: the torch implementation below (the same formulas)."""
+
 
 @dataclass
 class LossTerms:
@@ -35,7 +41,8 @@ def mixed_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, omega: f
 
 class _MixedLoss(torch.autograd.Function):
     """MixedLoss(omega) over rows of draft logits z (n, N) against target log-probabilities (n, N), with the
-    gradient worked by hand (a few passes over the (n, N) arrays instead of autograd's dozen). With
+    gradient worked by hand (a few passes over the (n, N) arrays instead of autograd's dozen; with the native
+    kernel the forward computes each row's gradient and the backward scales it). With
     q = softmax(z), S_p = Σ_i p_i, m_i = 1[q_i < p_i] (1/2 at q_i = p_i, as torch.minimum's gradient):
 
         d/dz_j −Σ_i p_i log q_i = q_j S_p − p_j;   d/dz_j Σ_i min(p_i, q_i) = m_j q_j − q_j Σ_i m_i q_i.
@@ -43,9 +50,18 @@ class _MixedLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, z: torch.Tensor, logp: torch.Tensor, omega: float):
+        n = z.numel() // z.shape[-1]
+        fused = kernels.mixed_loss_rows(z, logp, omega) if LOSS_KERNEL and z.dim() == 2 else None
+        if fused is not None:  # the row gradient is computed here, the backward only scales it
+            grad, d_rows, a_rows = fused
+            distill, alpha = (d_rows.sum() / n).float(), (a_rows.sum() / n).float()
+            ctx.save_for_backward(grad)
+            ctx.fused, ctx.n = True, n
+            ctx.mark_non_differentiable(distill, alpha)
+            return omega * distill - (1 - omega) * alpha, distill, alpha
+        ctx.fused = False
         log_q = F.log_softmax(z, -1)
         q, p = log_q.exp(), logp.exp()
-        n = z.numel() // z.shape[-1]
         distill = (p * log_q).sum().neg_() / n
         alpha = torch.minimum(p, q).sum() / n
         ctx.save_for_backward(q, p)
@@ -55,6 +71,9 @@ class _MixedLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: torch.Tensor, _g_distill, _g_alpha):
+        if ctx.fused:
+            (grad,) = ctx.saved_tensors
+            return grad * (g / ctx.n), None, None
         q, p = ctx.saved_tensors
         w = ctx.omega
         mq = (q < p).to(q.dtype).add_((q == p).to(q.dtype), alpha=0.5).mul_(q)
@@ -68,7 +87,10 @@ def mixed_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor, omega
     tokens (N = V, or a draft vocabulary; the target's p normalized over its full vocabulary, so that p sums
     to at most 1 over the N tokens). Returns the loss and its parts (means over positions). The gradient flows
     to draft_logits only (the target is the teacher); it equals :func:`mixed_loss_logp_reference`'s to float32
-    rounding and costs about 0.8× its time."""
+    rounding. On float32 CPU tensors it runs through the native row kernel (:data:`LOSS_KERNEL`; one pass per
+    row for the loss and its gradient: 0.1 s against 0.4 s for the torch formulas over 1,024 × 16,384 logits
+    on one Zen 2 core), else through the torch formulas of :class:`_MixedLoss` (about 0.8× the reference's
+    time)."""
     N = draft_logits.shape[-1]
     loss, distill, alpha = _MixedLoss.apply(draft_logits.float().reshape(-1, N),
                                             target_logp.detach().float().reshape(-1, N), omega)

@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,8 +79,22 @@ class TeacherBatch:
             raise ConfigError("this batch carries no teacher distribution (the loss did not ask for one)")
         if vocab is None and self.logits is not None:
             return self.logits - self.logz[..., None]
-        w = target.lm_head.weight if vocab is None else target.lm_head.weight[vocab]
+        w = target.lm_head.weight if vocab is None else vocab_rows(target.lm_head.weight, vocab)
         return head_logits(self.final, w) - self.logz[..., None]
+
+
+_ROWS: tuple | None = None  # (weakref to weight, its version, weakref to ids, their version, rows)
+
+
+def vocab_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``weight[ids]`` (N, d) for a frozen head (V, d) and a draft vocabulary's ids (N,), kept from one call to
+    the next while both tensors live unchanged (the same rows were gathered anew on every training step)."""
+    global _ROWS
+    c = _ROWS
+    if (c is None or c[0]() is not weight or c[1] != weight._version or c[2]() is not ids
+            or c[3] != ids._version):
+        c = _ROWS = (weakref.ref(weight), weight._version, weakref.ref(ids), ids._version, weight[ids].detach())
+    return c[4]
 
 
 def head_logits(final: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
