@@ -140,6 +140,23 @@ def test_calibrate_quick_and_roundtrip(tmp_path):
         load_calibration(tmp_path / "bad.json")
 
 
+def test_get_calibration_keeps_the_other_dtypes(tmp_path, monkeypatch):
+    """A bench in a dtype the saved calibration lacks measures it and saves both: the saved fp32 entry is kept
+    (it was overwritten before, losing a calibration that took minutes)."""
+    import spire.commands.bench as bench_cmd
+
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path))
+    saved = Calibration("cpu", bench_cmd.cached_calibration.__globals__["device_name"](torch.device("cpu")),
+                        {"fp32": {"matmul_flops": 1e11, "bandwidth": 2e10}}, created="2026-01-01T00:00:00")
+    saved.save()
+    fresh = Calibration("cpu", saved.device_name, {"bf16": {"matmul_flops": 3e11, "bandwidth": 2e10}})
+    monkeypatch.setattr(bench_cmd, "calibrate", lambda dtypes, device, quick, log: fresh)
+    cal = bench_cmd.get_calibration(None, torch.device("cpu"), "bf16", False, lambda m: None)
+    assert set(cal.dtypes) == {"fp32", "bf16"} and cal.notes["kept_from"] == {"fp32": "2026-01-01T00:00:00"}
+    again = bench_cmd.cached_calibration(torch.device("cpu"))
+    assert again.dtypes["fp32"]["matmul_flops"] == 1e11 and again.dtypes["bf16"]["matmul_flops"] == 3e11
+
+
 def _cal_file(tmp_path):
     cal = Calibration("cpu", "test chip", {"fp32": {"matmul_flops": 1e11, "bandwidth": 2e10},
                                            "bf16": {"matmul_flops": 4e11, "bandwidth": 2e10}}, memory_bytes=64e9)
@@ -328,7 +345,8 @@ def test_bench_cli_bf16_weights(tmp_path, monkeypatch, capsys, tiny):
 def test_bench_cli_bf16_draft_weights(tmp_path, monkeypatch, capsys, tiny):
     """`spire bench --draft-weights bf16` beside a float32 target: only the SPIRe draft's own weights are
     rounded, SD stays identical to AD, the draft step is predicted at 2 bytes per weight value (MagicDec's,
-    the target's weights, and verify at 4), and BENCH.md says so; a bad value is one error line."""
+    the target's weights, and verify at 4), and BENCH.md says so; without such a draft the option does nothing;
+    bad values are refused."""
     import copy
 
     import spire.bench.run as bench_run
@@ -364,9 +382,25 @@ def test_bench_cli_bf16_draft_weights(tmp_path, monkeypatch, capsys, tiny):
     dup = drafts[-1].layers[0].mlp.up_proj.weight
     assert torch.equal(dup, dup.bfloat16().float()) and not torch.equal(dup, drafts[0].layers[0].mlp.up_proj.weight)
     assert "draft's own weights at 2 bytes per value" in (tmp_path / "bf16" / "BENCH.md").read_text()
-    with pytest.raises(SystemExit) as e:
+    # a draft vocabulary's head (not a submodule) is rounded too: every path, any number of rows, the same model
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+    from spire.fastpath import use_bf16_weights
+    small = SpireDraftModel(tiny, SpireConfig(n_draft_layers=1, vocab_size=20), vocab=torch.arange(20) * 3)
+    before = small.head().weight.clone()
+    use_bf16_weights(small)
+    head = small.head().weight
+    assert torch.equal(head, before.bfloat16().float()) and not torch.equal(head, before)
+    assert torch.equal(tiny.lm_head.weight[small.vocab], before)  # the target's head stays float32
+    # no draft with weights of its own: nothing rounded, nothing priced at 2 bytes
+    none = _tiny_bench_json(tmp_path / "none", capsys, "--no-spire", "--draft-weights", "bf16")
+    assert none["draft_weight_bytes"] == 4 and [r["draft"] for r in none["rows"]] == ["magicdec"]
+    with pytest.raises(SystemExit) as e:  # Typer refuses a value outside the choices (its usage block, exit 2)
         main(["bench", "--random-weights", "--quick", "--draft-weights", "int4"])
     assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--random-weights", "--quick", "--dtype", "bf16", "--draft-weights", "fp32"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith("error: --draft-weights applies to --dtype fp32")
 
 
 def test_skinny_kernel_bf16_weights():

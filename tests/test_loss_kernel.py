@@ -82,3 +82,37 @@ def test_mixed_loss_kernel_refuses_what_it_does_not_handle():
     assert kernels.mixed_loss_rows(z, z[:, :4], 0.5) is None
     assert kernels.mixed_loss_rows(z.t(), z.t(), 0.5) is None  # not contiguous
     assert kernels.mixed_loss_rows(z[None], z[None], 0.5) is None
+
+
+@pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels.unavailable_reason()}")
+def test_mixed_loss_kernel_sums_hold_at_a_full_vocabulary():
+    """Over a 49,152-token row (SmolLM2's whole vocabulary) the row sums keep float64-level digits (float32
+    lanes flushed into doubles): distill and alpha within 2e-6 of a float64 computation; and the loss-only
+    call (no_grad, evaluation) gives the same values without a gradient."""
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(4, 49152, generator=g) * 3
+    logp = torch.log_softmax(torch.randn(4, 49152, generator=g) * 3, -1)
+    z64, p64 = z.double(), logp.double().exp()
+    q64 = torch.softmax(z64, -1)
+    distill64 = float(-(p64 * torch.log_softmax(z64, -1)).sum(-1).mean())
+    alpha64 = float(torch.minimum(p64, q64).sum(-1).mean())
+    terms = losses.mixed_loss_logp(z.clone().requires_grad_(True), logp, 0.5)
+    assert terms.distill == pytest.approx(distill64, rel=2e-6) and terms.alpha == pytest.approx(alpha64, rel=2e-6)
+    with torch.no_grad():
+        again = losses.mixed_loss_logp(z, logp, 0.5)
+    assert (again.distill, again.alpha) == (terms.distill, terms.alpha)
+    grad, d_rows, a_rows = kernels.mixed_loss_rows(z, logp, 0.5, grad=False)
+    assert grad is None and float(d_rows.mean()) == pytest.approx(distill64, rel=2e-6)
+
+
+def test_teacher_head_rows_are_gathered_once_per_weight_version():
+    from spire.training.sources import vocab_rows
+
+    w, ids = torch.randn(50, 8), torch.tensor([3, 1, 4, 9])
+    first = vocab_rows(w, ids)
+    assert torch.equal(first, w[ids]) and vocab_rows(w, ids) is first
+    with torch.no_grad():
+        w.mul_(2.0)  # an in-place change (a load, bf16 rounding) bumps the version: gathered anew
+    assert torch.equal(vocab_rows(w, ids), w[ids])
+    other = torch.tensor([0, 2])
+    assert torch.equal(vocab_rows(w, other), w[other])

@@ -531,7 +531,8 @@ def generate(
     = "text",
     weights: Annotated[Literal["fp32", "float32", "bf16"], typer.Option(
         help="bf16: weight-only bf16 on the CPU (target and draft weights rounded to bf16 and streamed at half the "
-             "bytes; float32 arithmetic). A slightly different model: compare with --weights bf16 --draft none.")]
+             "bytes; float32 arithmetic; the draft's: see --draft-weights). A slightly different model: compare "
+             "with --weights bf16 --draft none.")]
     = "fp32",
     draft_weights: Annotated[Optional[Literal["fp32", "float32", "bf16"]], typer.Option(
         help="The SPIRe / vanilla draft's own weights (default: as --weights). bf16 beside a float32 target: the "
@@ -563,6 +564,8 @@ def generate(
     d = make_draft(draft, model, tokenizer, draft_path, window=window)
     draft_bf16 = (draft_weights or weights) == "bf16"
     own = [d.model] if draft_bf16 and getattr(d, "model", None) is not None else []  # a draft with own weights
+    if draft_weights is not None and getattr(d, "model", None) is None:
+        typer.echo(f"note: --draft-weights ignored: the {draft} draft has no weights of its own", err=True)
     if weights == "bf16" or own:
         from spire.model import use_bf16_weights
 
@@ -721,7 +724,10 @@ def bench(
     else:
         print_table(result, title=f"spire bench: {target}, {dtype}"
                                   + (" (bf16 weights)" if weights == "bf16" else "")
-                                  + (f" ({draft_weights} draft weights)" if draft_weights not in (None, weights) else "")
+                                  + (" (bf16 draft weights)" if result.get("draft_weight_bytes") == 2
+                                     and result.get("weight_bytes") != 2 else
+                                     " (fp32 draft weights)" if result.get("draft_weight_bytes") == 4
+                                     and result.get("weight_bytes") == 2 else "")
                                   + f", {result['device']}")
     typer.echo(f"wrote {j} and {m}", err=True)
 

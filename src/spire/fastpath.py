@@ -235,6 +235,11 @@ def unembed(h: torch.Tensor, head: nn.Linear, owner: nn.Module) -> torch.Tensor:
     return linear(h, (head,), owner, "head").float()
 
 
+def bf16_weights(module: nn.Module) -> bool:
+    """Whether :func:`use_bf16_weights` rounded ``module`` (its decoding matmuls stream bf16 copies)."""
+    return _state(module).weight_dtype == torch.bfloat16
+
+
 def use_bf16_weights(*modules: nn.Module | None) -> int:
     """Weight-only bf16 for float32 CPU inference: round every ``nn.Linear`` and ``nn.Embedding`` weight of
     the ``modules`` (targets or drafts; None entries are skipped) to the nearest bf16 value, in place, and let

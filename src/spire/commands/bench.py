@@ -77,7 +77,8 @@ def set_threads(threads: int | None) -> None:
 def get_calibration(path: Path | None, device: torch.device, dtype: str, quick: bool,
                     log: Callable[[str], None]) -> Calibration:
     """The calibration to predict with: ``path``; else the cached one of this device (if it has ``dtype``);
-    else a fresh one for ``dtype`` (quick when ``quick``), saved to the cache unless quick."""
+    else a fresh one for ``dtype`` (quick when ``quick``), saved to the cache unless quick (with the other dtypes
+    of the saved one kept, where it was a full calibration; ``notes["kept_from"]`` says when those were measured)."""
     if path is not None:
         cal = load_calibration(path)
         cal.hardware(dtype)  # ConfigError when the dtype is missing
@@ -87,8 +88,14 @@ def get_calibration(path: Path | None, device: torch.device, dtype: str, quick: 
         log(f"calibration: cached {cal.device_name} ({cal.created})")
         return cal
     log(f"calibration: measuring {dtype} on {device} (`spire bench calibrate` saves one to reuse)")
+    old = cal
     cal = calibrate([dtype], device, quick=quick, log=log)
     if not quick:
+        if old is not None and not old.quick:  # keep the other dtypes of the saved calibration
+            kept = {k: v for k, v in old.dtypes.items() if k != dtype}
+            if kept:
+                cal.dtypes = {**kept, **cal.dtypes}
+                cal.notes = {**cal.notes, "kept_from": {k: old.created for k in kept}}
         log(f"calibration saved to {cal.save()}")
     return cal
 
@@ -134,6 +141,11 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
     draft_weights = args.weights if args.draft_weights is None else args.draft_weights
     if draft_weights not in ("fp32", "bf16"):
         raise ConfigError(f"--draft-weights must be fp32 or bf16, got {draft_weights!r}")
+    if args.draft_weights is not None and args.dtype != "fp32":
+        if args.draft_weights != args.dtype:
+            raise ConfigError(f"--draft-weights applies to --dtype fp32 (with --dtype {args.dtype} every draft is "
+                              f"{args.dtype})")
+        draft_weights = args.weights  # --dtype bf16 --draft-weights bf16: the draft is bf16 already
     if "bf16" in (args.weights, draft_weights) and (args.dtype != "fp32" or device.type != "cpu"):
         raise ConfigError("--weights / --draft-weights bf16 is weight-only bf16 for --dtype fp32 on the CPU "
                           "(on a GPU use --dtype bf16)")
@@ -147,6 +159,10 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
                    "draft is an untrained pruned copy", "vanilla: not with --random-weights"]
         sources = {"magicdec": f"target over sink {args.sink} + window {args.window}",
                    "spire": f"untrained pruned copy of the last {n_draft} layers"}
+        if args.no_spire:  # honoured here too (it was ignored with --random-weights)
+            drafts.pop("spire")
+            sources.pop("spire")
+            skipped[0] = "spire: --no-spire"
         log(f"random-weights {args.target}-shaped target: timings only")
         gen = torch.Generator().manual_seed(cfg.seed)
 
@@ -167,11 +183,13 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
         weight_bytes = 2.0
         log("weight-only bf16: target" + (" and draft" if draft_weights == "bf16" else "") + " weights rounded to "
             "bf16, streamed at 2 bytes per value" + ("" if draft_weights == "bf16" else "; draft weights float32"))
-    elif draft_weights == "bf16":
+    elif draft_weights == "bf16" and own:
         use_bf16_weights(*own)
         log("draft weights bf16: the SPIRe / vanilla draft weights rounded to bf16 and streamed at 2 bytes per "
             "value; the target stays float32 (SD stays lossless: q is what the draft samples from)")
-    if draft_weights != args.weights:
+    if draft_weights != args.weights and not own:
+        log("--draft-weights: no SPIRe or vanilla draft in this run (MagicDec's draft is the target): ignored")
+    elif draft_weights != args.weights:
         draft_weight_bytes = 2.0 if draft_weights == "bf16" else 4.0
     longest = max(cfg.Ls) + cfg.G + cfg.k + 1
     if longest > target.cfg.max_positions:

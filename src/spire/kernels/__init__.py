@@ -216,13 +216,13 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor 
     return y
 
 
-def mixed_loss_rows(z: torch.Tensor, logp: torch.Tensor, omega: float
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def mixed_loss_rows(z: torch.Tensor, logp: torch.Tensor, omega: float, grad: bool = True
+                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
     """MixedLoss(omega) per row in one native pass (cpu_decode.c, "MixedLoss rows"; the formulas of
     :class:`spire.training.losses._MixedLoss`): draft logits z and the target's log-probabilities logp, both
     (n, N) float32 contiguous CPU -> (grad (n, N) float32: d(omega·distill − (1 − omega)·alpha)/dz of each
-    row, distill (n,) float64: −Σ p log q, alpha (n,) float64: Σ min(p, q)). None when the kernel does not
-    apply (the caller computes it with torch)."""
+    row (None with ``grad=False``: the loss only), distill (n,) float64: −Σ p log q, alpha (n,) float64:
+    Σ min(p, q)). None when the kernel does not apply (the caller computes it with torch)."""
     if (z.dim() != 2 or z.shape != logp.shape or z.numel() == 0 or z.dtype != torch.float32
             or logp.dtype != torch.float32 or z.device.type != "cpu" or logp.device.type != "cpu"
             or not z.is_contiguous() or not logp.is_contiguous()):
@@ -231,12 +231,12 @@ def mixed_loss_rows(z: torch.Tensor, logp: torch.Tensor, omega: float
     if lib is None:
         return None
     n, N = z.shape
-    grad = torch.empty_like(z)
+    g = torch.empty_like(z) if grad else None
     distill, alpha = torch.empty(n, dtype=torch.float64), torch.empty(n, dtype=torch.float64)
-    if lib.spire_mixed_loss(z.data_ptr(), logp.data_ptr(), n, N, float(omega), grad.data_ptr(), distill.data_ptr(),
-                            alpha.data_ptr()):
+    if lib.spire_mixed_loss(z.data_ptr(), logp.data_ptr(), n, N, float(omega), None if g is None else g.data_ptr(),
+                            distill.data_ptr(), alpha.data_ptr()):
         return None
-    return grad, distill, alpha
+    return g, distill, alpha
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

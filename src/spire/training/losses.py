@@ -49,13 +49,13 @@ class _MixedLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, logp: torch.Tensor, omega: float):
+    def forward(ctx, z: torch.Tensor, logp: torch.Tensor, omega: float, need_grad: bool = True):
         n = z.numel() // z.shape[-1]
-        fused = kernels.mixed_loss_rows(z, logp, omega) if LOSS_KERNEL and z.dim() == 2 else None
-        if fused is not None:  # the row gradient is computed here, the backward only scales it
+        fused = kernels.mixed_loss_rows(z, logp, omega, need_grad) if LOSS_KERNEL and z.dim() == 2 else None
+        if fused is not None:  # the row gradient is computed here (unless not needed), the backward only scales it
             grad, d_rows, a_rows = fused
             distill, alpha = (d_rows.sum() / n).float(), (a_rows.sum() / n).float()
-            ctx.save_for_backward(grad)
+            ctx.save_for_backward(grad if grad is not None else z.new_zeros(0))
             ctx.fused, ctx.n = True, n
             ctx.mark_non_differentiable(distill, alpha)
             return omega * distill - (1 - omega) * alpha, distill, alpha
@@ -73,13 +73,15 @@ class _MixedLoss(torch.autograd.Function):
     def backward(ctx, g: torch.Tensor, _g_distill, _g_alpha):
         if ctx.fused:
             (grad,) = ctx.saved_tensors
-            return grad * (g / ctx.n), None, None
+            if grad.numel() == 0:
+                raise RuntimeError("MixedLoss was computed without its gradient (need_grad=False)")
+            return grad * (g / ctx.n), None, None, None
         q, p = ctx.saved_tensors
         w = ctx.omega
         mq = (q < p).to(q.dtype).add_((q == p).to(q.dtype), alpha=0.5).mul_(q)
         grad = q * (w * p.sum(-1, keepdim=True) + (1 - w) * mq.sum(-1, keepdim=True))
         grad.sub_(p, alpha=w).sub_(mq, alpha=1 - w).mul_(g / ctx.n)
-        return grad, None, None
+        return grad, None, None, None
 
 
 def mixed_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor, omega: float = 0.5) -> LossTerms:
@@ -92,8 +94,9 @@ def mixed_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor, omega
     on one Zen 2 core), else through the torch formulas of :class:`_MixedLoss` (about 0.8× the reference's
     time)."""
     N = draft_logits.shape[-1]
+    need_grad = torch.is_grad_enabled() and draft_logits.requires_grad
     loss, distill, alpha = _MixedLoss.apply(draft_logits.float().reshape(-1, N),
-                                            target_logp.detach().float().reshape(-1, N), omega)
+                                            target_logp.detach().float().reshape(-1, N), omega, need_grad)
     return LossTerms(loss, distill.item(), alpha.item())
 
 
