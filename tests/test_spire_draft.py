@@ -29,6 +29,34 @@ def test_training_forward_matches_inference(tiny, k, window):
     _assert_training_matches_inference(tiny, _draft(tiny, n=2, window=window), tokens, k)
 
 
+@pytest.mark.parametrize("k,window,sink,extra", [(4, 8, 1, {}), (2, 6, 2, {"self_attend": False}),
+                                                  (3, 7, 0, {"feedback_memory": False}), (4, 5, 1, {"window": 9})])
+def test_chunked_k_pass_equals_dense(tiny, monkeypatch, k, window, sink, extra):
+    """With a window, the k-pass forward groups blocks into chunks that read only the target keys their window
+    can reach (SpireDraftModel._chunks): logits and gradients equal the dense layout's, where every query reads
+    every position (float32 rounding)."""
+    torch.manual_seed(0)
+    T = 16 * k
+    m = SpireDraftModel(tiny, SpireConfig(**{"n_draft_layers": 2, "sink": sink, "window": window, "mix_init": 1.0,
+                                            **extra}))
+    tokens = torch.randint(0, tiny.cfg.vocab_size, (3, T))
+    with torch.no_grad():
+        hidden = tiny(tokens, torch.arange(T)[None].expand(3, T), hidden_layers=m.source_layers).hidden
+    G, C, _, _ = m._chunks(T, k, tokens.device)
+    assert C > 1 and G * C == T // k
+    results = []
+    for dense in (False, True):
+        if dense:
+            monkeypatch.setattr(SpireDraftModel, "_chunks", lambda self, T, k, dev: (
+                T // k, 1, torch.arange(T, device=dev)[None], None))
+        m.zero_grad()
+        logits = m.forward_train(tokens, hidden, k)
+        (logits.float() ** 2).mean().backward()
+        results.append((logits.detach(), m.layers[0].self_attn.q_proj.weight.grad.clone()))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-6)
+
+
 def _assert_training_matches_inference(target, model, tokens, k):
     """For every block start s (verified prefix = positions < s), the drafting loop through the real caches
     gives the k-pass training logits at s .. s + k - 1 (float32, 1e-4)."""

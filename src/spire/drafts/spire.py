@@ -351,32 +351,30 @@ class SpireDraftModel(nn.Module):
             for layer in self.layers:
                 x = layer(x, cos_all, sin_all, lambda kk, vv: (kk, vv), mask)
             return self.logits(x)
-        # target memory keys/values of every position, per draft layer: (B, KV, T, D)
-        kt, vt = zip(*(self.memory_kv(i, target_hidden[j], cos_all, sin_all)
+        # target memory keys/values of every position, per draft layer: (B, KV, T, D); with chunks of G blocks
+        # (a sliding window), each chunk's queries read only the keys its window can reach: (B·C, KV, Kt, D)
+        G, C, key_pos, key_ok = self._chunks(T, k, dev)
+        kt, vt = zip(*(self._chunk_keys(self.memory_kv(i, target_hidden[j], cos_all, sin_all), key_pos, C)
                        for i, j in enumerate(self.source_layers)))
+
+        def group(t: torch.Tensor) -> torch.Tensor:  # (B, T/k, ...) -> (B·C, G, ...): chunks in the batch dim
+            return t.reshape(B * C, G, *t.shape[2:])
         kd: list[list[torch.Tensor]] = [[] for _ in self.layers]  # draft memory of earlier passes
         vd: list[list[torch.Tensor]] = [[] for _ in self.layers]
         starts = torch.arange(0, T, k, device=dev)  # (T/k,) first position of each block
         outs: list[torch.Tensor] = []  # pass j's logits (B, T/k, N), positions starts + j
-        blocks = torch.arange(len(starts), device=dev)
-        feature = None  # (B, T/k, d) the previous position's feature (feature_input)
+        feature = None  # (B·C, G, d) the previous position's feature (feature_input)
         mismatch = torch.zeros((), device=dev)
         if self.feature_proj is not None:  # pass 0: the target's, entering draft layer feature_from, at s - 1
             h_last = target_hidden[self.source_layers[self.feature_from]]
-            feature = torch.cat([torch.zeros_like(h_last[:, :1]), h_last[:, starts[1:] - 1]], 1)
+            feature = group(torch.cat([torch.zeros_like(h_last[:, :1]), h_last[:, starts[1:] - 1]], 1))
         for j in range(k):
             q_pos = starts + j  # (T/k,)
-            # target part: keys t < block start, inside the sink + window of the query
-            m_target = attention_mask(q_pos[None], pos, self.view)[0, 0] & (pos[None] < starts[:, None])
-            # draft part (passes 0..j-1) and self (pass j): same block only, inside the window
-            d_pos = torch.cat([starts + jj for jj in range(j + 1)])  # (T/k * (j+1),)
-            d_blk = blocks.repeat(j + 1)
-            m_draft = (d_blk[None] == blocks[:, None]) & attention_mask(q_pos[None], d_pos, self.view)[0, 0]
-            if not self.cfg.self_attend:
-                m_draft = m_draft & self.self_mask(q_pos, d_pos)
-            mask = torch.cat([m_target, m_draft], -1)[None, None]  # (1, 1, T/k, T + (j+1) T/k)
-            cos, sin = self.rope(q_pos[None], dtype)
-            x = self.target.model.embed_tokens(tokens[:, q_pos])  # (B, T/k, d)
+            mask = self._pass_mask(j, starts.view(C, G), key_pos, key_ok)  # (C, 1, G, Kt + (j+1) G)
+            cos, sin = self.rope(q_pos.view(C, G), dtype)  # (R, C, 1, G, D)
+            if C > 1:  # rows b·C + c
+                mask, cos, sin = mask.repeat(B, 1, 1, 1), cos.repeat(1, B, 1, 1, 1), sin.repeat(1, B, 1, 1, 1)
+            x = group(self.target.model.embed_tokens(tokens[:, q_pos]))  # (B·C, G, d)
             xs = [x]
             for i, layer in enumerate(self.layers):
                 if i == self.feature_layer:
@@ -386,13 +384,13 @@ class SpireDraftModel(nn.Module):
                 x = layer(x, cos, sin, kv_source, mask)
                 xs.append(x)
             if match_hidden:
-                mismatch = mismatch + sum(self.hidden_mismatch(xs[i], target_hidden[self.source_layers[i]][:, q_pos])
+                mismatch = mismatch + sum(self.hidden_mismatch(xs[i], group(target_hidden[self.source_layers[i]][:, q_pos]))
                                           for i in range(1, len(self.layers)))
-            outs.append(self.logits(x))
+            outs.append(self.logits(x).view(B, T // k, -1))
             if self.feature_proj is not None:  # the next pass reads this position's feature: the draft's own
                 feature = xs[self.feature_from]
             if j < k - 1:
-                mem = self.memory(xs)  # (n_d, B, T/k, d)
+                mem = self.memory(xs)  # (n_d, B·C, G, d)
                 for i in range(len(self.layers)):
                     kk, vv = self.memory_kv(i, mem[i], cos, sin)
                     kd[i].append(kk)
@@ -401,6 +399,56 @@ class SpireDraftModel(nn.Module):
         if match_hidden:
             return out, mismatch / (k * (len(self.layers) - 1))
         return out
+
+    def _chunks(self, T: int, k: int, dev: torch.device
+                ) -> tuple[int, int, torch.Tensor, torch.Tensor | None]:
+        """How the k-pass procedure groups its T/k blocks: (G blocks per chunk, C chunks, the target key positions
+        each chunk reads (C, Kt), which of them are real (C, Kt) bool or None). With a sliding window a chunk of
+        G ≈ window / k blocks can reach only the sink and the Kt = k (G − 1) + window − 1 positions before its
+        blocks (positions < 0 or inside the sink are marked unreal), so attention reads ~2·window target keys
+        per query instead of T (and its own chunk's draft keys instead of every block's); without a window, or
+        when one chunk would hold every block, C = 1 and every position is read. Masked keys weigh exactly 0,
+        so the logits are the same either way (to float32 rounding; tests/test_spire_draft.py)."""
+        nb = T // k
+        G = nb
+        if self.view is not None:
+            g = max(1, self.view.window // k)
+            G = max(d for d in range(1, min(g, nb) + 1) if nb % d == 0)
+        C = nb // G
+        if C == 1:
+            return nb, 1, torch.arange(T, device=dev)[None], None
+        w, sink = self.view.window, self.view.sink
+        raw = (torch.arange(C, device=dev) * G * k - w + 1)[:, None] + torch.arange(k * (G - 1) + w - 1, device=dev)
+        sinks = torch.arange(sink, device=dev).expand(C, sink)
+        key_pos = torch.cat([sinks, raw.clamp(0, T - 1)], 1)
+        return G, C, key_pos, torch.cat([torch.ones_like(sinks, dtype=torch.bool), raw >= sink], 1)
+
+    @staticmethod
+    def _chunk_keys(kv: tuple[torch.Tensor, torch.Tensor], key_pos: torch.Tensor, C: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, KV, T, D) of every position -> each chunk's (B·C, KV, Kt, D) at ``key_pos``."""
+        if C == 1:
+            return kv
+        B, KV, _, D = kv[0].shape
+        flat = key_pos.reshape(-1)
+        return tuple(t[:, :, flat].view(B, KV, C, -1, D).transpose(1, 2).reshape(B * C, KV, -1, D) for t in kv)
+
+    def _pass_mask(self, j: int, starts: torch.Tensor, key_pos: torch.Tensor, key_ok: torch.Tensor | None
+                   ) -> torch.Tensor:
+        """Pass j's attention mask (C, 1, G, Kt + (j+1) G) for blocks starting at ``starts`` (C, G): target keys
+        at ``key_pos`` (C, Kt) before the block start, inside the query's sink + window; then the draft memory of
+        passes 0..j-1 and the pass's own key (self), of its own block only, inside the window."""
+        q_pos = starts + j
+        m_target = attention_mask(q_pos, key_pos, self.view)[:, 0] & (key_pos[:, None, :] < starts[:, :, None])
+        if key_ok is not None:
+            m_target = m_target & key_ok[:, None, :]
+        d_pos = torch.cat([starts + jj for jj in range(j + 1)], 1)  # (C, (j+1) G)
+        blocks = torch.arange(starts.shape[1], device=starts.device).expand_as(starts)
+        m_draft = (blocks.repeat(1, j + 1)[:, None, :] == blocks[:, :, None]) & attention_mask(q_pos, d_pos,
+                                                                                              self.view)[:, 0]
+        if not self.cfg.self_attend:
+            m_draft = m_draft & self.self_mask(q_pos, d_pos)
+        return torch.cat([m_target, m_draft], -1)[:, None]
 
     @staticmethod
     def hidden_mismatch(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
