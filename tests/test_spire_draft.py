@@ -57,6 +57,18 @@ def test_chunked_k_pass_equals_dense(tiny, monkeypatch, k, window, sink, extra):
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-6)
 
 
+def test_chunked_layout_falls_back_where_it_reads_no_fewer_keys(tiny):
+    """A sink longer than the sequence, or a window so wide that a chunk reads every position: the dense layout
+    (it used to index past the sequence with a sink > T)."""
+    for sink, window, T, k in ((40, 4, 32, 2), (1, 52, 56, 4)):
+        m = SpireDraftModel(tiny, SpireConfig(n_draft_layers=2, sink=sink, window=window, mix_init=1.0))
+        assert m._chunks(T, k, torch.device("cpu"))[1] == 1
+        tokens = torch.randint(0, tiny.cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            hidden = tiny(tokens, torch.arange(T)[None].expand(2, T), hidden_layers=m.source_layers).hidden
+            assert torch.isfinite(m.forward_train(tokens, hidden, k)).all()
+
+
 def _assert_training_matches_inference(target, model, tokens, k):
     """For every block start s (verified prefix = positions < s), the drafting loop through the real caches
     gives the k-pass training logits at s .. s + k - 1 (float32, 1e-4)."""

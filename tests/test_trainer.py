@@ -391,9 +391,10 @@ def test_torchrun_two_processes_match_one_process(tmp_path):
         assert torch.equal(ranks[0]["params"][name], ranks[1]["params"][name]), name  # in sync, bit for bit
         # the 2-process gradient is a mean of two half-batch means: equal up to float32 rounding, compared at the
         # tensor's scale: AdamW divides by sqrt(v), so an entry whose true gradient is 0 moves by rounding noise
-        # times ~lr, differently for each split of the batch (a missing all-reduce moves every entry by ~lr)
+        # times ~lr, differently for each split of the batch (seen: 6e-6 of the scale); a missing all-reduce moves
+        # entries by ~lr = 3e-3 a step (~5e-3 of the scale), 100x the bound
         scale = float(value.abs().max())
-        torch.testing.assert_close(ranks[0]["params"][name], value, rtol=0, atol=1e-5 * scale, msg=name)
+        torch.testing.assert_close(ranks[0]["params"][name], value, rtol=0, atol=5e-5 * scale, msg=name)
     ddp, ref = _train_losses(tmp_path / "ddp"), _train_losses(tmp_path / "one")
     assert sorted(ddp) == list(range(1, 7))
     for step in ddp:
@@ -455,7 +456,7 @@ def test_spawned_processes_match_one_process(tmp_path, tiny):
     assert s2["heldout"]["alpha_per_position"] == pytest.approx(s1["heldout"]["alpha_per_position"], rel=1e-4)
     ref = dict(one.named_parameters())
     for name, p in two.named_parameters():  # at the tensor's scale, as in the torchrun test above
-        torch.testing.assert_close(p, ref[name], rtol=0, atol=1e-5 * float(ref[name].abs().max()), msg=name)
+        torch.testing.assert_close(p, ref[name], rtol=0, atol=5e-5 * float(ref[name].abs().max()), msg=name)
     mtime = (tmp_path / "two" / "checkpoint" / "train_state.json").stat().st_mtime
     again, s3 = train_in_processes(tiny, data, tmp_path / "two", config("spire", 4, 4), n_processes=2,
                                    progress=False, log=None)

@@ -372,7 +372,7 @@ class SpireDraftModel(nn.Module):
             q_pos = starts + j  # (T/k,)
             mask = self._pass_mask(j, starts.view(C, G), key_pos, key_ok)  # (C, 1, G, Kt + (j+1) G)
             cos, sin = self.rope(q_pos.view(C, G), dtype)  # (R, C, 1, G, D)
-            if C > 1:  # rows b·C + c
+            if C > 1:  # rows b·C + c, each chunk its own mask and positions: tiled, not broadcast
                 mask, cos, sin = mask.repeat(B, 1, 1, 1), cos.repeat(1, B, 1, 1, 1), sin.repeat(1, B, 1, 1, 1)
             x = group(self.target.model.embed_tokens(tokens[:, q_pos]))  # (B·C, G, d)
             xs = [x]
@@ -384,8 +384,9 @@ class SpireDraftModel(nn.Module):
                 x = layer(x, cos, sin, kv_source, mask)
                 xs.append(x)
             if match_hidden:
-                mismatch = mismatch + sum(self.hidden_mismatch(xs[i], group(target_hidden[self.source_layers[i]][:, q_pos]))
-                                          for i in range(1, len(self.layers)))
+                mismatch = mismatch + sum(
+                    self.hidden_mismatch(xs[i], group(target_hidden[self.source_layers[i]][:, q_pos]))
+                    for i in range(1, len(self.layers)))
             outs.append(self.logits(x).view(B, T // k, -1))
             if self.feature_proj is not None:  # the next pass reads this position's feature: the draft's own
                 feature = xs[self.feature_from]
@@ -403,24 +404,27 @@ class SpireDraftModel(nn.Module):
     def _chunks(self, T: int, k: int, dev: torch.device
                 ) -> tuple[int, int, torch.Tensor, torch.Tensor | None]:
         """How the k-pass procedure groups its T/k blocks: (G blocks per chunk, C chunks, the target key positions
-        each chunk reads (C, Kt), which of them are real (C, Kt) bool or None). With a sliding window a chunk of
-        G ≈ window / k blocks can reach only the sink and the Kt = k (G − 1) + window − 1 positions before its
-        blocks (positions < 0 or inside the sink are marked unreal), so attention reads ~2·window target keys
-        per query instead of T (and its own chunk's draft keys instead of every block's); without a window, or
-        when one chunk would hold every block, C = 1 and every position is read. Masked keys weigh exactly 0,
-        so the logits are the same either way (to float32 rounding; tests/test_spire_draft.py)."""
+        each chunk reads (C, Kt), which of them are real (C, Kt) bool or None), Kt = sink + n_win. With a sliding
+        window a chunk of G ≈ window / k blocks can reach only the sink and the n_win = k (G − 1) + window − 1
+        positions from its first query's window start up to its last block's start (positions < 0 or inside the
+        sink are marked unreal), so attention reads ~2·window target keys per query instead of T (and its own
+        chunk's draft keys instead of every block's). Without a window, when one chunk would hold every block, or
+        when a chunk would read as many keys as there are positions, C = 1 and every position is read. Masked
+        keys weigh exactly 0, so the logits are the same either way (to float32 rounding; tests/test_spire_draft.py)."""
         nb = T // k
         G = nb
         if self.view is not None:
             g = max(1, self.view.window // k)
             G = max(d for d in range(1, min(g, nb) + 1) if nb % d == 0)
         C = nb // G
-        if C == 1:
+        if C > 1:
+            w, sink = self.view.window, min(self.view.sink, T)  # a sink longer than T holds every position
+            n_win = k * (G - 1) + w - 1  # window positions a chunk reads: its first query's window .. last start
+        if C == 1 or sink + n_win >= T:  # one chunk, or chunks that would read as many keys as the dense layout
             return nb, 1, torch.arange(T, device=dev)[None], None
-        w, sink = self.view.window, self.view.sink
-        raw = (torch.arange(C, device=dev) * G * k - w + 1)[:, None] + torch.arange(k * (G - 1) + w - 1, device=dev)
+        raw = (torch.arange(C, device=dev) * G * k - w + 1)[:, None] + torch.arange(n_win, device=dev)
         sinks = torch.arange(sink, device=dev).expand(C, sink)
-        key_pos = torch.cat([sinks, raw.clamp(0, T - 1)], 1)
+        key_pos = torch.cat([sinks, raw.clamp_min(0)], 1)  # raw < T always: the last chunk ends below T - k
         return G, C, key_pos, torch.cat([torch.ones_like(sinks, dtype=torch.bool), raw >= sink], 1)
 
     @staticmethod
