@@ -562,10 +562,10 @@ def generate(
         ids = [tokenizer(t).input_ids for t in texts]
     ids = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
     d = make_draft(draft, model, tokenizer, draft_path, window=window)
-    draft_bf16 = (draft_weights or weights) == "bf16"
-    own = [d.model] if draft_bf16 and getattr(d, "model", None) is not None else []  # a draft with own weights
-    if draft_weights is not None and getattr(d, "model", None) is None:
+    own_model = getattr(d, "model", None)  # a draft with weights of its own (SPIRe, vanilla)
+    if draft_weights is not None and own_model is None:
         typer.echo(f"note: --draft-weights ignored: the {draft} draft has no weights of its own", err=True)
+    own = [own_model] if own_model is not None and (draft_weights or weights) == "bf16" else []
     if weights == "bf16" or own:
         from spire.model import use_bf16_weights
 
@@ -722,12 +722,10 @@ def bench(
     if fmt == "json":
         typer.echo(json.dumps({**result, "summary": summary}))
     else:
+        dwb = result.get("draft_weight_bytes", result.get("weight_bytes"))
+        draft_note = "" if dwb == result.get("weight_bytes") else f" ({'bf16' if dwb == 2 else 'fp32'} draft weights)"
         print_table(result, title=f"spire bench: {target}, {dtype}"
-                                  + (" (bf16 weights)" if weights == "bf16" else "")
-                                  + (" (bf16 draft weights)" if result.get("draft_weight_bytes") == 2
-                                     and result.get("weight_bytes") != 2 else
-                                     " (fp32 draft weights)" if result.get("draft_weight_bytes") == 4
-                                     and result.get("weight_bytes") == 2 else "")
+                                  + (" (bf16 weights)" if weights == "bf16" else "") + draft_note
                                   + f", {result['device']}")
     typer.echo(f"wrote {j} and {m}", err=True)
 

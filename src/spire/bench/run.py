@@ -218,6 +218,7 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
     bytes_per = DTYPE_BYTES[dtype_name]
     hoi_used = PAPER_HOI if hoi is None else hoi
     kinds = {name: draft_kind_and_shape(d, target) for name, d in drafts.items()}
+    own_bytes = draft_weight_bytes or weight_bytes or bytes_per  # a draft with its own weights (MagicDec: the target's)
     hidden = tuple(sorted({j for d in drafts.values() for j in d.hidden_layers}))
     rows: list[dict[str, Any]] = []
     ad_rows: list[dict[str, Any]] = []
@@ -245,8 +246,7 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
                             "contexts": B * cfg.contexts})
             for name, m in cell["drafts"].items():
                 kind, d_shape, sink, window = kinds[name]
-                d_bytes = (draft_weight_bytes or weight_bytes or bytes_per) if kind != "magicdec" else (
-                    weight_bytes or bytes_per)
+                d_bytes = own_bytes if kind != "magicdec" else weight_bytes or bytes_per
                 opts = CostOptions(weight_bytes=weight_bytes or bytes_per, kv_bytes=bytes_per, attention_flops=True,
                                    embeddings=True,
                                    sink=sink, window=window)
@@ -281,7 +281,7 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
                 rows.append(row)
             state = None  # free the prefill
     return {"config": asdict(cfg), "hoi": hoi_used, "flops_per_s": flops_per_s, "dtype": dtype_name,
-            "weight_bytes": weight_bytes or bytes_per, "draft_weight_bytes": draft_weight_bytes or weight_bytes or bytes_per,
+            "weight_bytes": weight_bytes or bytes_per, "draft_weight_bytes": own_bytes,
             "device": str(dev), "rows": rows, "ad": ad_rows}
 
 

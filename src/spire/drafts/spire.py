@@ -417,11 +417,13 @@ class SpireDraftModel(nn.Module):
             g = max(1, self.view.window // k)
             G = max(d for d in range(1, min(g, nb) + 1) if nb % d == 0)
         C = nb // G
-        if C > 1:
-            w, sink = self.view.window, min(self.view.sink, T)  # a sink longer than T holds every position
-            n_win = k * (G - 1) + w - 1  # window positions a chunk reads: its first query's window .. last start
-        if C == 1 or sink + n_win >= T:  # one chunk, or chunks that would read as many keys as the dense layout
-            return nb, 1, torch.arange(T, device=dev)[None], None
+        dense = nb, 1, torch.arange(T, device=dev)[None], None
+        if C == 1:
+            return dense
+        w, sink = self.view.window, min(self.view.sink, T)  # a sink longer than T holds every position
+        n_win = k * (G - 1) + w - 1  # window positions a chunk reads: its first query's window .. last start
+        if sink + n_win >= T:  # chunks would read as many keys as the dense layout
+            return dense
         raw = (torch.arange(C, device=dev) * G * k - w + 1)[:, None] + torch.arange(n_win, device=dev)
         sinks = torch.arange(sink, device=dev).expand(C, sink)
         key_pos = torch.cat([sinks, raw.clamp_min(0)], 1)  # raw < T always: the last chunk ends below T - k
