@@ -534,10 +534,10 @@ def generate(
              "bytes; float32 arithmetic; the draft's: see --draft-weights). A slightly different model: compare "
              "with --weights bf16 --draft none.")]
     = "fp32",
-    draft_weights: Annotated[Optional[Literal["fp32", "float32", "bf16"]], typer.Option(
-        help="The SPIRe / vanilla draft's own weights (default: as --weights). bf16 beside a float32 target: the "
-             "draft streams half the bytes and the output stays the float32 target's (SD is lossless whatever "
-             "the draft computes).")] = None,
+    draft_weights: Annotated[Optional[Literal["fp32", "float32", "bf16", "int8"]], typer.Option(
+        help="The SPIRe / vanilla draft's own weights (default: as --weights). bf16 (int8) beside a float32 "
+             "target: the draft streams half (about a quarter of) the bytes and the output stays the float32 "
+             "target's (SD is lossless whatever the draft computes).")] = None,
 ) -> None:
     """Generate with speculative decoding (lossless: greedy output equals --draft none)."""
     import torch
@@ -565,11 +565,16 @@ def generate(
     own_model = getattr(d, "model", None)  # a draft with weights of its own (SPIRe, vanilla)
     if draft_weights is not None and own_model is None:
         typer.echo(f"note: --draft-weights ignored: the {draft} draft has no weights of its own", err=True)
-    own = [own_model] if own_model is not None and (draft_weights or weights) == "bf16" else []
+    own_fmt = (draft_weights or weights) if own_model is not None else None
+    own = [own_model] if own_fmt == "bf16" else []
     if weights == "bf16" or own:
         from spire.model import use_bf16_weights
 
         use_bf16_weights(*([model] if weights == "bf16" else []), *own)
+    if own_fmt == "int8":
+        from spire.model import use_int8_weights
+
+        use_int8_weights(own_model)
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     stopper = StopStrings(stop, tokenizer.decode) if stop else None
     res = run(model, ids, max_new_tokens, draft=d, k=k, params=params,
@@ -675,10 +680,11 @@ def bench(
     weights: Annotated[Literal["fp32", "bf16"], _OPT(help="bf16: weight-only bf16 on the CPU (fp32 dtype): weights "
                                                      "rounded and streamed at 2 bytes, predicted with 2 bytes per "
                                                      "weight value.")] = "fp32",
-    draft_weights: Annotated[Optional[Literal["fp32", "bf16"]], _OPT(
+    draft_weights: Annotated[Optional[Literal["fp32", "bf16", "int8"]], _OPT(
         help="The SPIRe / vanilla draft's own weights (default: as --weights). bf16 beside a float32 target: the "
              "draft streams half the bytes, the target stays exact (q is whatever the draft computes, so SD stays "
-             "lossless); MagicDec's draft is the target's weights.")] = None,
+             "lossless); int8: group-wise int8 (a scale per 64 inputs), 1.06 bytes per value; MagicDec's draft is "
+             "the target's weights.")] = None,
     device: Annotated[str, _OPT(help="auto (cuda when present), cpu, cuda, cuda:N.")] = "auto",
     threads: Annotated[Optional[int], _OPT(help="torch intra-op threads (default: torch's).")] = None,
     spire_draft: Annotated[Optional[str], _OPT(help="SPIRe draft .safetensors (default: the newest trained one in "
@@ -722,8 +728,8 @@ def bench(
     if fmt == "json":
         typer.echo(json.dumps({**result, "summary": summary}))
     else:
-        dwb = result.get("draft_weight_bytes", result.get("weight_bytes"))
-        draft_note = "" if dwb == result.get("weight_bytes") else f" ({'bf16' if dwb == 2 else 'fp32'} draft weights)"
+        dw = result.get("draft_weights", weights)
+        draft_note = "" if dw == weights else f" ({dw} draft weights)"
         print_table(result, title=f"spire bench: {target}, {dtype}"
                                   + (" (bf16 weights)" if weights == "bf16" else "") + draft_note
                                   + f", {result['device']}")

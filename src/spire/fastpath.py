@@ -20,7 +20,7 @@ applies; when it returns None the caller runs its blocks per op, which still tak
 - the dense cache is written by slice when every row writes the same contiguous positions, the mask is
   dropped when nothing is masked, and a sink + window view (MagicDec) gathers only its entries
   (:class:`CacheAccess`), so its cost does not grow with the context;
-- weight-only bf16 (:func:`use_bf16_weights`).
+- weight-only bf16 (:func:`use_bf16_weights`) and, for drafts, weight-only int8 (:func:`use_int8_weights`).
 
 The weight copies (fused, transposed, bf16, packed) and the native blocks are kept per module by this module
 (:func:`weight_copies`, :func:`native_blocks`), built on first use and rebuilt whenever a source parameter
@@ -80,7 +80,8 @@ KVSource = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tens
 class WeightCache:
     """Inference copies of one or more ``nn.Linear`` weights: concatenated along the output dimension, in
     (out, in) layout ("N"), transposed to a contiguous (in, out) layout ("T"), bf16 (out, in) ("B"), or packed
-    for the panel matmul (:func:`spire.kernels.pack_panels`) in float32 ("P") or bf16 ("PB").
+    for the panel matmul (:func:`spire.kernels.pack_panels`) in float32 ("P") or bf16 ("PB"), or as group-wise
+    int8 (:func:`spire.kernels.pack_panels_int8`, "PQ").
 
     A copy is rebuilt whenever a source parameter changes: its key holds each weight's data pointer,
     version counter (bumped by every in-place update, e.g. an optimizer step or ``load_state_dict``), dtype
@@ -89,7 +90,7 @@ class WeightCache:
 
     def __init__(self, weight_dtype: torch.dtype | None = None) -> None:
         self._store: dict[str, tuple[tuple, torch.Tensor]] = {}
-        self.weight_dtype = weight_dtype  # torch.bfloat16: weight-only bf16 (see use_bf16_weights)
+        self.weight_dtype = weight_dtype  # torch.bfloat16 / torch.int8: use_bf16_weights / use_int8_weights
 
     def __deepcopy__(self, memo) -> "WeightCache":
         return WeightCache(self.weight_dtype)
@@ -98,8 +99,8 @@ class WeightCache:
         self._store.clear()
 
     def get(self, linears: Sequence[nn.Linear], layout: str) -> torch.Tensor:
-        """The (out_total, in) ("N"), (in, out_total) ("T"), bf16 (out_total, in) ("B") or packed ("P", "PB")
-        weight of ``linears`` concatenated."""
+        """The (out_total, in) ("N"), (in, out_total) ("T"), bf16 (out_total, in) ("B") or packed ("P", "PB",
+        "PQ") weight of ``linears`` concatenated."""
         ws = [lin.weight for lin in linears]
         if layout == "N" and len(ws) == 1:
             return ws[0]
@@ -110,7 +111,9 @@ class WeightCache:
         self._store.pop(layout, None)  # free the stale copy before building the new one
         with torch.no_grad():
             w = ws[0].detach() if len(ws) == 1 else torch.cat([w.detach() for w in ws])
-            if layout in ("P", "PB"):
+            if layout == "PQ":
+                w = kernels.pack_panels_int8(w)
+            elif layout in ("P", "PB"):
                 w = kernels.pack_panels(w.to(torch.bfloat16) if layout == "PB" else w)
             else:
                 w = (w.t().contiguous() if layout == "T" else w.to(torch.bfloat16).contiguous() if layout == "B"
@@ -211,7 +214,7 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
     if x.device.type == "cpu" and x2.dtype == torch.float32:
         if PANEL_KERNEL and M <= KERNEL_MAX_M and kernels.available():
             xc = x2 if x2.stride(-1) == 1 else x2.contiguous()
-            y = kernels.panel_linear(xc, cache.get(linears, "PB" if cache.weight_dtype == torch.bfloat16 else "P"),
+            y = kernels.panel_linear(xc, cache.get(linears, _PANEL_LAYOUT.get(cache.weight_dtype, "P")),
                                      sum(lin.out_features for lin in linears))
         elif cache.weight_dtype == torch.bfloat16 and M <= KERNEL_MAX_M:
             y = kernels.skinny_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), [cache.get(linears, "B")])
@@ -225,6 +228,9 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
     elif b is not None:
         y = y + b
     return y.reshape(*lead, y.shape[-1])
+
+
+_PANEL_LAYOUT = {torch.bfloat16: "PB", torch.int8: "PQ"}  # packed copy by weight dtype (float32: "P")
 
 
 def unembed(h: torch.Tensor, head: nn.Linear, owner: nn.Module) -> torch.Tensor:
@@ -252,21 +258,66 @@ def use_bf16_weights(*modules: nn.Module | None) -> int:
 
     Returns the number of weight tensors rounded. Raises ConfigError on a non-float32 or non-CPU module.
     """
+    return _round_weights(modules, (nn.Linear, nn.Embedding), torch.bfloat16, lambda w: w.to(torch.bfloat16).float())
+
+
+def _round_weights(modules, kinds: tuple[type, ...], weight_dtype: torch.dtype,
+                   rnd: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """Round in place the weight of every ``kinds`` submodule of ``modules`` by ``rnd`` (float32 -> float32) and
+    mark every submodule's fast-path copies as ``weight_dtype`` (stale copies dropped). Returns the count."""
     subs = [m for module in modules if module is not None for m in module.modules()]
-    params = {id(m.weight): m.weight for m in subs if isinstance(m, (nn.Linear, nn.Embedding))}
+    params = {id(m.weight): m.weight for m in subs if isinstance(m, kinds)}
+    name = {torch.bfloat16: "bf16", torch.int8: "int8"}[weight_dtype]
     for w in params.values():
         if w.dtype != torch.float32 or w.device.type != "cpu":
-            raise ConfigError(f"bf16 weights need a float32 model on the CPU, got {w.dtype} on {w.device.type}")
+            raise ConfigError(f"{name} weights need a float32 model on the CPU, got {w.dtype} on {w.device.type}")
+        if weight_dtype == torch.int8 and w.shape[1] % 2:
+            raise ConfigError(f"int8 weights need an even number of inputs per linear layer, got {w.shape[1]}")
     with torch.no_grad():
         for w in params.values():
-            w.copy_(w.to(torch.bfloat16).float())
+            w.copy_(rnd(w.detach()))
     for m in subs:
         state = _state(m)
-        state.weight_dtype = torch.bfloat16
+        state.weight_dtype = weight_dtype
         for wc in state.weights.values():
-            wc.weight_dtype = torch.bfloat16
+            wc.weight_dtype = weight_dtype
             wc.clear()
     return len(params)
+
+
+def int8_weights(module: nn.Module) -> bool:
+    """Whether :func:`use_int8_weights` quantized ``module`` (its decoding matmuls stream int8 copies)."""
+    return _state(module).weight_dtype == torch.int8
+
+
+def rounded_like(module: nn.Module, w: torch.Tensor) -> torch.Tensor:
+    """The float32 weight w rounded as ``module``'s own weights were (to bf16 values after
+    :func:`use_bf16_weights`, to group-wise int8 values after :func:`use_int8_weights`), else w itself: a weight
+    derived later (the SPIRe draft's vocabulary head) then computes like the rest of the module on every path."""
+    if w.dtype != torch.float32:
+        return w
+    if bf16_weights(module):
+        return w.bfloat16().float()
+    if int8_weights(module):
+        return kernels.dequantize_int8(*kernels.quantize_int8(w))
+    return w
+
+
+def use_int8_weights(*modules: nn.Module | None) -> int:
+    """Weight-only int8 for a float32 CPU draft: round every ``nn.Linear`` weight of the ``modules`` (None entries
+    skipped) in place to its group-wise int8 value (:func:`spire.kernels.quantize_int8`: one scale per output row
+    and 64 inputs), and let decoding matmuls (M ≤ KERNEL_MAX_M rows) stream the packed int8 copy
+    (:func:`spire.kernels.pack_panels_int8`: 1.06 bytes per value, a quarter of float32's plus the scales) --
+    float32 activations and arithmetic. Prefill matmuls use the float32 weights, which now hold the same values,
+    so every path computes the same model (to float32 rounding). Meant for a draft: speculative decoding stays
+    lossless whatever q the draft computes, so a draft's precision changes only τ. Embeddings are lookups and
+    stay float32 (one tied to a head holds the head's rounded values); irreversible (reload for the float32
+    model). Without the kernels the rounded model runs at float32 speed.
+
+    Returns the number of weight tensors rounded. Raises ConfigError on a non-float32 or non-CPU module, or a
+    linear layer with an odd number of inputs (the kernel multiplies inputs in pairs).
+    """
+    return _round_weights(modules, (nn.Linear,), torch.int8, lambda w: kernels.dequantize_int8(*kernels.quantize_int8(w)))
 
 
 # ------------------------------------------------------------------------------------- per-op pieces
@@ -435,11 +486,12 @@ def native_block(block: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """The :class:`spire.kernels.DecodeBlock` of ``block`` over one cache layer, kept in ``store[i]`` and
     rebuilt when a weight copy or the cache storage changes (the kernel reads parameters in place, so
     in-place updates are seen). Weights: the block's fused float32 copies, or its bf16 copies after
-    :func:`use_bf16_weights`."""
+    :func:`use_bf16_weights`, or its int8 ones after :func:`use_int8_weights` (float32 ones, holding the same
+    values, without the panel matmul)."""
     attn, m = block.self_attn, block.mlp
     qkv = _copies(attn, "qkv")
     bf16 = qkv.weight_dtype == torch.bfloat16
-    layout = ("PB" if bf16 else "P") if PANEL_KERNEL else ("B" if bf16 else "N")
+    layout = _PANEL_LAYOUT.get(qkv.weight_dtype, "P") if PANEL_KERNEL else ("B" if bf16 else "N")
     ws = (qkv.get((attn.q_proj, attn.k_proj, attn.v_proj), layout), _copies(attn, "o").get((attn.o_proj,), layout),
           _copies(m, "gu").get((m.gate_proj, m.up_proj), layout), _copies(m, "down").get((m.down_proj,), layout))
     ln1, ln2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
@@ -449,7 +501,7 @@ def native_block(block: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if hit is not None and hit[0] == key:
         return hit[1]
     fb = kernels.DecodeBlock(ln1.detach(), ln2.detach(), block.input_layernorm.eps, *(w.detach() for w in ws),
-                             k_cache, v_cache, n_heads)
+                             k_cache, v_cache, n_heads, d_ff=m.down_proj.in_features)
     fb.rope_id = block.rope_id
     store[i] = (key, fb)
     return fb

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from spire import fastpath
 from spire.errors import ConfigError
 from spire.families import ACTIVATION_NAMES, FAMILIES, hf_fields  # noqa: F401 (FAMILIES: part of this API)
-from spire.fastpath import KVSource, needs_autograd, use_bf16_weights  # noqa: F401 (use_bf16_weights: API)
+from spire.fastpath import KVSource, needs_autograd, use_bf16_weights, use_int8_weights  # noqa: F401 (API)
 from spire.kv_cache import KVCache, SinkWindow, attention_mask
 
 

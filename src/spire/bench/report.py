@@ -69,8 +69,8 @@ def markdown(result: dict[str, Any], summary: dict[str, Any]) -> str:
     bf16w = " with weight-only bf16 (2 bytes per weight value)" if wb == 2 and result["dtype"] == "fp32" else ""
     dwb = result.get("draft_weight_bytes", wb)
     if dwb != wb:
-        bf16w += (f"; the SPIRe / vanilla draft's own weights at {dwb:g} bytes per value"
-                  + (" (bf16)" if dwb == 2 else ""))
+        name = result.get("draft_weights") or ("bf16" if dwb == 2 else None)
+        bf16w += f"; the SPIRe / vanilla draft's own weights at {dwb:g} bytes per value" + (f" ({name})" if name else "")
     lines.append(f"Target `{result.get('target', '?')}`, dtype {result['dtype']}{bf16w}, device {result['device']}"
                  + (f" ({hw.get('device_name')})" if hw else "") + f", k = {cfg['k']}, G = {cfg['G']} tokens per "
                  f"row, MagicDec sink {cfg['sink']} + window {cfg['window']}, {cfg['reps']} timed reps per forward"

@@ -19,7 +19,7 @@ from spire.drafts.magicdec import MagicDecDraft
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.errors import ConfigError
 from spire.loading import load_target
-from spire.model import use_bf16_weights
+from spire.model import use_bf16_weights, use_int8_weights
 
 QUICK = dict(Bs=[1, 2], Ls=[64, 128], G=8, reps=2)
 """``--quick``: a smoke-test grid (about a minute on 2 CPU cores with SmolLM2)."""
@@ -129,6 +129,11 @@ def load_drafts(args: BenchArgs, target, tokenizer, log: Callable[[str], None]) 
     return drafts, skipped, sources
 
 
+DRAFT_WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 64}
+"""Bytes streamed per draft weight value by --draft-weights (int8: the value and its share of a float32 scale
+per 64 inputs), for the cost model's draft step."""
+
+
 def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load everything, run the grid, return (result, summary). Raises SpireError subclasses."""
     cfg = args.config()
@@ -139,8 +144,8 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
     if args.weights not in ("fp32", "bf16"):
         raise ConfigError(f"--weights must be fp32 or bf16, got {args.weights!r}")
     draft_weights = args.weights if args.draft_weights is None else args.draft_weights
-    if draft_weights not in ("fp32", "bf16"):
-        raise ConfigError(f"--draft-weights must be fp32 or bf16, got {draft_weights!r}")
+    if draft_weights not in ("fp32", "bf16", "int8"):
+        raise ConfigError(f"--draft-weights must be fp32, bf16 or int8, got {draft_weights!r}")
     if args.draft_weights is not None and args.dtype != "fp32":
         if args.draft_weights != args.dtype:
             raise ConfigError(f"--draft-weights applies to --dtype fp32 (with --dtype {args.dtype} every draft is "
@@ -149,6 +154,8 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
     if "bf16" in (args.weights, draft_weights) and (args.dtype != "fp32" or device.type != "cpu"):
         raise ConfigError("--weights / --draft-weights bf16 is weight-only bf16 for --dtype fp32 on the CPU "
                           "(on a GPU use --dtype bf16)")
+    if draft_weights == "int8" and (args.dtype != "fp32" or device.type != "cpu"):
+        raise ConfigError("--draft-weights int8 is weight-only int8 for --dtype fp32 on the CPU")
     cal = get_calibration(args.calibration, device, args.dtype, args.quick, log)
     if args.random_weights:
         target, folder = bench_run.random_target(TORCH_DTYPES[args.dtype], device, args.seed), None
@@ -187,10 +194,16 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
         use_bf16_weights(*own)
         log("draft weights bf16: the SPIRe / vanilla draft weights rounded to bf16 and streamed at 2 bytes per "
             "value; the target stays float32 (SD stays lossless: q is what the draft samples from)")
+    if draft_weights == "int8" and own:
+        use_int8_weights(*own)
+        log("draft weights int8: the SPIRe / vanilla draft's linear weights rounded to group-wise int8 (a scale "
+            "per 64 inputs) and streamed at 1.06 bytes per value; the target stays "
+            f"{'bf16-rounded' if args.weights == 'bf16' else 'float32'} (SD stays lossless: q is what the draft "
+            "samples from)")
     if draft_weights != args.weights and not own:
         log("--draft-weights: no SPIRe or vanilla draft in this run (MagicDec's draft is the target): ignored")
     elif draft_weights != args.weights:
-        draft_weight_bytes = 2.0 if draft_weights == "bf16" else 4.0
+        draft_weight_bytes = DRAFT_WEIGHT_BYTES[draft_weights]
     longest = max(cfg.Ls) + cfg.G + cfg.k + 1
     if longest > target.cfg.max_positions:
         raise ConfigError(f"L={max(cfg.Ls)} + G={cfg.G} + k+1={cfg.k + 1} exceeds the target's "
@@ -200,7 +213,8 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
     result = run_bench(target, contexts_for, drafts, cfg, hoi=hw.hoi(args.dtype), flops_per_s=hw.flops_for(args.dtype),
                        dtype_name=args.dtype, progress=log, weight_bytes=weight_bytes,
                        draft_weight_bytes=draft_weight_bytes)
-    result.update(target=str(args.target) + (" (random weights)" if args.random_weights else ""),
+    result.update(draft_weights=draft_weights if own else args.weights,
+                  target=str(args.target) + (" (random weights)" if args.random_weights else ""),
                   folder=None if folder is None else str(folder), calibration=cal.to_dict(), skipped=skipped,
                   drafts=sources,
                   threads=torch.get_num_threads(), torch_version=torch.__version__)

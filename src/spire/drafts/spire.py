@@ -256,16 +256,16 @@ class SpireDraftModel(nn.Module):
         return self.target.cfg.vocab_size if self.vocab is None else len(self.vocab)
 
     def head(self) -> nn.Linear:
-        """The draft vocabulary's frozen head (N, d_model): rows ``vocab`` of the target's unembedding (rounded to
-        bf16 values when the draft's own weights are, :func:`spire.fastpath.use_bf16_weights`), rebuilt when either
-        changes (a load, weight-only bf16). Not a submodule: never saved, derived from the target."""
+        """The draft vocabulary's frozen head (N, d_model): rows ``vocab`` of the target's unembedding (rounded as
+        the draft's own weights are: :func:`spire.fastpath.rounded_like`), rebuilt when either changes (a load,
+        weight-only bf16 or int8). Not a submodule: never saved, derived from the target."""
         w, ids = self.target.lm_head.weight, self.vocab
-        bf16 = w.dtype == torch.float32 and fastpath.bf16_weights(self)  # a bf16 draft: every path the same rows
-        key = (w.data_ptr(), w._version, w.dtype, ids.data_ptr(), ids._version, bf16)
+        fmt = fastpath.bf16_weights(self), fastpath.int8_weights(self)  # every path the same rows
+        key = (w.data_ptr(), w._version, w.dtype, ids.data_ptr(), ids._version, fmt)
         if self._vocab_head is None or self._vocab_head[0] != key:
             head = nn.Linear(w.shape[1], len(ids), bias=False, device=w.device, dtype=w.dtype)
             with torch.no_grad():
-                head.weight.copy_(w[ids].bfloat16().float() if bf16 else w[ids])
+                head.weight.copy_(fastpath.rounded_like(self, w[ids]))
             head.requires_grad_(False)
             self._vocab_head = (key, head)
             fastpath.forget(self)  # the new head may reuse the old one's address: no stale copy

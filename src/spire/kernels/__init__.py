@@ -103,7 +103,7 @@ def load() -> ctypes.CDLL | None:
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int,
                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
-        for fn in (lib.spire_panel_gemm, lib.spire_panel_gemm_bf16):
+        for fn in (lib.spire_panel_gemm, lib.spire_panel_gemm_bf16, lib.spire_panel_gemm_i8):
             fn.restype = ctypes.c_int
             fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
@@ -189,28 +189,91 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
     if w.dim() != 2 or w.dtype not in (torch.float32, torch.bfloat16) or w.device.type != "cpu":
         raise ValueError(f"pack_panels: a 2-D float32 or bfloat16 CPU weight, got {tuple(w.shape)} {w.dtype} "
                          f"on {w.device.type}")
+    w = _pad_tiles(w)
+    return w.reshape(w.shape[0] // PANEL_TILE, 4, 8, w.shape[1]).transpose(2, 3).contiguous()
+
+
+def _pad_tiles(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> (32 ceil(N / 32), K): zero rows appended up to whole 32-column tiles (w itself when none)."""
     N, K = w.shape
-    nt = -(-N // PANEL_TILE)
+    pad = -N % PANEL_TILE
+    return torch.cat([w.detach(), w.new_zeros(pad, K)]) if pad else w.detach()
+
+
+INT8_GROUP = 64
+"""Inputs per scale of an int8 weight (``PANEL_KB`` in cpu_decode.c): one float32 scale per output column and
+group of 64 consecutive inputs, the groups starting at input 0."""
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric group-wise int8 of an (N, K) float32 weight: (values (N, K) int8 in [-127, 127], scales
+    (N, ceil(K / 64)) float32) with w ≈ values · scales[:, k // 64], scale = max |w| over the group / 127
+    (1 for an all-zero group), values = round(w / scale). The format of :func:`pack_panels_int8`
+    (weight-only int8 as in LLM.int8() / GPTQ's grouped scales, here round-to-nearest)."""
+    if w.dim() != 2 or w.dtype != torch.float32:
+        raise ValueError(f"quantize_int8: a 2-D float32 weight, got {tuple(w.shape)} {w.dtype}")
+    N, K = w.shape
+    ng = -(-K // INT8_GROUP)
     with torch.no_grad():
-        if nt * PANEL_TILE != N:
-            w = torch.cat([w, w.new_zeros(nt * PANEL_TILE - N, K)])
-        return w.reshape(nt, 4, 8, K).transpose(2, 3).contiguous()
+        wp = torch.cat([w, w.new_zeros(N, ng * INT8_GROUP - K)], 1) if ng * INT8_GROUP != K else w
+        g = wp.reshape(N, ng, INT8_GROUP)
+        scale = g.abs().amax(-1) / 127.0
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(g / scale[..., None]).clamp_(-127, 127).to(torch.int8)
+        return q.reshape(N, ng * INT8_GROUP)[:, :K].contiguous(), scale
+
+
+def dequantize_int8(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(N, K) int8 values and (N, ceil(K / 64)) scales (:func:`quantize_int8`) -> the (N, K) float32 weight."""
+    return q.float() * scale.repeat_interleave(INT8_GROUP, 1)[:, : q.shape[1]]
+
+
+def int8_tile_bytes(K: int) -> int:
+    """Bytes of one 32-column tile of :func:`pack_panels_int8` with K (even) inputs: 32·K values, then 32
+    float32 scales per group of 64 inputs."""
+    return PANEL_TILE * K + 4 * PANEL_TILE * (-(-K // INT8_GROUP))
+
+
+def pack_panels_int8(w: torch.Tensor) -> torch.Tensor:
+    """The (N, K) float32 weight w quantized by :func:`quantize_int8` and packed for :func:`panel_linear` and
+    :class:`DecodeBlock`: an int8 tensor (ceil(N / 32), :func:`int8_tile_bytes`(K)); row q holds tile q's
+    values, panel s (8 columns) after panel s - 1, each panel the K / 2 input pairs in order, each pair the 8
+    columns' two values side by side (element [s, j, c, e] = value[32 q + 8 s + c, 2 j + e]), then the tile's
+    float32 scales [group][32 columns] as bytes (cpu_decode.c, "int8 panel matmul"). Zero columns pad N to a
+    multiple of 32. Raises ValueError for an odd K (the inputs go in pairs, and the packed shape must pin K)."""
+    if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu" or w.shape[1] % 2:
+        raise ValueError(f"pack_panels_int8: a 2-D float32 CPU weight with an even number of inputs, got "
+                         f"{tuple(w.shape)} {w.dtype} on {w.device.type}")
+    K = w.shape[1]
+    q, scale = quantize_int8(_pad_tiles(w))
+    nt = q.shape[0] // PANEL_TILE
+    vals = q.reshape(nt, 4, 8, K // 2, 2).permute(0, 1, 3, 2, 4).reshape(nt, PANEL_TILE * K)
+    sc = scale.reshape(nt, PANEL_TILE, -1).transpose(1, 2).contiguous().view(torch.int8).reshape(nt, -1)
+    return torch.cat([vals, sc], 1).contiguous()
+
+
+def _packed_ok(packed: torch.Tensor, n: int, K: int) -> bool:
+    nt = -(-n // PANEL_TILE)
+    if packed.dtype == torch.int8:
+        return tuple(packed.shape) == (nt, int8_tile_bytes(K))
+    return packed.dtype in (torch.float32, torch.bfloat16) and tuple(packed.shape) == (nt, 4, K, 8)
 
 
 def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor | None:
-    """x: (M, K) float32 CPU with unit inner stride, 1 ≤ M ≤ MAX_ROWS; packed: :func:`pack_panels` of an
-    (n, K) weight W -> (M, n) float32 = x @ Wᵀ. Each output is summed in the same order whatever M (blocks of 64 k steps),
-    so a row's result is the same bit for bit whatever other rows share the call. None when the kernel does not apply
-    (caller falls back to torch)."""
+    """x: (M, K) float32 CPU with unit inner stride, 1 ≤ M ≤ MAX_ROWS; packed: :func:`pack_panels` (float32 or
+    bf16) or :func:`pack_panels_int8` of an (n, K) weight W -> (M, n) float32 = x @ Wᵀ (int8: W = values ·
+    scales). Each output is summed in the same order whatever M (blocks of 64 k steps), so a row's result is the
+    same bit for bit whatever other rows share the call. None when the kernel does not apply (caller falls back
+    to torch)."""
     M, K = x.shape
     if (M > MAX_ROWS or M == 0 or K == 0 or x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1
-            or packed.dtype not in (torch.float32, torch.bfloat16) or not packed.is_contiguous()
-            or packed.shape != (-(-n // PANEL_TILE), 4, K, 8)):
+            or not packed.is_contiguous() or not _packed_ok(packed, n, K)):
         return None
     lib = load()
     if lib is None:
         return None
-    gemm = lib.spire_panel_gemm if packed.dtype == torch.float32 else lib.spire_panel_gemm_bf16
+    gemm = {torch.float32: lib.spire_panel_gemm, torch.bfloat16: lib.spire_panel_gemm_bf16,
+            torch.int8: lib.spire_panel_gemm_i8}[packed.dtype]
     y = torch.empty(M, n, dtype=torch.float32)
     gemm(x.data_ptr(), x.stride(0), M, K, packed.data_ptr(), n, y.data_ptr(), n)
     return y
@@ -312,9 +375,11 @@ class DecodeBlock:
         ln1, ln2: (d,) float32 norm weights; eps: their epsilon.
         wqkv: ((H + 2 KV) D, d); wo: (d, H D); wgu: (2 F, d); wdown: (d, F): row-major, all float32 or all
             bfloat16 (float32 arithmetic either way), or all four packed by :func:`pack_panels` (the panel
-            matmul: faster at every M on an AVX2 core, and row-count invariant).
+            matmul: faster at every M on an AVX2 core, and row-count invariant), or all four int8 by
+            :func:`pack_panels_int8`.
         k_cache, v_cache: (B, KV, S, D) float32 with unit inner stride (a :class:`spire.kv_cache.KVCache` layer).
         n_heads: H.
+        d_ff: F (needed with int8 weights, whose packed shape does not give it).
     The weights are kept alive by the object; the cache is not (so that holding the object does not hold a
     finished generation's cache): it must stay alive, at the same address, while the object is used
     (spire.fastpath.native_block checks the address before every forward). :func:`available` must be True.
@@ -326,20 +391,24 @@ class DecodeBlock:
 
     def __init__(self, ln1: torch.Tensor, ln2: torch.Tensor, eps: float, wqkv: torch.Tensor, wo: torch.Tensor,
                  wgu: torch.Tensor, wdown: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 n_heads: int) -> None:
+                 n_heads: int, d_ff: int | None = None) -> None:
         lib = load()
         if lib is None:
             raise ValueError(f"spire kernels unavailable: {_ERROR}")
         B, KV, S, D = k_cache.shape
-        packed = wqkv.dim() == 4
-        d, F, H = ln1.shape[0], wdown.shape[2 if packed else 1], n_heads
+        int8 = wqkv.dtype == torch.int8
+        packed = int8 or wqkv.dim() == 4
+        d, H = ln1.shape[0], n_heads
+        F = d_ff if d_ff is not None else -1 if int8 else wdown.shape[2] if packed else wdown.shape[1]
         bf16 = wqkv.dtype == torch.bfloat16
         ws = (wqkv, wo, wgu, wdown)
         shapes = (((H + 2 * KV) * D, d), (d, H * D), (2 * F, d), (d, F))
-        if packed:
+        if int8:
+            shapes = tuple((-(-n // PANEL_TILE), int8_tile_bytes(k)) for n, k in shapes)
+        elif packed:
             shapes = tuple((-(-n // PANEL_TILE), 4, k, 8) for n, k in shapes)
         if (any(w.dtype != wqkv.dtype or not w.is_contiguous() or w.device.type != "cpu" for w in ws)
-                or wqkv.dtype not in (torch.float32, torch.bfloat16)
+                or wqkv.dtype not in (torch.float32, torch.bfloat16, torch.int8)
                 or tuple(tuple(w.shape) for w in ws) != shapes or H % KV or D % 8 or D > 256
                 or k_cache.dtype != torch.float32 or v_cache.shape != k_cache.shape or v_cache.dtype != torch.float32
                 or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1 or k_cache.device.type != "cpu"
@@ -352,7 +421,7 @@ class DecodeBlock:
         self._keep = (ln1, ln2, *ws)  # not the cache: a finished generation's cache must be freeable
         sb, sh, ss, _ = k_cache.stride()
         self._args = (ln1.data_ptr(), ln2.data_ptr(), float(eps), wqkv.data_ptr(), wo.data_ptr(), wgu.data_ptr(),
-                      wdown.data_ptr(), int(bf16) | (2 if packed else 0), d, H, KV, D, F, k_cache.data_ptr(), v_cache.data_ptr(), sb, sh,
+                      wdown.data_ptr(), int(bf16) | (2 if packed else 0) | (4 if int8 else 0), d, H, KV, D, F, k_cache.data_ptr(), v_cache.data_ptr(), sb, sh,
                       ss, D ** -0.5)
 
     def work_size(self, M: int) -> int:

@@ -5,7 +5,8 @@
  *
  * Skinny matmul: float32 activations times
  * float32 weights (spire_skinny_gemm) or bf16 weights (spire_skinny_gemm_bf16: half the weight bytes to
- * stream, widened to float32 in registers, float32 arithmetic).
+ * stream, widened to float32 in registers, float32 arithmetic). The panel matmul also takes group-quantized
+ * int8 weights (spire_panel_gemm_i8: a quarter of float32's bytes).
  *
  *   y[m, off_i + n] = sum_k x[m, k] * W_i[n, k]      for every weight W_i (N_i x K, row-major: nn.Linear's
  *                                                     own layout, no copy), m < M, n < N_i
@@ -27,6 +28,8 @@
 #include <immintrin.h>
 #include <stdint.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v);
@@ -438,6 +441,10 @@ DEFINE_SKINNY(bf16, uint16_t, spire_skinny_gemm_bf16)
 #ifndef PANEL_WIDEN_M
 #define PANEL_WIDEN_M 9
 #endif
+/* 1: a single activation row takes full tiles two at a time (ptile2); 0: one at a time (A/B timing). */
+#ifndef PANEL_PAIRS
+#define PANEL_PAIRS 1
+#endif
 
 #define DEFINE_PANEL(SUF, WT)                                                                                  \
 /* MB <= 3 rows x one 32-column tile over nk k steps; w: the tile's first panel, panels `ps` elements apart, \
@@ -470,9 +477,28 @@ static void prows_##SUF(const float *x, int64_t ldx, int64_t M, const WT *w, int
                         int64_t ldy, int first) {                                                             \
     for (int64_t m = 0; m < M; m += 3) {                                                                      \
         int64_t r = M - m < 3 ? M - m : 3;                                                                    \
-        if (r == 3) ptile_##SUF(x + m * ldx, ldx, w, ps, nk, y + m * ldy, ldy, 3, first);                      \
-        else if (r == 2) ptile_##SUF(x + m * ldx, ldx, w, ps, nk, y + m * ldy, ldy, 2, first);                 \
-        else ptile_##SUF(x + m * ldx, ldx, w, ps, nk, y + m * ldy, ldy, 1, first);                             \
+        if (r == 3) ptile_##SUF(x + m * ldx, ldx, w, ps, nk, y + m * ldy, ldy, 3, first);                  \
+        else if (r == 2) ptile_##SUF(x + m * ldx, ldx, w, ps, nk, y + m * ldy, ldy, 2, first);             \
+        else ptile_##SUF(x + m * ldx, ldx, w, ps, nk, y + m * ldy, ldy, 1, first);                         \
+    }                                                                                                         \
+}                                                                                                             \
+                                                                                                              \
+/* One activation row times two 32-column tiles (wa, wb) at once: eight independent FMA chains where one tile  \
+ * has four, whose latency bounds a single row's product (Zen 2: four chains of 5-cycle FMAs ~ 13 G values   \
+ * per second, below what memory delivers in bf16). Each output is the same FMA chain over the block as       \
+ * ptile's and is stored the same way: bit-identical to two ptile calls. */                                    \
+static inline __attribute__((always_inline)) void ptile2_##SUF(const float *restrict x, const WT *restrict wa, \
+        const WT *restrict wb, int64_t ps, int64_t nk, float *restrict ya, float *restrict yb, int first) {    \
+    __m256 a[8];                                                                                              \
+    const WT *w[8];                                                                                           \
+    for (int c = 0; c < 4; c++) { a[c] = a[c + 4] = _mm256_setzero_ps(); w[c] = wa + c * ps; w[c + 4] = wb + c * ps; } \
+    for (int64_t k = 0; k < nk; k++) {                                                                        \
+        __m256 b = _mm256_broadcast_ss(x + k);                                                                \
+        for (int c = 0; c < 8; c++) a[c] = _mm256_fmadd_ps(b, load_##SUF(w[c] + k * PANEL_WIDTH), a[c]);      \
+    }                                                                                                         \
+    for (int c = 0; c < 8; c++) {                                                                             \
+        float *yc = (c < 4 ? ya : yb) + 8 * (c & 3);                                                          \
+        _mm256_storeu_ps(yc, first ? a[c] : _mm256_add_ps(_mm256_loadu_ps(yc), a[c]));                        \
     }                                                                                                         \
 }
 
@@ -492,8 +518,22 @@ static int panel_gemm(int bf16, const float *x, int64_t ldx, int64_t M, int64_t 
                       float *y, int64_t ldy) {
     if (M < 1 || M > 64) return -1;
     int64_t nt = (N + PANEL_TILE - 1) / PANEL_TILE, ps = K * PANEL_WIDTH;
+    /* one row: full tiles in pairs (ptile2), the rest one by one */
+    int64_t np = M == 1 && PANEL_PAIRS ? N / PANEL_TILE / 2 : 0, nu = nt - np;
 #pragma omp parallel for schedule(static)
-    for (int64_t q = 0; q < nt; q++) {
+    for (int64_t u = 0; u < nu; u++) {
+        if (u < np) {
+            int64_t n = 2 * u * PANEL_TILE;
+            const float *pf = (const float *)p + n * K;
+            const uint16_t *pb = (const uint16_t *)p + n * K;
+            for (int64_t k0 = 0; k0 < K; k0 += PANEL_KB) {
+                int64_t nk = K - k0 < PANEL_KB ? K - k0 : PANEL_KB, o = k0 * PANEL_WIDTH;
+                if (bf16) ptile2_bf16(x + k0, pb + o, pb + PANEL_TILE * K + o, ps, nk, y + n, y + n + PANEL_TILE, k0 == 0);
+                else ptile2_f32(x + k0, pf + o, pf + PANEL_TILE * K + o, ps, nk, y + n, y + n + PANEL_TILE, k0 == 0);
+            }
+            continue;
+        }
+        int64_t q = 2 * np + (u - np);
         int64_t n = q * PANEL_TILE, nc = N - n < PANEL_TILE ? N - n : PANEL_TILE;
         const float *pf = (const float *)p + n * K;
         const uint16_t *pb = (const uint16_t *)p + n * K;
@@ -527,6 +567,165 @@ int spire_panel_gemm_bf16(const float *x, int64_t ldx, int64_t M, int64_t K, con
                           float *y, int64_t ldy) {
     return panel_gemm(1, x, ldx, M, K, p, N, y, ldy);
 }
+
+/* ------------------------------------------------------------------------------------------------------
+ * int8 panel matmul (spire_panel_gemm_i8): weights quantized per output column and group of PANEL_KB = 64
+ * inputs (spire.kernels.quantize_int8: W[n, k] = v[n, k] s[n, k / 64], v in [-127, 127]), activations
+ * quantized per row and group to int16 on the fly (x[m, k] = u[m, k] t[m, k / 64], t = max |x| over the group /
+ * 32767, u = round(x / t): relative error below 2^-16 of the group's largest value), and each group's product
+ * summed exactly in int32 with vpmaddwd (|sum| <= 64 * 127 * 32767 < 2^31), then y += float(sum) * (s t), one
+ * FMA per group in order. Integer multiply-adds take 16 weights per instruction pair where the float path
+ * needs a widening and a conversion per 8, which made the float-converting int8 kernel no faster than bf16 per
+ * value (~13 G values per second on a Zen 2 core).
+ *
+ * Packed layout, per tile q of 32 columns (spire.kernels.pack_panels_int8), K even:
+ *
+ *   values  P[(s * K / 2 + j) * 16 + 2 c + e] = v[32 q + 8 s + c, 2 j + e]   (four panels s of 8 columns, each
+ *           the K / 2 input pairs j in order, each column's two inputs e side by side as vpmaddwd multiplies
+ *           them; one 64-byte-line-per-pair stream per tile was measured 6 % slower than the four streams)
+ *   scales  float32 [ceil(K / 64)][32] after the 32 K values (4-byte aligned: 32 K is a multiple of 32)
+ *
+ * A row's result depends only on that row (its own activation scales, the same sums whatever M). */
+static inline int64_t panel_i8_tile_bytes(int64_t K) {
+    return PANEL_TILE * K + (int64_t)sizeof(float) * PANEL_TILE * ((K + PANEL_KB - 1) / PANEL_KB);
+}
+
+/* MB <= 3 int16 activation rows (xq, row stride ldq; their group scales xs, stride ldxs) x one tile's npair
+ * input pairs of one group (w: the group's first pair); sw: the group's 32 weight scales. */
+static inline __attribute__((always_inline)) void qtile(const int16_t *restrict xq, int64_t ldq,
+        const float *restrict xs, int64_t ldxs, const int8_t *restrict w, int64_t ps, int64_t npair,
+        const float *restrict sw, float *restrict y, int64_t ldy, const int MB, int first) {
+    __m256i a[3][4];
+    for (int j = 0; j < MB; j++)
+        for (int c = 0; c < 4; c++) a[j][c] = _mm256_setzero_si256();
+    for (int64_t kp = 0; kp < npair; kp++) {
+        __m256i v0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + kp * 16)));
+        __m256i v1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + ps + kp * 16)));
+        __m256i v2 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 2 * ps + kp * 16)));
+        __m256i v3 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + 3 * ps + kp * 16)));
+        for (int j = 0; j < MB; j++) {
+            int32_t pair;
+            memcpy(&pair, xq + j * ldq + 2 * kp, sizeof pair);
+            __m256i b = _mm256_set1_epi32(pair);
+            a[j][0] = _mm256_add_epi32(a[j][0], _mm256_madd_epi16(b, v0));
+            a[j][1] = _mm256_add_epi32(a[j][1], _mm256_madd_epi16(b, v1));
+            a[j][2] = _mm256_add_epi32(a[j][2], _mm256_madd_epi16(b, v2));
+            a[j][3] = _mm256_add_epi32(a[j][3], _mm256_madd_epi16(b, v3));
+        }
+    }
+    for (int j = 0; j < MB; j++) {
+        __m256 t = _mm256_set1_ps(xs[j * ldxs]);
+        for (int c = 0; c < 4; c++) {
+            float *yc = y + j * ldy + 8 * c;
+            __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(sw + 8 * c), t), f = _mm256_cvtepi32_ps(a[j][c]);
+            _mm256_storeu_ps(yc, first ? _mm256_mul_ps(f, sc) : _mm256_fmadd_ps(f, sc, _mm256_loadu_ps(yc)));
+        }
+    }
+}
+
+/* One int16 activation row x two tiles (wa, wb: the group's first pair in each) at once: eight memory
+ * streams where one tile has four (from memory, one tile at a time streamed int8 at half of bf16's bytes per
+ * second). Each output's sum and store are qtile's: bit-identical to two qtile calls. */
+static inline __attribute__((always_inline)) void qtile2(const int16_t *restrict xq, float xs,
+        const int8_t *restrict wa, const int8_t *restrict wb, int64_t ps, int64_t npair, const float *restrict swa,
+        const float *restrict swb, float *restrict ya, float *restrict yb, int first) {
+    __m256i a[8];
+    const int8_t *w[8];
+    for (int c = 0; c < 4; c++) {
+        a[c] = a[c + 4] = _mm256_setzero_si256();
+        w[c] = wa + c * ps;
+        w[c + 4] = wb + c * ps;
+    }
+    for (int64_t kp = 0; kp < npair; kp++) {
+        int32_t pair;
+        memcpy(&pair, xq + 2 * kp, sizeof pair);
+        __m256i b = _mm256_set1_epi32(pair);
+        for (int c = 0; c < 8; c++)
+            a[c] = _mm256_add_epi32(a[c], _mm256_madd_epi16(b, _mm256_cvtepi8_epi16(
+                       _mm_loadu_si128((const __m128i *)(w[c] + kp * 16)))));
+    }
+    __m256 t = _mm256_set1_ps(xs);
+    for (int c = 0; c < 8; c++) {
+        float *yc = (c < 4 ? ya : yb) + 8 * (c & 3);
+        __m256 sc = _mm256_mul_ps(_mm256_loadu_ps((c < 4 ? swa : swb) + 8 * (c & 3)), t);
+        __m256 f = _mm256_cvtepi32_ps(a[c]);
+        _mm256_storeu_ps(yc, first ? _mm256_mul_ps(f, sc) : _mm256_fmadd_ps(f, sc, _mm256_loadu_ps(yc)));
+    }
+}
+
+/* x rows -> int16 values (M x K) and per-group scales (M x ng); 0 scale for a zero group. */
+static void quantize_rows_i16(const float *x, int64_t ldx, int64_t M, int64_t K, int16_t *xq, float *xs) {
+    int64_t ng = (K + PANEL_KB - 1) / PANEL_KB;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        int16_t *qr = xq + m * K;
+        for (int64_t g = 0; g < ng; g++) {
+            int64_t lo = g * PANEL_KB, hi = lo + PANEL_KB < K ? lo + PANEL_KB : K;
+            float amax = 0.0f;
+            for (int64_t k = lo; k < hi; k++) amax = fmaxf(amax, fabsf(xr[k]));
+            float t = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            xs[m * ng + g] = t;
+            for (int64_t k = lo; k < hi; k++) {
+                float v = nearbyintf(xr[k] * inv);
+                qr[k] = (int16_t)(v > 32767.0f ? 32767.0f : v < -32767.0f ? -32767.0f : v);
+            }
+        }
+    }
+}
+
+int spire_panel_gemm_i8(const float *x, int64_t ldx, int64_t M, int64_t K, const int8_t *p, int64_t N, float *y,
+                        int64_t ldy) {
+    if (M < 1 || M > 64 || K % 2) return -1;
+    int64_t ng = (K + PANEL_KB - 1) / PANEL_KB, tb = panel_i8_tile_bytes(K);
+    int64_t nt = (N + PANEL_TILE - 1) / PANEL_TILE, ps = PANEL_WIDTH * K;
+    int16_t *xq = (int16_t *)malloc((size_t)(M * K) * sizeof(int16_t));
+    float *xs = (float *)malloc((size_t)(M * ng) * sizeof(float));
+    if (!xq || !xs) { free(xq); free(xs); return -2; }
+    quantize_rows_i16(x, ldx, M, K, xq, xs);
+    /* one row: full tiles in pairs (qtile2), the rest one by one */
+    int64_t np = M == 1 && PANEL_PAIRS ? N / PANEL_TILE / 2 : 0, nu = nt - np;
+#pragma omp parallel for schedule(static)
+    for (int64_t u = 0; u < nu; u++) {
+        if (u < np) {
+            int64_t n = 2 * u * PANEL_TILE;
+            const int8_t *pa = p + 2 * u * tb, *pb = pa + tb;
+            const float *sa = (const float *)(pa + PANEL_TILE * K), *sb = (const float *)(pb + PANEL_TILE * K);
+            for (int64_t g = 0; g < ng; g++) {
+                int64_t k0 = g * PANEL_KB, nk = K - k0 < PANEL_KB ? K - k0 : PANEL_KB;
+                qtile2(xq + k0, xs[g], pa + k0 * PANEL_WIDTH, pb + k0 * PANEL_WIDTH, ps, nk / 2,
+                       sa + g * PANEL_TILE, sb + g * PANEL_TILE, y + n, y + n + PANEL_TILE, g == 0);
+            }
+            continue;
+        }
+        int64_t q = 2 * np + (u - np);
+        int64_t n = q * PANEL_TILE, nc = N - n < PANEL_TILE ? N - n : PANEL_TILE;
+        const int8_t *pq = p + q * tb;
+        const float *sq = (const float *)(pq + PANEL_TILE * K);
+        float tmp[64 * PANEL_TILE];
+        float *yq = nc < PANEL_TILE ? tmp : y + n;  /* a ragged last tile goes through tmp */
+        int64_t ly = nc < PANEL_TILE ? PANEL_TILE : ldy;
+        for (int64_t g = 0; g < ng; g++) {
+            int64_t k0 = g * PANEL_KB, nk = K - k0 < PANEL_KB ? K - k0 : PANEL_KB, npair = nk / 2;
+            const int8_t *w = pq + k0 * PANEL_WIDTH;  /* k0 even: pair k0 / 2, 16 bytes a pair */
+            for (int64_t m = 0; m < M; m += 3) {
+                int64_t r = M - m < 3 ? M - m : 3;
+                const int16_t *xm = xq + m * K + k0;
+                const float *sm = xs + m * ng + g;
+                float *ym = yq + m * ly;
+                if (r == 3) qtile(xm, K, sm, ng, w, ps, npair, sq + g * PANEL_TILE, ym, ly, 3, g == 0);
+                else if (r == 2) qtile(xm, K, sm, ng, w, ps, npair, sq + g * PANEL_TILE, ym, ly, 2, g == 0);
+                else qtile(xm, K, sm, ng, w, ps, npair, sq + g * PANEL_TILE, ym, ly, 1, g == 0);
+            }
+        }
+        if (nc < PANEL_TILE)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t c = 0; c < nc; c++) y[m * ldy + n + c] = tmp[m * PANEL_TILE + c];
+    }
+    free(xq);
+    free(xs);
+    return 0;
+}
+
 
 /* Rows at arbitrary addresses (key rows of a cache): no prefetch (rows need not follow one another). */
 static void rows_block_strided(const float *x, int64_t ldx, int64_t M, const float *const *w, int R, int64_t K,
@@ -822,10 +1021,12 @@ static void silu_mul(float *gu, int64_t M, int64_t F) {
     }
 }
 
-/* wfmt: bit 0 = bf16 weights, bit 1 = packed panels (spire_panel_gemm) instead of row-major (N x K). */
+/* wfmt: bit 0 = bf16 weights, bit 1 = packed panels (spire_panel_gemm) instead of row-major (N x K), bit 2 =
+ * int8 packed panels (with bit 1). */
 static int gemm_any(int wfmt, const float *x, int64_t ldx, int64_t M, int64_t K, const void *w, int64_t N, float *y,
                     int64_t ldy) {
     int bf16 = wfmt & 1;
+    if (wfmt & 4) return spire_panel_gemm_i8(x, ldx, M, K, (const int8_t *)w, N, y, ldy);
     if (wfmt & 2) return panel_gemm(bf16, x, ldx, M, K, w, N, y, ldy);
     const void *ws[1] = {w};
     int64_t ns[1] = {N};
@@ -863,7 +1064,8 @@ static void rope_write(float *qkv, int64_t M, int64_t T, int64_t H, int64_t KV, 
  * cache); mask: NULL (the position rule above over a dense cache) or (B, T, n_slots) uint8, nonzero where query
  * (b, t) may read cache entry j < n_slots (the rule is then not applied);
  * cos, sin: (M, D); ln1, ln2: (d,); wqkv ((H + 2 KV) D, d), wo (d, H D), wgu (2 F, d), wdown (d, F): wfmt bit 0
- * = bf16 weights (else float32), bit 1 = packed by spire.kernels.pack_panels (else row-major);
+ * = bf16 weights (else float32), bit 1 = packed by spire.kernels.pack_panels (else row-major), bit 2 (with bit 1)
+ * = int8 packed by spire.kernels.pack_panels_int8;
  * kc, vc: the layer's cache, element [b, h, s, :] at b csb + h csh + s css;
  * work: M (d + (H + 2 KV) D + H D + 2 F + d) floats of scratch. */
 int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const int64_t *pos, int64_t sink,
@@ -945,7 +1147,8 @@ int spire_block_kv(const float *x, int64_t B, int64_t T, const int64_t *pos, con
     /* the k and v rows start H D rows in: H D * d elements into a row-major weight, and as many into a packed
      * one when H D is a multiple of its 32-column tiles (else the whole q/k/v product is computed) */
     int64_t lo = (wfmt & 2) && (H * D) % PANEL_TILE ? 0 : H * D;
-    const void *wkv = (wfmt & 1) ? (const void *)((const uint16_t *)wqkv + lo * d) : (const void *)((const float *)wqkv + lo * d);
+    const void *wkv = (wfmt & 4) ? (const void *)((const int8_t *)wqkv + lo / PANEL_TILE * panel_i8_tile_bytes(d))
+                      : (wfmt & 1) ? (const void *)((const uint16_t *)wqkv + lo * d) : (const void *)((const float *)wqkv + lo * d);
     gemm_any(wfmt, h, d, M, d, wkv, NQ - lo, qkv + lo, NQ);
     rope_write(qkv, M, T, H, KV, D, H, cos, sin, pos, slot, kc, vc, csb, csh, css);
     return 0;
