@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from spire.data import document_separator_id, prepare_data
+from spire.drafts import spire as spire_draft
 from spire.drafts.spire import SpireConfig, SpireDraft
 from spire.drafts.vanilla import VanillaDraft
 from spire.evaluation.tau import measure_tau
@@ -54,13 +55,13 @@ def step_rate(target, data, cfg: TrainConfig, steps: int) -> float:
 
 def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: str, layers) -> list[dict]:
     """Training tokens per second (wall and CPU) of one SPIRe step on the same batches, for the old path (live
-    target, full vocabulary, the autograd MixedLoss and the for-loop AdamW: the trainer before these levers) and
-    each lever alone and together (the hand-written MixedLoss gradient with the fused AdamW, draft vocabulary,
-    target cache), steps timed in turn (old, new, old, new, ...) so that load on the machine hits every path
+    target, full vocabulary, the autograd MixedLoss, the for-loop AdamW and the dense k-pass layout: the trainer
+    before these levers) and each lever alone and together (the MixedLoss row kernel with the fused AdamW and the
+    chunked k-pass attention, draft vocabulary, target cache), steps timed in turn (old, new, old, new, ...) so that load on the machine hits every path
     alike."""
     spire_cfg = dict(layers=tuple(layers)) if layers else {}
     paths = {"live, full vocabulary (old)": (None, None, False),
-             "live, full vocabulary, fused loss + AdamW": (None, None, True),
+             "live, full vocabulary, loss kernel + AdamW + chunks": (None, None, True),
              f"live, vocabulary {vocab_size}": (vocab_size, None, True),
              "cache, full vocabulary": (None, cache_dtype, True),
              f"cache, vocabulary {vocab_size} (new)": (vocab_size, cache_dtype, True)}
@@ -90,6 +91,7 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
     for s in range(steps + 1):
         for name, (cfg, model, src, opt, fused, wall, cpu) in runs.items():
             distill.mixed_loss_logp = fused_loss if fused else mixed_loss_logp_reference
+            spire_draft.CHUNKED_KPASS = fused  # the old path: every k-pass block reads every position
             watch = Stopwatch(target.device)
             loss, _ = distill.step_loss(model, target, src.batch(s), cfg)
             opt.zero_grad()
@@ -100,6 +102,7 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
                 wall.append(w)
                 cpu.append(c)
     distill.mixed_loss_logp = fused_loss
+    spire_draft.CHUNKED_KPASS = True
     rows = []
     for name, (cfg, _, _, _, _, wall, cpu) in runs.items():
         tok = cfg.batch_size * cfg.seq_len

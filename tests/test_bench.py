@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from spire.bench.calibrate import Calibration, calibrate, load_calibration
+import spire.bench.run as bench_run
 from spire.bench.report import write_outputs
 from spire.bench.run import BenchConfig, predict, run_bench, shape_of, summarize
 from spire.cli import main
@@ -342,22 +343,28 @@ def test_bench_cli_bf16_weights(tmp_path, monkeypatch, capsys, tiny):
     assert "weight-only bf16" in (tmp_path / "bf16" / "BENCH.md").read_text()
 
 
-def test_bench_cli_bf16_draft_weights(tmp_path, monkeypatch, capsys, tiny):
-    """`spire bench --draft-weights bf16` beside a float32 target: only the SPIRe draft's own weights are
-    rounded, SD stays identical to AD, the draft step is predicted at 2 bytes per weight value (MagicDec's,
-    the target's weights, and verify at 4), and BENCH.md says so; without such a draft the option does nothing;
-    bad values are refused."""
+def _recording_bench(tmp_path, monkeypatch, tiny):
+    """`spire bench --random-weights` on a copy of ``tiny``, recording every SPIRe draft model it builds: (the
+    target copy, the list the draft models go to, the real SpireDraft class)."""
     import copy
 
-    import spire.bench.run as bench_run
     from spire.commands import bench as bench_cmd
 
     model = copy.deepcopy(tiny)
     monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(bench_run, "random_target", lambda dtype, device, seed=0: model)
-    drafts = []
+    drafts: list = []
     real_draft = bench_cmd.SpireDraft
     monkeypatch.setattr(bench_cmd, "SpireDraft", lambda m: drafts.append(m) or real_draft(m))
+    return model, drafts, real_draft
+
+
+def test_bench_cli_bf16_draft_weights(tmp_path, monkeypatch, capsys, tiny):
+    """`spire bench --draft-weights bf16` beside a float32 target: only the SPIRe draft's own weights are
+    rounded, SD stays identical to AD, the draft step is predicted at 2 bytes per weight value (MagicDec's,
+    the target's weights, and verify at 4), and BENCH.md says so; without such a draft the option does nothing;
+    bad values are refused."""
+    model, drafts, real_draft = _recording_bench(tmp_path, monkeypatch, tiny)
     outs = {w: _tiny_bench_json(tmp_path / w, capsys, "--draft-weights", w) for w in ("fp32", "bf16")}
     assert (outs["fp32"]["draft_weight_bytes"], outs["bf16"]["draft_weight_bytes"]) == (4, 2)
     assert outs["bf16"]["weight_bytes"] == 4
@@ -399,6 +406,34 @@ def test_bench_cli_bf16_draft_weights(tmp_path, monkeypatch, capsys, tiny):
     assert e.value.code == 2
     with pytest.raises(SystemExit) as e:
         main(["bench", "--random-weights", "--quick", "--dtype", "bf16", "--draft-weights", "fp32"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[-1].startswith("error: --draft-weights applies to --dtype fp32")
+
+
+def test_bench_cli_int8_draft_weights(tmp_path, monkeypatch, capsys, tiny):
+    """`spire bench --draft-weights int8`: only the SPIRe draft's linear weights take their group-wise int8 values,
+    SD stays identical to AD, the draft step is priced at 1 + 4/64 bytes per value and the run says int8; a
+    draft vocabulary's head is priced at its own N rows; int8 is refused beside --dtype bf16."""
+    from spire import kernels
+
+    model, drafts, real_draft = _recording_bench(tmp_path, monkeypatch, tiny)
+    out = _tiny_bench_json(tmp_path / "int8", capsys, "--draft-weights", "int8")
+    assert out["draft_weight_bytes"] == 1.0625 and out["draft_weights"] == "int8" and out["weight_bytes"] == 4
+    assert all(r["identical_to_ad"] for r in out["rows"])
+    rows = {r["draft"]: r for r in out["rows"]}
+    assert rows["spire"]["draft_weight_bytes"] == 1.0625 and rows["magicdec"]["draft_weight_bytes"] == 4
+    up = drafts[-1].layers[0].mlp.up_proj.weight
+    assert torch.equal(up, kernels.dequantize_int8(*kernels.quantize_int8(up)))
+    assert not torch.equal(up, tiny.layers[drafts[-1].source_layers[0]].mlp.up_proj.weight)
+    assert torch.equal(model.layers[0].mlp.up_proj.weight, tiny.layers[0].mlp.up_proj.weight)  # target untouched
+    assert "draft's own weights at 1.0625 bytes per value (int8)" in (tmp_path / "int8" / "BENCH.md").read_text()
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+    small = SpireDraftModel(tiny, SpireConfig(n_draft_layers=1, vocab_size=20), vocab=torch.arange(20) * 3)
+    kind, shape, _, _ = bench_run.draft_kind_and_shape(real_draft(small), tiny)
+    assert (kind, shape.vocab_size, shape.n_layers) == ("spire", 20, 1)
+    assert bench_run.draft_kind_and_shape(real_draft(drafts[-1]), tiny)[1].vocab_size == tiny.cfg.vocab_size
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--random-weights", "--quick", "--dtype", "bf16", "--draft-weights", "int8"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and err[-1].startswith("error: --draft-weights applies to --dtype fp32")
 

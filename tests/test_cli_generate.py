@@ -51,12 +51,13 @@ def test_bf16_weights_greedy_equals_ad(folder):
     assert outs["magicdec"] == outs["none"] and all(len(t) > 0 for t in outs["none"])
 
 
-def test_bf16_draft_weights_beside_a_float32_target(folder):
-    """--draft-weights bf16 rounds only the draft's own weights: greedy SD still gives the float32 target's
-    tokens (the target as its own vanilla draft, now in bf16, still proposes almost every token)."""
+@pytest.mark.parametrize("fmt", ["bf16", "int8"])
+def test_rounded_draft_weights_beside_a_float32_target(folder, fmt):
+    """--draft-weights bf16 / int8 rounds only the draft's own weights: greedy SD still gives the float32
+    target's tokens (the target as its own vanilla draft, now rounded, still proposes almost every token)."""
     prompts = ["The capital of France is", "def add(a, b):"]
     outs = {}
-    for draft, extra in (("none", []), ("vanilla", ["--draft-path", folder, "--draft-weights", "bf16"])):
+    for draft, extra in (("none", []), ("vanilla", ["--draft-path", folder, "--draft-weights", fmt])):
         res = _run([*prompts, "--draft", draft, *extra, "--max-new-tokens", "12", "--format", "json"])
         assert res.returncode == 0, res.stderr
         obj = json.loads(res.stdout)

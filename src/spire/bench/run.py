@@ -134,9 +134,10 @@ def draft_kind_and_shape(draft: Draft, target: Transformer) -> tuple[str, ModelS
         return "magicdec", t, draft.view.sink, draft.view.window
     if isinstance(draft, VanillaDraft):
         return "vanilla", shape_of(draft.model), defaults.SINK, defaults.WINDOW
-    if isinstance(draft, SpireDraft):
+    if isinstance(draft, SpireDraft):  # the head it streams: its draft vocabulary's N rows, or the target's V
         view = draft.model.view
-        return "spire", t.with_layers(len(draft.model.layers)), view.sink, view.window
+        return ("spire", replace(t.with_layers(len(draft.model.layers)), vocab_size=draft.model.n_vocab), view.sink,
+                view.window)
     raise ConfigError(f"no cost-model formula for draft {type(draft).__name__}")
 
 

@@ -47,6 +47,11 @@ from spire.paths import atomic_write
 
 INIT_KINDS = ("pruned", "random")
 
+CHUNKED_KPASS = True
+"""Whether k-pass training groups its blocks in chunks that read only the target keys a window can reach
+(:meth:`SpireDraftModel._chunks`); False: every block reads every position (the dense layout, same logits to
+float32 rounding; benchmarks/train_throughput.py --levers times the old path with it)."""
+
 
 @dataclass
 class SpireConfig:
@@ -217,6 +222,7 @@ class SpireDraftModel(nn.Module):
         else:
             self.vocab = None
         self._vocab_head: tuple[tuple, nn.Linear] | None = None
+        self._mix: tuple[tuple, torch.Tensor] | None = None  # inference: softmax of mix_logits (memory)
         self.cfg = cfg
         self.source_layers = cfg.source_layers(target.cfg.n_layers)  # target layer j of draft layer i
         self.layers = nn.ModuleList(copy.deepcopy(target.layers[j]) for j in self.source_layers)
@@ -304,8 +310,17 @@ class SpireDraftModel(nn.Module):
         Without feedback memory, m^i = x^i (layer i's own input: an ordinary KV cache)."""
         if not self.cfg.feedback_memory:
             return torch.stack(xs[:-1])
-        w = self.mix_logits.softmax(-1).to(xs[0].dtype)  # (n_d, n_d + 1), rows sum to 1
-        return torch.einsum("il,lbtd->ibtd", w, torch.stack(xs))
+        x = torch.stack(xs)  # (n_d + 1, B, T, d)
+        if torch.is_grad_enabled() and self.mix_logits.requires_grad:
+            w = self.mix_logits.softmax(-1).to(x.dtype)  # (n_d, n_d + 1), rows sum to 1
+            return torch.einsum("il,lbtd->ibtd", w, x)
+        # inference (a draft step): the softmax kept while the logits are unchanged, one small matmul
+        p = self.mix_logits
+        key = (p.data_ptr(), p._version, x.dtype)
+        if self._mix is None or self._mix[0] != key:
+            with torch.no_grad():
+                self._mix = (key, p.detach().softmax(-1).to(x.dtype))
+        return (self._mix[1] @ x.reshape(x.shape[0], -1)).view(-1, *x.shape[1:])
 
     def self_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """q_pos (..., T), k_pos (..., S) -> (..., T, S) bool: False where a query at p > 0 meets its own key
@@ -413,7 +428,7 @@ class SpireDraftModel(nn.Module):
         keys weigh exactly 0, so the logits are the same either way (to float32 rounding; tests/test_spire_draft.py)."""
         nb = T // k
         G = nb
-        if self.view is not None:
+        if self.view is not None and CHUNKED_KPASS:
             g = max(1, self.view.window // k)
             G = max(d for d in range(1, min(g, nb) + 1) if nb % d == 0)
         C = nb // G
