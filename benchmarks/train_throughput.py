@@ -61,7 +61,7 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
     alike."""
     spire_cfg = dict(layers=tuple(layers)) if layers else {}
     paths = {"live, full vocabulary (old)": (None, None, False),
-             "live, full vocabulary, loss kernel + AdamW + chunks": (None, None, True),
+             "live, full vocabulary, new loss + chunks": (None, None, True),
              f"live, vocabulary {vocab_size}": (vocab_size, None, True),
              "cache, full vocabulary": (None, cache_dtype, True),
              f"cache, vocabulary {vocab_size} (new)": (vocab_size, cache_dtype, True)}
