@@ -68,3 +68,39 @@ def test_round_loop_sequences_match_reference(sink, window, k, prompt, pad, acce
 def test_ring_is_constant_size():
     c = RingKVCache(2, 3, 1, SinkWindow(1, 64), 5, 8)
     assert c.k[0].shape == (3, 1, 70, 8) and c.tags.shape == (3, 70)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sink=st.integers(0, 3), window=st.integers(1, 9), slack=st.integers(1, 5), B=st.integers(1, 3),
+       T=st.integers(1, 4), start=st.integers(0, 40), self_attend=st.booleans(), seed=st.integers(0, 1000))
+def test_ring_claim_mask_native_equals_torch(sink, window, slack, B, T, start, self_attend, seed):
+    """RingKVCache.claim_mask: the native call (slots, tags, mask) equals claim + attention_mask (+ the no-self
+    rule) in torch, over rings already holding positions, rows at different positions."""
+    from spire import kernels
+
+    if not kernels.available():
+        import pytest
+        pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}")
+    T = min(T, window + slack)
+    g = torch.Generator().manual_seed(seed)
+    rings = [RingKVCache(1, B, 1, SinkWindow(sink, window), slack, 8) for _ in range(2)]
+    for b in range(B):  # history: positions 0 .. start_b - 1 written, the last window + slack of them kept
+        hist = torch.arange(int(torch.randint(0, start + 1, (1,), generator=g)))[None]
+        if hist.numel():
+            keep = hist[:, -min(hist.shape[1], window + slack):]
+            for r in rings:
+                r.tags[b, r.slot(keep[0])] = keep[0]
+    lens = torch.tensor([int(r) for r in torch.randint(0, start + 1, (B,), generator=g)])
+    pos = lens[:, None] + torch.arange(T)
+    native = rings[0].claim_mask(pos, self_attend)
+    rings[1].claim(pos)
+    ref = attention_mask(pos, rings[1].tags, rings[1].view)
+    if not self_attend:
+        qp, kp = pos[:, :, None], rings[1].tags[:, None, :]
+        ref = ref & ((kp != qp) | (qp == 0))[:, None]
+    assert torch.equal(native[0], rings[1].slot(pos))
+    assert torch.equal(rings[0].tags, rings[1].tags)
+    assert native[1].dtype == torch.bool and torch.equal(native[1], ref)
+    tags = rings[0].tags.clone()
+    assert kernels.ring_claim_mask(tags, -pos - 1, sink, rings[0].ring, window, True) is None  # refused ...
+    assert torch.equal(tags, rings[0].tags)  # ... with nothing written

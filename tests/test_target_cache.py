@@ -165,6 +165,13 @@ def test_draft_vocabulary_head_and_maps(tiny):
     back = m.to_target_vocab(sub)
     assert back.shape == (2, 3, 97) and torch.isinf(back).sum() == 2 * 3 * 92
     assert torch.equal(back[..., vocab], sub)
+    with torch.no_grad():  # inference: the native scatter where the kernels are built, = index_copy_
+        ref = sub.new_full((2, 3, 97), float("-inf")).index_copy_(-1, vocab, sub)
+        assert torch.equal(m.to_target_vocab(sub), ref) and torch.equal(back, ref)
+    with torch.enable_grad():  # under autograd the torch op, gradients flow
+        g = sub.detach().clone().requires_grad_(True)
+        m.to_target_vocab(g)[..., vocab].sum().backward()
+        assert torch.equal(g.grad, torch.ones_like(sub))
     assert m.to_draft_ids(torch.tensor([3, 4, 96])).tolist() == [1, -100, 4]
     with pytest.raises(ConfigError, match="distinct token ids"):
         SpireDraftModel(tiny, SpireConfig(n_draft_layers=2, vocab_size=3), torch.tensor([1, 1, 2]))
@@ -180,6 +187,12 @@ def test_draft_vocabulary_survives_save_and_load(tmp_path, tiny):
     assert torch.equal(back.vocab, vocab)
     x = torch.randn(1, 2, tiny.cfg.d_model)
     assert torch.equal(back.logits(x), m.logits(x))
+    from spire.errors import CheckpointError
+    for bad in (torch.tensor([1, 4, 9, 16, 25, 97]), torch.tensor([1, 4, 4, 16, 25, 36])):  # past V; a repeat
+        m.vocab.copy_(bad)
+        m.save(tmp_path / "bad.safetensors")
+        with pytest.raises(CheckpointError, match="distinct token ids in"):
+            SpireDraftModel.load(tmp_path / "bad.safetensors", tiny)
 
 
 def _reduced_draft(target, n: int, seed: int = 0) -> SpireDraft:

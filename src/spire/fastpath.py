@@ -590,15 +590,16 @@ class DecodeStep:
 
 def decode_step(owner: nn.Module, layers: nn.ModuleList, cfg, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, cache: KVCache | RingKVCache | None, view: SinkWindow | None = None,
-                mask: torch.Tensor | None = None) -> DecodeStep | None:
+                mask: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> DecodeStep | None:
     """The native decode step of ``layers`` (a model's blocks, shaped by ``cfg``; ``owner`` keeps their
     native blocks) for new tokens x: (B, T, d) at positions pos: (B, T), with RoPE tables cos, sin
     (R, B, 1, T, D), or None when it does not apply: the caller then runs its blocks per op.
 
     Over a dense :class:`KVCache` (no ``mask``) keys live at their positions and each layer reads through
     ``view`` and its own sliding window; raises ConfigError for a position outside the cache. Over a
-    :class:`RingKVCache` (T ≤ its ring; the slots of pos already claimed) keys go to the slots of pos and
-    every block reads the entries ``mask`` (B, 1, T, S) bool allows (None: memory writes only)."""
+    :class:`RingKVCache` (T ≤ its ring; the slots of pos already claimed, given as ``slots`` (B, T) or computed
+    here) keys go to the slots of pos and every block reads the entries ``mask`` (B, 1, T, S) bool allows (None:
+    memory writes only)."""
     if cache is None or not _native_applies(cfg, layers, x, pos, cache.k[0]):
         return None
     if type(cache) is KVCache and mask is None:
@@ -608,6 +609,7 @@ def decode_step(owner: nn.Module, layers: nn.ModuleList, cfg, x: torch.Tensor, p
         check_positions(pos, cache.max_len)
         return DecodeStep(owner, layers, cfg.n_heads, cache, pos, cos, sin, views, None, None)
     if isinstance(cache, RingKVCache) and pos.shape[1] <= cache.ring:
-        mask8 = None if mask is None else mask[:, 0].to(torch.uint8).contiguous()  # (B, T, S)
-        return DecodeStep(owner, layers, cfg.n_heads, cache, pos, cos, sin, None, cache.slot(pos), mask8)
+        mask8 = None if mask is None else mask[:, 0].contiguous().view(torch.uint8)  # (B, T, S), no copy
+        return DecodeStep(owner, layers, cfg.n_heads, cache, pos, cos, sin, None,
+                          cache.slot(pos) if slots is None else slots, mask8)
     return None

@@ -185,6 +185,26 @@ class RingKVCache:
         rows = torch.arange(pos.shape[0], device=pos.device)[:, None].expand_as(pos)
         self.tags[rows, self.slot(pos)] = pos
 
+    def claim_mask(self, pos: torch.Tensor, self_attend: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`claim` the slots of positions pos (B, T), then the mask of those queries over every slot:
+        (slots (B, T) int64, mask (B, 1, T, S) bool) = (:meth:`slot`, :func:`attention_mask` of the tags under the
+        view, and without ``self_attend`` no query reads its own key except at position 0). One native call on
+        the CPU (spire.kernels.ring_claim_mask), else the torch ops."""
+        from spire import kernels
+
+        if pos.device.type == "cpu" and kernels.available():
+            done = kernels.ring_claim_mask(self.tags, pos.to(torch.int64), self.view.sink, self.ring,
+                                           self.view.window, self_attend)
+            if done is not None:
+                return done
+        self.claim(pos)
+        kp = self.tags
+        mask = attention_mask(pos, kp, self.view)
+        if not self_attend:
+            qp, k_ = pos[:, :, None], kp[:, None, :]
+            mask = mask & ((k_ != qp) | (qp == 0))[:, None]
+        return self.slot(pos), mask
+
     def read(self, layer: int, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """All slots of a layer: (B, n_kv, slots, d_head) each (``upto`` is ignored)."""
         return self.k[layer], self.v[layer]

@@ -36,8 +36,7 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
-from spire import fastpath
-from spire import defaults
+from spire import defaults, fastpath, kernels
 from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
@@ -289,8 +288,12 @@ class SpireDraftModel(nn.Module):
         """Draft-vocabulary logits (..., N) -> (..., V) with -inf (q = 0) at every token outside it."""
         if self.vocab is None:
             return logits
-        out = logits.new_full((*logits.shape[:-1], self.target.cfg.vocab_size), float("-inf"))
-        return out.index_copy_(-1, self.vocab, logits)
+        V = self.target.cfg.vocab_size
+        if not (torch.is_grad_enabled() and logits.requires_grad):  # inference: one native pass on the CPU
+            out = kernels.scatter_columns(logits, self.vocab, V)
+            if out is not None:
+                return out
+        return logits.new_full((*logits.shape[:-1], V), float("-inf")).index_copy_(-1, self.vocab, logits)
 
     def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         """Target token ids (...) -> draft-vocabulary columns (...), -100 (ignored by cross-entropy) outside it."""
@@ -492,7 +495,8 @@ class SpireDraftModel(nn.Module):
     def load(cls, path: Path, target: Transformer) -> "SpireDraftModel":
         """Load a draft saved by :meth:`save` for ``target``.
 
-        Raises CheckpointError (missing/unreadable) or TokenizerMismatchError (trained for another target).
+        Raises CheckpointError (missing/unreadable, or a draft vocabulary with repeated or out-of-range ids) or
+        TokenizerMismatchError (trained for another target).
         """
         meta, state = read_draft_file(path, target)
         try:
@@ -502,6 +506,9 @@ class SpireDraftModel(nn.Module):
                                   "spire?") from None
         model = cls(target, cfg)
         model.load_state_dict(state)
+        ids, V = model.vocab, target.cfg.vocab_size
+        if ids is not None and (len(ids.unique()) != len(ids) or bool((ids < 0).any() | (ids >= V).any())):
+            raise CheckpointError(f"draft {path}: its draft vocabulary must be distinct token ids in [0, {V})")
         return model.to(target.dtype)
 
     # -- the training interface (spire.drafts.base.TrainableDraft) ------------------------------------
@@ -650,13 +657,17 @@ class SpireDraft(Draft):
         x = m.target.model.embed_tokens(tokens)  # (B, 1, d)
         feature = None if self._feature is None else self._previous_feature(pos)  # (B, 1, d)
         cos, sin = m.rope(pos, x.dtype)
-        cache.claim(pos)  # the slots of the new position now hold it (its keys/values follow, per layer)
-        kp = self._key_positions(tokens.shape[0])
-        mask = attention_mask(pos, kp, m.view)  # (B, 1, 1, S)
-        if not m.cfg.self_attend:
-            mask = mask & m.self_mask(pos, kp)[:, None]
+        slots = None
+        if isinstance(cache, RingKVCache):  # claim the new position's slots and mask every slot, in one call
+            slots, mask = cache.claim_mask(pos, m.cfg.self_attend)  # (B, 1), (B, 1, 1, S)
+        else:
+            cache.claim(pos)  # the slots of the new position now hold it (its keys/values follow, per layer)
+            kp = self._key_positions(tokens.shape[0])
+            mask = attention_mask(pos, kp, m.view)  # (B, 1, 1, S)
+            if not m.cfg.self_attend:
+                mask = mask & m.self_mask(pos, kp)[:, None]
         xs = [x]
-        run = fastpath.decode_step(m, m.layers, m.target.cfg, x, pos, cos, sin, cache, mask=mask)
+        run = fastpath.decode_step(m, m.layers, m.target.cfg, x, pos, cos, sin, cache, mask=mask, slots=slots)
         if run is not None:  # each layer one native call: the token's key/value into its slot, attention over slots
             for i in range(len(m.layers)):
                 if i == m.feature_layer:

@@ -125,6 +125,10 @@ def load() -> ctypes.CDLL | None:
                                        + [P, P, I, I, I, P])
         lib.spire_set_avx512.restype = ctypes.c_int
         lib.spire_set_avx512.argtypes = [ctypes.c_int]
+        lib.spire_scatter_columns.restype = ctypes.c_int
+        lib.spire_scatter_columns.argtypes = [P, I, I, P, I, P]
+        lib.spire_ring_claim_mask.restype = ctypes.c_int
+        lib.spire_ring_claim_mask.argtypes = [P, I, I, P, I, I, I, I, ctypes.c_int, P, P]
         lib.spire_mixed_loss.restype = ctypes.c_int
         lib.spire_mixed_loss.argtypes = [P, P, I, I, ctypes.c_float, P, P, P]
         if os.environ.get("SPIRE_AVX512", "1") in ("0", "off", "false", "no"):
@@ -318,6 +322,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     y = torch.empty(x2.shape, dtype=torch.float32)
     lib.spire_rms_norm(x2.data_ptr(), x2.stride(0), weight.data_ptr(), y.data_ptr(), x2.shape[0], d, eps)
     return y.view(x.shape)
+
+
+def scatter_columns(src: torch.Tensor, ids: torch.Tensor, V: int) -> torch.Tensor | None:
+    """src (..., N) float32 CPU, ids (N,) int64 distinct in [0, V) (not checked here) -> (..., V) float32: -inf
+    everywhere, src's columns at ids (``new_full(-inf).index_copy_(-1, ids, src)`` in one pass). None when the
+    kernel does not apply."""
+    if (src.dtype != torch.float32 or src.device.type != "cpu" or ids.dtype != torch.int64
+            or ids.device.type != "cpu" or ids.dim() != 1 or src.shape[-1] != ids.shape[0]):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    x = src.reshape(-1, src.shape[-1]).contiguous()
+    ids = ids.contiguous()
+    out = torch.empty(*src.shape[:-1], V, dtype=torch.float32)
+    lib.spire_scatter_columns(x.data_ptr(), x.shape[0], x.shape[1], ids.data_ptr(), V, out.data_ptr())
+    return out
+
+
+def ring_claim_mask(tags: torch.Tensor, pos: torch.Tensor, sink: int, ring: int, window: int, self_attend: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A ring cache's step bookkeeping in one call (cpu_decode.c, spire_ring_claim_mask): tags (B, S) int64
+    contiguous CPU, updated in place with the slots of pos (B, T) int64 -> (slots (B, T) int64, mask (B, 1, T, S)
+    bool: which slots each query reads under the sink + window rule, without its own key when not
+    ``self_attend``), exactly as RingKVCache.claim, attention_mask and SpireDraftModel.self_mask. None when the
+    kernel does not apply (the caller runs those)."""
+    if (tags.dtype != torch.int64 or pos.dtype != torch.int64 or tags.device.type != "cpu"
+            or pos.device.type != "cpu" or not tags.is_contiguous() or pos.dim() != 2 or tags.dim() != 2
+            or pos.shape[0] != tags.shape[0]):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    B, T = pos.shape
+    S = tags.shape[1]
+    pos = pos.contiguous()
+    slots = torch.empty(B, T, dtype=torch.int64)
+    mask = torch.empty(B, 1, T, S, dtype=torch.bool)
+    if lib.spire_ring_claim_mask(tags.data_ptr(), B, S, pos.data_ptr(), T, sink, ring, window, int(self_attend),
+                                 slots.data_ptr(), mask.data_ptr()) != 0:
+        return None
+    return slots, mask
 
 
 MAX_QUERY_ROWS = 64

@@ -1154,6 +1154,50 @@ int spire_block_kv(const float *x, int64_t B, int64_t T, const int64_t *pos, con
     return 0;
 }
 
+/* out (M x V) = -inf, then out[m, ids[i]] = src[m, i] for i < N (a draft vocabulary's logits back in the
+ * target's vocabulary: q = 0 outside it). ids must lie in [0, V) (checked by the caller). */
+int spire_scatter_columns(const float *src, int64_t M, int64_t N, const int64_t *ids, int64_t V, float *out) {
+    const float ninf = -__builtin_inff();
+    for (int64_t m = 0; m < M; m++) {
+        float *o = out + m * V;
+        const float *r = src + m * N;
+        for (int64_t v = 0; v < V; v++) o[v] = ninf;
+        for (int64_t i = 0; i < N; i++) o[ids[i]] = r[i];
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------
+ * The SPIRe draft's ring cache bookkeeping for one step (spire.kv_cache.RingKVCache.claim_mask): claim the slots
+ * of the B x T new positions (tags[b, slot] = pos; slot = pos below the sink, else sink + (pos - sink) % ring)
+ * and build the attention mask over every slot from the tags, as spire.kv_cache.attention_mask with a sink +
+ * window view (and SpireDraftModel.self_mask when self_attend is 0): key position kp visible from query qp when
+ * kp <= qp and (kp < sink or kp > qp - window), and, without self-attention, kp != qp unless qp = 0. Positions of
+ * one row must map to distinct slots (at most ring new positions a row). slots: (B, T) out; mask: (B, T, S). */
+int spire_ring_claim_mask(int64_t *tags, int64_t B, int64_t S, const int64_t *pos, int64_t T, int64_t sink,
+                          int64_t ring, int64_t window, int self_attend, int64_t *slots, uint8_t *mask) {
+    if (sink + ring != S || T > ring || ring < 1) return -1;
+    for (int64_t i = 0; i < B * T; i++) {  /* every slot first: a bad position changes nothing */
+        int64_t p = pos[i];
+        if (p < 0) return -1;
+        slots[i] = p < sink ? p : sink + (p - sink) % ring;
+    }
+    for (int64_t i = 0; i < B * T; i++) tags[(i / T) * S + slots[i]] = pos[i];
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t t = 0; t < T; t++) {
+            int64_t qp = pos[b * T + t];
+            const int64_t *tg = tags + b * S;
+            uint8_t *mr = mask + (b * T + t) * S;
+            for (int64_t j = 0; j < S; j++) {
+                int64_t kp = tg[j];
+                int ok = kp <= qp && (kp < sink || kp > qp - window);
+                if (!self_attend) ok = ok && (kp != qp || qp == 0);
+                mr[j] = (uint8_t)ok;
+            }
+        }
+    return 0;
+}
+
 /* ------------------------------------------------------------------------------------------------------
  * MixedLoss rows (spire.training.losses._MixedLoss, SPIRe paper §3.6) in one pass per row: with z a row of N
  * draft logits, q = softmax(z), log p a row of the target's log-probabilities over the same N tokens, omega w,
