@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -48,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --rows must lie in 1..{kernels.MAX_ROWS}", file=sys.stderr)
         return 2
     if min(args.repeats, args.threads, args.layers, args.d_model, args.d_ff, H, KV, D) < 1 or args.vocab < 0:
-        print("error: --repeats, --threads, --layers, --d-model, --d-ff and --heads must be >= 1", file=sys.stderr)
+        print("error: --repeats, --threads, --layers, --d-model, --d-ff and --heads must be >= 1, --vocab >= 0",
+              file=sys.stderr)
+        return 2
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        print(f"error: --json: no folder {os.path.dirname(os.path.abspath(args.json))}", file=sys.stderr)
         return 2
     if args.d_model % 2 or args.d_ff % 2 or (H * D) % 2:
         print("error: int8 weights need even input sizes (--d-model, --d-ff, heads x head size)", file=sys.stderr)

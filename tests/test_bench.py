@@ -370,7 +370,10 @@ def test_bench_cli_bf16_draft_weights(tmp_path, monkeypatch, capsys, tiny):
     assert outs["bf16"]["weight_bytes"] == 4
     assert all(r["identical_to_ad"] for r in outs["bf16"]["rows"])
     rows = {(dw, r["draft"]): r for dw, o in outs.items() for r in o["rows"]}
-    assert rows["bf16", "spire"]["draft_weight_bytes"] == 2 and rows["bf16", "magicdec"]["draft_weight_bytes"] == 4
+    full = bench_run.draft_kind_and_shape(real_draft(drafts[-1]), tiny)[1]  # full vocabulary: the target's head
+    body, head = full.body_params(), full.unembedding_params()
+    assert rows["bf16", "spire"]["draft_weight_bytes"] == pytest.approx((2 * body + 4 * head) / (body + head))
+    assert rows["bf16", "magicdec"]["draft_weight_bytes"] == 4
     # the prediction: only the draft forward of a draft with its own weights is costed at 2 bytes
     from spire.bench.run import predict, predict_split, shape_of
     from spire.throughput.cost_model import CostOptions
@@ -421,7 +424,8 @@ def test_bench_cli_int8_draft_weights(tmp_path, monkeypatch, capsys, tiny):
     assert out["draft_weight_bytes"] == 1.0625 and out["draft_weights"] == "int8" and out["weight_bytes"] == 4
     assert all(r["identical_to_ad"] for r in out["rows"])
     rows = {r["draft"]: r for r in out["rows"]}
-    assert rows["spire"]["draft_weight_bytes"] == 1.0625 and rows["magicdec"]["draft_weight_bytes"] == 4
+    assert rows["magicdec"]["draft_weight_bytes"] == 4
+    shape = bench_run.draft_kind_and_shape(real_draft(drafts[-1]), tiny)[1]
     up = drafts[-1].layers[0].mlp.up_proj.weight
     assert torch.equal(up, kernels.dequantize_int8(*kernels.quantize_int8(up)))
     assert not torch.equal(up, tiny.layers[drafts[-1].source_layers[0]].mlp.up_proj.weight)
@@ -429,13 +433,28 @@ def test_bench_cli_int8_draft_weights(tmp_path, monkeypatch, capsys, tiny):
     assert "draft's own weights at 1.0625 bytes per value (int8)" in (tmp_path / "int8" / "BENCH.md").read_text()
     from spire.drafts.spire import SpireConfig, SpireDraftModel
     small = SpireDraftModel(tiny, SpireConfig(n_draft_layers=1, vocab_size=20), vocab=torch.arange(20) * 3)
-    kind, shape, _, _ = bench_run.draft_kind_and_shape(real_draft(small), tiny)
-    assert (kind, shape.vocab_size, shape.n_layers) == ("spire", 20, 1)
-    assert bench_run.draft_kind_and_shape(real_draft(drafts[-1]), tiny)[1].vocab_size == tiny.cfg.vocab_size
+    kind, small_shape, _, _ = bench_run.draft_kind_and_shape(real_draft(small), tiny)
+    assert (kind, small_shape.vocab_size, small_shape.n_layers) == ("spire", 20, 1)
     with pytest.raises(SystemExit) as e:
         main(["bench", "--random-weights", "--quick", "--dtype", "bf16", "--draft-weights", "int8"])
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and err[-1].startswith("error: --draft-weights applies to --dtype fp32")
+    # a full-vocabulary SPIRe draft's head is the target's unembedding: its draft step is priced at the mean
+    # bytes of an int8 body and a float32 head
+    body, head = shape.body_params(), shape.unembedding_params()
+    assert shape.vocab_size == tiny.cfg.vocab_size
+    assert rows["spire"]["draft_weight_bytes"] == pytest.approx((body * 1.0625 + head * 4) / (body + head))
+    # without the kernels nothing streams fewer bytes: priced at 4, and said so
+    monkeypatch.setattr(kernels, "available", lambda: False)
+    plain = _tiny_bench_json(tmp_path / "nokernels", capsys, "--draft-weights", "int8")
+    assert plain["draft_weight_bytes"] == 4 and all(r["identical_to_ad"] for r in plain["rows"])
+
+
+def test_bench_json_names_the_drafts_dtype(tmp_path, monkeypatch, capsys, tiny):
+    """--dtype bf16: every draft runs in bf16, and bench.json says so (it said fp32: --weights' default)."""
+    _recording_bench(tmp_path, monkeypatch, tiny)
+    out = _tiny_bench_json(tmp_path / "b", capsys, "--dtype", "bf16")
+    assert out["draft_weights"] == "bf16" and out["dtype"] == "bf16"
 
 
 def test_skinny_kernel_bf16_weights():

@@ -88,6 +88,20 @@ def test_panel_linear_int8_rows_do_not_depend_on_the_other_rows():
     assert kernels.panel_linear(x[:1, :574].contiguous(), p, N) is None  # nor K
 
 
+def test_panel_linear_int8_refusals_and_non_finite_inputs():
+    """A packed int8 weight with an odd K is refused (None, never an unwritten output); a NaN or inf activation
+    gives NaN in every output its group reaches, not a finite number from a clamped integer."""
+    assert kernels.panel_linear(torch.ones(1, 5), torch.zeros(1, kernels.int8_tile_bytes(5), dtype=torch.int8),
+                                32) is None
+    g = torch.Generator().manual_seed(3)
+    p = kernels.pack_panels_int8(torch.randn(40, 128, generator=g))
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 128, generator=g)
+        x[0, 70] = bad  # group 1 of row 0
+        y = kernels.panel_linear(x, p, 40)
+        assert bool(torch.isnan(y[0]).all()) and bool(torch.isfinite(y[1]).all())
+
+
 def _tiny():
     return make_tiny(seed=5, d_model=48, n_heads=6, n_kv_heads=2, d_head=16, d_ff=80)
 

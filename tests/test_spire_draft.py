@@ -1,5 +1,7 @@
 """The SPIRe draft: k-pass training forward == step-by-step inference; feedback memory (CASES.md 8)."""
 
+import copy
+
 import pytest
 import torch
 
@@ -130,6 +132,11 @@ def test_save_load_roundtrip_and_mismatch(tmp_path, tiny):
     other = make_tiny(seed=5, vocab_size=101)
     with pytest.raises(TokenizerMismatchError, match="trained for target"):
         SpireDraftModel.load(tmp_path / "d.safetensors", other)
+    # the same target loaded in bf16 / fp16 (spire compare's default) still takes its draft; another one does not
+    for dtype in (torch.bfloat16, torch.float16):
+        assert SpireDraftModel.load(tmp_path / "d.safetensors", copy.deepcopy(tiny).to(dtype)).vocab is None
+    with pytest.raises(TokenizerMismatchError, match="trained for target"):
+        SpireDraftModel.load(tmp_path / "d.safetensors", make_tiny(seed=5).to(torch.bfloat16))
 
 
 ABLATIONS = {

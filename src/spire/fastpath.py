@@ -307,10 +307,13 @@ def use_int8_weights(*modules: nn.Module | None) -> int:
     """Weight-only int8 for a float32 CPU draft: round every ``nn.Linear`` weight of the ``modules`` (None entries
     skipped) in place to its group-wise int8 value (:func:`spire.kernels.quantize_int8`: one scale per output row
     and 64 inputs), and let decoding matmuls (M ≤ KERNEL_MAX_M rows) stream the packed int8 copy
-    (:func:`spire.kernels.pack_panels_int8`: 1.06 bytes per value, a quarter of float32's plus the scales) --
-    float32 activations and arithmetic. Prefill matmuls use the float32 weights, which now hold the same values,
-    so every path computes the same model (to float32 rounding). Meant for a draft: speculative decoding stays
-    lossless whatever q the draft computes, so a draft's precision changes only τ. Embeddings are lookups and
+    (:func:`spire.kernels.pack_panels_int8`: 1.06 bytes per value, a quarter of float32's plus the scales), which
+    multiplies by activations rounded to int16 per group of 64 (2^-16 of the group's largest value) with exact
+    int32 sums. Prefill matmuls use the float32 weights, which now hold the same values with float32
+    activations: the two paths differ by that activation rounding (~1e-4 of the logit scale after a few blocks;
+    tests/test_int8_kernel.py), not by the weights. Meant for a draft: speculative decoding stays lossless
+    whatever q the draft computes (each step's q is the one its token was drawn from), so a draft's precision
+    changes only τ. Embeddings are lookups and
     stay float32 (one tied to a head holds the head's rounded values); irreversible (reload for the float32
     model). Without the kernels the rounded model runs at float32 speed.
 

@@ -203,7 +203,8 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
             :func:`spire.model.use_bf16_weights`); the KV cache keeps the dtype's.
         draft_weight_bytes: bytes per weight value of the drafts with weights of their own (SPIRe, vanilla)
             when they differ from the target's (e.g. 2: a float32 target with bf16 draft weights); None: the
-            target's. MagicDec's draft is the target's own weights.
+            target's. MagicDec's draft is the target's own weights; a full-vocabulary SPIRe draft's head is the
+            target's unembedding, so its row is priced at the mean bytes of its body and that head.
     Returns:
         {"config", "rows": one dict per (B, L, draft) (see the module docstring for the fields),
          "ad": one dict per (B, L) with the AD run's tokens/s}.
@@ -248,6 +249,11 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
             for name, m in cell["drafts"].items():
                 kind, d_shape, sink, window = kinds[name]
                 d_bytes = own_bytes if kind != "magicdec" else weight_bytes or bytes_per
+                t_bytes = weight_bytes or bytes_per
+                if kind == "spire" and d_bytes != t_bytes and drafts[name].model.vocab is None:
+                    # a full-vocabulary SPIRe draft's head is the target's own unembedding, at the target's bytes
+                    body, head = d_shape.body_params(), d_shape.unembedding_params()
+                    d_bytes = (body * d_bytes + head * t_bytes) / (body + head)
                 opts = CostOptions(weight_bytes=weight_bytes or bytes_per, kv_bytes=bytes_per, attention_flops=True,
                                    embeddings=True,
                                    sink=sink, window=window)

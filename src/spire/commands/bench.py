@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 
 import spire.bench.run as bench_run
-from spire import defaults
+from spire import defaults, kernels
 from spire.bench.calibrate import (TORCH_DTYPES, Calibration, cached_calibration, calibrate, load_calibration,
                                    resolve_device)
 from spire.bench.run import BenchConfig, run_bench, summarize
@@ -38,7 +38,7 @@ class BenchArgs:
     target: str = "smollm2-135m"
     dtype: str = "fp32"
     weights: str = "fp32"  # "bf16": weight-only bf16 (CPU, fp32 dtype)
-    draft_weights: str | None = None  # SPIRe / vanilla weights: "fp32" or "bf16"; None: as ``weights``
+    draft_weights: str | None = None  # SPIRe / vanilla weights: "fp32", "bf16" or "int8"; None: as ``weights``
     device: str = "auto"
     threads: int | None = None
     spire_draft: str | None = None
@@ -204,6 +204,11 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
         log("--draft-weights: no SPIRe or vanilla draft in this run (MagicDec's draft is the target): ignored")
     elif draft_weights != args.weights:
         draft_weight_bytes = DRAFT_WEIGHT_BYTES[draft_weights]
+    if (weight_bytes or draft_weight_bytes) and not kernels.available():  # the rounded weights stream as float32
+        log(f"spire kernels unavailable ({kernels.unavailable_reason()}): the rounded weights run through torch "
+            "from their float32 storage, and are priced at 4 bytes per value")
+        weight_bytes = 4.0 if weight_bytes else None
+        draft_weight_bytes = 4.0 if draft_weight_bytes else None
     longest = max(cfg.Ls) + cfg.G + cfg.k + 1
     if longest > target.cfg.max_positions:
         raise ConfigError(f"L={max(cfg.Ls)} + G={cfg.G} + k+1={cfg.k + 1} exceeds the target's "
@@ -213,7 +218,7 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
     result = run_bench(target, contexts_for, drafts, cfg, hoi=hw.hoi(args.dtype), flops_per_s=hw.flops_for(args.dtype),
                        dtype_name=args.dtype, progress=log, weight_bytes=weight_bytes,
                        draft_weight_bytes=draft_weight_bytes)
-    result.update(draft_weights=draft_weights if own else args.weights,
+    result.update(draft_weights=args.dtype if args.dtype != "fp32" else draft_weights if own else args.weights,
                   target=str(args.target) + (" (random weights)" if args.random_weights else ""),
                   folder=None if folder is None else str(folder), calibration=cal.to_dict(), skipped=skipped,
                   drafts=sources,

@@ -153,6 +153,21 @@ def _fingerprint(target: Transformer) -> dict:
             "embedding_checksum": round(float(emb[:64].double().sum()), 3)}
 
 
+def _fingerprint_matches(stored: dict, target: Transformer) -> bool:
+    """Whether a draft's stored target fingerprint is ``target``'s, whatever dtype the target was loaded in: the
+    shape fields exactly; the embedding checksum exactly for a float32 target, and for a bf16 / fp16 one within
+    the sum of the rounding its cast can do (2^-8 of Σ|e| over the same 64 rows, plus the 3-decimal rounding)."""
+    want = _fingerprint(target)
+    if {k: v for k, v in stored.items() if k != "embedding_checksum"} != {
+            k: v for k, v in want.items() if k != "embedding_checksum"}:
+        return False
+    got, have = stored.get("embedding_checksum"), want["embedding_checksum"]
+    emb = target.model.embed_tokens.weight
+    if got is None or emb.dtype == torch.float32:
+        return got == have
+    return abs(float(got) - have) <= float(emb[:64].double().abs().sum()) * 2.0 ** -8 + 2e-3
+
+
 def write_draft_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """Write tensors with spire's JSON metadata (read back by :func:`read_draft_file`) atomically to ``path``."""
     data = save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata={"spire": json.dumps(meta)})
@@ -178,9 +193,10 @@ def read_draft_file(path: Path, target: Transformer | None = None) -> tuple[dict
     except Exception as e:
         raise CheckpointError(f"cannot read draft checkpoint {path}: {e}".splitlines()[0]) from None
     if target is not None:
-        fp, want = meta.get("target", {}), _fingerprint(target)
-        if fp != want:
-            raise TokenizerMismatchError(f"draft {path} was trained for target {fp}, but the target is {want}")
+        fp = meta.get("target", {})
+        if not _fingerprint_matches(fp, target):
+            raise TokenizerMismatchError(f"draft {path} was trained for target {fp}, but the target is "
+                                         f"{_fingerprint(target)}")
     return meta, state
 
 

@@ -259,7 +259,7 @@ def pack_panels_int8(w: torch.Tensor) -> torch.Tensor:
 def _packed_ok(packed: torch.Tensor, n: int, K: int) -> bool:
     nt = -(-n // PANEL_TILE)
     if packed.dtype == torch.int8:
-        return tuple(packed.shape) == (nt, int8_tile_bytes(K))
+        return K % 2 == 0 and tuple(packed.shape) == (nt, int8_tile_bytes(K))
     return packed.dtype in (torch.float32, torch.bfloat16) and tuple(packed.shape) == (nt, 4, K, 8)
 
 
@@ -279,7 +279,8 @@ def panel_linear(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor 
     gemm = {torch.float32: lib.spire_panel_gemm, torch.bfloat16: lib.spire_panel_gemm_bf16,
             torch.int8: lib.spire_panel_gemm_i8}[packed.dtype]
     y = torch.empty(M, n, dtype=torch.float32)
-    gemm(x.data_ptr(), x.stride(0), M, K, packed.data_ptr(), n, y.data_ptr(), n)
+    if gemm(x.data_ptr(), x.stride(0), M, K, packed.data_ptr(), n, y.data_ptr(), n) != 0:
+        return None  # refused (sizes) or out of memory: the caller falls back to torch
     return y
 
 

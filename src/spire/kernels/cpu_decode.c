@@ -662,8 +662,14 @@ static void quantize_rows_i16(const float *x, int64_t ldx, int64_t M, int64_t K,
         for (int64_t g = 0; g < ng; g++) {
             int64_t lo = g * PANEL_KB, hi = lo + PANEL_KB < K ? lo + PANEL_KB : K;
             float amax = 0.0f;
-            for (int64_t k = lo; k < hi; k++) amax = fmaxf(amax, fabsf(xr[k]));
-            float t = amax / 32767.0f, inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+            int bad = 0;
+            for (int64_t k = lo; k < hi; k++) {
+                amax = fmaxf(amax, fabsf(xr[k]));
+                bad |= !isfinite(xr[k]);
+            }
+            /* a NaN or inf input makes its group's scale NaN, so every output it reaches is NaN (not a finite
+             * value computed from a clamped integer); a group below ~1e-33 rounds to 0 (its scale underflows) */
+            float t = bad ? __builtin_nanf("") : amax / 32767.0f, inv = !bad && amax > 0.0f ? 32767.0f / amax : 0.0f;
             xs[m * ng + g] = t;
             for (int64_t k = lo; k < hi; k++) {
                 float v = nearbyintf(xr[k] * inv);
@@ -1078,7 +1084,7 @@ int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const in
     if (D % 8 || D > 256 || H % KV || G * T > ATT_MAX_ROWS) return -1;
     float *h = work, *qkv = h + M * d, *att = qkv + M * NQ, *gu = att + M * H * D, *tmp = gu + M * 2 * F;
     spire_rms_norm(x, d, ln1, h, M, d, eps);
-    gemm_any(wfmt, h, d, M, d, wqkv, NQ, qkv, NQ);
+    if (gemm_any(wfmt, h, d, M, d, wqkv, NQ, qkv, NQ)) return -1;  /* before any cache write */
     rope_write(qkv, M, T, H, KV, D, 0, cos, sin, pos, slot, kc, vc, csb, csh, css);
     /* attention: one task per (b, kv head) with its G x T query rows */
 #pragma omp parallel for schedule(static)
@@ -1124,12 +1130,12 @@ int spire_decode_block(const float *x, float *xo, int64_t B, int64_t T, const in
             for (int64_t i = 0; i < D; i++) att[o_off[r] + i] *= inv;
         }
     }
-    gemm_any(wfmt, att, H * D, M, H * D, wo, d, xo, d);
+    if (gemm_any(wfmt, att, H * D, M, H * D, wo, d, xo, d)) return -1;
     for (int64_t i = 0; i < M * d; i++) xo[i] += x[i];
     spire_rms_norm(xo, d, ln2, h, M, d, eps);
-    gemm_any(wfmt, h, d, M, d, wgu, 2 * F, gu, 2 * F);
+    if (gemm_any(wfmt, h, d, M, d, wgu, 2 * F, gu, 2 * F)) return -1;
     silu_mul(gu, M, F);
-    gemm_any(wfmt, gu, 2 * F, M, F, wdown, d, tmp, d);
+    if (gemm_any(wfmt, gu, 2 * F, M, F, wdown, d, tmp, d)) return -1;
     for (int64_t i = 0; i < M * d; i++) xo[i] += tmp[i];
     return 0;
 }
@@ -1149,7 +1155,7 @@ int spire_block_kv(const float *x, int64_t B, int64_t T, const int64_t *pos, con
     int64_t lo = (wfmt & 2) && (H * D) % PANEL_TILE ? 0 : H * D;
     const void *wkv = (wfmt & 4) ? (const void *)((const int8_t *)wqkv + lo / PANEL_TILE * panel_i8_tile_bytes(d))
                       : (wfmt & 1) ? (const void *)((const uint16_t *)wqkv + lo * d) : (const void *)((const float *)wqkv + lo * d);
-    gemm_any(wfmt, h, d, M, d, wkv, NQ - lo, qkv + lo, NQ);
+    if (gemm_any(wfmt, h, d, M, d, wkv, NQ - lo, qkv + lo, NQ)) return -1;
     rope_write(qkv, M, T, H, KV, D, H, cos, sin, pos, slot, kc, vc, csb, csh, css);
     return 0;
 }
