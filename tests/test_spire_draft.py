@@ -132,11 +132,36 @@ def test_save_load_roundtrip_and_mismatch(tmp_path, tiny):
     other = make_tiny(seed=5, vocab_size=101)
     with pytest.raises(TokenizerMismatchError, match="trained for target"):
         SpireDraftModel.load(tmp_path / "d.safetensors", other)
-    # the same target loaded in bf16 / fp16 (spire compare's default) still takes its draft; another one does not
-    for dtype in (torch.bfloat16, torch.float16):
-        assert SpireDraftModel.load(tmp_path / "d.safetensors", copy.deepcopy(tiny).to(dtype)).vocab is None
+    # the same target loaded in bf16 / fp16 (spire compare's default) or rounded in place by use_bf16_weights still
+    # takes its draft (exact checksums of the rounded rows); other targets do not, whatever their dtype
+    from spire.fastpath import use_bf16_weights
+    rounded = copy.deepcopy(tiny)
+    use_bf16_weights(rounded)
+    for same in (copy.deepcopy(tiny).to(torch.bfloat16), copy.deepcopy(tiny).to(torch.float16), rounded):
+        assert SpireDraftModel.load(tmp_path / "d.safetensors", same).vocab is None
+    for seed in range(1, 40):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            with pytest.raises(TokenizerMismatchError, match="trained for target"):
+                SpireDraftModel.load(tmp_path / "d.safetensors", make_tiny(seed=seed).to(dtype))
+    perturbed = copy.deepcopy(tiny)
+    with torch.no_grad():
+        perturbed.model.embed_tokens.weight.mul_(1.01)
     with pytest.raises(TokenizerMismatchError, match="trained for target"):
-        SpireDraftModel.load(tmp_path / "d.safetensors", make_tiny(seed=5).to(torch.bfloat16))
+        SpireDraftModel.load(tmp_path / "d.safetensors", perturbed.to(torch.bfloat16))
+
+
+def test_fingerprint_of_a_draft_written_before_the_rounded_checksums(tiny):
+    """A draft that stored only the float32 checksum: the same target in bf16 matches within 6 standard
+    deviations of bf16 rounding; independent or 1 %-scaled embeddings do not."""
+    from spire.drafts.spire import _fingerprint, _fingerprint_matches
+
+    legacy = {k: v for k, v in _fingerprint(tiny).items() if not k.endswith(("_bf16", "_fp16"))}
+    assert _fingerprint_matches(legacy, tiny) and _fingerprint_matches(legacy, copy.deepcopy(tiny).to(torch.bfloat16))
+    assert not any(_fingerprint_matches(legacy, make_tiny(seed=s).to(torch.bfloat16)) for s in range(1, 40))
+    scaled = copy.deepcopy(tiny)
+    with torch.no_grad():
+        scaled.model.embed_tokens.weight.mul_(1.01)
+    assert not _fingerprint_matches(legacy, scaled.to(torch.bfloat16))
 
 
 ABLATIONS = {

@@ -193,6 +193,17 @@ def test_draft_vocabulary_survives_save_and_load(tmp_path, tiny):
         m.save(tmp_path / "bad.safetensors")
         with pytest.raises(CheckpointError, match="distinct token ids in"):
             SpireDraftModel.load(tmp_path / "bad.safetensors", tiny)
+    # a vocabulary of the wrong length, of another dtype, or missing: one CheckpointError, not a traceback
+    from spire.drafts.spire import read_draft_file, write_draft_file
+    meta, state = read_draft_file(tmp_path / "d.safetensors")
+    for name, change in (("short", lambda st: st.update(vocab=st["vocab"][:-1])),
+                         ("float", lambda st: st.update(vocab=st["vocab"].double() + 0.5)),
+                         ("missing", lambda st: st.pop("vocab"))):
+        st = dict(state)
+        change(st)
+        write_draft_file(tmp_path / f"{name}.safetensors", st, meta)
+        with pytest.raises(CheckpointError, match="draft vocabulary must be|does not fit its own configuration"):
+            SpireDraftModel.load(tmp_path / f"{name}.safetensors", tiny)
 
 
 def _reduced_draft(target, n: int, seed: int = 0) -> SpireDraft:

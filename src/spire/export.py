@@ -207,14 +207,14 @@ def read_export(folder: str | Path) -> dict | None:
 def check_export(folder: str | Path, target) -> dict:
     """Validate an exported draft folder against ``target``: its verifier fingerprint must be the target's.
     Returns its config. Raises CheckpointError (not an export, unknown version) or TokenizerMismatchError."""
-    from spire.drafts.spire import _fingerprint
+    from spire.drafts.spire import _fingerprint, _fingerprint_matches
 
     config = read_export(folder)
     if config is None:
         raise CheckpointError(f"{folder} is not an exported draft (config.json has no speculators_config)")
     verifier = config["speculators_config"].get("verifier", {})
     have, want = verifier.get("spire_fingerprint"), _fingerprint(target)
-    if have != want:
+    if not isinstance(have, dict) or not _fingerprint_matches(have, target):
         raise TokenizerMismatchError(f"draft {folder} was exported for verifier {verifier.get('name_or_path')!r} "
                                      f"{have}, but the target is {want}")
     return config

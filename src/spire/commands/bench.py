@@ -170,7 +170,9 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
             drafts.pop("spire")
             sources.pop("spire")
             skipped[0] = "spire: --no-spire"
-        log(f"random-weights {args.target}-shaped target: timings only")
+        log(f"random-weights {args.target}-shaped target: timings only"
+            + ("; --spire-draft / --vanilla-draft ignored (a draft trained for the real target does not fit)"
+               if args.spire_draft or args.vanilla_draft else ""))
         gen = torch.Generator().manual_seed(cfg.seed)
 
         def contexts_for(L: int, n: int) -> torch.Tensor:
@@ -189,7 +191,7 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
         use_bf16_weights(target, *(own if draft_weights == "bf16" else []))
         weight_bytes = 2.0
         log("weight-only bf16: target" + (" and draft" if draft_weights == "bf16" else "") + " weights rounded to "
-            "bf16, streamed at 2 bytes per value" + ("" if draft_weights == "bf16" else "; draft weights float32"))
+            "bf16, streamed at 2 bytes per value" + ("; draft weights float32" if draft_weights == "fp32" else ""))
     elif draft_weights == "bf16" and own:
         use_bf16_weights(*own)
         log("draft weights bf16: the SPIRe / vanilla draft weights rounded to bf16 and streamed at 2 bytes per "

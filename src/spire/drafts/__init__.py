@@ -8,7 +8,7 @@ from pathlib import Path
 from spire import defaults
 from spire.drafts.base import Draft
 from spire.drafts.magicdec import MagicDecDraft
-from spire.drafts.spire import SpireDraft, SpireDraftModel, _fingerprint, read_draft_file
+from spire.drafts.spire import SpireDraft, SpireDraftModel, _fingerprint_matches, read_draft_file
 from spire.drafts.vanilla import VanillaDraft, check_same_vocabulary
 from spire.errors import CheckpointError, ConfigError
 from spire.export import check_export, load_exported_spire, read_export
@@ -31,7 +31,6 @@ def _finished(run_dir: Path) -> bool:
 def find_trained_spire(target) -> Path | None:
     """The most recently written finished full-method (not ablated) SPIRe draft in the cache that fits
     ``target``, or None."""
-    want = _fingerprint(target)
     found = []
     for f in (spire_cache_dir() / "drafts").glob("*/draft.safetensors"):
         try:
@@ -39,7 +38,8 @@ def find_trained_spire(target) -> Path | None:
             finished = _finished(f.parent)
         except Exception:  # an unreadable or foreign file is not a candidate
             continue
-        if meta.get("target") == want and finished and meta.get("ablation", "none") == "none":
+        if (_fingerprint_matches(meta.get("target", {}), target) and finished
+                and meta.get("ablation", "none") == "none"):
             found.append(f)
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 

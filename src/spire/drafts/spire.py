@@ -146,26 +146,40 @@ class SpireConfig:
         return d
 
 
+def _checksum(rows: torch.Tensor) -> float:
+    return round(float(rows.double().sum()), 3)
+
+
 def _fingerprint(target: Transformer) -> dict:
+    """What a draft records of its target: shape fields and checksums of the first 64 embedding rows as they
+    are, and rounded to bf16 and to fp16 (so the same target loaded in another dtype is recognized exactly)."""
     cfg = target.cfg
-    emb = target.model.embed_tokens.weight
+    rows = target.model.embed_tokens.weight[:64].detach()
     return {"vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
-            "embedding_checksum": round(float(emb[:64].double().sum()), 3)}
+            "embedding_checksum": _checksum(rows), "embedding_checksum_bf16": _checksum(rows.to(torch.bfloat16)),
+            "embedding_checksum_fp16": _checksum(rows.to(torch.float16))}
 
 
 def _fingerprint_matches(stored: dict, target: Transformer) -> bool:
-    """Whether a draft's stored target fingerprint is ``target``'s, whatever dtype the target was loaded in: the
-    shape fields exactly; the embedding checksum exactly for a float32 target, and for a bf16 / fp16 one within
-    the sum of the rounding its cast can do (2^-8 of Σ|e| over the same 64 rows, plus the 3-decimal rounding)."""
+    """Whether a draft's stored target fingerprint (:func:`_fingerprint`) is ``target``'s, whatever dtype either
+    was in: the shape fields exactly, and the checksum of the target's rows as they are equal to the stored one,
+    or their bf16 rounding's to the stored bf16 one (a bf16 target, or one rounded by use_bf16_weights), or an
+    fp16 target's to the stored fp16 one. A draft written before the bf16 / fp16 checksums existed: its float32
+    checksum within 6 standard deviations of what rounding to bf16 can move it (6 · 2^-9 · sqrt(Σ e²) / sqrt(3);
+    an independent embedding of the same scale lands inside with a probability of about 1 %)."""
     want = _fingerprint(target)
-    if {k: v for k, v in stored.items() if k != "embedding_checksum"} != {
-            k: v for k, v in want.items() if k != "embedding_checksum"}:
+    shape_keys = ("vocab_size", "d_model", "n_layers")
+    if any(stored.get(k) != want[k] for k in shape_keys):
         return False
-    got, have = stored.get("embedding_checksum"), want["embedding_checksum"]
-    emb = target.model.embed_tokens.weight
-    if got is None or emb.dtype == torch.float32:
-        return got == have
-    return abs(float(got) - have) <= float(emb[:64].double().abs().sum()) * 2.0 ** -8 + 2e-3
+    rows = target.model.embed_tokens.weight[:64].detach()
+    if stored.get("embedding_checksum") == want["embedding_checksum"]:
+        return True
+    if "embedding_checksum_bf16" in stored:
+        return (stored["embedding_checksum_bf16"] == want["embedding_checksum_bf16"]
+                or (rows.dtype == torch.float16 and stored.get("embedding_checksum_fp16") == want["embedding_checksum"]))
+    got = stored.get("embedding_checksum")
+    tol = 6 * 2.0 ** -9 * float(rows.double().pow(2).sum().sqrt()) / 3 ** 0.5 + 2e-3
+    return got is not None and abs(float(got) - want["embedding_checksum"]) <= tol
 
 
 def write_draft_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
@@ -521,7 +535,15 @@ class SpireDraftModel(nn.Module):
             raise CheckpointError(f"draft {path} has an unknown configuration ({e}); was it written by a newer "
                                   "spire?") from None
         model = cls(target, cfg)
-        model.load_state_dict(state)
+        vocab = state.get("vocab")
+        if vocab is not None and (vocab.dtype != torch.int64 or vocab.dim() != 1):
+            raise CheckpointError(f"draft {path}: its draft vocabulary must be a 1-D int64 tensor, got "
+                                  f"{vocab.dtype} {tuple(vocab.shape)}")
+        try:
+            model.load_state_dict(state)
+        except RuntimeError as e:  # missing / unexpected / mis-shaped tensors: a broken or foreign file
+            raise CheckpointError(f"draft {path} does not fit its own configuration: "
+                                  f"{' '.join(str(e).split())[:400]}") from None
         ids, V = model.vocab, target.cfg.vocab_size
         if ids is not None and (len(ids.unique()) != len(ids) or bool((ids < 0).any() | (ids >= V).any())):
             raise CheckpointError(f"draft {path}: its draft vocabulary must be distinct token ids in [0, {V})")
