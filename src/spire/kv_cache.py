@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spire import defaults
+from spire import defaults, kernels
 from spire.errors import ConfigError
 
 
@@ -190,8 +190,6 @@ class RingKVCache:
         (slots (B, T) int64, mask (B, 1, T, S) bool) = (:meth:`slot`, :func:`attention_mask` of the tags under the
         view, and without ``self_attend`` no query reads its own key except at position 0). One native call on
         the CPU (spire.kernels.ring_claim_mask), else the torch ops."""
-        from spire import kernels
-
         if pos.device.type == "cpu" and kernels.available():
             done = kernels.ring_claim_mask(self.tags, pos.to(torch.int64), self.view.sink, self.ring,
                                            self.view.window, self_attend)

@@ -159,6 +159,18 @@ def predict(target: ModelShape, draft: ModelShape, kind: str, B: int, L: int, k:
             "ad_memory_bound": (c.target.N + c.target.KV) * hoi >= c.target.C}
 
 
+def draft_bytes(draft: Draft, kind: str, shape: ModelShape, own_bytes: float, target_bytes: float) -> float:
+    """Bytes per weight value a draft's forward streams: the target's for MagicDec (its weights), ``own_bytes``
+    for a draft with weights of its own, and for a full-vocabulary SPIRe draft whose own bytes differ from the
+    target's the mean over its body (own bytes) and its head (the target's unembedding, at the target's bytes)."""
+    if kind == "magicdec":
+        return target_bytes
+    if kind == "spire" and own_bytes != target_bytes and draft.model.vocab is None:
+        body, head = shape.body_params(), shape.unembedding_params()
+        return (body * own_bytes + head * target_bytes) / (body + head)
+    return own_bytes
+
+
 def predict_split(target: ModelShape, draft: ModelShape, kind: str, B: int, L: int, k: int, hoi: float,
                   flops_per_s: float | None, options: CostOptions, draft_options: CostOptions,
                   combine: str = "max") -> dict[str, Any]:
@@ -203,8 +215,7 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
             :func:`spire.model.use_bf16_weights`); the KV cache keeps the dtype's.
         draft_weight_bytes: bytes per weight value of the drafts with weights of their own (SPIRe, vanilla)
             when they differ from the target's (e.g. 2: a float32 target with bf16 draft weights); None: the
-            target's. MagicDec's draft is the target's own weights; a full-vocabulary SPIRe draft's head is the
-            target's unembedding, so its row is priced at the mean bytes of its body and that head.
+            target's. Per draft: :func:`draft_bytes`.
     Returns:
         {"config", "rows": one dict per (B, L, draft) (see the module docstring for the fields),
          "ad": one dict per (B, L) with the AD run's tokens/s}.
@@ -221,6 +232,7 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
     hoi_used = PAPER_HOI if hoi is None else hoi
     kinds = {name: draft_kind_and_shape(d, target) for name, d in drafts.items()}
     own_bytes = draft_weight_bytes or weight_bytes or bytes_per  # a draft with its own weights (MagicDec: the target's)
+    d_bytes_of = {n: draft_bytes(d, *kinds[n][:2], own_bytes, weight_bytes or bytes_per) for n, d in drafts.items()}
     hidden = tuple(sorted({j for d in drafts.values() for j in d.hidden_layers}))
     rows: list[dict[str, Any]] = []
     ad_rows: list[dict[str, Any]] = []
@@ -248,15 +260,9 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
                             "contexts": B * cfg.contexts})
             for name, m in cell["drafts"].items():
                 kind, d_shape, sink, window = kinds[name]
-                d_bytes = own_bytes if kind != "magicdec" else weight_bytes or bytes_per
-                t_bytes = weight_bytes or bytes_per
-                if kind == "spire" and d_bytes != t_bytes and drafts[name].model.vocab is None:
-                    # a full-vocabulary SPIRe draft's head is the target's own unembedding, at the target's bytes
-                    body, head = d_shape.body_params(), d_shape.unembedding_params()
-                    d_bytes = (body * d_bytes + head * t_bytes) / (body + head)
+                d_bytes = d_bytes_of[name]
                 opts = CostOptions(weight_bytes=weight_bytes or bytes_per, kv_bytes=bytes_per, attention_flops=True,
-                                   embeddings=True,
-                                   sink=sink, window=window)
+                                   embeddings=True, sink=sink, window=window)
                 d_opts = replace(opts, weight_bytes=d_bytes)
                 other = "sum" if cfg.combine == "max" else "max"
                 pred, alt = (predict_split(t_shape, d_shape, kind, B, L, cfg.k, hoi_used, flops_per_s, opts, d_opts, c)
