@@ -393,7 +393,7 @@ def reproduce(
     out: Annotated[Path, typer.Option(help="Output folder for REPORT.md, results.json and PNGs.")] = Path("spire-out"),
     quick: Annotated[bool, typer.Option("--quick", help="Smoke-test settings: about 5 minutes on 2 cores.")] = False,
     budget: Annotated[Optional[float], typer.Option(help="SPIRe training budget in seconds [1500].")] = None,
-    vanilla_budget: Annotated[Optional[float], typer.Option(help="Vanilla draft training seconds, at most [900].")] = None,
+    vanilla_budget: Annotated[Optional[float], typer.Option(help="Vanilla draft training seconds, at most [1100].")] = None,
     ablations: Annotated[Optional[str], typer.Option(metavar="NAME[,NAME...]|all", help="Figure 5 ablations to "
                                                      "train and measure: none (full SPIRe at the ablation budget), "
                                                      "no-feedback, no-feedback-no-target, omega1, hard-loss, "
@@ -418,7 +418,7 @@ def reproduce(
                                                        "(beyond the paper; lossless; 0 = the whole vocabulary) "
                                                        "[16384].")] = None,
     cache_steps: Annotated[Optional[int], typer.Option(help="Batches of the target cache that SPIRe trains epochs "
-                                                       "over [400].")] = None,
+                                                       "over [800].")] = None,
     target_cache: Annotated[Optional[str], typer.Option(metavar="bfloat16|float32|none", help="Storage of the "
                                                         "target cache; none runs the target live on fresh batches "
                                                         "[bfloat16].")] = None,

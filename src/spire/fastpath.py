@@ -32,6 +32,7 @@ two extra copies of the weights in all.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -233,11 +234,30 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
 _PANEL_LAYOUT = {torch.bfloat16: "PB", torch.int8: "PQ"}  # packed copy by weight dtype (float32: "P")
 
 
+_AUTOCAST_COPIES: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def autocast_weight(w: torch.Tensor) -> torch.Tensor:
+    """``w`` as CPU bf16 autocast would cast it, kept from one call to the next while ``w`` lives unchanged.
+    Autocast caches the casts of trainable weights within one autocast region only, and never those of frozen
+    ones (the target's, a SPIRe draft's head): training cast the 16 K x 576 head once per k-pass pass and the
+    teacher's rows once per step. Outside CPU bf16 autocast, or for a weight that requires grad, ``w`` itself."""
+    if (w.requires_grad or w.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
+            or torch.get_autocast_dtype("cpu") != torch.bfloat16 or w.dtype != torch.float32):
+        return w
+    c = _AUTOCAST_COPIES.get(id(w))
+    if c is None or c[0]() is not w or c[1] != w._version:
+        for key in [key for key, (ref, _, _) in _AUTOCAST_COPIES.items() if ref() is None]:
+            del _AUTOCAST_COPIES[key]
+        c = _AUTOCAST_COPIES[id(w)] = (weakref.ref(w), w._version, w.detach().to(torch.bfloat16))
+    return c[2]
+
+
 def unembed(h: torch.Tensor, head: nn.Linear, owner: nn.Module) -> torch.Tensor:
     """Normed (B, T, d_model) -> float32 logits (B, T, V) through ``head``: the fast path with the head copies
     kept for ``owner`` unless autograd must see it."""
     if needs_autograd((head,), h):
-        return head(h).float()
+        return F.linear(h, autocast_weight(head.weight), head.bias).float()
     return linear(h, (head,), owner, "head").float()
 
 

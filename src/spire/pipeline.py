@@ -55,7 +55,7 @@ class ReproduceConfig:
     target: str | None = None  # a .gguf file or HF Llama-family folder instead of the preset's checkpoint
     out: Path = Path("spire-out")
     budget_s: float = 1500.0
-    vanilla_budget_s: float = 900.0
+    vanilla_budget_s: float = 1100.0
     ablations: tuple[str, ...] = ()
     ablation_budget_s: float = 300.0
     steps: int | None = None  # optimizer steps instead of seconds (then contention on the machine does not
@@ -72,7 +72,7 @@ class ReproduceConfig:
     n_draft_layers: int = defaults.N_DRAFT_LAYERS
     first_layers: int = 2
     draft_vocab: int | None = 16384
-    cache_steps: int = 400
+    cache_steps: int = 800
     target_cache: str | None = "bfloat16"
     vanilla_token_share: float | None = 0.5
     hidden_weight: float = 0.0

@@ -410,7 +410,7 @@ class SpireDraftModel(nn.Module):
         kd: list[list[torch.Tensor]] = [[] for _ in self.layers]  # draft memory of earlier passes
         vd: list[list[torch.Tensor]] = [[] for _ in self.layers]
         starts = torch.arange(0, T, k, device=dev)  # (T/k,) first position of each block
-        outs: list[torch.Tensor] = []  # pass j's logits (B, T/k, N), positions starts + j
+        outs: list[torch.Tensor] = []  # pass j's last hidden states (B, T/k, d), positions starts + j
         feature = None  # (B·C, G, d) the previous position's feature (feature_input)
         mismatch = torch.zeros((), device=dev)
         if self.feature_proj is not None:  # pass 0: the target's, entering draft layer feature_from, at s - 1
@@ -435,7 +435,7 @@ class SpireDraftModel(nn.Module):
                 mismatch = mismatch + sum(
                     self.hidden_mismatch(xs[i], group(target_hidden[self.source_layers[i]][:, q_pos]))
                     for i in range(1, len(self.layers)))
-            outs.append(self.logits(x).view(B, T // k, -1))
+            outs.append(x.view(B, T // k, -1))
             if self.feature_proj is not None:  # the next pass reads this position's feature: the draft's own
                 feature = xs[self.feature_from]
             if j < k - 1:
@@ -444,7 +444,8 @@ class SpireDraftModel(nn.Module):
                     kk, vv = self.memory_kv(i, mem[i], cos, sin)
                     kd[i].append(kk)
                     vd[i].append(vv)
-        out = torch.stack(outs, 2).view(B, T, -1)  # (B, T/k, k, N): block b's pass j is position b·k + j
+        # (B, T/k, k, d): block b's pass j is position b·k + j; one head matmul over every position
+        out = self.logits(torch.stack(outs, 2).view(B, T, -1))
         if match_hidden:
             return out, mismatch / (k * (len(self.layers) - 1))
         return out

@@ -226,12 +226,16 @@ def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg:
         else:
             q_logits = model.train_logits(tb.tokens, tb.hidden, cfg.k)
     if cfg.resolved_loss() == "mixed":
-        terms = mixed_loss_logp(q_logits, tb.target_logp(target, model.vocab), cfg.omega)
+        with autocast(bool(cfg.bf16), tb.tokens.device):  # the teacher's head as the live target computes it
+            logp = tb.target_logp(target, model.vocab)
+        terms = mixed_loss_logp(q_logits, logp, cfg.omega)
         return terms.loss + extra, terms.alpha
     loss = hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tb.tokens[:, 1:])) + extra
     if tb.final is None:
         return loss, float("nan")
-    return loss, float(acceptance_alpha_logp(q_logits, tb.target_logp(target, model.vocab)).mean())
+    with autocast(bool(cfg.bf16), tb.tokens.device):
+        logp = tb.target_logp(target, model.vocab)
+    return loss, float(acceptance_alpha_logp(q_logits, logp).mean())
 
 
 def _lr_at(cfg: TrainConfig, step: int, frac: float) -> float:

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from spire import fastpath
 from spire.errors import ConfigError, DataError
 from spire.model import Transformer
 from spire.paths import atomic_write, spire_cache_dir
@@ -80,7 +81,7 @@ class TeacherBatch:
         if vocab is None and self.logits is not None:
             return self.logits - self.logz[..., None]
         w = target.lm_head.weight if vocab is None else vocab_rows(target.lm_head.weight, vocab)
-        return head_logits(self.final, w) - self.logz[..., None]
+        return head_logits(self.final, w).sub_(self.logz[..., None])
 
 
 _ROWS: tuple | None = None  # (weakref to weight, its version, weakref to ids, their version, rows)
@@ -99,9 +100,10 @@ def vocab_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def head_logits(final: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """(B, T, d) normed hidden states x (N, d) head rows -> (B, T, N) float32 logits, one matmul over B·T rows
-    (the same call on both sources, so a float32 cache reproduces the live logits bit for bit)."""
+    (the same call on both sources, so a float32 cache reproduces the live logits bit for bit; under CPU bf16
+    autocast a bf16 matmul, with the rows' bf16 copy kept from step to step)."""
     B, T, d = final.shape
-    return F.linear(final.reshape(B * T, d).to(weight.dtype), weight).float().view(B, T, -1)
+    return F.linear(final.reshape(B * T, d).to(weight.dtype), fastpath.autocast_weight(weight)).float().view(B, T, -1)
 
 
 @torch.no_grad()
@@ -179,10 +181,12 @@ class TargetCache:
 
     @staticmethod
     def key(identity: dict, data_key: str | None, layers: tuple[int, ...], teacher: bool, batch_size: int,
-            seq_len: int, seed: int, steps: int, dtype: str) -> str:
-        blob = json.dumps({"v": CACHE_VERSION, "target": identity, "data": data_key, "layers": list(layers),
-                           "teacher": teacher, "batch_size": batch_size, "seq_len": seq_len, "seed": seed,
-                           "steps": steps, "dtype": dtype}, sort_keys=True, default=str)
+            seq_len: int, seed: int, steps: int, dtype: str, bf16: bool = False) -> str:
+        fields = {"v": CACHE_VERSION, "target": identity, "data": data_key, "layers": list(layers), "teacher": teacher,
+                  "batch_size": batch_size, "seq_len": seq_len, "seed": seed, "steps": steps, "dtype": dtype}
+        if bf16:  # only when set: the keys of caches built in float32 stay what they were
+            fields["bf16"] = True
+        blob = json.dumps(fields, sort_keys=True, default=str)
         return hashlib.sha1(blob.encode()).hexdigest()[:16]
 
     @staticmethod
@@ -207,7 +211,8 @@ class TargetCache:
                 shape and seed (batch s is drawn as the live trainer draws step s). steps: batches stored.
             dtype: "float32" (exact) or "bfloat16" (hidden states rounded to bf16; the teacher stays float32).
             root: parent folder (default ``<spire cache>/target-cache``). folder: the target's checkpoint folder
-                (part of the key).
+                (part of the key). bf16: run the target under bf16 autocast (as a live bf16 run does; part of
+                the key when set).
         Raises:
             ConfigError: unknown dtype, non-positive sizes. DataError: not enough free disk for the cache.
         """
@@ -218,8 +223,8 @@ class TargetCache:
         layers = tuple(sorted(set(int(j) for j in layers)))
         root = Path(root) if root is not None else spire_cache_dir() / "target-cache"
         identity, data_key = target_identity(target, folder), getattr(data, "manifest", {}).get("key")
-        key = cls.key(identity, data_key, layers, teacher, batch_size, seq_len, seed, steps, dtype)
-        base = cls.key(identity, data_key, (), False, batch_size, seq_len, seed, steps, dtype)
+        key = cls.key(identity, data_key, layers, teacher, batch_size, seq_len, seed, steps, dtype, bf16)
+        base = cls.key(identity, data_key, (), False, batch_size, seq_len, seed, steps, dtype, bf16)
         final_dir, part = root / key, root / f"{key}.partial"
         if (final_dir / "meta.json").is_file():
             if log is not None:
@@ -260,7 +265,7 @@ class TargetCache:
                 log(f"      target cache: {len(others)} unfinished build(s) of other settings hold "
                     f"{sum(f.stat().st_size for p in others for f in p.glob('*')) / 2**30:.2f} GiB "
                     f"({', '.join(p.name for p in others)}): delete them to free the disk")
-        live = LiveTarget(target, data, layers, teacher, batch_size, seq_len, seed)
+        live = LiveTarget(target, data, layers, teacher, batch_size, seq_len, seed, bf16=bf16)
         bar = None
         if progress:
             bar = tqdm(total=steps, initial=done, unit="batch", dynamic_ncols=True, desc="target cache")
