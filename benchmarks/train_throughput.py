@@ -7,6 +7,7 @@ on held-out contexts. Prints one table and writes JSON.
     python benchmarks/train_throughput.py                       # 300 s per draft, about 15 minutes on 2 cores
     python benchmarks/train_throughput.py --budget 60 --n-contexts 4 --out bench.json
     python benchmarks/train_throughput.py --levers --steps 5     # old path vs draft vocabulary / target cache
+    python benchmarks/train_throughput.py --levers --steps 5 --bf16   # the same under bf16 autocast
     python benchmarks/train_throughput.py --whole-machine --steps 12   # the trainer as the main job runs it
 """
 
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from spire import fastpath
+from spire import model as model_mod
 from spire.data import document_separator_id, prepare_data
 from spire.drafts import spire as spire_draft
 from spire.drafts.spire import SpireConfig, SpireDraft
@@ -53,12 +56,16 @@ def step_rate(target, data, cfg: TrainConfig, steps: int) -> float:
     return cfg.batch_size * cfg.seq_len / statistics.median(times)
 
 
-def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: str, layers) -> list[dict]:
+def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: str, layers,
+                bf16: bool = False) -> list[dict]:
     """Training tokens per second (wall and CPU) of one SPIRe step on the same batches, for the old path (live
     target, full vocabulary, the autograd MixedLoss, the for-loop AdamW and the dense k-pass layout: the trainer
     before these levers) and each lever alone and together (the MixedLoss row kernel with the fused AdamW and the
     chunked k-pass attention, draft vocabulary, target cache), steps timed in turn (old, new, old, new, ...) so that load on the machine hits every path
-    alike."""
+    alike. bf16: every path under bf16 autocast (the trainer's default where bf16 is fast); the old path then also
+    runs attention through SDPA and casts frozen weights anew on every call (model.GROUPED_ATTENTION,
+    fastpath.AUTOCAST_COPIES off). The old path shares the draft's forward otherwise (one head matmul over the k
+    passes), so it is a little faster than the trainer of the issue's time was."""
     spire_cfg = dict(layers=tuple(layers)) if layers else {}
     paths = {"live, full vocabulary (old)": (None, None, False),
              "live, full vocabulary, new loss + chunks": (None, None, True),
@@ -67,7 +74,7 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
              f"cache, vocabulary {vocab_size} (new)": (vocab_size, cache_dtype, True)}
     runs, build_s = {}, None
     for name, (n, dtype, fused) in paths.items():
-        cfg = TrainConfig(bf16=False, data_steps=steps + 1, spire=SpireConfig(vocab_size=n, **spire_cfg))
+        cfg = TrainConfig(bf16=bf16, data_steps=steps + 1, spire=SpireConfig(vocab_size=n, **spire_cfg))
         model = distill._build_model(target, cfg, data)
         layers_needed, teacher = model.target_layers(), distill.needs_teacher(model, cfg)
         if dtype is None:
@@ -77,7 +84,8 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
             built: list[str] = []
             watch = Stopwatch(target.device)
             cache = TargetCache.build(target, data, layers_needed, teacher, cfg.batch_size, cfg.seq_len, cfg.seed,
-                                      cfg.data_steps, dtype, folder=folder, progress=False, log=built.append)
+                                      cfg.data_steps, dtype, folder=folder, bf16=bf16, progress=False,
+                                      log=built.append)
             seconds = watch.seconds()
             if build_s is None and not any("reusing" in m for m in built) and "(resuming" not in "".join(built):
                 if seconds > 1.0:  # built here, not opened from an earlier run
@@ -92,6 +100,7 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
         for name, (cfg, model, src, opt, fused, wall, cpu) in runs.items():
             distill.mixed_loss_logp = fused_loss if fused else mixed_loss_logp_reference
             spire_draft.CHUNKED_KPASS = fused  # the old path: every k-pass block reads every position
+            model_mod.GROUPED_ATTENTION = fastpath.AUTOCAST_COPIES = fused
             watch = Stopwatch(target.device)
             loss, _ = distill.step_loss(model, target, src.batch(s), cfg)
             opt.zero_grad()
@@ -102,7 +111,7 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
                 wall.append(w)
                 cpu.append(c)
     distill.mixed_loss_logp = fused_loss
-    spire_draft.CHUNKED_KPASS = True
+    spire_draft.CHUNKED_KPASS = model_mod.GROUPED_ATTENTION = fastpath.AUTOCAST_COPIES = True
     rows = []
     for name, (cfg, _, _, _, _, wall, cpu) in runs.items():
         tok = cfg.batch_size * cfg.seq_len
@@ -178,6 +187,8 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary of --levers")
     ap.add_argument("--cache-dtype", default="bfloat16", help="target cache storage of --levers")
     ap.add_argument("--layers", default=None, help="SPIRe source layers J,J,... of --levers [the default]")
+    ap.add_argument("--bf16", action="store_true", help="--levers under bf16 autocast (the trainer's default where "
+                    "bf16 is fast: AMX or AVX512-BF16) instead of float32")
     a = ap.parse_args()
 
     target, tokenizer, folder = load_target()
@@ -196,9 +207,9 @@ def main() -> None:
         return
     if a.levers:
         layers = [int(x) for x in a.layers.split(",")] if a.layers else None
-        rows = lever_rates(target, data, folder, a.steps, a.vocab_size, a.cache_dtype, layers)
-        print(f"SPIRe training on {torch.get_num_threads()} threads, float32, batch 4 x 256, {a.steps} timed steps "
-              "each (median), interleaved")
+        rows = lever_rates(target, data, folder, a.steps, a.vocab_size, a.cache_dtype, layers, a.bf16)
+        print(f"SPIRe training on {torch.get_num_threads()} threads, {'bf16 autocast' if a.bf16 else 'float32'}, "
+              f"batch 4 x 256, {a.steps} timed steps each (median), interleaved")
         print(f"{'path':44s} {'tokens/s':>9s} {'tokens/CPU-s':>13s} {'x old (CPU)':>12s}")
         for r in rows:
             print(f"{r['path']:44s} {r['tokens_per_s']:9.0f} {r['tokens_per_cpu_s']:13.0f} {r['speedup_cpu']:11.2f}x")

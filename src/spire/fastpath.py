@@ -234,6 +234,9 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
 _PANEL_LAYOUT = {torch.bfloat16: "PB", torch.int8: "PQ"}  # packed copy by weight dtype (float32: "P")
 
 
+AUTOCAST_COPIES = True
+"""Keep frozen weights' bf16 casts from call to call under CPU autocast (:func:`autocast_weight`); False: autocast
+casts them anew on every call (what training did before)."""
 _AUTOCAST_COPIES: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
@@ -242,7 +245,7 @@ def autocast_weight(w: torch.Tensor) -> torch.Tensor:
     Autocast caches the casts of trainable weights within one autocast region only, and never those of frozen
     ones (the target's, a SPIRe draft's head): training cast the 16 K x 576 head once per k-pass pass and the
     teacher's rows once per step. Outside CPU bf16 autocast, or for a weight that requires grad, ``w`` itself."""
-    if (w.requires_grad or w.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
+    if (not AUTOCAST_COPIES or w.requires_grad or w.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
             or torch.get_autocast_dtype("cpu") != torch.bfloat16 or w.dtype != torch.float32):
         return w
     c = _AUTOCAST_COPIES.get(id(w))

@@ -131,6 +131,8 @@ def load() -> ctypes.CDLL | None:
         lib.spire_ring_claim_mask.argtypes = [P, I, I, P, I, I, I, I, ctypes.c_int, P, P]
         lib.spire_mixed_loss.restype = ctypes.c_int
         lib.spire_mixed_loss.argtypes = [P, P, I, I, ctypes.c_float, P, P, P]
+        lib.spire_cross_entropy.restype = ctypes.c_int
+        lib.spire_cross_entropy.argtypes = [P, P, I, I, P, P]
         if os.environ.get("SPIRE_AVX512", "1") in ("0", "off", "false", "no"):
             lib.spire_set_avx512(0)
         _LIB = lib
@@ -305,6 +307,28 @@ def mixed_loss_rows(z: torch.Tensor, logp: torch.Tensor, omega: float, grad: boo
                             distill.data_ptr(), alpha.data_ptr()):
         return None
     return g, distill, alpha
+
+
+def cross_entropy_rows(z: torch.Tensor, y: torch.Tensor, grad: bool = True
+                       ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """Cross-entropy per row in one native call (cpu_decode.c, "Cross-entropy rows"): logits z (n, N) float32
+    contiguous CPU and target columns y (n,) int64 (negative: ignored) -> (grad (n, N) float32: softmax(z) minus
+    the one-hot of y, zero on ignored rows; None with ``grad=False``, loss (n,) float64: logsumexp(z) - z[y], 0 on
+    ignored rows). None when the kernel does not apply or a column y >= N (the caller computes it with torch, which
+    raises)."""
+    if (z.dim() != 2 or z.numel() == 0 or z.dtype != torch.float32 or z.device.type != "cpu"
+            or not z.is_contiguous() or y.shape != z.shape[:1] or y.dtype != torch.int64 or y.device.type != "cpu"):
+        return None
+    lib = load()
+    if lib is None:
+        return None
+    y = y.contiguous()
+    n, N = z.shape
+    g = torch.empty_like(z) if grad else None
+    loss = torch.empty(n, dtype=torch.float64)
+    rc = lib.spire_cross_entropy(z.data_ptr(), y.data_ptr(), n, N, None if g is None else g.data_ptr(),
+                                 loss.data_ptr())
+    return None if rc else (g, loss)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -1309,3 +1309,55 @@ int spire_mixed_loss(const float *z, const float *logp, int64_t n, int64_t N, fl
     }
     return 0;
 }
+
+/* Cross-entropy rows (HardTargetLoss, spire.training.losses.hard_target_loss): with z a row of N logits and y its
+ * target column (y < 0: ignored, loss 0 and gradient 0), q = softmax(z):
+ *
+ *   loss[r] = log sum_i exp(z_i) - z_y        grad[r, j] = q_j - 1[j = y]
+ *
+ * Three passes over the row (max; the sum of exp; grad = q written, then 1 taken off at y), exp and the sums as in
+ * MixedLoss rows above (exp256, float lanes flushed into doubles every 1,024 columns). z: (n, N) contiguous; y: n
+ * int64; grad: (n, N) or NULL for the loss only; loss: n doubles. Parallel over rows. */
+int spire_cross_entropy(const float *z, const int64_t *y, int64_t n, int64_t N, float *grad, double *loss) {
+    if (N < 1) return -1;
+    for (int64_t r = 0; r < n; r++)
+        if (y[r] >= N) return -2;
+    int64_t N8 = N - N % 8;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const float *zr = z + r * N;
+        float *g = grad ? grad + r * N : 0;
+        if (y[r] < 0) {  /* ignored row */
+            loss[r] = 0.0;
+            if (g) memset(g, 0, (size_t)N * sizeof(float));
+            continue;
+        }
+        __m256 vm = _mm256_set1_ps(-__builtin_inff());
+        float mx = -__builtin_inff();
+        for (int64_t i = 0; i < N8; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(zr + i));
+        float t[8];
+        _mm256_storeu_ps(t, vm);
+        for (int c = 0; c < 8; c++) mx = t[c] > mx ? t[c] : mx;
+        for (int64_t i = N8; i < N; i++) mx = zr[i] > mx ? zr[i] : mx;
+        __m256 vmx = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
+        double S = 0;
+        for (int64_t i = 0; i < N8; i += 8) {  /* S = sum exp(z - max) */
+            if (i && !(i & 1023)) {
+                S += hsum256(vs);
+                vs = _mm256_setzero_ps();
+            }
+            vs = _mm256_add_ps(vs, exp256_flush(_mm256_sub_ps(_mm256_loadu_ps(zr + i), vmx)));
+        }
+        S += hsum256(vs);
+        for (int64_t i = N8; i < N; i++) S += exp1_flush(zr[i] - mx);
+        float ls = (float)log(S);
+        loss[r] = (double)ls - ((double)zr[y[r]] - (double)mx);
+        if (!g) continue;
+        __m256 vls = _mm256_set1_ps(ls);
+        for (int64_t i = 0; i < N8; i += 8)
+            _mm256_storeu_ps(g + i, exp256_flush(_mm256_sub_ps(_mm256_sub_ps(_mm256_loadu_ps(zr + i), vmx), vls)));
+        for (int64_t i = N8; i < N; i++) g[i] = exp1_flush((zr[i] - mx) - ls);
+        g[y[r]] -= 1.0f;
+    }
+    return 0;
+}

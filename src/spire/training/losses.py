@@ -111,10 +111,39 @@ def mixed_loss_logp_reference(draft_logits: torch.Tensor, target_logp: torch.Ten
     return LossTerms(loss, distill.item(), alpha.item())
 
 
+class _HardTargetLoss(torch.autograd.Function):
+    """Mean cross-entropy over the rows whose target is not ignored, through the native row kernel: the forward
+    computes each row's gradient softmax(z) − onehot(y) with its loss, the backward scales it (torch's
+    log_softmax and its backward took ~0.5 s of a ~1.8 s vanilla step over 1,020 × 49,152 logits on one core)."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, y: torch.Tensor, grad: torch.Tensor | None, loss_rows: torch.Tensor):
+        n_valid = int((y >= 0).sum())
+        ctx.save_for_backward(grad if grad is not None else z.new_zeros(0))
+        ctx.n = n_valid
+        return (loss_rows.sum() / n_valid).float() if n_valid else z.new_tensor(float("nan"))
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        (grad,) = ctx.saved_tensors
+        if grad.numel() == 0:
+            raise RuntimeError("HardTargetLoss was computed without its gradient")
+        return grad * (g / ctx.n), None, None, None
+
+
 def hard_target_loss(draft_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of draft_logits (..., N) against the data tokens (...) as indices into the N columns
-    (a draft vocabulary maps tokens outside it to -100, which is ignored)."""
-    return F.cross_entropy(draft_logits.float().flatten(0, -2), tokens.flatten())
+    (a draft vocabulary maps tokens outside it to -100, which is ignored): the mean over the rows not ignored,
+    as ``F.cross_entropy``. On float32 CPU rows it runs through the native row kernel (:data:`LOSS_KERNEL`,
+    :func:`spire.kernels.cross_entropy_rows`; equal to torch's to float32 rounding)."""
+    z = draft_logits.float().flatten(0, -2)
+    y = tokens.flatten()
+    if LOSS_KERNEL and bool((y != -100).eq(y >= 0).all()):  # only -100 is ignored, as F.cross_entropy
+        need_grad = torch.is_grad_enabled() and z.requires_grad
+        fused = kernels.cross_entropy_rows(z.detach().contiguous(), y, need_grad)
+        if fused is not None:
+            return _HardTargetLoss.apply(z, y, *fused)
+    return F.cross_entropy(z, y)
 
 
 @torch.no_grad()
