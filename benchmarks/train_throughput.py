@@ -96,6 +96,26 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
             params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         runs[name] = (cfg, model, src, opt, fused, [], [])
     fused_loss = distill.mixed_loss_logp
+    try:
+        _time_steps(runs, target, steps, fused_loss)
+    finally:  # the module switches back as they were, whatever happened
+        distill.mixed_loss_logp = fused_loss
+        spire_draft.CHUNKED_KPASS = model_mod.GROUPED_ATTENTION = fastpath.AUTOCAST_COPIES = True
+    rows = []
+    for name, (cfg, _, _, _, _, wall, cpu) in runs.items():
+        tok = cfg.batch_size * cfg.seq_len
+        rows.append({"path": name, "tokens_per_s": tok / statistics.median(wall),
+                     "tokens_per_cpu_s": tok / statistics.median(cpu), "step_s": statistics.median(wall)})
+    base = rows[0]["tokens_per_cpu_s"]
+    for r in rows:
+        r["speedup_cpu"] = r["tokens_per_cpu_s"] / base
+    rows[-1]["cache_build_s_per_batch"] = build_s
+    return rows
+
+
+def _time_steps(runs: dict, target, steps: int, fused_loss) -> None:
+    """Steps 0..steps of every path in turn (old, new, old, ...), each with its implementations in place; the
+    times of steps 1.. appended to the path's wall and CPU lists."""
     for s in range(steps + 1):
         for name, (cfg, model, src, opt, fused, wall, cpu) in runs.items():
             distill.mixed_loss_logp = fused_loss if fused else mixed_loss_logp_reference
@@ -110,18 +130,6 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
                 w, c = watch.stop()
                 wall.append(w)
                 cpu.append(c)
-    distill.mixed_loss_logp = fused_loss
-    spire_draft.CHUNKED_KPASS = model_mod.GROUPED_ATTENTION = fastpath.AUTOCAST_COPIES = True
-    rows = []
-    for name, (cfg, _, _, _, _, wall, cpu) in runs.items():
-        tok = cfg.batch_size * cfg.seq_len
-        rows.append({"path": name, "tokens_per_s": tok / statistics.median(wall),
-                     "tokens_per_cpu_s": tok / statistics.median(cpu), "step_s": statistics.median(wall)})
-    base = rows[0]["tokens_per_cpu_s"]
-    for r in rows:
-        r["speedup_cpu"] = r["tokens_per_cpu_s"] / base
-    rows[-1]["cache_build_s_per_batch"] = build_s
-    return rows
 
 
 def whole_machine_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: str, layers,
@@ -187,8 +195,9 @@ def main() -> None:
     ap.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary of --levers")
     ap.add_argument("--cache-dtype", default="bfloat16", help="target cache storage of --levers")
     ap.add_argument("--layers", default=None, help="SPIRe source layers J,J,... of --levers [the default]")
-    ap.add_argument("--bf16", action="store_true", help="--levers under bf16 autocast (the trainer's default where "
-                    "bf16 is fast: AMX or AVX512-BF16) instead of float32")
+    ap.add_argument("--bf16", action="store_true", help="train under bf16 autocast (the trainer's default where bf16 "
+                    "is fast: AMX or AVX512-BF16) instead of float32 (--whole-machine always uses the trainer's "
+                    "default)")
     a = ap.parse_args()
 
     target, tokenizer, folder = load_target()
@@ -221,9 +230,10 @@ def main() -> None:
             a.out.write_text(json.dumps({"levers": rows, "args": {k: str(v) for k, v in vars(a).items()}}, indent=1))
         return
     if a.rate_only:
-        rates = {kind: step_rate(target, data, TrainConfig(draft=kind, bf16=False), a.steps)
+        rates = {kind: step_rate(target, data, TrainConfig(draft=kind, bf16=a.bf16), a.steps)
                  for kind in ("spire", "vanilla")}
-        print(f"training tokens/s on {torch.get_num_threads()} threads, float32, batch 4 x 256: "
+        print(f"training tokens/s on {torch.get_num_threads()} threads, {'bf16 autocast' if a.bf16 else 'float32'}, "
+              "batch 4 x 256: "
               + ", ".join(f"{k} {v:.0f}" for k, v in rates.items())
               + f"; ratio spire/vanilla {rates['spire'] / rates['vanilla']:.2f}")
         return
@@ -232,7 +242,7 @@ def main() -> None:
     runs = a.runs or Path(tempfile.mkdtemp(prefix="spire-bench-"))
     rows = []
     for kind in ("spire", "vanilla"):
-        cfg = TrainConfig(draft=kind, budget_s=a.budget, checkpoint_every=1e9, bf16=False)
+        cfg = TrainConfig(draft=kind, budget_s=a.budget, checkpoint_every=1e9, bf16=a.bf16)
         rate = step_rate(target, data, cfg, a.steps)
         model, state = train_draft(target, data, runs / kind, cfg, heldout=heldout, resume=None,
                                    target_folder=folder)
@@ -244,8 +254,8 @@ def main() -> None:
                      "heldout_alpha": state["heldout"]["alpha_per_position"],
                      "tau_T0": [taus[0.0].tau, taus[0.0].ci_low, taus[0.0].ci_high],
                      "tau_T1": [taus[1.0].tau, taus[1.0].ci_low, taus[1.0].ci_high]})
-    print(f"\ntraining on {torch.get_num_threads()} threads, float32, batch 4 x 256, L={a.L}, G={a.G}, k=4, "
-          f"{a.n_contexts} contexts")
+    print(f"\ntraining on {torch.get_num_threads()} threads, {'bf16 autocast' if a.bf16 else 'float32'}, batch 4 x 256, "
+          f"L={a.L}, G={a.G}, k=4, {a.n_contexts} contexts")
     print(f"{'draft':8s} {'body params':>12s} {'tokens/s':>9s} {'steps':>6s} {'tokens':>8s}  "
           f"{'held-out alpha (pos 1..4)':28s} {'tau T=0':>22s} {'tau T=1':>22s}")
     for r in rows:

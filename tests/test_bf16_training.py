@@ -119,3 +119,44 @@ def test_teacher_head_under_autocast_matches_the_live_teacher(tiny):
     with autocast(True, live.tokens.device):
         got = stored.target_logp(tiny)
     torch.testing.assert_close(got, live.logits - live.logz[..., None], rtol=0, atol=0)
+
+
+def test_a_query_that_sees_no_key_reads_zero_as_in_sdpa():
+    """A fully masked row (e.g. sink 0, window 1, no self-attend) gives 0 and finite gradients, as SDPA does
+    (it gave NaN on the grouped path, and training stopped at step 1)."""
+    q, k, v, mask = _qkv_mask(2, 6, 2, 5, 7, torch.float32, True)
+    mask[1, :, 2] = False
+    g = torch.randn(2, 6, 5, 16, generator=torch.Generator().manual_seed(3))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, scale=0.3)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), g)
+    out = grouped_attention(q, k, v, mask, 0.3)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    assert torch.equal(out[1, :, 2], torch.zeros(6, 16))
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-6)
+    for a, b in zip(grads, ref_grads):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_spire_trains_where_a_drafted_query_sees_nothing(tiny):
+    """sink 0, window 1, no self-attend: SpireConfig accepts it and every pass j >= 1 query sees no key; the
+    training loss is finite."""
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+    from spire.training.distill import TrainConfig, step_loss
+    from spire.training.sources import run_target
+    model = SpireDraftModel(tiny, SpireConfig(n_draft_layers=2, sink=0, window=1, self_attend=False))
+    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(0))
+    tb = run_target(tiny, tokens, model.target_layers(), True)
+    loss, alpha = step_loss(model, tiny, tb, TrainConfig(bf16=False))
+    assert torch.isfinite(loss) and 0.0 <= alpha <= 1.0
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_autocast_weight_sees_new_storage_under_the_same_tensor():
+    """``w.data = ...`` keeps the tensor and its version counter: the copy follows the storage."""
+    w = torch.randn(4, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a = fastpath.autocast_weight(w)
+        w.data = torch.randn(4, 4)
+        assert torch.equal(fastpath.autocast_weight(w), w.to(torch.bfloat16)) and fastpath.autocast_weight(w) is not a

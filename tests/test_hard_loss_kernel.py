@@ -54,3 +54,20 @@ def test_kernel_off_is_torch(monkeypatch):
     z = torch.randn(5, 11, requires_grad=True)
     y = torch.tensor([1, 2, -100, 4, 10])
     assert torch.equal(hard_target_loss(z, y), F.cross_entropy(z, y))
+
+
+@needs_kernels
+def test_nan_logits_and_all_ignored_rows_behave_as_torch():
+    """A NaN logit makes the loss NaN (the trainer's non-finite guard must fire; exp of NaN in the polynomial was
+    a huge finite number); every row ignored gives a NaN loss and a zero gradient, as torch's."""
+    for N in (16, 13):
+        z = torch.randn(2, N)
+        z[0, 3] = float("nan")
+        zz = z.clone().requires_grad_()
+        loss = hard_target_loss(zz, torch.tensor([1, 2]))
+        assert torch.isnan(loss) and torch.isnan(F.cross_entropy(z, torch.tensor([1, 2])))
+        loss.backward()
+        assert torch.isnan(zz.grad[0]).all()
+    z = torch.randn(3, 9, requires_grad=True)
+    hard_target_loss(z, torch.full((3,), -100)).backward()
+    assert torch.equal(z.grad, torch.zeros(3, 9))

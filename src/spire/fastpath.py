@@ -237,7 +237,7 @@ _PANEL_LAYOUT = {torch.bfloat16: "PB", torch.int8: "PQ"}  # packed copy by weigh
 AUTOCAST_COPIES = True
 """Keep frozen weights' bf16 casts from call to call under CPU autocast (:func:`autocast_weight`); False: autocast
 casts them anew on every call (what training did before)."""
-_AUTOCAST_COPIES: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+_AUTOCAST_COPIES: dict[int, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
 
 
 def autocast_weight(w: torch.Tensor) -> torch.Tensor:
@@ -249,10 +249,11 @@ def autocast_weight(w: torch.Tensor) -> torch.Tensor:
             or torch.get_autocast_dtype("cpu") != torch.bfloat16 or w.dtype != torch.float32):
         return w
     c = _AUTOCAST_COPIES.get(id(w))
-    if c is None or c[0]() is not w or c[1] != w._version:
-        for key in [key for key, (ref, _, _) in _AUTOCAST_COPIES.items() if ref() is None]:
-            del _AUTOCAST_COPIES[key]
-        c = _AUTOCAST_COPIES[id(w)] = (weakref.ref(w), w._version, w.detach().to(torch.bfloat16))
+    key = (w._version, w.data_ptr())  # an in-place change, or new storage under the same tensor (.data =)
+    if c is None or c[0]() is not w or c[1] != key:
+        for i in [i for i, (ref, _, _) in _AUTOCAST_COPIES.items() if ref() is None]:
+            del _AUTOCAST_COPIES[i]
+        c = _AUTOCAST_COPIES[id(w)] = (weakref.ref(w), key, w.detach().to(torch.bfloat16))
     return c[2]
 
 

@@ -255,14 +255,17 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     """Masked attention with the H / KV query heads of each KV head folded into its query rows: two batched
     matmuls (B·KV of them) and a float32 softmax, no copy of the keys per query head. q: (B, H, T, D); k, v:
     (B, KV, S, D), same dtype; mask: (B|1, 1, T, S) bool (True: attend) -> (B, H, T, D). Same result as
-    ``F.scaled_dot_product_attention(..., enable_gqa=True)`` up to rounding; NaN for a fully masked row."""
+    ``F.scaled_dot_product_attention(..., enable_gqa=True)`` up to rounding, a fully masked row included (0, and
+    no gradient through it, as SDPA gives)."""
     B, H, T, D = q.shape
     KV, S = k.shape[1], k.shape[2]
     if not GROUPED_ATTENTION:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != KV, scale=scale)
     s = torch.matmul(q.reshape(B, KV, (H // KV) * T, D), k.transpose(-1, -2)).view(B, KV, H // KV, T, S)
-    s = s.float().mul_(scale).masked_fill_(~mask[:, :, None], float("-inf"))
-    p = torch.softmax(s, -1).to(q.dtype).view(B, KV, (H // KV) * T, S)
+    masked = ~mask[:, :, None]
+    s = s.float().mul_(scale).masked_fill_(masked, float("-inf"))
+    p = torch.softmax(s, -1).masked_fill(masked, 0.0)  # a row with no key: NaN -> 0 (its gradient is cut above)
+    p = p.to(q.dtype).view(B, KV, (H // KV) * T, S)
     return torch.matmul(p, v).view(B, H, T, D)
 
 
@@ -317,8 +320,8 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), self._heads(v, self.n_kv)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q: (B, H, T, D); k, v: (B, KV, S, D); mask: (B|1, 1, T, S) bool -> (B, T, d_model). Every query must
-        see at least one key (a fully masked row gives NaN on the grouped path)."""
+        """q: (B, H, T, D); k, v: (B, KV, S, D); mask: (B|1, 1, T, S) bool -> (B, T, d_model) (a query that sees
+        no key reads 0)."""
         k, v = k.to(q.dtype), v.to(q.dtype)
         if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:  # training on the CPU
             y = grouped_attention(q, k, v, mask, self.scale)

@@ -1332,13 +1332,26 @@ int spire_cross_entropy(const float *z, const int64_t *y, int64_t n, int64_t N, 
             if (g) memset(g, 0, (size_t)N * sizeof(float));
             continue;
         }
-        __m256 vm = _mm256_set1_ps(-__builtin_inff());
+        __m256 vm = _mm256_set1_ps(-__builtin_inff()), vnan = _mm256_setzero_ps();
         float mx = -__builtin_inff();
-        for (int64_t i = 0; i < N8; i += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(zr + i));
+        int has_nan = 0;
+        for (int64_t i = 0; i < N8; i += 8) {
+            __m256 v = _mm256_loadu_ps(zr + i);
+            vm = _mm256_max_ps(vm, v);
+            vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        }
         float t[8];
         _mm256_storeu_ps(t, vm);
         for (int c = 0; c < 8; c++) mx = t[c] > mx ? t[c] : mx;
-        for (int64_t i = N8; i < N; i++) mx = zr[i] > mx ? zr[i] : mx;
+        for (int64_t i = N8; i < N; i++) {
+            mx = zr[i] > mx ? zr[i] : mx;
+            has_nan |= zr[i] != zr[i];
+        }
+        if (has_nan || _mm256_movemask_ps(vnan)) {  /* a NaN logit: the row's loss and gradient are NaN, as torch's */
+            loss[r] = NAN;
+            if (g) for (int64_t i = 0; i < N; i++) g[i] = NAN;
+            continue;
+        }
         __m256 vmx = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
         double S = 0;
         for (int64_t i = 0; i < N8; i += 8) {  /* S = sum exp(z - max) */

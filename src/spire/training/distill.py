@@ -225,16 +225,16 @@ def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg:
                 parts["hidden"] = float(mismatch.detach())
         else:
             q_logits = model.train_logits(tb.tokens, tb.hidden, cfg.k)
-    if cfg.resolved_loss() == "mixed":
+    mixed = cfg.resolved_loss() == "mixed"
+    if mixed or tb.final is not None:
         with autocast(bool(cfg.bf16), tb.tokens.device):  # the teacher's head as the live target computes it
             logp = tb.target_logp(target, model.vocab)
+    if mixed:
         terms = mixed_loss_logp(q_logits, logp, cfg.omega)
         return terms.loss + extra, terms.alpha
     loss = hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tb.tokens[:, 1:])) + extra
     if tb.final is None:
         return loss, float("nan")
-    with autocast(bool(cfg.bf16), tb.tokens.device):
-        logp = tb.target_logp(target, model.vocab)
     return loss, float(acceptance_alpha_logp(q_logits, logp).mean())
 
 
@@ -589,7 +589,7 @@ def evaluate_heldout(model: TrainableDraft, target: Transformer, windows: torch.
         tb = run_target(target, tokens, model.target_layers(), True, bool(cfg.bf16))
         with autocast(bool(cfg.bf16), target.device):
             q_logits = model.train_logits(tokens, tb.hidden, k)
-        logp = tb.target_logp(target, vocab)
+            logp = tb.target_logp(target, vocab)  # the teacher's head as training computes it
         ce = float(hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tokens[:, 1:])))
         loss = ce if cfg.resolved_loss() == "hard" else float(mixed_loss_logp(q_logits, logp, cfg.omega).loss)
         a = acceptance_alpha_logp(q_logits, logp)  # (B, T)

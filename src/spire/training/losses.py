@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from spire import kernels
 
 LOSS_KERNEL = True
-"""MixedLoss through the native row kernel (:func:`spire.kernels.mixed_loss_rows`) where it applies (float32 CPU);
-False: the torch implementation below (the same formulas)."""
+"""MixedLoss and HardTargetLoss through the native row kernels (:func:`spire.kernels.mixed_loss_rows`,
+:func:`spire.kernels.cross_entropy_rows`) where they apply (float32 CPU); False: the torch implementations below
+(the same formulas)."""
 
 
 @dataclass
@@ -128,7 +129,7 @@ class _HardTargetLoss(torch.autograd.Function):
         (grad,) = ctx.saved_tensors
         if grad.numel() == 0:
             raise RuntimeError("HardTargetLoss was computed without its gradient")
-        return grad * (g / ctx.n), None, None, None
+        return grad * (g / ctx.n) if ctx.n else torch.zeros_like(grad), None, None, None
 
 
 def hard_target_loss(draft_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
