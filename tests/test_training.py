@@ -166,3 +166,32 @@ def test_resume_of_a_for_loop_checkpoint_keeps_the_fused_kernel(tmp_path, monkey
                               None, None)
     assert trainer.state["step"] == 2
     assert all(g["fused"] is True for g in trainer.opt.param_groups)
+
+
+def test_an_optimizer_step_refreshes_the_kept_inference_copies(tiny):
+    """The fused AdamW kernel does not bump version counters: the packed / fused weight copies that inference
+    keeps (spire.fastpath, keyed by version) went stale after the first no-grad forward, so held-out α during
+    training, and a draft used in the process that trained it, measured the weights of the first evaluation.
+    After make_optimizer's steps the kept copies must follow: a no-grad forward equals that of a fresh copy."""
+    import copy
+
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+    from spire.training.distill import TrainConfig, make_optimizer
+    from spire.training.sources import run_target
+    model = SpireDraftModel(tiny, SpireConfig(n_draft_layers=2, window=8))
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(params, TrainConfig(lr=1e-2))
+    tokens = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(0))
+    tb = run_target(tiny, tokens, model.target_layers(), True)
+    with torch.no_grad():
+        before = model.train_logits(tokens, tb.hidden, 4)  # builds the kept copies
+    for _ in range(3):
+        loss = model.train_logits(tokens, tb.hidden, 4).logsumexp(-1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        after = model.train_logits(tokens, tb.hidden, 4)
+        fresh = copy.deepcopy(model).train_logits(tokens, tb.hidden, 4)
+    assert not torch.allclose(after, before, atol=1e-3)  # the steps moved the draft
+    torch.testing.assert_close(after, fresh, rtol=0, atol=1e-5)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import increment_version
 from tqdm.auto import tqdm
 
 from spire import defaults
@@ -204,10 +205,21 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     if FUSED_ADAMW and all(p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params):
         try:
-            return torch.optim.AdamW(params, fused=True, **kw)
+            opt = torch.optim.AdamW(params, fused=True, **kw)
         except (RuntimeError, ValueError):  # a device without the fused kernel
             pass
+        else:
+            opt.register_step_post_hook(_mark_updated)
+            return opt
     return torch.optim.AdamW(params, **kw)
+
+
+def _mark_updated(opt: torch.optim.Optimizer, args, kwargs) -> None:
+    """The fused AdamW kernel writes the parameters without bumping their version counters (torch 2.13), so
+    every copy keyed by a weight's version (:mod:`spire.fastpath`'s packed and fused weights, which the held-out
+    evaluation and an in-process draft decode through) went stale after the first use: held-out α during
+    training and a draft trained in this process measured the weights of their first evaluation."""
+    increment_version([p for group in opt.param_groups for p in group["params"]])
 
 
 def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg: TrainConfig,
