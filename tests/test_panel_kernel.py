@@ -129,5 +129,7 @@ def test_spire_draft_memory_writes_with_panels_equal_row_major(heads, monkeypatc
         assert ("P" in _layouts(model.layers[0].self_attn)) == panel
         runs.append((res.tokens, generate(target, prompts, 24).tokens, logits, cache))
     assert runs[0][0] == runs[0][1] == runs[1][0] == runs[1][1]
-    torch.testing.assert_close(runs[0][2], runs[1][2], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(runs[0][3], runs[1][3], atol=1e-5, rtol=1e-5)
+    # the two layouts sum in different orders and the draft feeds its rounding back round after round: on an
+    # AVX-512 machine one logit of 16,296 moved 1.5e-5 (4.4e-5 relative); rows read wrongly move them by O(1)
+    torch.testing.assert_close(runs[0][2], runs[1][2], atol=5e-5, rtol=5e-5)
+    torch.testing.assert_close(runs[0][3], runs[1][3], atol=5e-5, rtol=5e-5)

@@ -152,7 +152,7 @@ def test_draft_keys_are_stable_and_every_run_is_checked_first(monkeypatch, tmp_p
     from spire.pipeline import ReproduceConfig, _draft_dir, spire_architecture, training_runs
 
     monkeypatch.setenv("SPIRE_CACHE", str(tmp_path))
-    cfg = ReproduceConfig()
+    cfg = ReproduceConfig(cache_steps=400, vanilla_budget_s=900.0)  # the defaults of the code the keys come from
     runs = training_runs(cfg, spire_architecture(cfg, 30, 49152))
     keys = {label: _draft_dir(cfg, tc, Path("/nonexistent/smollm2"), label).name for label, tc in runs}
     assert keys == {"spire": "smollm2-135m-spire-20cb574c63", "vanilla": "smollm2-135m-vanilla-b098eef00a"}
