@@ -1234,6 +1234,23 @@ static inline float exp1_flush(float x) {  /* exp256_flush of one value (row tai
     return v[0];
 }
 
+static double row_sum_exp(const float *zr, int64_t N, float mx) {  /* sum_i exp(z_i - mx) of one row, float lanes
+                                                                      flushed into a double every 1,024 columns */
+    int64_t N8 = N - N % 8;
+    __m256 vmx = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
+    double S = 0;
+    for (int64_t i = 0; i < N8; i += 8) {
+        if (i && !(i & 1023)) {
+            S += hsum256(vs);
+            vs = _mm256_setzero_ps();
+        }
+        vs = _mm256_add_ps(vs, exp256_flush(_mm256_sub_ps(_mm256_loadu_ps(zr + i), vmx)));
+    }
+    S += hsum256(vs);
+    for (int64_t i = N8; i < N; i++) S += exp1_flush(zr[i] - mx);
+    return S;
+}
+
 int spire_mixed_loss(const float *z, const float *logp, int64_t n, int64_t N, float w, float *grad,
                      double *distill, double *alpha) {
     if (N < 1) return -1;
@@ -1249,17 +1266,8 @@ int spire_mixed_loss(const float *z, const float *logp, int64_t n, int64_t N, fl
         _mm256_storeu_ps(t, vm);
         for (int c = 0; c < 8; c++) mx = t[c] > mx ? t[c] : mx;
         for (int64_t i = N8; i < N; i++) mx = zr[i] > mx ? zr[i] : mx;
-        __m256 vmx = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
-        double S = 0;
-        for (int64_t i = 0; i < N8; i += 8) {  /* S = sum exp(z - max) */
-            if (i && !(i & 1023)) {
-                S += hsum256(vs);
-                vs = _mm256_setzero_ps();
-            }
-            vs = _mm256_add_ps(vs, exp256_flush(_mm256_sub_ps(_mm256_loadu_ps(zr + i), vmx)));
-        }
-        S += hsum256(vs);
-        for (int64_t i = N8; i < N; i++) S += exp1_flush(zr[i] - mx);
+        __m256 vmx = _mm256_set1_ps(mx);
+        double S = row_sum_exp(zr, N, mx);
         float ls = (float)log(S);  /* log q = (z - max) - log S, in that order (log_softmax's rounding) */
         __m256 vls = _mm256_set1_ps(ls), half = _mm256_set1_ps(0.5f);
         __m256 ad = _mm256_setzero_ps(), asp = ad, amn = ad, amq = ad;
@@ -1352,17 +1360,8 @@ int spire_cross_entropy(const float *z, const int64_t *y, int64_t n, int64_t N, 
             if (g) for (int64_t i = 0; i < N; i++) g[i] = NAN;
             continue;
         }
-        __m256 vmx = _mm256_set1_ps(mx), vs = _mm256_setzero_ps();
-        double S = 0;
-        for (int64_t i = 0; i < N8; i += 8) {  /* S = sum exp(z - max) */
-            if (i && !(i & 1023)) {
-                S += hsum256(vs);
-                vs = _mm256_setzero_ps();
-            }
-            vs = _mm256_add_ps(vs, exp256_flush(_mm256_sub_ps(_mm256_loadu_ps(zr + i), vmx)));
-        }
-        S += hsum256(vs);
-        for (int64_t i = N8; i < N; i++) S += exp1_flush(zr[i] - mx);
+        __m256 vmx = _mm256_set1_ps(mx);
+        double S = row_sum_exp(zr, N, mx);
         float ls = (float)log(S);
         loss[r] = (double)ls - ((double)zr[y[r]] - (double)mx);
         if (!g) continue;
