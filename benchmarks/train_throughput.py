@@ -254,8 +254,9 @@ def main() -> None:
                      "heldout_alpha": state["heldout"]["alpha_per_position"],
                      "tau_T0": [taus[0.0].tau, taus[0.0].ci_low, taus[0.0].ci_high],
                      "tau_T1": [taus[1.0].tau, taus[1.0].ci_low, taus[1.0].ci_high]})
-    print(f"\ntraining on {torch.get_num_threads()} threads, {'bf16 autocast' if a.bf16 else 'float32'}, batch 4 x 256, "
-          f"L={a.L}, G={a.G}, k=4, {a.n_contexts} contexts")
+    numerics = "bf16 autocast" if a.bf16 else "float32"
+    print(f"\ntraining on {torch.get_num_threads()} threads, {numerics}, batch 4 x 256, L={a.L}, G={a.G}, k=4, "
+          f"{a.n_contexts} contexts")
     print(f"{'draft':8s} {'body params':>12s} {'tokens/s':>9s} {'steps':>6s} {'tokens':>8s}  "
           f"{'held-out alpha (pos 1..4)':28s} {'tau T=0':>22s} {'tau T=1':>22s}")
     for r in rows:

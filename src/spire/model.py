@@ -259,8 +259,6 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     no gradient through it, as SDPA gives)."""
     B, H, T, D = q.shape
     KV, S = k.shape[1], k.shape[2]
-    if not GROUPED_ATTENTION:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=H != KV, scale=scale)
     s = torch.matmul(q.reshape(B, KV, (H // KV) * T, D), k.transpose(-1, -2)).view(B, KV, H // KV, T, S)
     masked = ~mask[:, :, None]
     s = s.float().mul_(scale).masked_fill_(masked, float("-inf"))
@@ -323,7 +321,7 @@ class Attention(nn.Module):
         """q: (B, H, T, D); k, v: (B, KV, S, D); mask: (B|1, 1, T, S) bool -> (B, T, d_model) (a query that sees
         no key reads 0)."""
         k, v = k.to(q.dtype), v.to(q.dtype)
-        if q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:  # training on the CPU
+        if GROUPED_ATTENTION and q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:  # training
             y = grouped_attention(q, k, v, mask, self.scale)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv,

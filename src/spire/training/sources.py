@@ -103,7 +103,8 @@ def head_logits(final: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     (the same call on both sources, so a float32 cache reproduces the live logits bit for bit; under CPU bf16
     autocast a bf16 matmul, with the rows' bf16 copy kept from step to step)."""
     B, T, d = final.shape
-    return F.linear(final.reshape(B * T, d).to(weight.dtype), fastpath.autocast_weight(weight)).float().view(B, T, -1)
+    w = fastpath.autocast_weight(weight)
+    return F.linear(final.reshape(B * T, d).to(weight.dtype), w).float().view(B, T, -1)
 
 
 @torch.no_grad()
