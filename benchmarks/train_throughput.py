@@ -8,6 +8,7 @@ on held-out contexts. Prints one table and writes JSON.
     python benchmarks/train_throughput.py --budget 60 --n-contexts 4 --out bench.json
     python benchmarks/train_throughput.py --levers --steps 5     # old path vs draft vocabulary / target cache
     python benchmarks/train_throughput.py --levers --steps 5 --bf16   # the same under bf16 autocast
+    python benchmarks/train_throughput.py --levers --steps 5 --bf16 --compile   # and the new path compiled
     python benchmarks/train_throughput.py --whole-machine --steps 12   # the trainer as the main job runs it
 """
 
@@ -57,7 +58,7 @@ def step_rate(target, data, cfg: TrainConfig, steps: int) -> float:
 
 
 def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: str, layers,
-                bf16: bool = False) -> list[dict]:
+                bf16: bool = False, compiled: bool = False) -> list[dict]:
     """Training tokens per second (wall and CPU) of one SPIRe step on the same batches, for the old path (live
     target, full vocabulary, the autograd MixedLoss, the for-loop AdamW and the dense k-pass layout: the trainer
     before these levers) and each lever alone and together (the MixedLoss row kernel with the fused AdamW and the
@@ -65,13 +66,17 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
     alike. bf16: every path under bf16 autocast (the trainer's default where bf16 is fast); the old path then also
     runs attention through SDPA and casts frozen weights anew on every call (model.GROUPED_ATTENTION,
     fastpath.AUTOCAST_COPIES off). The old path shares the draft's forward otherwise (one head matmul over the k
-    passes), so it is a little faster than the trainer of the issue's time was."""
+    passes), so it is a little faster than the trainer of the issue's time was. compiled: one more path, the new
+    one with the draft's training forward and backward through torch.compile (``spire train --compile``; the
+    compile happens in its untimed first step, so its row is the compiled step's rate, compile time excluded)."""
     spire_cfg = dict(layers=tuple(layers)) if layers else {}
     paths = {"live, full vocabulary (old)": (None, None, False),
              "live, full vocabulary, new loss + chunks": (None, None, True),
              f"live, vocabulary {vocab_size}": (vocab_size, None, True),
              "cache, full vocabulary": (None, cache_dtype, True),
              f"cache, vocabulary {vocab_size} (new)": (vocab_size, cache_dtype, True)}
+    if compiled:
+        paths[f"cache, vocabulary {vocab_size}, torch.compile"] = (vocab_size, cache_dtype, True)
     runs, build_s = {}, None
     for name, (n, dtype, fused) in paths.items():
         cfg = TrainConfig(bf16=bf16, data_steps=steps + 1, spire=SpireConfig(vocab_size=n, **spire_cfg))
@@ -91,6 +96,8 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
                 if seconds > 1.0:  # built here, not opened from an earlier run
                     build_s = seconds / cfg.data_steps
             src = CachedTarget(cache, layers_needed, teacher, target.device)
+        if name.endswith("torch.compile"):  # compiled in its first (untimed) step
+            distill.compile_draft(model)
         params = [p for p in model.parameters() if p.requires_grad]
         opt = distill.make_optimizer(params, cfg) if fused else torch.optim.AdamW(
             params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -109,7 +116,8 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
     base = rows[0]["tokens_per_cpu_s"]
     for r in rows:
         r["speedup_cpu"] = r["tokens_per_cpu_s"] / base
-    rows[-1]["cache_build_s_per_batch"] = build_s
+    new_row = next(r for r in rows if r["path"].endswith("(new)"))
+    new_row["cache_build_s_per_batch"] = build_s
     return rows
 
 
@@ -194,6 +202,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="runs of each path for --whole-machine")
     ap.add_argument("--vocab-size", type=int, default=8192, help="draft vocabulary of --levers")
     ap.add_argument("--cache-dtype", default="bfloat16", help="target cache storage of --levers")
+    ap.add_argument("--compile", action="store_true", help="--levers: one more path, the new one through "
+                    "torch.compile (spire train --compile)")
     ap.add_argument("--layers", default=None, help="SPIRe source layers J,J,... of --levers [the default]")
     ap.add_argument("--bf16", action="store_true", help="train under bf16 autocast (the trainer's default where bf16 "
                     "is fast: AMX or AVX512-BF16) instead of float32 (--whole-machine always uses the trainer's "
@@ -216,13 +226,13 @@ def main() -> None:
         return
     if a.levers:
         layers = [int(x) for x in a.layers.split(",")] if a.layers else None
-        rows = lever_rates(target, data, folder, a.steps, a.vocab_size, a.cache_dtype, layers, a.bf16)
+        rows = lever_rates(target, data, folder, a.steps, a.vocab_size, a.cache_dtype, layers, a.bf16, a.compile)
         print(f"SPIRe training on {torch.get_num_threads()} threads, {'bf16 autocast' if a.bf16 else 'float32'}, "
               f"batch 4 x 256, {a.steps} timed steps each (median), interleaved")
         print(f"{'path':44s} {'tokens/s':>9s} {'tokens/CPU-s':>13s} {'x old (CPU)':>12s}")
         for r in rows:
             print(f"{r['path']:44s} {r['tokens_per_s']:9.0f} {r['tokens_per_cpu_s']:13.0f} {r['speedup_cpu']:11.2f}x")
-        b = rows[-1]["cache_build_s_per_batch"]
+        b = next(r for r in rows if r["path"].endswith("(new)"))["cache_build_s_per_batch"]
         print("target cache: opened from an earlier run (not built here)" if b is None else
               f"target cache build: {b:.2f} s per batch of 1,024 tokens ({1024 / b:.0f} tokens/s, paid once per "
               "batch and reused by every epoch, run and ablation)")

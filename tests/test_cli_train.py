@@ -230,3 +230,21 @@ def test_target_cache_none_is_the_live_target(tiny_folder, text_file, tmp_path, 
     _main(_train_args(tiny_folder, text_file, tmp_path / "live", "--max-steps", "1", "--target-cache", "none"))
     state = json.loads((tmp_path / "live" / "checkpoint" / "train_state.json").read_text())
     assert state["config"]["target_cache"] is None and state["step"] == 1
+
+
+def test_compile_option_and_a_resume_that_changes_it(tiny_folder, text_file, tmp_path, monkeypatch):
+    """`--compile` reaches the run (its saved settings and a "compile" log event before step 1); a resume may
+    turn it off (it changes how a step runs, not what it computes: one of the limits a resume takes anew)."""
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)  # the plumbing, not inductor
+    run_dir = tmp_path / "c"
+    _main(_train_args(tiny_folder, text_file, run_dir, "--compile"))
+    state = json.loads((run_dir / "checkpoint" / "train_state.json").read_text())
+    assert state["config"]["compile"] is True and compiled == [{"dynamic": False}]
+    log = [json.loads(ln) for ln in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    assert log[0]["event"] == "compile" and log[0]["compiled"] is True and log[1]["step"] == 1
+    _main(["train", "--resume", "--target", str(tiny_folder), "--data", str(text_file), "--out", str(run_dir),
+           "--device", "cpu", "--max-steps", "4", "--no-compile"])
+    state = json.loads((run_dir / "checkpoint" / "train_state.json").read_text())
+    assert state["step"] == 4 and state["config"]["compile"] is False and len(compiled) == 1

@@ -268,7 +268,8 @@ TRAIN_FIELDS = {"budget": "budget_s", "max_steps": "max_steps", "batch_size": "b
                 "k": "k", "lr": "lr", "warmup_steps": "warmup_steps", "weight_decay": "weight_decay", "loss": "loss",
                 "omega": "omega", "grad_clip": "grad_clip", "bf16": "bf16", "seed": "seed",
                 "checkpoint_every": "checkpoint_every", "eval_every": "eval_every", "vanilla_layers": "vanilla_layers",
-                "cache_steps": "data_steps", "target_cache": "target_cache", "hidden_loss": "hidden_weight"}
+                "cache_steps": "data_steps", "target_cache": "target_cache", "hidden_loss": "hidden_weight",
+                "compile_step": "compile"}
 """`spire train` option -> TrainConfig field."""
 SPIRE_FIELDS = ("n_draft_layers", "init", "sink", "window", "vocab_size")
 """`spire train` options that are SpireConfig fields of the same name."""
@@ -293,8 +294,8 @@ def train(
                                                                    "repeatable.")] = ["registry"],
     out: Annotated[Optional[Path], _OPT(help="Run folder [default: spire-runs/<draft>[-<ablation>]].")] = None,
     resume: Annotated[bool, _OPT("--resume", help="Continue the run in --out exactly where it stopped, with its "
-                                                  "saved settings (only --budget, --max-steps, --checkpoint-every and "
-                                                  "--eval-every apply).")] = False,
+                                                  "saved settings (only --budget, --max-steps, --checkpoint-every, "
+                                                  "--eval-every and --compile apply).")] = False,
     ablation: Annotated[str, _OPT(help="Paper Figure 5 ablation: none, no-feedback, no-feedback-no-target, omega1, "
                                        "hard-loss, random-init, full-kv.")] = "none",
     budget: Annotated[Optional[float], _OPT(help=f"Training seconds (evaluation excluded) "
@@ -314,6 +315,10 @@ def train(
                                                 f"[default: {defaults.OMEGA}].")] = None,
     grad_clip: Annotated[float, _OPT(help="Gradient-norm clip.")] = defaults.GRAD_CLIP,
     bf16: Annotated[Optional[bool], _OPT("--bf16/--no-bf16", help="bf16 autocast [default: where it is fast].")]
+    = None,
+    compile_step: Annotated[Optional[bool], _OPT("--compile/--no-compile", help="The draft's training forward and "
+                                                 "backward through torch.compile: the same computation, fused "
+                                                 "(compiling takes minutes the first time on a machine) [off].")]
     = None,
     seed: Annotated[int, _OPT(help="Seed of batches and initialization.")] = defaults.SEED,
     checkpoint_every: Annotated[float, _OPT(help="Seconds between checkpoints.")] = defaults.CHECKPOINT_EVERY_S,
@@ -380,7 +385,7 @@ def train(
 
 REPRODUCE_OPTIONS = ("budget", "n_contexts", "L", "G", "vanilla_budget", "ablation_budget", "tau_L_contexts", "steps",
                      "vanilla_steps", "ablation_steps", "first_layers", "cache_steps", "preset", "target", "out", "k",
-                     "n_draft_layers", "seed", "train_processes", "hidden_loss")
+                     "n_draft_layers", "seed", "train_processes", "hidden_loss", "compile_step")
 """`spire reproduce` options passed to ReproduceConfig as given (budget -> budget_s, and the other budgets alike)."""
 
 
@@ -429,6 +434,10 @@ def reproduce(
                                                          "of drafted positions' residual streams with the "
                                                          "target's (beyond the paper; 0 = the paper's loss) "
                                                          "[0].")] = None,
+    compile_step: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="Every draft's training "
+                                                         "step through torch.compile (the same computation, "
+                                                         "fused; minutes of compiling the first time on a "
+                                                         "machine, outside the training budgets) [on].")] = None,
     seed: Annotated[int, typer.Option(help="Seed for data windows, training and sampling.")] = 0,
 ) -> None:
     """The main job: data, SPIRe + vanilla (+ ablation) training, τ tables, cost model, REPORT.md."""
@@ -437,7 +446,7 @@ def reproduce(
     from spire.training.distill import ABLATIONS
 
     fields = {"budget": "budget_s", "vanilla_budget": "vanilla_budget_s", "ablation_budget": "ablation_budget_s",
-              "hidden_loss": "hidden_weight"}
+              "hidden_loss": "hidden_weight", "compile_step": "compile"}
     overrides = {fields.get(name, name): value for name, value in _given(ctx, REPRODUCE_OPTIONS).items()
                  if value is not None}
     if ablations is not None:

@@ -49,7 +49,8 @@ class ReproduceConfig:
     vanilla_token_share: the vanilla baseline trains on at least this share of SPIRe's tokens (its steps follow
     from SPIRe's; vanilla_budget_s caps its seconds); None: vanilla_budget_s / vanilla_steps alone.
     hidden_weight: SPIRe's (and its ablations') hidden-state matching term (TrainConfig.hidden_weight; 0: the
-    paper's loss)."""
+    paper's loss). compile: every draft's training step through torch.compile (TrainConfig.compile; the compile
+    runs before each training clock starts; not part of a draft's cache key)."""
 
     preset: str = "smollm2-135m"
     target: str | None = None  # a .gguf file or HF Llama-family folder instead of the preset's checkpoint
@@ -76,6 +77,7 @@ class ReproduceConfig:
     target_cache: str | None = "bfloat16"
     vanilla_token_share: float | None = 0.5
     hidden_weight: float = 0.0
+    compile: bool = True
     sink: int = defaults.SINK
     window: int = defaults.WINDOW
     seed: int = 0
@@ -90,7 +92,8 @@ class ReproduceConfig:
     def quick_config(cls, **kw) -> "ReproduceConfig":
         """Smoke-test settings: finishes in a few minutes on 2 CPU cores."""
         base = dict(budget_s=60.0, vanilla_budget_s=30.0, ablation_budget_s=20.0, n_contexts=8, L=256, G=32,
-                    tau_Ls=(128, 256), tau_L_contexts=4, alpha_windows=4, cache_steps=8, quick=True)
+                    tau_Ls=(128, 256), tau_L_contexts=4, alpha_windows=4, cache_steps=8, quick=True,
+                    compile=False)
         base.update(kw)
         return cls(**base)
 
@@ -156,6 +159,17 @@ def heldout_curve(run_dir: Path) -> list[dict]:
             for r in rows if r.get("event") == "eval"]
 
 
+def compile_seconds(run_dir: Path) -> float | None:
+    """Seconds spent compiling a run's training step (its log's "compile" events that succeeded; a resumed run
+    compiles again), or None when it never ran compiled."""
+    path = Path(run_dir) / LOG_FILE
+    if not path.is_file():
+        return None
+    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    done = [r["seconds"] for r in rows if r.get("event") == "compile" and r.get("compiled")]
+    return sum(done) if done else None
+
+
 def spire_architecture(cfg: ReproduceConfig, n_target_layers: int, vocab_size: int):
     """The SPIRe draft of the main job: n_draft_layers target blocks, the first ``first_layers`` of them from the
     bottom of the target and the rest from its top, sink + window, and a draft vocabulary of
@@ -178,6 +192,7 @@ def _draft_dir(cfg: ReproduceConfig, train_cfg, folder: Path, label: str = "spir
             train.pop(field_name, None)
     if not train.get("hidden_weight"):  # off (the paper's loss): keyed as before the field existed
         train.pop("hidden_weight", None)
+    train.pop("compile", None)  # how a step runs, not what it computes
     for field_name in ("vocab_size",):
         if train["spire"].get(field_name) is None:
             train["spire"].pop(field_name, None)
@@ -258,11 +273,12 @@ def training_runs(cfg: ReproduceConfig, spire_arch: SpireConfig) -> list[tuple[s
     if cfg.hidden_weight:
         cache["hidden_weight"] = cfg.hidden_weight
     runs = [("spire", TrainConfig(k=cfg.k, seed=cfg.seed, spire=spire_arch, **cache, eval_every=cfg.eval_every,
-                                  **_limits(cfg.budget_s, cfg.steps))),
-            ("vanilla", TrainConfig(draft="vanilla", k=cfg.k, seed=cfg.seed,
+                                  compile=cfg.compile, **_limits(cfg.budget_s, cfg.steps))),
+            ("vanilla", TrainConfig(draft="vanilla", k=cfg.k, seed=cfg.seed, compile=cfg.compile,
                                     **_limits(cfg.vanilla_budget_s, cfg.vanilla_steps)))]
     for a in cfg.ablations:
         run = ablation_config(a, k=cfg.k, seed=cfg.seed, spire=spire_arch, **cache, eval_every=cfg.eval_every,
+                              compile=cfg.compile,
                               **_limits(cfg.ablation_budget_s, cfg.ablation_steps))
         if not run.spire.target_activations:  # the matching term reads target activations: this ablation has none
             run.hidden_weight = 0.0
@@ -287,7 +303,7 @@ def _training_summary(run_dir: Path, train_cfg: TrainConfig, model, state: dict)
             "batches": train_cfg.data_steps, "dtype": train_cfg.target_cache,
             "tokens": train_cfg.data_steps * train_cfg.batch_size * train_cfg.seq_len},
         "heldout_alpha_per_position": state["heldout"]["alpha_per_position"], "heldout_loss": state["heldout"]["loss"],
-        "heldout_curve": heldout_curve(run_dir),
+        "heldout_curve": heldout_curve(run_dir), "compile_s": compile_seconds(run_dir),
         "history": state["history"]}
 
 

@@ -19,8 +19,9 @@ from spire.errors import CheckpointError, ConfigError
 from spire.loading import load_target
 from spire.training.distill import ABLATIONS, TrainConfig, ablation_config, init_distributed, load_state, train_draft
 
-RESUME_LIMITS = ("budget_s", "max_steps", "checkpoint_every", "eval_every")
-"""The settings a resumed run takes anew (every other one is the saved run's)."""
+RESUME_LIMITS = ("budget_s", "max_steps", "checkpoint_every", "eval_every", "compile")
+"""The settings a resumed run takes anew (every other one is the saved run's; compile changes how a step runs,
+not what it computes)."""
 COMMAND_DEFAULTS = {"eval_every": defaults.EVAL_EVERY}
 """Where `spire train` differs from TrainConfig's defaults: it logs a held-out learning curve."""
 DEVICES = ("auto", "cpu", "cuda")

@@ -97,7 +97,9 @@ class TrainConfig:
     vanilla_layers: the vanilla draft's blocks (None: round(target layers / 8)). data: the training text's
     identity (set by `spire train`; a resume on other text is refused). hidden_weight: beyond the paper, the
     weight of SPIRe's hidden-state matching term (:meth:`spire.drafts.spire.SpireDraftModel.hidden_mismatch`)
-    added to the loss; 0 (the default) is the paper's loss.
+    added to the loss; 0 (the default) is the paper's loss. compile: the draft's teacher-forced forward and its
+    backward through ``torch.compile`` (:func:`compile_draft`): the same computation with fused kernels, equal
+    to float32 rounding; not part of a run's identity (a run resumes with or without it).
     """
 
     draft: str = "spire"
@@ -123,6 +125,7 @@ class TrainConfig:
     target_cache: str | None = None
     data: str | None = None  # identity of the training text (its cache key), recorded so a resume can check it
     hidden_weight: float = 0.0
+    compile: bool = False
 
     def resolved_loss(self) -> str:
         """The loss given, else the draft method's default (SPIRe: mixed, vanilla: hard)."""
@@ -214,6 +217,24 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.
     return torch.optim.AdamW(params, **kw)
 
 
+def compile_draft(model: TrainableDraft) -> None:
+    """Route ``model.train_logits`` through ``torch.compile`` (inductor, static shapes) while autograd is on (the
+    training steps); with autograd off (the held-out evaluation) it stays eager, so one graph is built. The first
+    training call compiles: minutes on 2 CPU cores with a cold cache, seconds once inductor's on-disk cache holds
+    the graph. :func:`uncompile_draft` undoes it."""
+    eager = type(model).train_logits.__get__(model)
+    compiled = torch.compile(eager, dynamic=False)
+
+    def train_logits(*args, **kw):
+        return compiled(*args, **kw) if torch.is_grad_enabled() else eager(*args, **kw)
+    model.train_logits = train_logits
+
+
+def uncompile_draft(model: TrainableDraft) -> None:
+    """Undo :func:`compile_draft` (nothing when the model was not compiled)."""
+    model.__dict__.pop("train_logits", None)
+
+
 def _mark_updated(opt: torch.optim.Optimizer, args, kwargs) -> None:
     """The fused AdamW kernel writes the parameters without bumping their version counters (torch 2.13), so
     every copy keyed by a weight's version (:mod:`spire.fastpath`'s packed and fused weights, which the held-out
@@ -287,8 +308,8 @@ def init_distributed() -> tuple[int, int]:
 def _check_saved_config(out_dir: Path, state: dict, cfg_dict: dict) -> None:
     """Raise ConfigError when the run saved in out_dir has other settings than ``cfg_dict`` (the limits
     budget_s, max_steps, checkpoint_every and eval_every may change; a field added since the run was saved
-    reads as its default)."""
-    budget_keys = ("budget_s", "max_steps", "checkpoint_every", "eval_every")
+    reads as its default; compile may change too: it does not change what is computed)."""
+    budget_keys = ("budget_s", "max_steps", "checkpoint_every", "eval_every", "compile")
     defaults = json.loads(json.dumps(TrainConfig().to_dict()))
     saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in budget_keys}
     now = {k: v for k, v in cfg_dict.items() if k not in budget_keys}
@@ -377,6 +398,38 @@ class Trainer:
             self.bar = tqdm(total=total, initial=initial, unit=unit, dynamic_ncols=True,
                             desc=f"train {cfg.draft} draft")
 
+    def rows(self) -> slice:
+        """This process's rows of the global batch."""
+        return slice(self.rank * self.cfg.batch_size // self.world, (self.rank + 1) * self.cfg.batch_size // self.world)
+
+    def warm_up(self) -> None:
+        """With cfg.compile: compile the draft's training step (:func:`compile_draft`) on this process's rows of the
+        next batch, a forward and backward whose gradients are dropped, before the training clock starts; its
+        seconds go to the log (a "compile" event). Where torch.compile fails (no C++ compiler, a backend it lacks)
+        training goes on eagerly, with a log line: the same computation, slower."""
+        if not self.cfg.compile or self.done():
+            return
+        show = self.log if self.rank == 0 else None
+        if show is not None:
+            (self.bar.write if self.bar is not None else show)(
+                "      compiling the draft's training step (torch.compile: minutes the first time on this machine)")
+        t0, ok = time.time(), True
+        compile_draft(self.model)
+        try:
+            loss, _ = step_loss(self.model, self.target, self.source.batch(self.state["step"], self.rows()), self.cfg)
+            loss.backward()
+        except Exception as e:  # torch._dynamo / inductor errors: train eagerly instead
+            uncompile_draft(self.model)
+            ok = False
+            if show is not None:
+                show(f"      torch.compile failed here ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
+                     "training without it")
+        finally:
+            for p in self.params:
+                p.grad = None
+        self.write_log({"event": "compile", "step": self.state["step"], "seconds": round(time.time() - t0, 1),
+                        "compiled": ok})
+
     def write_log(self, entry: dict) -> None:
         if self.rank == 0:
             with open(self.out_dir / LOG_FILE, "a") as f:
@@ -428,6 +481,7 @@ class Trainer:
             self.checkpoint()
         if self.bar is not None:
             self.bar.close()
+        uncompile_draft(self.model)
         return self.model.eval().requires_grad_(False), self.state
 
     def _update(self, lr: float, tb: TeacherBatch) -> tuple[float, float, float]:
@@ -468,8 +522,7 @@ class Trainer:
         smoothed history and the bar."""
         cfg, state = self.cfg, self.state
         t0 = time.time()
-        rows = slice(self.rank * cfg.batch_size // self.world, (self.rank + 1) * cfg.batch_size // self.world)
-        tb = self.source.batch(state["step"], rows)
+        tb = self.source.batch(state["step"], self.rows())
         frac = state["step"] / cfg.max_steps if cfg.max_steps is not None else state["elapsed_s"] / cfg.budget_s
         lr = _lr_at(cfg, state["step"], frac)
         loss_value, alpha, grad_norm = self._update(lr, tb)
@@ -535,6 +588,7 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
     # broadcast, so every process decides alike (a clock of each process's own let one enter the checkpoint's
     # barrier while another entered the next step's all-reduce: a hang)
     last_ckpt = run.state["elapsed_s"]
+    run.warm_up()
     while not run.done():
         run.step()
         if cfg.eval_every and run.state["step"] % cfg.eval_every == 0 and not run.done():
