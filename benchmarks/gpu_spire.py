@@ -45,6 +45,8 @@ def main() -> None:
     ap.add_argument("--n-contexts", type=int, default=64, help="held-out contexts for tau")
     ap.add_argument("-L", type=int, default=512, help="context length for tau (tokens)")
     ap.add_argument("-G", type=int, default=64, help="tokens generated per context")
+    ap.add_argument("--compile", action="store_true", help="the training step through torch.compile (spire train "
+                    "--compile; its compile time is outside --budget)")
     ap.add_argument("--tiny", action="store_true", help="dry-run settings: a few seconds of everything")
     ap.add_argument("--out", type=Path, default=Path("gpu-spire-out"), help="output folder")
     a = ap.parse_args()
@@ -58,7 +60,7 @@ def main() -> None:
     arch = spire_architecture(ReproduceConfig(), target.cfg.n_layers, target.cfg.vocab_size)
     cfg = TrainConfig(budget_s=a.budget, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, bf16=None,
                       spire=arch, data_steps=a.cache_steps, target_cache="bfloat16", eval_every=0,
-                      checkpoint_every=1e9)
+                      checkpoint_every=1e9, compile=a.compile)
     heldout = data.heldout_contexts(max(a.seq_len - 64, a.seq_len // 2), min(64, a.seq_len // 2), 16, seed=1)
     t0 = time.time()
     model, state = train_draft(target, data, a.out / "run", cfg, heldout=heldout, target_folder=folder,
