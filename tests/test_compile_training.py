@@ -9,7 +9,9 @@ import dataclasses
 import pytest
 import torch
 
+from spire.training import distill
 from spire.training.distill import train_draft
+from tests.test_target_cache import TokenLikeData
 from tests.train_worker import RepeatingData, config
 
 
@@ -87,3 +89,27 @@ def test_a_run_resumes_with_or_without_compile(tmp_path, tiny, monkeypatch, one_
     assert state["step"] == 5
     assert [e["step"] for e in _log(tmp_path) if e["event"] == "compile"] == [2]
 
+
+
+def test_the_warm_up_compiles_everything_under_bf16(tmp_path, tiny, monkeypatch, one_thread):
+    """Under bf16 autocast with a draft vocabulary the first compiled pass keeps bf16 weight copies that the
+    graph's guards read, so the second pass recompiles parts of it: the warm-up runs both, and no training step
+    compiles anything (in a cold 2-process run that recompile used to take ~2 minutes of step 1)."""
+    from spire.drafts.spire import SpireConfig
+
+    counter = torch._dynamo.utils.counters
+    counter.clear()
+    after_warm_up = []
+    real = distill.Trainer.warm_up
+
+    def warm_up(self):
+        real(self)
+        after_warm_up.append(counter["stats"]["unique_graphs"])
+    monkeypatch.setattr(distill.Trainer, "warm_up", warm_up)
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
+    cfg = dataclasses.replace(config("spire", 4, 4), bf16=True, compile=True, data_steps=4, target_cache="bfloat16",
+                              spire=SpireConfig(n_draft_layers=2, window=8, vocab_size=60))
+    _, state = train_draft(tiny, TokenLikeData(), tmp_path, cfg, progress=False)
+    assert state["step"] == 4 and [e["compiled"] for e in _log(tmp_path) if e["event"] == "compile"] == [True]
+    assert after_warm_up[0] >= 1
+    assert counter["stats"]["unique_graphs"] == after_warm_up[0]

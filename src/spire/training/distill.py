@@ -404,7 +404,7 @@ class Trainer:
 
     def warm_up(self) -> None:
         """With cfg.compile: compile the draft's training step (:func:`compile_draft`) on this process's rows of the
-        next batch, a forward and backward whose gradients are dropped, before the training clock starts; its
+        next batch, two forwards and backwards whose gradients are dropped, before the training clock starts; its
         seconds go to the log (a "compile" event). Where torch.compile fails (no C++ compiler, a backend it lacks)
         training goes on eagerly, with a log line: the same computation, slower."""
         if not self.cfg.compile or self.done():
@@ -415,9 +415,13 @@ class Trainer:
                 "      compiling the draft's training step (torch.compile: minutes the first time on this machine)")
         t0, ok = time.time(), True
         compile_draft(self.model)
+        tb = self.source.batch(self.state["step"], self.rows())
         try:
-            loss, _ = step_loss(self.model, self.target, self.source.batch(self.state["step"], self.rows()), self.cfg)
-            loss.backward()
+            # twice: the second pass recompiles the pieces whose guards the first one's side effects changed (the
+            # bf16 weight copies it kept); cold, that recompile took ~2 minutes of the first training step
+            for _ in range(2):
+                loss, _ = step_loss(self.model, self.target, tb, self.cfg)
+                loss.backward()
         except Exception as e:  # torch._dynamo / inductor errors: train eagerly instead
             uncompile_draft(self.model)
             ok = False
