@@ -57,20 +57,35 @@ def test_compiled_training_equals_eager_training(tmp_path, tiny, draft, one_thre
     assert (w1 - w0).abs().max() < 1e-4 * w0.abs().max()
 
 
-def test_a_failing_compile_trains_eagerly(tmp_path, tiny, monkeypatch, one_thread):
-    """torch.compile raising at the first call (no C++ compiler, an unsupported backend): the run logs it and
-    trains eagerly, bit for bit as a run without --compile; the log says "compiled": false."""
+def _raising_at_call(error):
     def broken(fn, **kw):
         def call(*a, **k):
-            raise RuntimeError("inductor: no working C++ compiler\nmore detail")
+            raise error
         return call
+    return broken
+
+
+def _raising_at_compile(fn, **kw):
+    raise RuntimeError("torch.compile is not supported on Python 3.15+")
+
+
+@pytest.mark.parametrize("broken,line", [
+    (_raising_at_call(RuntimeError("inductor: no working C++ compiler\nmore detail")),
+     "torch.compile failed here (RuntimeError: inductor: no working C++ compiler)"),
+    (_raising_at_call(AssertionError()), "torch.compile failed here (AssertionError: )"),
+    (_raising_at_compile, "torch.compile failed here (RuntimeError: torch.compile is not supported on Python 3.15+)")])
+def test_a_failing_compile_trains_eagerly(tmp_path, tiny, monkeypatch, one_thread, broken, line):
+    """torch.compile failing (at the first call: no C++ compiler; with an empty message; or refusing to compile at
+    all, as torch does on some interpreters): the run says so in one line, naming inductor's cache folder, and
+    trains eagerly, bit for bit as a run without --compile; the log says "compiled": false."""
     monkeypatch.setattr(torch, "compile", broken)
     data = RepeatingData()
     train_draft(tiny, data, tmp_path / "eager", config("spire", 4, 4), progress=False)
     lines = []
     train_draft(tiny, data, tmp_path / "run", dataclasses.replace(config("spire", 4, 4), compile=True),
                 progress=False, log=lines.append)
-    assert any("torch.compile failed here (RuntimeError: inductor: no working C++ compiler)" in m for m in lines)
+    failed = [m for m in lines if "torch.compile failed" in m]
+    assert len(failed) == 1 and line in failed[0] and "delete inductor's cache folder" in failed[0]
     events = [e for e in _log(tmp_path / "run") if e["event"] == "compile"]
     assert [e["compiled"] for e in events] == [False]
     assert _losses(tmp_path / "run") == _losses(tmp_path / "eager")

@@ -318,7 +318,8 @@ def train(
     = None,
     compile_step: Annotated[Optional[bool], _OPT("--compile/--no-compile", help="The draft's training forward and "
                                                  "backward through torch.compile: the same computation, fused "
-                                                 "(compiling takes minutes the first time on a machine) [off].")]
+                                                 "(compiling takes minutes the first time on a machine) [off; a "
+                                                 "resumed run: its own].")]
     = None,
     seed: Annotated[int, _OPT(help="Seed of batches and initialization.")] = defaults.SEED,
     checkpoint_every: Annotated[float, _OPT(help="Seconds between checkpoints.")] = defaults.CHECKPOINT_EVERY_S,
@@ -437,7 +438,8 @@ def reproduce(
     compile_step: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="Every draft's training "
                                                          "step through torch.compile (the same computation, "
                                                          "fused; minutes of compiling the first time on a "
-                                                         "machine, outside the training budgets) [on].")] = None,
+                                                         "machine, outside the training budgets) [on; off with "
+                                                         "--quick].")] = None,
     seed: Annotated[int, typer.Option(help="Seed for data windows, training and sampling.")] = 0,
 ) -> None:
     """The main job: data, SPIRe + vanilla (+ ablation) training, τ tables, cost model, REPORT.md."""

@@ -77,8 +77,8 @@ def build_config(args: TrainRunArgs) -> TrainConfig:
 
 
 def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None) -> TrainConfig:
-    """The TrainConfig of the run saved in ``out``, with new limits (budget_s, max_steps, checkpoint_every,
-    eval_every) applied. Raises CheckpointError when there is nothing to resume, ConfigError when ``args``
+    """The TrainConfig of the run saved in ``out``, with new limits (:data:`RESUME_LIMITS`: budget_s, max_steps,
+    checkpoint_every, eval_every, compile) applied. Raises CheckpointError when there is nothing to resume, ConfigError when ``args``
     give settings other than the limits that differ from the saved run's (a resume keeps its settings)."""
     state = load_state(out)
     if state is None:

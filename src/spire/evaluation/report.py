@@ -274,7 +274,7 @@ def _training_lines(results: dict, cfg) -> list[str]:
         f"{tr['lr']}, warmup then cosine, batches of {tr['batch_size']} × {tr['seq_len']} tokens, bf16 autocast "
         f"{'on' if tr['bf16'] else 'off'}"
         + (f", torch.compile on (compiling took {tr['compile_s']:.0f} s, outside the budget)" if tr.get("compile_s")
-           else "")
+           is not None else "")
         + (f", data parallel in {tr['processes']} processes × {tr['threads_per_process']} thread(s)"
            if tr.get("processes", 1) > 1 else "")
         + f". α = E[Σ min(p, q)] on {cfg.alpha_windows} held-out windows." + shares,

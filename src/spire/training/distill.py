@@ -230,6 +230,15 @@ def compile_draft(model: TrainableDraft) -> None:
     model.train_logits = train_logits
 
 
+def _inductor_cache() -> str:
+    """Where torch.compile's inductor keeps compiled code (TORCHINDUCTOR_CACHE_DIR, else /tmp/torchinductor_<user>)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        return cache_dir()
+    except Exception:  # a torch without it: the documented default
+        return "$TORCHINDUCTOR_CACHE_DIR or /tmp/torchinductor_<user>"
+
+
 def uncompile_draft(model: TrainableDraft) -> None:
     """Undo :func:`compile_draft` (nothing when the model was not compiled)."""
     model.__dict__.pop("train_logits", None)
@@ -405,8 +414,10 @@ class Trainer:
     def warm_up(self) -> None:
         """With cfg.compile: compile the draft's training step (:func:`compile_draft`) on this process's rows of the
         next batch, two forwards and backwards whose gradients are dropped, before the training clock starts; its
-        seconds go to the log (a "compile" event). Where torch.compile fails (no C++ compiler, a backend it lacks)
-        training goes on eagerly, with a log line: the same computation, slower."""
+        seconds go to the log (a "compile" event; "compiled" false when any process trains eagerly). Where
+        torch.compile fails (no C++ compiler, a backend it lacks, an interpreter it refuses) training goes on
+        eagerly, with a log line: the same computation, slower. Under data parallelism the processes wait for each
+        other here, so no compile falls into the first step's time."""
         if not self.cfg.compile or self.done():
             return
         show = self.log if self.rank == 0 else None
@@ -414,9 +425,9 @@ class Trainer:
             (self.bar.write if self.bar is not None else show)(
                 "      compiling the draft's training step (torch.compile: minutes the first time on this machine)")
         t0, ok = time.time(), True
-        compile_draft(self.model)
         tb = self.source.batch(self.state["step"], self.rows())
         try:
+            compile_draft(self.model)  # torch.compile itself refuses some interpreters
             # twice: the second pass recompiles the pieces whose guards the first one's side effects changed (the
             # bf16 weight copies it kept); cold, that recompile took ~2 minutes of the first training step
             for _ in range(2):
@@ -426,11 +437,16 @@ class Trainer:
             uncompile_draft(self.model)
             ok = False
             if show is not None:
-                show(f"      torch.compile failed here ({type(e).__name__}: {str(e).strip().splitlines()[0][:200]}); "
-                     "training without it")
+                first = (str(e).strip().splitlines() or [""])[0][:200]
+                show(f"      torch.compile failed here ({type(e).__name__}: {first}); training without it (after an "
+                     f"interrupted compile, delete inductor's cache folder: {_inductor_cache()})")
         finally:
             for p in self.params:
                 p.grad = None
+        if self.dist is not None:  # every process compiled (or not) before the clock starts; the log says if all did
+            flag = torch.tensor([float(ok)])
+            self.dist.all_reduce(flag, op=self.dist.ReduceOp.MIN)
+            ok = bool(flag.item())
         self.write_log({"event": "compile", "step": self.state["step"], "seconds": round(time.time() - t0, 1),
                         "compiled": ok})
 
