@@ -12,6 +12,7 @@ import torch
 from spire.training import distill
 from spire.training.distill import train_draft
 from tests.test_target_cache import TokenLikeData
+from tests.test_trainer import one_thread  # noqa: F401  (the fixture)
 from tests.train_worker import RepeatingData, config
 
 
@@ -21,14 +22,6 @@ def _log(run):
 
 def _losses(run):
     return [e["loss"] for e in _log(run) if e["event"] == "train"]
-
-
-@pytest.fixture
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("draft", ["spire", "vanilla"])
