@@ -17,11 +17,11 @@ from spire.data import document_separator_id, prepare_data, prepare_text_files
 from spire.drafts.spire import SpireConfig
 from spire.errors import CheckpointError, ConfigError
 from spire.loading import load_target
-from spire.training.distill import ABLATIONS, TrainConfig, ablation_config, init_distributed, load_state, train_draft
+from spire.training.distill import (ABLATIONS, RESUME_SETTINGS, TrainConfig, ablation_config, init_distributed,
+                                    load_state, train_draft)
 
-RESUME_LIMITS = ("budget_s", "max_steps", "checkpoint_every", "eval_every", "compile")
-"""The settings a resumed run takes anew (every other one is the saved run's; compile changes how a step runs,
-not what it computes)."""
+RESUME_LIMITS = RESUME_SETTINGS
+"""The settings a resumed run takes anew (every other one is the saved run's)."""
 COMMAND_DEFAULTS = {"eval_every": defaults.EVAL_EVERY}
 """Where `spire train` differs from TrainConfig's defaults: it logs a held-out learning curve."""
 DEVICES = ("auto", "cpu", "cuda")
@@ -78,8 +78,9 @@ def build_config(args: TrainRunArgs) -> TrainConfig:
 
 def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None) -> TrainConfig:
     """The TrainConfig of the run saved in ``out``, with new limits (:data:`RESUME_LIMITS`: budget_s, max_steps,
-    checkpoint_every, eval_every, compile) applied. Raises CheckpointError when there is nothing to resume, ConfigError when ``args``
-    give settings other than the limits that differ from the saved run's (a resume keeps its settings)."""
+    checkpoint_every, eval_every, compile) applied. Raises CheckpointError when there is nothing to resume,
+    ConfigError when ``args`` give settings other than the limits that differ from the saved run's (a resume keeps
+    its settings)."""
     state = load_state(out)
     if state is None:
         raise CheckpointError(f"nothing to resume: {out} holds no checkpoint")

@@ -314,14 +314,17 @@ def init_distributed() -> tuple[int, int]:
     return rank, world
 
 
+RESUME_SETTINGS = ("budget_s", "max_steps", "checkpoint_every", "eval_every", "compile")
+"""TrainConfig fields a resumed run may take anew: its limits, and how a step runs (compile), not what it computes.
+Every other field must equal the saved run's."""
+
+
 def _check_saved_config(out_dir: Path, state: dict, cfg_dict: dict) -> None:
-    """Raise ConfigError when the run saved in out_dir has other settings than ``cfg_dict`` (the limits
-    budget_s, max_steps, checkpoint_every and eval_every may change; a field added since the run was saved
-    reads as its default; compile may change too: it does not change what is computed)."""
-    budget_keys = ("budget_s", "max_steps", "checkpoint_every", "eval_every", "compile")
+    """Raise ConfigError when the run saved in out_dir has other settings than ``cfg_dict`` (those of
+    :data:`RESUME_SETTINGS` may change; a field added since the run was saved reads as its default)."""
     defaults = json.loads(json.dumps(TrainConfig().to_dict()))
-    saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in budget_keys}
-    now = {k: v for k, v in cfg_dict.items() if k not in budget_keys}
+    saved = {k: v for k, v in {**defaults, **state["config"]}.items() if k not in RESUME_SETTINGS}
+    now = {k: v for k, v in cfg_dict.items() if k not in RESUME_SETTINGS}
     if saved != now:
         diff = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         raise ConfigError(f"{out_dir} holds a run with other settings ({', '.join(diff)}); use another --out "
@@ -444,7 +447,7 @@ class Trainer:
             for p in self.params:
                 p.grad = None
         if self.dist is not None:  # every process compiled (or not) before the clock starts; the log says if all did
-            flag = torch.tensor([float(ok)])
+            flag = torch.tensor([float(ok)], device=self.target.device)
             self.dist.all_reduce(flag, op=self.dist.ReduceOp.MIN)
             ok = bool(flag.item())
         self.write_log({"event": "compile", "step": self.state["step"], "seconds": round(time.time() - t0, 1),
