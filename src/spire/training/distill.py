@@ -517,7 +517,7 @@ class Trainer:
         loss, alpha = step_loss(self.model, self.target, tb, cfg, parts)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        stats = torch.tensor([loss.item(), alpha, parts.get("hidden", 0.0)])
+        stats = torch.tensor([loss.item(), alpha, parts.get("hidden", 0.0)], device=self.target.device)  # NCCL: CUDA
         if dist is not None:  # average gradients (and the logged values) over the processes
             grads = [p.grad for p in self.params if p.grad is not None]
             flat = torch.cat([g.flatten() for g in grads])
@@ -551,7 +551,7 @@ class Trainer:
         loss_value, alpha, grad_norm = self._update(lr, tb)
         dt = time.time() - t0
         if self.dist is not None:  # every process stops at the same step: rank 0's clock decides
-            t = torch.tensor([dt])
+            t = torch.tensor([dt], dtype=torch.float64, device=self.target.device)
             self.dist.broadcast(t, 0)
             dt = float(t)
         state["step"] += 1
