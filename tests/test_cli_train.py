@@ -248,3 +248,26 @@ def test_compile_option_and_a_resume_that_changes_it(tiny_folder, text_file, tmp
            "--device", "cpu", "--max-steps", "4", "--no-compile"])
     state = json.loads((run_dir / "checkpoint" / "train_state.json").read_text())
     assert state["step"] == 4 and state["config"]["compile"] is False and len(compiled) == 1
+
+
+def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp_path, capsys, monkeypatch):
+    """--out naming a file, --device cuda without CUDA, a --seq-len past the target's positions (the tiny target
+    has 512) and negative --eval-windows: each one error line and a non-zero exit (they crashed with a traceback or
+    trained), nothing written; the file given as --out is left as it was."""
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    cases = [(["--out", str(afile)], "is a file, not a run folder"),
+             (["--seq-len", "1024"], "--seq-len 1024 exceeds the target's 512 positions"),
+             (["--eval-windows", "-1"], "--eval-windows must be >= 0, got -1"),
+             (["--batch-size", "0"], "got k=4, batch size 0, seq_len 16")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "sees no CUDA device"))
+    for bad, needle in cases:
+        out = tmp_path / f"bad{len(needle)}"
+        with pytest.raises(SystemExit) as e:
+            main(_train_args(tiny_folder, text_file, out) + bad)
+        err = capsys.readouterr().err
+        assert e.value.code and needle in err and len(err.strip().splitlines()) == 1, err
+        assert "Traceback" not in err and not out.exists()
+    assert afile.read_text() == "keep me"

@@ -295,7 +295,7 @@ def train(
     out: Annotated[Optional[Path], _OPT(help="Run folder [default: spire-runs/<draft>[-<ablation>]].")] = None,
     resume: Annotated[bool, _OPT("--resume", help="Continue the run in --out exactly where it stopped, with its "
                                                   "saved settings (only --budget, --max-steps, --checkpoint-every, "
-                                                  "--eval-every and --compile apply).")] = False,
+                                                  "--eval-every, --eval-windows and --compile apply).")] = False,
     ablation: Annotated[str, _OPT(help="Paper Figure 5 ablation: none, no-feedback, no-feedback-no-target, omega1, "
                                        "hard-loss, random-init, full-kv.")] = "none",
     budget: Annotated[Optional[float], _OPT(help=f"Training seconds (evaluation excluded) "

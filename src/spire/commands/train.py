@@ -121,6 +121,8 @@ def resolve_device(device: str, world: int) -> str:
     """auto -> cuda when present, else cpu; under torchrun on CUDA, this process's GPU."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device cuda, but this torch ({torch.__version__}) sees no CUDA device: use --device cpu")
     if device == "cuda" and world > 1:
         device = f"cuda:{torch.cuda.current_device()}"
     return device
@@ -131,6 +133,10 @@ def run(args: TrainRunArgs, log=print) -> dict:
     if args.device not in DEVICES:
         raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
     out = args.out or default_out(args)
+    if Path(out).exists() and not Path(out).is_dir():
+        raise ConfigError(f"--out {out} is a file, not a run folder: choose another --out")
+    if args.eval_windows is not None and args.eval_windows < 0:
+        raise ConfigError(f"--eval-windows must be >= 0, got {args.eval_windows}")
     cfg = saved_config(out, args.resume_limits(), args) if args.resume else build_config(args)
     if args.eval_windows is None:
         state = load_state(out) if args.resume else None
@@ -138,6 +144,8 @@ def run(args: TrainRunArgs, log=print) -> dict:
     rank, world = init_distributed()
     device = resolve_device(args.device, world)
     target, tokenizer, folder = load_target(args.target, device=device, progress=rank == 0)
+    if cfg.seq_len > target.cfg.max_positions:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the target's {target.cfg.max_positions} positions")
     data = load_data(args.data, tokenizer, progress=rank == 0)
     cfg.data = data.manifest.get("key")
     heldout = heldout_windows(data, cfg.seq_len, args.eval_windows)

@@ -140,7 +140,8 @@ class TrainConfig:
         if self.max_steps is not None and self.max_steps < 1:
             raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
         if self.k < 1 or self.batch_size < 1 or self.seq_len < 2:
-            raise ConfigError("k and batch size must be >= 1 and seq_len >= 2")
+            raise ConfigError(f"k and batch size must be >= 1 and seq_len >= 2, got k={self.k}, batch size "
+                              f"{self.batch_size}, seq_len {self.seq_len}")
         if self.seq_len % self.k:
             raise ConfigError(f"seq_len {self.seq_len} must be a multiple of k={self.k}")
         if not 0 <= self.omega <= 1:
