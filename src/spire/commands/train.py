@@ -20,8 +20,6 @@ from spire.loading import load_target
 from spire.training.distill import (ABLATIONS, RESUME_SETTINGS, TrainConfig, ablation_config, init_distributed,
                                     load_state, train_draft)
 
-RESUME_LIMITS = RESUME_SETTINGS
-"""The settings a resumed run takes anew (every other one is the saved run's)."""
 COMMAND_DEFAULTS = {"eval_every": defaults.EVAL_EVERY}
 """Where `spire train` differs from TrainConfig's defaults: it logs a held-out learning curve."""
 DEVICES = ("auto", "cpu", "cuda")
@@ -32,7 +30,7 @@ class TrainRunArgs:
     """What `spire train` was asked for. ``data``: "registry" (the registry texts of `spire data`) or paths of
     text files / folders. ``spire_overrides``: SpireConfig fields given explicitly (they win over --ablation).
     ``train_overrides``: TrainConfig fields given explicitly (:data:`COMMAND_DEFAULTS` fill the others first).
-    With ``resume`` only the :data:`RESUME_LIMITS` of ``train_overrides`` apply."""
+    With ``resume`` only the :data:`spire.training.distill.RESUME_SETTINGS` of ``train_overrides`` apply."""
 
     draft: str = "spire"
     target: str = "smollm2-135m"
@@ -52,7 +50,7 @@ class TrainRunArgs:
 
     def resume_limits(self) -> dict:
         """The new limits of a resumed run: those given (the others stay the run's own)."""
-        return {k: v for k, v in self.train_overrides.items() if k in RESUME_LIMITS}
+        return {k: v for k, v in self.train_overrides.items() if k in RESUME_SETTINGS}
 
 
 def default_out(args: TrainRunArgs) -> Path:
@@ -77,17 +75,16 @@ def build_config(args: TrainRunArgs) -> TrainConfig:
 
 
 def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None) -> TrainConfig:
-    """The TrainConfig of the run saved in ``out``, with new limits (:data:`RESUME_LIMITS`: budget_s, max_steps,
-    checkpoint_every, eval_every, compile) applied. Raises CheckpointError when there is nothing to resume,
-    ConfigError when ``args`` give settings other than the limits that differ from the saved run's (a resume keeps
-    its settings)."""
+    """The TrainConfig of the run saved in ``out``, with new limits (:data:`spire.training.distill.RESUME_SETTINGS`)
+    applied. Raises CheckpointError when there is nothing to resume, ConfigError when ``args`` give settings other
+    than the limits that differ from the saved run's (a resume keeps its settings)."""
     state = load_state(out)
     if state is None:
         raise CheckpointError(f"nothing to resume: {out} holds no checkpoint")
     saved = dict(state["config"])
     if args is not None:
         changed = sorted(k for k, v in args.train_overrides.items()
-                         if k not in RESUME_LIMITS and saved.get(k, getattr(TrainConfig(), k, None)) != v)
+                         if k not in RESUME_SETTINGS and saved.get(k, getattr(TrainConfig(), k, None)) != v)
         changed += [name for name in ("draft", "ablation")
                     if name in args.given and getattr(args, name) != saved.get(name, getattr(TrainConfig(), name))]
         changed += sorted(f"spire.{k}" for k, v in args.spire_overrides.items()
