@@ -253,14 +253,19 @@ def test_compile_option_and_a_resume_that_changes_it(tiny_folder, text_file, tmp
 def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp_path, capsys, monkeypatch):
     """--out naming a file, --device cuda without CUDA, a --seq-len past the target's positions (the tiny target
     has 512) and negative --eval-windows: each one error line and a non-zero exit (they crashed with a traceback or
-    trained), nothing written; the file given as --out is left as it was."""
+    trained), SPIRe options with --draft vanilla name themselves, draft layers, vocabulary and vanilla layers that the target cannot hold are refused before the banner, nothing written; the file given as --out is left as it was."""
     monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
     afile = tmp_path / "afile"
     afile.write_text("keep me")
     cases = [(["--out", str(afile)], "is a file, not a run folder"),
              (["--seq-len", "1024"], "--seq-len 1024 exceeds the target's 512 positions"),
              (["--eval-windows", "-1"], "--eval-windows must be >= 0, got -1"),
-             (["--batch-size", "0"], "got k=4, batch size 0, seq_len 16")]
+             (["--batch-size", "0"], "got k=4, batch size 0, seq_len 16"),
+             (["--draft", "vanilla", "--full-kv", "--no-feedback-memory", "--vocab-size", "64"],
+              "--n-draft-layers, --full-kv, --vocab-size, --no-feedback-memory: SPIRe options, for --draft spire only"),
+             (["--draft", "vanilla", "--ablation", "omega1"], "--ablation omega1 applies to --draft spire only"),
+             (["--layers", "0,99"], "draft layers must be distinct target layers in [0, "),
+             (["--vocab-size", "10000000"], "the draft vocabulary (10000000) is larger than the target's")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "sees no CUDA device"))
     for bad, needle in cases:
@@ -271,3 +276,11 @@ def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp
         assert e.value.code and needle in err and len(err.strip().splitlines()) == 1, err
         assert "Traceback" not in err and not out.exists()
     assert afile.read_text() == "keep me"
+    vanilla = _train_args(tiny_folder, text_file, tmp_path / "v0")
+    for spire_only in ("--n-draft-layers", "--window"):
+        i = vanilla.index(spire_only)
+        del vanilla[i: i + 2]
+    with pytest.raises(SystemExit) as e:
+        main(vanilla + ["--draft", "vanilla", "--vanilla-layers", "0"])
+    err = capsys.readouterr().err
+    assert e.value.code and err.strip() == "error: the vanilla draft needs at least one layer, got 0", err

@@ -15,6 +15,7 @@ import torch
 from spire import defaults
 from spire.data import document_separator_id, prepare_data, prepare_text_files
 from spire.drafts.spire import SpireConfig
+from spire.drafts.vanilla import vanilla_config
 from spire.errors import CheckpointError, ConfigError
 from spire.loading import load_target
 from spire.training.distill import (ABLATIONS, RESUME_SETTINGS, TrainConfig, ablation_config, init_distributed,
@@ -59,12 +60,27 @@ def default_out(args: TrainRunArgs) -> Path:
     return Path("spire-runs") / name
 
 
+NEGATED_OPTIONS = {"feedback_memory": "--no-feedback-memory", "target_activations": "--no-target-activations",
+                   "self_attend": "--no-self-attend"}
+"""SpireConfig fields that `spire train` sets to False by a flag of another name."""
+
+
+def spire_option(field_name: str, value) -> str:
+    """The `spire train` option that set SpireConfig field ``field_name`` to ``value`` (for error messages)."""
+    if field_name == "window" and value is None:
+        return "--full-kv"
+    return NEGATED_OPTIONS.get(field_name, "--" + field_name.replace("_", "-"))
+
+
 def build_config(args: TrainRunArgs) -> TrainConfig:
     """The run's TrainConfig: the ablation's settings, then the explicit options. Raises ConfigError."""
     if args.ablation not in ABLATIONS:
         raise ConfigError(f"unknown ablation {args.ablation!r}; choose one of {', '.join(ABLATIONS)}")
-    if args.draft == "vanilla" and (args.ablation != "none" or args.spire_overrides):
-        raise ConfigError("ablation and SPIRe options apply to --draft spire only")
+    if args.draft == "vanilla" and args.ablation != "none":
+        raise ConfigError(f"--ablation {args.ablation} applies to --draft spire only")
+    if args.draft == "vanilla" and args.spire_overrides:
+        raise ConfigError(f"{', '.join(spire_option(k, v) for k, v in args.spire_overrides.items())}: SPIRe options, "
+                          "for --draft spire only")
     if args.draft == "spire":
         cfg = ablation_config(args.ablation, **args.settings())
         cfg.spire = SpireConfig(**{**cfg.spire.to_dict(), **args.spire_overrides})
@@ -143,6 +159,10 @@ def run(args: TrainRunArgs, log=print) -> dict:
     target, tokenizer, folder = load_target(args.target, device=device, progress=rank == 0)
     if cfg.seq_len > target.cfg.max_positions:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the target's {target.cfg.max_positions} positions")
+    if cfg.draft == "spire":  # what the target decides, refused before the banner and the data
+        cfg.spire.validate(target.cfg.n_layers, target.cfg.vocab_size)
+    else:
+        vanilla_config(target, cfg.vanilla_layers)
     data = load_data(args.data, tokenizer, progress=rank == 0)
     cfg.data = data.manifest.get("key")
     heldout = heldout_windows(data, cfg.seq_len, args.eval_windows)

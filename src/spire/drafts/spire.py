@@ -97,8 +97,9 @@ class SpireConfig:
             self.layers = tuple(int(j) for j in self.layers)
             self.n_draft_layers = len(self.layers)
 
-    def validate(self, n_target_layers: int) -> None:
-        """Raise ConfigError for settings that cannot be built for a target of n_target_layers layers."""
+    def validate(self, n_target_layers: int, target_vocab_size: int | None = None) -> None:
+        """Raise ConfigError for settings that cannot be built for a target of n_target_layers layers (and, when
+        given, a vocabulary of target_vocab_size tokens)."""
         n_t = n_target_layers
         if not 1 <= self.n_draft_layers <= n_t:
             raise ConfigError(f"n_draft_layers must be in [1, {n_t}], got {self.n_draft_layers}")
@@ -126,6 +127,9 @@ class SpireConfig:
                               f"{self.feature_from}")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ConfigError(f"the draft vocabulary must hold at least 1 token, got {self.vocab_size}")
+        if self.vocab_size is not None and target_vocab_size is not None and self.vocab_size > target_vocab_size:
+            raise ConfigError(f"the draft vocabulary ({self.vocab_size}) is larger than the target's "
+                              f"({target_vocab_size})")
 
     def source_layers(self, n_target_layers: int) -> tuple[int, ...]:
         """Target layer j of each draft layer i."""
@@ -238,11 +242,9 @@ class SpireDraftModel(nn.Module):
         Raises ConfigError for settings that cannot be built for ``target`` or a malformed ``vocab``."""
         super().__init__()
         cfg = SpireConfig() if cfg is None else cfg
-        cfg.validate(target.cfg.n_layers)
         V = target.cfg.vocab_size
+        cfg.validate(target.cfg.n_layers, V)
         if cfg.vocab_size is not None:
-            if cfg.vocab_size > V:
-                raise ConfigError(f"the draft vocabulary ({cfg.vocab_size}) is larger than the target's ({V})")
             ids = torch.arange(cfg.vocab_size) if vocab is None else torch.as_tensor(vocab).to(torch.int64).cpu()
             if ids.shape != (cfg.vocab_size,) or len(ids.unique()) != len(ids) or bool((ids < 0).any() | (ids >= V).any()):
                 raise ConfigError(f"a draft vocabulary must be {cfg.vocab_size} distinct token ids in [0, {V}), got "
