@@ -335,42 +335,10 @@ def _ablation_lines(results: dict, cfg) -> list[str]:
     return lines
 
 
-def _markdown(results: dict, cfg) -> str:
-    env, tm = results["environment"], results["timings"]
-    measured = [d for d in MEASURED if _tau_of(results, d, cfg.temperatures[0]) is not None]
+def _throughput_lines(results: dict, cfg, measured: list[str]) -> list[str]:
+    """REPORT.md's modeled-throughput section: the multiplier against L at B = 64, the best option per (B, L) and
+    the goal check, for each temperature's τ."""
     lines = [
-        f"# spire reproduce: SPIRe vs MagicDec vs vanilla on {results['target']['name']}",
-        "",
-        f"Target `{results['target']['checkpoint']}`{' (--quick: smoke-test settings, not a measurement)' if cfg.quick else ''}. "
-        f"Wall time {tm['total_s'] / 60:.1f} min on {env['processor']} ({env['threads']} "
-        f"thread{'s' if env['threads'] != 1 else ''}, torch {env['torch']}, {env['device']})."
-        + _reuse_note(results),
-        "",
-        "## τ (average tokens per round, bonus included)",
-        "",
-        f"{cfg.n_contexts} held-out contexts of L = {cfg.L} tokens (documents never seen in training), "
-        f"G = {cfg.G} generated tokens each, k = {cfg.k}; 95 % bootstrap CI over contexts. Float32.",
-        "",
-        "| draft | " + " | ".join(f"τ at T = {t:g}" for t in cfg.temperatures) + " | paper (67M, L = 512) |",
-        "|---|" + "---|" * (len(cfg.temperatures) + 1),
-    ]
-    for d in measured:
-        lines.append(f"| {d} | " + " | ".join(_fmt_tau(_tau_of(results, d, t)) for t in cfg.temperatures)
-                     + f" | {PAPER_TAU[d]:.3f} |")
-    if results.get("tau_vs_L"):
-        Ls = sorted({r["L"] for r in results["tau_vs_L"]})
-        lines += ["", "## τ against context length (greedy)", "",
-                  f"{cfg.tau_L_contexts} held-out contexts per L, cut from documents at least L + G tokens long. The "
-                  "paper measured up to L = 960 and assumed τ flat beyond.", "",
-                  "| draft | " + " | ".join(f"L = {x}" for x in Ls) + " |", "|---|" + "---|" * len(Ls)]
-        for d in MEASURED:
-            by_L = {r["L"]: r for r in results["tau_vs_L"] if r["draft"] == d}
-            if by_L:
-                lines.append(f"| {d} | " + " | ".join(_fmt_tau(by_L.get(x)) for x in Ls) + " |")
-        lines += [""] + _flatness_lines(results["tau_vs_L"])
-    lines += ["", "## Draft training", ""] + _training_lines(results, cfg)
-    lines += ["## Ablations (paper Figure 5)", ""] + _ablation_lines(results, cfg)
-    lines += [
         "## Modeled throughput (the paper's cost model, HOI 600, max)",
         "",
         f"Multiplier τ/Δt over autoregressive decoding for {results['target']['name']} shapes with the τ measured "
@@ -409,6 +377,45 @@ def _markdown(results: dict, cfg) -> str:
                           f"{g['spire_vs_magicdec']:.2f}× MagicDec's{ci_txt}{vs_v} (paper's claim: ≥ 1.35× and ≥ 2×); "
                           f"SPIRe is the best option in {100 * g['spire_best_share']:.0f} % of the grid. "
                           f"1.35× MagicDec would need SPIRe τ ≈ {g['tau_needed']:.2f}{need_a}.", ""]
+    return lines
+
+
+def _markdown(results: dict, cfg) -> str:
+    env, tm = results["environment"], results["timings"]
+    measured = [d for d in MEASURED if _tau_of(results, d, cfg.temperatures[0]) is not None]
+    lines = [
+        f"# spire reproduce: SPIRe vs MagicDec vs vanilla on {results['target']['name']}",
+        "",
+        f"Target `{results['target']['checkpoint']}`{' (--quick: smoke-test settings, not a measurement)' if cfg.quick else ''}. "
+        f"Wall time {tm['total_s'] / 60:.1f} min on {env['processor']} ({env['threads']} "
+        f"thread{'s' if env['threads'] != 1 else ''}, torch {env['torch']}, {env['device']})."
+        + _reuse_note(results),
+        "",
+        "## τ (average tokens per round, bonus included)",
+        "",
+        f"{cfg.n_contexts} held-out contexts of L = {cfg.L} tokens (documents never seen in training), "
+        f"G = {cfg.G} generated tokens each, k = {cfg.k}; 95 % bootstrap CI over contexts. Float32.",
+        "",
+        "| draft | " + " | ".join(f"τ at T = {t:g}" for t in cfg.temperatures) + " | paper (67M, L = 512) |",
+        "|---|" + "---|" * (len(cfg.temperatures) + 1),
+    ]
+    for d in measured:
+        lines.append(f"| {d} | " + " | ".join(_fmt_tau(_tau_of(results, d, t)) for t in cfg.temperatures)
+                     + f" | {PAPER_TAU[d]:.3f} |")
+    if results.get("tau_vs_L"):
+        Ls = sorted({r["L"] for r in results["tau_vs_L"]})
+        lines += ["", "## τ against context length (greedy)", "",
+                  f"{cfg.tau_L_contexts} held-out contexts per L, cut from documents at least L + G tokens long. The "
+                  "paper measured up to L = 960 and assumed τ flat beyond.", "",
+                  "| draft | " + " | ".join(f"L = {x}" for x in Ls) + " |", "|---|" + "---|" * len(Ls)]
+        for d in MEASURED:
+            by_L = {r["L"]: r for r in results["tau_vs_L"] if r["draft"] == d}
+            if by_L:
+                lines.append(f"| {d} | " + " | ".join(_fmt_tau(by_L.get(x)) for x in Ls) + " |")
+        lines += [""] + _flatness_lines(results["tau_vs_L"])
+    lines += ["", "## Draft training", ""] + _training_lines(results, cfg)
+    lines += ["## Ablations (paper Figure 5)", ""] + _ablation_lines(results, cfg)
+    lines += _throughput_lines(results, cfg, measured)
     headline = {r["draft"]: r["multiplier"] for r in results["throughput"]["paper_67m"]
                 if r["L"] == 512 and r["B"] == 64}
     lines += [
