@@ -5,6 +5,9 @@ The run (`spire reproduce --steps 100 --ablations all --ablation-steps 100 --cac
 it cached, keyed exactly as the job keys them, and the ablations' training states, and adds the paired ones.
 
     SPIRE_CACHE=... python measurements/ablations-cpu-100steps/summarize.py > measurements/ablations-cpu-100steps/ABLATIONS_T0.md   # 1: T = 1
+
+A second argument gives the steps of a run made the same way with other step counts (`--steps N --ablation-steps N
+--cache-steps N`; vanilla N / 2), e.g. `... summarize.py 0 300` for `measurements/ablations-cpu-300steps/`.
 """
 
 import json
@@ -21,7 +24,8 @@ from spire.data import document_separator_id, prepare_data
 from spire.training.distill import ABLATIONS
 
 T = float(sys.argv[1]) if len(sys.argv) > 1 else 0.0
-cfg = ReproduceConfig(steps=100, ablations=tuple(ABLATIONS), ablation_steps=100, cache_steps=100, tau_Ls=(512,),
+STEPS = int(sys.argv[2]) if len(sys.argv) > 2 else 100
+cfg = ReproduceConfig(steps=STEPS, ablations=tuple(ABLATIONS), ablation_steps=STEPS, cache_steps=STEPS, tau_Ls=(512,),
                       tau_L_contexts=4, n_contexts=32)
 target, tok, folder = load_target(progress=False)
 data = prepare_data(tok, eos_id=document_separator_id(tok), progress=False)
@@ -32,7 +36,7 @@ for label, tc in runs:
     if label == "spire-none":  # the same settings as spire: trained and measured once
         continue
     if label == "vanilla":
-        tc.max_steps = 50  # as the job set it: half of SPIRe's tokens
+        tc.max_steps = STEPS // 2  # as the job set it: half of SPIRe's tokens
     run_dir = _draft_dir(cfg, tc, folder, label)
     state = json.loads((run_dir / "checkpoint" / "train_state.json").read_text())
     key = _tau_key(folder, {"run_dir": str(run_dir), "step": state["step"]}, ctx, cfg, T, _tau_batch(cfg, cfg.L))
@@ -40,7 +44,7 @@ for label, tc in runs:
     rows[label] = (row, state)
 md = _tau_cache_get(_tau_key(folder, {"magicdec": [cfg.sink, cfg.window]}, ctx, cfg, T, _tau_batch(cfg, cfg.L)))
 full = rows["spire"][0]
-print(f"# Figure 5 ablations on SmolLM2-135M, 100 steps each (102 K tokens), τ at T = {T:g}, L = 512, "
+print(f"# Figure 5 ablations on SmolLM2-135M, {STEPS} steps each ({STEPS * 1024 / 1000:.0f} K tokens), τ at T = {T:g}, L = 512, "
       f"{cfg.n_contexts} held-out contexts, G = 64, k = 4\n")
 print("| draft | held-out α by drafted position | τ [95 % CI] | τ / full SPIRe, paired 95 % CI | paper τ |")
 print("|---|---|---|---|---|")
