@@ -99,3 +99,21 @@ def test_bad_input_is_one_error_line(capsys, args, match):
 def test_usage_error_exits_non_zero(capsys):
     code, _, err = run(capsys, "--combine", "avg")
     assert code != 0 and "Traceback" not in err
+
+
+def test_zero_is_not_unset_and_outputs_are_checked_first(capsys, tmp_path):
+    """--spire-layers 0 and --bytes-per-value 0 are refused (they read as "not given" and printed the defaults);
+    a --plot under a file, or --out naming a file, is refused before any work, in one line."""
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    cases = [(["throughput", "--spire-layers", "0", "-B", "1", "-L", "512"], "--spire-layers must be in [1, "),
+             (["throughput", "--bytes-per-value", "0", "-B", "1", "-L", "512"], "--bytes-per-value must be positive"),
+             (["throughput", "--plot", str(afile / "x.png"), "-B", "1", "-L", "512"], f"{afile} is a file, not a folder"),
+             (["throughput-figures", "--out", str(afile)], "is a file, not a folder"),
+             (["bench", "--quick", "--out", str(afile)], "is a file, not a folder")]
+    for argv, needle in cases:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert afile.read_text() == "keep"

@@ -199,6 +199,43 @@ def test_resume_keeps_the_run_settings_and_refuses_changed_ones(tiny_folder, tex
         assert (root / "resumed" / "checkpoint" / "train_state.json").read_bytes() == before
 
 
+def test_resume_on_other_text_and_damaged_checkpoints_are_one_error(tiny_folder, text_file, trained, tmp_path,
+                                                                     capsys):
+    """A resume given other text than the run's is told to give the run's own --data (it said "use another --out
+    or delete it"); a damaged train_state.json or a checkpoint without optimizer.pt is a CheckpointError line,
+    not a traceback; a new run into the run's folder is refused in one line; the run folder is left as it was."""
+    import shutil
+
+    root, _ = trained
+    other = tmp_path / "other"
+    other.mkdir()
+    for n in range(8):  # other text, enough documents to split into training and held-out text
+        (other / f"o{n}.txt").write_text(" ".join(f"word{(i * 7 + n) % 50}" for i in range(1500)))
+    base = ["train", "--resume", "--target", str(tiny_folder), "--out"]
+    before = (root / "resumed" / "checkpoint" / "train_state.json").read_bytes()
+    with pytest.raises(SystemExit) as e:
+        main(base + [str(root / "resumed"), "--data", str(other), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert e.value.code and "was trained on other text than --data" in err and "own --data" in err, err
+    assert (root / "resumed" / "checkpoint" / "train_state.json").read_bytes() == before
+    with pytest.raises(SystemExit) as e:  # a new run into a run folder: one line, before the banner
+        main(_train_args(tiny_folder, text_file, root / "resumed"))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "already holds a run (step 3)" in err, err
+    assert (root / "resumed" / "checkpoint" / "train_state.json").read_bytes() == before
+    for damage, needle in (("state", "cannot read"), ("optimizer", "holds no optimizer.pt")):
+        run = tmp_path / damage
+        shutil.copytree(root / "resumed", run)
+        if damage == "state":
+            (run / "checkpoint" / "train_state.json").write_text("{bad json")
+        else:
+            (run / "checkpoint" / "optimizer.pt").unlink()
+        with pytest.raises(SystemExit) as e:
+            main(base + [str(run), "--data", str(text_file), "--device", "cpu"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and needle in err and "Traceback" not in err, err
+
+
 def test_hidden_loss_option(tiny_folder, text_file, tmp_path, capsys, monkeypatch):
     """`--hidden-loss W` reaches the run's saved settings (and its log); a draft with one layer has no layer
     input to match, and a negative weight is impossible: one error line each, non-zero exit, no run folder."""
@@ -257,7 +294,9 @@ def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp
     monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
     afile = tmp_path / "afile"
     afile.write_text("keep me")
-    cases = [(["--out", str(afile)], "is a file, not a run folder"),
+    cases = [(["--out", str(afile)], "is a file, not a folder"),
+             (["--out", str(afile / "sub")], f"{afile} is a file, not a folder"),
+             (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0, got 1, 0 and -1.0"),
              (["--seq-len", "1024"], "--seq-len 1024 exceeds the target's 512 positions"),
              (["--eval-windows", "-1"], "--eval-windows must be >= 0, got -1"),
              (["--batch-size", "0"], "got k=4, batch size 0, seq_len 16"),
@@ -283,4 +322,4 @@ def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp
     with pytest.raises(SystemExit) as e:
         main(vanilla + ["--draft", "vanilla", "--vanilla-layers", "0"])
     err = capsys.readouterr().err
-    assert e.value.code and err.strip() == "error: the vanilla draft needs at least one layer, got 0", err
+    assert e.value.code and err.strip() == "error: the vanilla draft needs 1 to 2 layers (the target's), got 0", err

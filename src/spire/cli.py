@@ -18,6 +18,7 @@ import typer
 
 from spire import defaults
 from spire.errors import ConfigError, SpireError
+from spire.paths import check_output_path
 
 app = typer.Typer(
     name="spire",
@@ -88,7 +89,9 @@ def throughput(
     preset: Annotated[str, _OPT(help="Model preset: paper-67m, llama3-70b (alias paper-70b) or smollm2-135m.")]
     = "paper-67m",
     B: Annotated[list[str], _OPT("-B", "--batch", metavar="INT[,INT...]", help=GRID_HELP)] = ["64"],
-    L: Annotated[list[str], _OPT("-L", "--context", metavar="INT[,INT...]", help=GRID_HELP)] = [GOLDEN_LS],
+    L: Annotated[list[str], _OPT("-L", "--context", metavar="INT[,INT...]",
+                                 help="Repeat the option or comma-separate values: -L 512 -L 1024,2048.")]
+    = [GOLDEN_LS],
     k: Annotated[int, _OPT("--k", "-k", help="Speculation depth: draft tokens per round.")] = defaults.K,
     hoi: Annotated[Optional[float], _OPT(help="Hardware operational intensity, FLOPs per byte "
                                               "[default: 600, or the --hardware's].")] = None,
@@ -146,6 +149,8 @@ def throughput(
     """Throughput multiplier τ/Δt of vanilla SD, MagicDec and SPIRe from the paper's cost model."""
     from spire.commands.throughput import ThroughputArgs, build, print_table, to_csv, to_json, write_plot
 
+    if plot is not None:
+        check_output_path(plot, "--plot")
     given = {name: value for name, value in ctx.params.items() if name not in ("fmt", "plot")}
     for name in ("B", "L", "tau", "alpha", "contexts", "tau_draft"):  # parsed here, in this order
         given.pop(name)
@@ -175,6 +180,7 @@ def throughput_figures(
     from spire.throughput import get_preset
     from spire.throughput.figures import write_figures
 
+    check_output_path(out, "--out", folder=True)
     data = write_figures(out, get_preset(preset), get_preset(extrapolation), k=k, hoi=hoi, G=G)
     h = data["headline"]
     typer.echo(f"wrote {len(data['files'])} figures and figures.json to {out}")
@@ -224,6 +230,8 @@ def tau(
     """τ (tokens per round) with a 95 % CI on held-out text: several drafts, L and temperatures in one run."""
     from spire.commands.tau import merge_files, print_table, table_markdown, write_json
 
+    if out is not None:
+        check_output_path(out, "--out")
     if show:
         result = merge_files(show)
         if out is not None:
@@ -728,6 +736,7 @@ def bench(
     from spire.commands.bench import BenchArgs, run
     from spire.bench.report import print_table, write_outputs
 
+    check_output_path(out, "--out", folder=True)
     args = BenchArgs(Bs=_ints("-B", B) or None, Ls=_ints("-L", L) or None, k=k, G=G, reps=reps, contexts=contexts,
                      target=target,
                      dtype=dtype, weights=weights, draft_weights=draft_weights, device=device, threads=threads,
@@ -792,7 +801,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the app; a SpireError becomes one ``error:`` line on stderr, exit 2."""
     try:
         app(args=argv, prog_name="spire")
-    except SpireError as e:
+    except (SpireError, OSError) as e:  # OSError: a path the checks up front could not foresee (permissions, disk)
         message = " ".join(str(e).splitlines())
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)

@@ -13,6 +13,24 @@ def spire_cache_dir() -> Path:
     return path
 
 
+def check_output_path(path: str | os.PathLike, option: str, folder: bool = False) -> Path:
+    """Refuse, before any work, an output path that cannot be written: a part of its parent path that is a file,
+    or (``folder``) a file where a folder goes / (not ``folder``) a folder where a file goes. ``option`` names it
+    in the error. Returns the path. Raises :class:`spire.errors.ConfigError`."""
+    from spire.errors import ConfigError
+
+    path = Path(path)
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"{option} {path}: {parent} is a file, not a folder")
+            break
+    if path.exists() and path.is_dir() != folder:
+        kind = "a file, not a folder" if folder else "a folder, not a file"
+        raise ConfigError(f"{option} {path} is {kind}: choose another {option}")
+    return path
+
+
 def atomic_write(path: str | os.PathLike, write, text: str | None = None) -> Path:
     """Write a file so that readers see the old file or the whole new one, never a part.
 

@@ -67,7 +67,7 @@ def resolve_preset(a: ThroughputArgs) -> tuple[Preset, int | None, int]:
     """The preset, with the target / drafts replaced from HF or spire configs; (preset, window, sink)."""
     base = get_preset(a.preset)
     window, sink = a.draft_window, defaults.SINK
-    if not (a.config or a.vanilla_config or a.spire_config or a.spire_layers):
+    if not (a.config or a.vanilla_config or a.spire_config or a.spire_layers is not None):
         return base, window, sink
     target = ModelShape.from_hf_config_file(a.config) if a.config else base.target
     vanilla = ModelShape.from_hf_config_file(a.vanilla_config) if a.vanilla_config else None
@@ -121,7 +121,9 @@ def build(a: ThroughputArgs) -> tuple[dict[str, Any], list[dict[str, Any]], Pres
             check_dtype(dtype)
     if a.bytes_per_value is not None and a.dtype is not None:
         raise ConfigError("give --dtype or --bytes-per-value, not both")
-    weight_bytes = DTYPE_BYTES[a.dtype] if a.dtype else (a.bytes_per_value or 1)
+    if a.bytes_per_value is not None and not a.bytes_per_value > 0:
+        raise ConfigError(f"--bytes-per-value must be positive, got {a.bytes_per_value}")
+    weight_bytes = DTYPE_BYTES[a.dtype] if a.dtype else (1 if a.bytes_per_value is None else a.bytes_per_value)
     kv_bytes = DTYPE_BYTES[a.kv_dtype] if a.kv_dtype else weight_bytes
     hoi = a.hoi
     if hoi is None:

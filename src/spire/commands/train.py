@@ -18,8 +18,9 @@ from spire.drafts.spire import SpireConfig
 from spire.drafts.vanilla import vanilla_config
 from spire.errors import CheckpointError, ConfigError
 from spire.loading import load_target
+from spire.paths import check_output_path
 from spire.training.distill import (ABLATIONS, RESUME_SETTINGS, TrainConfig, ablation_config, init_distributed,
-                                    load_state, train_draft)
+                                    load_state, refuse_existing_run, train_draft)
 
 COMMAND_DEFAULTS = {"eval_every": defaults.EVAL_EVERY}
 """Where `spire train` differs from TrainConfig's defaults: it logs a held-out learning curve."""
@@ -145,12 +146,12 @@ def run(args: TrainRunArgs, log=print) -> dict:
     """Train as asked and return a summary dict (also printed by the CLI). Raises SpireError subclasses."""
     if args.device not in DEVICES:
         raise ConfigError(f"--device must be auto, cpu or cuda, got {args.device!r}")
-    out = args.out or default_out(args)
-    if Path(out).exists() and not Path(out).is_dir():
-        raise ConfigError(f"--out {out} is a file, not a run folder: choose another --out")
+    out = check_output_path(args.out or default_out(args), "--out", folder=True)
     if args.eval_windows is not None and args.eval_windows < 0:
         raise ConfigError(f"--eval-windows must be >= 0, got {args.eval_windows}")
     cfg = saved_config(out, args.resume_limits(), args) if args.resume else build_config(args)
+    if not args.resume:  # the Trainer checks it too; here it comes before the banner and any loading
+        refuse_existing_run(out, load_state(out))
     if args.eval_windows is None:
         state = load_state(out) if args.resume else None
         args.eval_windows = state.get("heldout_windows", 16) if state else 16
@@ -164,6 +165,9 @@ def run(args: TrainRunArgs, log=print) -> dict:
     else:
         vanilla_config(target, cfg.vanilla_layers)
     data = load_data(args.data, tokenizer, progress=rank == 0)
+    if args.resume and cfg.data is not None and cfg.data != data.manifest.get("key"):
+        raise ConfigError(f"--resume: {out} was trained on other text than --data {' '.join(args.data)}: give it "
+                          "the run's own --data again")
     cfg.data = data.manifest.get("key")
     heldout = heldout_windows(data, cfg.seq_len, args.eval_windows)
     if rank == 0:

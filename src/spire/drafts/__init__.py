@@ -57,13 +57,15 @@ def resolve_draft_path(kind: str, path: str | Path) -> Path:
         if inner.exists():
             return inner
         if kind == "spire" and not (p / "config.json").is_file() and (p / "draft").is_dir():
-            raise CheckpointError(f"{p} is a vanilla draft run (it has draft/, no draft.safetensors): use --draft vanilla")
+            raise CheckpointError(f"{p} is a vanilla draft run (it has draft/, no draft.safetensors): give it as "
+                                  "the vanilla draft (--draft vanilla, --vanilla-draft)")
         if kind == "spire":
             raise CheckpointError(f"{p} holds no SPIRe draft (draft.safetensors)"
-                                  + (": it is an HF model folder; use --draft vanilla" if (p / "config.json").is_file()
+                                  + (": it is an HF model folder; give it as the vanilla draft" if (p / "config.json").is_file()
                                      else ""))
         if kind == "vanilla" and not (p / "config.json").is_file() and (p / "draft.safetensors").is_file():
-            raise CheckpointError(f"{p} is a SPIRe draft run (it has draft.safetensors, no draft/): use --draft spire")
+            raise CheckpointError(f"{p} is a SPIRe draft run (it has draft.safetensors, no draft/): give it as "
+                                  "the SPIRe draft (--draft spire, --spire-draft)")
     elif kind == "vanilla" and p.suffix == ".safetensors":
         raise CheckpointError(f"{p} is a single .safetensors file (a SPIRe draft?): --draft vanilla takes an HF "
                               "folder, a .gguf file or a `spire train --draft vanilla` run folder")

@@ -58,10 +58,10 @@ class VanillaDraft(Draft):
 def vanilla_config(target: Transformer, n_layers: int | None = None) -> ModelConfig:
     """The vanilla baseline's shape (SPIRe paper §4): the target's width, heads and vocabulary with
     ``n_layers`` blocks; default round(target layers / 8), about 1/8 of the target's body parameters.
-    Raises ConfigError when n_layers < 1."""
+    Raises ConfigError unless 1 <= n_layers <= the target's layers."""
     n = max(1, round(target.cfg.n_layers / 8)) if n_layers is None else int(n_layers)
-    if n < 1:
-        raise ConfigError(f"the vanilla draft needs at least one layer, got {n}")
+    if not 1 <= n <= target.cfg.n_layers:
+        raise ConfigError(f"the vanilla draft needs 1 to {target.cfg.n_layers} layers (the target's), got {n}")
     return dataclasses.replace(target.cfg.without_layers(n), tie_embeddings=True)
 
 

@@ -148,8 +148,11 @@ class TrainConfig:
             raise ConfigError(f"omega must be in [0, 1], got {self.omega}")
         if self.resolved_loss() not in LOSSES:
             raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
-        if not self.lr > 0 or self.warmup_steps < 0 or self.grad_clip <= 0 or self.eval_every < 0:
-            raise ConfigError("lr and grad_clip must be positive, warmup_steps and eval_every >= 0")
+        if not (math.isfinite(self.lr) and self.lr > 0) or not self.grad_clip > 0:
+            raise ConfigError(f"--lr and --grad-clip must be positive, got {self.lr} and {self.grad_clip}")
+        if self.warmup_steps < 0 or self.eval_every < 0 or not self.checkpoint_every >= 0:
+            raise ConfigError(f"--warmup-steps, --eval-every and --checkpoint-every must be >= 0, got "
+                              f"{self.warmup_steps}, {self.eval_every} and {self.checkpoint_every}")
         if self.data_steps is not None and self.data_steps < 1:
             raise ConfigError(f"--cache-steps (data_steps) must be >= 1, got {self.data_steps}")
         if self.target_cache is not None and self.target_cache not in STORAGE_DTYPES:
@@ -292,7 +295,19 @@ def load_state(out_dir: Path) -> dict | None:
     ckpt = existing_dir(Path(out_dir) / CHECKPOINT_DIR)
     if ckpt is None or not (ckpt / STATE_FILE).is_file():
         return None
-    return json.loads((ckpt / STATE_FILE).read_text())
+    try:
+        return json.loads((ckpt / STATE_FILE).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"cannot read {ckpt / STATE_FILE} (damaged: {e}); resume from a copy of the run or "
+                              "train into another --out") from e
+
+
+def refuse_existing_run(out_dir: Path, state: dict | None) -> None:
+    """Raise ConfigError when ``state`` (:func:`load_state` of ``out_dir``) is a saved run: a new run may not
+    overwrite it."""
+    if state is not None:
+        raise ConfigError(f"{out_dir} already holds a run (step {state['step']}); pass --resume to continue it "
+                          "or choose another --out")
 
 
 def _distributed():
@@ -359,6 +374,9 @@ class Trainer:
         self.opt = make_optimizer(self.params, cfg)
         ckpt = existing_dir(self.out_dir / CHECKPOINT_DIR)
         if ckpt is not None and self.state["step"] > 0:
+            if not (ckpt / OPTIM_FILE).is_file():
+                raise CheckpointError(f"{ckpt} holds no {OPTIM_FILE}: the checkpoint is incomplete and cannot be "
+                                      "resumed exactly")
             self.opt.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=True))
             for group in self.opt.param_groups:  # a saved group names its implementation: keep this trainer's
                 group.update(fused=self.opt.defaults.get("fused"), foreach=self.opt.defaults.get("foreach"))
@@ -374,9 +392,8 @@ class Trainer:
         cfg_dict = json.loads(json.dumps(cfg.to_dict()))
         if resume is True and state is None:
             raise CheckpointError(f"nothing to resume: {out_dir} holds no checkpoint")
-        if resume is False and state is not None:
-            raise ConfigError(f"{out_dir} already holds a run (step {state['step']}); pass --resume to continue it "
-                              "or choose another --out")
+        if resume is False:
+            refuse_existing_run(out_dir, state)
         model = _build_model(self.target, cfg, self.data)
         if state is not None:
             _check_saved_config(out_dir, state, cfg_dict)
