@@ -90,7 +90,7 @@ def test_throughput_figures(capsys, tmp_path):
         (["--alpha", "spire=2"], "alpha must be a number in [0, 1]"),
         (["--contexts", "5,-1"], "context length must be a positive integer"),
         (["--memory-gb", "-1"], "--memory-gb must be positive"),
-        (["--bytes-per-value", "-2"], "weight_bytes must be a positive number"),
+        (["--bytes-per-value", "-2"], "--bytes-per-value must be positive, got -2.0"),
         (["--draft-window", "0"], "window must be a positive integer"),
         (["--grow", "0"], "G must be a positive integer"),
         (["--context-dist", "zipf:a=2"], "unknown context distribution"),
