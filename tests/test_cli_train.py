@@ -297,6 +297,8 @@ def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp
     cases = [(["--out", str(afile)], "is a file, not a folder"),
              (["--out", str(afile / "sub")], f"{afile} is a file, not a folder"),
              (["--checkpoint-every", "-1"], "--checkpoint-every must be >= 0, got 1, 0 and -1.0"),
+             (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0, got nan"),
+             (["--seed", "99999999999999999999"], "--seed must be in [0, 2^40), got 99999999999999999999"),
              (["--seq-len", "1024"], "--seq-len 1024 exceeds the target's 512 positions"),
              (["--eval-windows", "-1"], "--eval-windows must be >= 0, got -1"),
              (["--batch-size", "0"], "got k=4, batch size 0, seq_len 16"),

@@ -148,6 +148,10 @@ class TrainConfig:
             raise ConfigError(f"omega must be in [0, 1], got {self.omega}")
         if self.resolved_loss() not in LOSSES:
             raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise ConfigError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if not 0 <= self.seed < 2 ** 40:  # step_generator seeds torch with seed * 1,000,003 + step (< 2^63)
+            raise ConfigError(f"--seed must be in [0, 2^40), got {self.seed}")
         if not (math.isfinite(self.lr) and self.lr > 0) or not self.grad_clip > 0:
             raise ConfigError(f"--lr and --grad-clip must be positive, got {self.lr} and {self.grad_clip}")
         if self.warmup_steps < 0 or self.eval_every < 0 or not self.checkpoint_every >= 0:
