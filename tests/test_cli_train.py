@@ -202,8 +202,8 @@ def test_resume_keeps_the_run_settings_and_refuses_changed_ones(tiny_folder, tex
 def test_resume_on_other_text_and_damaged_checkpoints_are_one_error(tiny_folder, text_file, trained, tmp_path,
                                                                      capsys):
     """A resume given other text than the run's is told to give the run's own --data (it said "use another --out
-    or delete it"); a damaged train_state.json or a checkpoint without optimizer.pt is a CheckpointError line,
-    not a traceback; a new run into the run's folder is refused in one line; the run folder is left as it was."""
+    or delete it"); a damaged train_state.json a checkpoint without optimizer.pt or with a truncated
+    draft.safetensors is one CheckpointError line (no traceback, no banner before it); a new run into the run's folder is refused in one line; the run folder is left as it was."""
     import shutil
 
     root, _ = trained
@@ -223,17 +223,23 @@ def test_resume_on_other_text_and_damaged_checkpoints_are_one_error(tiny_folder,
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and "already holds a run (step 3)" in err, err
     assert (root / "resumed" / "checkpoint" / "train_state.json").read_bytes() == before
-    for damage, needle in (("state", "cannot read"), ("optimizer", "holds no optimizer.pt")):
+    for damage, needle in (("state", "cannot read"), ("optimizer", "holds no optimizer.pt"),
+                           ("draft", "cannot read draft checkpoint")):
         run = tmp_path / damage
         shutil.copytree(root / "resumed", run)
         if damage == "state":
             (run / "checkpoint" / "train_state.json").write_text("{bad json")
-        else:
+        elif damage == "optimizer":
             (run / "checkpoint" / "optimizer.pt").unlink()
+        else:  # cut short
+            weights = run / "checkpoint" / "draft.safetensors"
+            weights.write_bytes(weights.read_bytes()[:1000])
         with pytest.raises(SystemExit) as e:
             main(base + [str(run), "--data", str(text_file), "--device", "cpu"])
         err = capsys.readouterr().err
-        assert e.value.code == 2 and needle in err and "Traceback" not in err, err
+        last = err.strip().splitlines()[-1]  # (the text's tokenization bars may come first: another cache here)
+        assert e.value.code == 2 and last.startswith("error: ") and needle in last, err
+        assert "Traceback" not in err and "training a" not in err, err  # refused before the banner
 
 
 def test_hidden_loss_option(tiny_folder, text_file, tmp_path, capsys, monkeypatch):

@@ -170,12 +170,11 @@ def run(args: TrainRunArgs, log=print) -> dict:
                           "the run's own --data again")
     cfg.data = data.manifest.get("key")
     heldout = heldout_windows(data, cfg.seq_len, args.eval_windows)
-    if rank == 0:
-        log(f"training a {cfg.draft} draft{'' if cfg.ablation == 'none' else f' (ablation {cfg.ablation})'} for "
-            f"{args.target} on {device} x {world} process(es): {cfg.budget_s:g} s budget"
-            + (f", at most {cfg.max_steps} steps" if cfg.max_steps else "") + f"; run folder {out}")
+    banner = (f"training a {cfg.draft} draft{'' if cfg.ablation == 'none' else f' (ablation {cfg.ablation})'} for "
+              f"{args.target} on {device} x {world} process(es): {cfg.budget_s:g} s budget"
+              + (f", at most {cfg.max_steps} steps" if cfg.max_steps else "") + f"; run folder {out}")
     model, state = train_draft(target, data, out, cfg, heldout=heldout, resume=args.resume, target_folder=folder,
-                               progress=rank == 0, log=log)
+                               progress=rank == 0, log=log, banner=banner)
     summary = {
         "run_dir": str(out), "draft": cfg.draft, "ablation": cfg.ablation, "loss": cfg.resolved_loss(),
         "steps": state["step"], "tokens": state["tokens"], "elapsed_s": round(state["elapsed_s"], 1),

@@ -602,7 +602,7 @@ class Trainer:
 
 def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | None = None,
                 heldout: torch.Tensor | None = None, resume: bool | None = None, target_folder: Path | None = None,
-                progress: bool = True, log=print) -> tuple[TrainableDraft, dict]:
+                progress: bool = True, log=print, banner: str | None = None) -> tuple[TrainableDraft, dict]:
     """Train (or resume, or just load when finished) a draft in ``out_dir``.
 
     Args:
@@ -614,6 +614,8 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
         resume: True: continue the run in out_dir (CheckpointError if there is none); False: start a new run
             (ConfigError if out_dir already holds one); None: continue if there is one, else start.
         target_folder: the target's HF folder (its tokenizer files go into an exported vanilla draft).
+        banner: a line for ``log`` (rank 0) once the settings, the saved run and its checkpoint have been checked
+            and loaded, before any long work (a target cache, the steps): an error above comes before it.
     Returns:
         (draft model in eval mode, state dict with "step", "tokens", "elapsed_s", "finished", "history",
         "heldout" (the last evaluation), "config").
@@ -625,6 +627,8 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
     """
     cfg = TrainConfig() if cfg is None else cfg
     run = Trainer(target, data, out_dir, cfg, heldout, resume, target_folder, log)
+    if banner is not None and log is not None and run.rank == 0:
+        log(banner)
     run.start(progress)
     if run.done():
         return run.finish()
