@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from spire.errors import ConfigError
+
 
 def spire_cache_dir() -> Path:
     """``$SPIRE_CACHE`` if set, else ``~/.cache/spire``; created on first use."""

@@ -150,11 +150,11 @@ def run(args: TrainRunArgs, log=print) -> dict:
     if args.eval_windows is not None and args.eval_windows < 0:
         raise ConfigError(f"--eval-windows must be >= 0, got {args.eval_windows}")
     cfg = saved_config(out, args.resume_limits(), args) if args.resume else build_config(args)
+    saved = load_state(out)
     if not args.resume:  # the Trainer checks it too; here it comes before the banner and any loading
-        refuse_existing_run(out, load_state(out))
+        refuse_existing_run(out, saved)
     if args.eval_windows is None:
-        state = load_state(out) if args.resume else None
-        args.eval_windows = state.get("heldout_windows", 16) if state else 16
+        args.eval_windows = saved.get("heldout_windows", 16) if args.resume else 16
     rank, world = init_distributed()
     device = resolve_device(args.device, world)
     target, tokenizer, folder = load_target(args.target, device=device, progress=rank == 0)

@@ -60,9 +60,9 @@ def resolve_draft_path(kind: str, path: str | Path) -> Path:
             raise CheckpointError(f"{p} is a vanilla draft run (it has draft/, no draft.safetensors): give it as "
                                   "the vanilla draft (--draft vanilla, --vanilla-draft)")
         if kind == "spire":
+            hf = (p / "config.json").is_file()
             raise CheckpointError(f"{p} holds no SPIRe draft (draft.safetensors)"
-                                  + (": it is an HF model folder; give it as the vanilla draft" if (p / "config.json").is_file()
-                                     else ""))
+                                  + (": it is an HF model folder; give it as the vanilla draft" if hf else ""))
         if kind == "vanilla" and not (p / "config.json").is_file() and (p / "draft.safetensors").is_file():
             raise CheckpointError(f"{p} is a SPIRe draft run (it has draft.safetensors, no draft/): give it as "
                                   "the SPIRe draft (--draft spire, --spire-draft)")
