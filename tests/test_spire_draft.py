@@ -285,3 +285,82 @@ def test_feature_input_starts_as_the_paper_draft(tiny):
     with pytest.raises(ConfigError, match="feature_input"):
         SpireConfig(n_draft_layers=2, feature_input=True, target_activations=False,
                     feedback_memory=False).validate(4)
+
+
+def _bridge_draft(target, layers, window=6, feature=False, **extra):
+    torch.manual_seed(4)
+    m = SpireDraftModel(target, SpireConfig(layers=layers, window=window, mix_init=1.0, bridge=True,
+                                            feature_input=feature, **extra))
+    with torch.no_grad():
+        m.mix_logits.normal_(0, 1.0)
+        for p in m.layers.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        m.bridge.weight.add_(0.2 * torch.randn_like(m.bridge.weight))  # the identity at first: make it count
+        m.bridge.bias.normal_(0, 0.3)
+        if feature:
+            m.feature_proj.weight.normal_(0, 0.3)
+    return m.eval()
+
+
+@pytest.mark.parametrize("k,layers,at,feature,extra", [
+    (4, (2, 3), 0, False, {}), (3, (0, 3), 1, False, {}), (3, (0, 1, 3), 2, True, {}),
+    (4, (0, 3), 1, False, {"window": None}), (3, (0, 3), 1, False, {"feedback_memory": False}),
+    (3, (0, 3), 1, False, {"feedback_memory": False, "target_activations": False})])
+def test_bridge_training_matches_inference(tiny, k, layers, at, feature, extra):
+    """The bridge (beyond the paper) maps the residual stream entering the junction layer, in the k-pass training
+    forward and in the drafting loop alike (also with the feature input at the same layer, a full KV cache, no
+    feedback memory, no target activations): the logits agree (float32)."""
+    torch.manual_seed(0)
+    tokens = torch.randint(0, tiny.cfg.vocab_size, (2, 8 * k))
+    model = _bridge_draft(tiny, layers, feature=feature, **extra)
+    assert model.bridge_layer == at
+    _assert_training_matches_inference(tiny, model, tokens, k)
+
+
+def test_bridge_starts_as_the_paper_draft_and_fits_the_target(tiny):
+    """Unfitted, the bridge is the identity (the paper's draft, exactly). fit_bridge's map from the target's stream
+    entering layer J to the one entering source_layers[J] equals the closed-form least squares (numpy's lstsq at
+    ridge 0), its R² is the one of that map, and it beats the identity; no junction: the identity stays."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    tokens = torch.randint(0, tiny.cfg.vocab_size, (6, 24))
+    pos = torch.arange(24)[None].expand(6, 24)
+    with torch.no_grad():
+        hidden = tiny(tokens, pos, hidden_layers=(0, 1, 3)).hidden
+        torch.manual_seed(5)
+        a = SpireDraftModel(tiny, SpireConfig(layers=(0, 3))).forward_train(tokens, hidden, 3)
+        torch.manual_seed(5)
+        m = SpireDraftModel(tiny, SpireConfig(layers=(0, 3), bridge=True))
+        torch.testing.assert_close(m.forward_train(tokens, hidden, 3), a, atol=0, rtol=0)
+    r2 = m.fit_bridge(tokens, ridge=0.0, batch_size=4)
+    x = hidden[1].double().reshape(-1, tiny.cfg.d_model).numpy()
+    y = hidden[3].double().reshape(-1, tiny.cfg.d_model).numpy()
+    x1 = np.concatenate([x, np.ones((len(x), 1))], 1)
+    w = np.linalg.lstsq(x1, y, rcond=None)[0]
+    np.testing.assert_allclose(m.bridge.weight.detach().double().numpy(), w[:-1].T, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(m.bridge.bias.detach().double().numpy(), w[-1], rtol=1e-4, atol=1e-5)
+    expected_r2 = 1 - ((x1 @ w - y) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()
+    assert r2 == pytest.approx(expected_r2, abs=1e-5) and r2 > 1 - ((x - y) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()
+    flat = SpireDraftModel(tiny, SpireConfig(layers=(0, 1), bridge=True))  # layers 0, 1: no junction
+    assert flat.bridge_layer == 0 and flat.fit_bridge(tokens) == 1.0
+    assert torch.equal(flat.bridge.weight, torch.eye(tiny.cfg.d_model))
+    with pytest.raises(ConfigError, match="no bridge"):
+        SpireDraftModel(tiny, SpireConfig(layers=(0, 3))).fit_bridge(tokens)
+
+
+def test_bridge_round_trips_through_a_draft_file(tmp_path, tiny):
+    """A bridged draft saves and loads back with its bridge; a file written before the bridge existed (no
+    'bridge' in its configuration) loads as the paper's draft."""
+    model = _bridge_draft(tiny, (0, 3))
+    model.save(tmp_path / "d.safetensors")
+    back = SpireDraftModel.load(tmp_path / "d.safetensors", tiny)
+    assert back.cfg.bridge and back.bridge_layer == 1
+    assert torch.equal(back.bridge.weight, model.bridge.weight) and torch.equal(back.bridge.bias, model.bridge.bias)
+    plain = SpireDraftModel(tiny, SpireConfig(layers=(0, 3)))
+    plain.save(tmp_path / "p.safetensors")
+    meta, tensors = spire_module.read_draft_file(tmp_path / "p.safetensors", tiny)
+    del meta["spire_config"]["bridge"]
+    spire_module.write_draft_file(tmp_path / "old.safetensors", tensors, meta)
+    old = SpireDraftModel.load(tmp_path / "old.safetensors", tiny)
+    assert old.bridge is None and not old.cfg.bridge

@@ -351,6 +351,9 @@ def train(
     feature_input: Annotated[bool, _OPT("--feature-input", help="SPIRe, beyond the paper: a drafted token's "
                                         "input adds a learned projection of the previous position's feature "
                                         "(EAGLE-style).")] = False,
+    bridge: Annotated[bool, _OPT("--bridge", help="SPIRe, beyond the paper: a learned affine map on the residual "
+                                 "stream where the draft's shallow layers meet its deep ones, fitted to the "
+                                 "target's by least squares before training.")] = False,
     hidden_loss: Annotated[Optional[float], _OPT(metavar="W", help="SPIRe, beyond the paper: add W x the "
                                                  "mismatch between the draft's residual stream entering each draft "
                                                  "layer and the target's entering its source layer, at drafted "
@@ -374,7 +377,8 @@ def train(
         spire_kw["layers"] = tuple(_ints("--layers", [layers]))
     for flag, name, value in ((full_kv, "window", None), (no_feedback_memory, "feedback_memory", False),
                               (no_target_activations, "target_activations", False),
-                              (no_self_attend, "self_attend", False), (feature_input, "feature_input", True)):
+                              (no_self_attend, "self_attend", False), (feature_input, "feature_input", True),
+                              (bridge, "bridge", True)):
         if flag:
             spire_kw[name] = value
     train_kw = {TRAIN_FIELDS[name]: value for name, value in _given(ctx, TRAIN_FIELDS).items() if value is not None}
@@ -394,7 +398,7 @@ def train(
 
 REPRODUCE_OPTIONS = ("budget", "n_contexts", "L", "G", "vanilla_budget", "ablation_budget", "tau_L_contexts", "steps",
                      "vanilla_steps", "ablation_steps", "first_layers", "cache_steps", "preset", "target", "out", "k",
-                     "n_draft_layers", "seed", "train_processes", "hidden_loss", "compile_step")
+                     "n_draft_layers", "seed", "train_processes", "hidden_loss", "compile_step", "bridge")
 """`spire reproduce` options passed to ReproduceConfig as given (budget -> budget_s, and the other budgets alike)."""
 
 
@@ -443,6 +447,10 @@ def reproduce(
                                                          "of drafted positions' residual streams with the "
                                                          "target's (beyond the paper; 0 = the paper's loss) "
                                                          "[0].")] = None,
+    bridge: Annotated[Optional[bool], typer.Option("--bridge/--no-bridge", help="SPIRe's residual stream passes "
+                                                   "an affine map, fitted to the target's by least squares, where "
+                                                   "its shallow layers meet its deep ones (beyond the paper; "
+                                                   "--no-bridge: the paper's draft) [on].")] = None,
     compile_step: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="Every draft's training "
                                                          "step through torch.compile (the same computation, "
                                                          "fused; minutes of compiling the first time on a "

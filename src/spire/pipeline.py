@@ -49,7 +49,9 @@ class ReproduceConfig:
     vanilla_token_share: the vanilla baseline trains on at least this share of SPIRe's tokens (its steps follow
     from SPIRe's; vanilla_budget_s caps its seconds); None: vanilla_budget_s / vanilla_steps alone.
     hidden_weight: SPIRe's (and its ablations') hidden-state matching term (TrainConfig.hidden_weight; 0: the
-    paper's loss). compile: every draft's training step through torch.compile (TrainConfig.compile; the compile
+    paper's loss). bridge: SPIRe's draft (and its ablations') maps its residual stream where the shallow layers
+    meet the deep ones by an affine map fitted to the target's (SpireConfig.bridge; False: the paper's draft).
+    compile: every draft's training step through torch.compile (TrainConfig.compile; the compile
     runs before each training clock starts; not part of a draft's cache key)."""
 
     preset: str = "smollm2-135m"
@@ -77,6 +79,7 @@ class ReproduceConfig:
     target_cache: str | None = "bfloat16"
     vanilla_token_share: float | None = 0.5
     hidden_weight: float = 0.0
+    bridge: bool = True
     compile: bool = True
     sink: int = defaults.SINK
     window: int = defaults.WINDOW
@@ -159,6 +162,17 @@ def heldout_curve(run_dir: Path) -> list[dict]:
             for r in rows if r.get("event") == "eval"]
 
 
+def _log_rows(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / LOG_FILE
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+
+def bridge_fit(run_dir: Path) -> dict | None:
+    """The bridge fitted before a run trained (its log's "bridge" event: {"layer", "r2"}), or None."""
+    return next(({"layer": r["layer"], "r2": r["r2"]} for r in _log_rows(run_dir) if r.get("event") == "bridge"),
+                None)
+
+
 def compile_seconds(run_dir: Path) -> float | None:
     """Seconds spent compiling a run's training step (its log's "compile" events that succeeded; a resumed run
     compiles again), or None when it never ran compiled."""
@@ -181,7 +195,8 @@ def spire_architecture(cfg: ReproduceConfig, n_target_layers: int, vocab_size: i
     layers = None if first == 0 else tuple(range(first)) + tuple(range(n_target_layers - (n - first),
                                                                       n_target_layers))
     vocab = None if cfg.draft_vocab is None or cfg.draft_vocab >= vocab_size else cfg.draft_vocab
-    return SpireConfig(n_draft_layers=n, sink=cfg.sink, window=cfg.window, layers=layers, vocab_size=vocab)
+    return SpireConfig(n_draft_layers=n, sink=cfg.sink, window=cfg.window, layers=layers, vocab_size=vocab,
+                       bridge=cfg.bridge)
 
 
 def _draft_dir(cfg: ReproduceConfig, train_cfg, folder: Path, label: str = "spire") -> Path:
@@ -193,8 +208,8 @@ def _draft_dir(cfg: ReproduceConfig, train_cfg, folder: Path, label: str = "spir
     if not train.get("hidden_weight"):  # off (the paper's loss): keyed as before the field existed
         train.pop("hidden_weight", None)
     train.pop("compile", None)  # how a step runs, not what it computes
-    for field_name in ("vocab_size",):
-        if train["spire"].get(field_name) is None:
+    for field_name, off in (("vocab_size", None), ("bridge", False)):  # off: keyed as before the field existed
+        if train["spire"].get(field_name, off) == off:
             train["spire"].pop(field_name, None)
     key = hashlib.sha1(json.dumps({"target": str(Path(folder).resolve()), "train": train},
                                   sort_keys=True, default=str).encode()).hexdigest()[:10]
@@ -304,6 +319,7 @@ def _training_summary(run_dir: Path, train_cfg: TrainConfig, model, state: dict)
             "tokens": train_cfg.data_steps * train_cfg.batch_size * train_cfg.seq_len},
         "heldout_alpha_per_position": state["heldout"]["alpha_per_position"], "heldout_loss": state["heldout"]["loss"],
         "heldout_curve": heldout_curve(run_dir), "compile_s": compile_seconds(run_dir),
+        "bridge": bridge_fit(run_dir) if getattr(model, "bridge", None) is not None else None,
         "history": state["history"]}
 
 

@@ -46,6 +46,10 @@ from spire.paths import atomic_write
 
 INIT_KINDS = ("pruned", "random")
 
+BRIDGE_FIT_ROWS = 32
+"""Training windows the bridge is fitted on (:meth:`SpireDraftModel.fit_bridge`): 32 x 256 tokens, ~15 s of the
+target on one CPU thread, for d² + d = 332 K numbers on SmolLM2 (a ridge fit)."""
+
 CHUNKED_KPASS = True
 """Whether k-pass training groups its blocks in chunks that read only the target keys a window can reach
 (:meth:`SpireDraftModel._chunks`); False: every block reads every position (the dense layout, same logits to
@@ -76,6 +80,12 @@ class SpireConfig:
         target depth, i.e. where a drafted position's shallow residual meets a deep target layer: 2 for
         target layers 0, 1, 24..29; 0 for the last layers). feature_from: the draft layer whose input residual
         is the feature (None: the last draft layer).
+    bridge: beyond the paper: a learned affine map (d x d weights and a bias) on the residual stream entering
+        the junction layer (:meth:`junction_layer`: the first draft layer not copied from the same target depth;
+        2 for target layers 0, 1, 24..29, 0 for the last layers), applied before it at every position the draft
+        computes. It starts as the identity (an untrained draft is the paper's); :meth:`SpireDraftModel.fit_bridge`
+        sets it by ridge least squares from the target's residual stream at the junction's depth to the one
+        entering the junction layer's source layer, on training text (the trainer does so for a pruned draft).
     """
 
     n_draft_layers: int = defaults.N_DRAFT_LAYERS
@@ -91,6 +101,7 @@ class SpireConfig:
     feature_input: bool = False
     feature_layer: int | None = None
     feature_from: int | None = None
+    bridge: bool = False
 
     def __post_init__(self) -> None:
         if self.layers is not None:
@@ -137,12 +148,15 @@ class SpireConfig:
             return self.layers
         return tuple(range(n_target_layers - self.n_draft_layers, n_target_layers))
 
-    def resolved_feature_layer(self, n_target_layers: int) -> int:
-        """The draft layer whose input receives the feature (see feature_layer)."""
-        if self.feature_layer is not None:
-            return self.feature_layer
+    def junction_layer(self, n_target_layers: int) -> int:
+        """The first draft layer i whose source layer is not target layer i: where the draft's residual stream
+        (the target's own below it, at initialization) meets a target layer of another depth (0 if none)."""
         src = self.source_layers(n_target_layers)
         return next((i for i, j in enumerate(src) if j != i), 0)
+
+    def resolved_feature_layer(self, n_target_layers: int) -> int:
+        """The draft layer whose input receives the feature (see feature_layer)."""
+        return self.junction_layer(n_target_layers) if self.feature_layer is None else self.feature_layer
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -278,6 +292,16 @@ class SpireDraftModel(nn.Module):
             self.feature_from = len(self.layers) - 1 if cfg.feature_from is None else cfg.feature_from
         else:
             self.feature_norm = self.feature_proj = self.feature_layer = self.feature_from = None
+        if cfg.bridge:  # the identity: an untrained draft is the paper's (fit_bridge sets it from the target)
+            d = target.cfg.d_model
+            self.bridge = nn.Linear(d, d, bias=True)
+            with torch.no_grad():
+                self.bridge.weight.copy_(torch.eye(d))
+                self.bridge.bias.zero_()
+            self.bridge_layer = cfg.junction_layer(target.cfg.n_layers)
+        else:
+            self.bridge = self.bridge_layer = None
+        self.bridge_r2: float | None = None  # the fit's R² (fit_bridge), when fitted here
         self.layers.requires_grad_(True)
         self.norm.requires_grad_(True)
         object.__setattr__(self, "target", target)  # not a submodule: shared, frozen, never saved
@@ -334,6 +358,56 @@ class SpireDraftModel(nn.Module):
         table = torch.full((self.target.cfg.vocab_size,), -100, dtype=torch.int64, device=tokens.device)
         table[self.vocab] = torch.arange(len(self.vocab), device=tokens.device)
         return table[tokens]
+
+    def enters(self, i: int) -> bool:
+        """Whether draft layer i's input is changed before the layer (:meth:`layer_input`)."""
+        return i == self.feature_layer or i == self.bridge_layer
+
+    def layer_input(self, i: int, x: torch.Tensor, feature: torch.Tensor | None = None) -> torch.Tensor:
+        """The residual stream (B, T, d) entering draft layer i: through the bridge at :attr:`bridge_layer`, then
+        plus the projected feature (B, T, d) at :attr:`feature_layer` (:meth:`add_feature`)."""
+        if i == self.bridge_layer:
+            x = torch.nn.functional.linear(x, self.bridge.weight.to(x.dtype), self.bridge.bias.to(x.dtype))
+        if i == self.feature_layer:
+            x = self.add_feature(x, feature)
+        return x
+
+    @torch.no_grad()
+    def fit_bridge(self, tokens: torch.Tensor, ridge: float = 1e-2, batch_size: int = 8) -> float:
+        """Set the bridge by ridge least squares: over the (B, T) training windows ``tokens``, map the target's
+        residual stream entering target layer J (J = :attr:`bridge_layer`, the depth the draft's own stream has
+        there when its first J layers are target layers 0..J-1) to the one entering source layer
+        ``source_layers[J]`` (W = (X'X + λ n I)^-1 X'Y over [x, 1], λ = ridge × mean(x²), in float64).
+        Returns R² of the fit on those windows (1 - residual / total sum of squares). Raises ConfigError
+        without a bridge."""
+        if self.bridge is None:
+            raise ConfigError("this draft has no bridge (SpireConfig.bridge)")
+        J = self.bridge_layer
+        src_in, dst = J, self.source_layers[J]
+        if src_in == dst:  # no junction: the identity is exact
+            return 1.0
+        d = self.target.cfg.d_model
+        A = torch.zeros(d + 1, d + 1, dtype=torch.float64)
+        XtY = torch.zeros(d + 1, d, dtype=torch.float64)
+        Y_sum, Y_sq, n = torch.zeros(d, dtype=torch.float64), 0.0, 0
+        for rows in tokens.split(batch_size):
+            pos = torch.arange(rows.shape[1], device=rows.device)[None].expand_as(rows)
+            h = self.target(rows, pos, hidden_layers=(src_in, dst)).hidden
+            x, y = (h[j].double().reshape(-1, d).cpu() for j in (src_in, dst))
+            x1 = torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype)], 1)
+            A += x1.T @ x1
+            XtY += x1.T @ y
+            Y_sum += y.sum(0)
+            Y_sq += float(y.pow(2).sum())
+            n += len(x)
+        lam = ridge * float(A.diagonal()[:d].sum()) / (n * d)
+        W = torch.linalg.solve(A + lam * n * torch.eye(d + 1, dtype=A.dtype), XtY)  # (d + 1, d)
+        # residual sum of squares from the normal equations: Σ y² - 2 tr(W'X'Y) + tr(W'AW)
+        rss = Y_sq - 2 * float((W * XtY).sum()) + float((W * (A @ W)).sum())
+        tss = Y_sq - float(Y_sum.pow(2).sum()) / n
+        self.bridge.weight.copy_(W[:d].T.to(self.bridge.weight.dtype))
+        self.bridge.bias.copy_(W[d].to(self.bridge.bias.dtype))
+        return 1.0 - rss / tss
 
     def add_feature(self, x: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
         """feature_input: the residual stream (B, T, d) entering draft layer :attr:`feature_layer`, plus the
@@ -398,7 +472,9 @@ class SpireDraftModel(nn.Module):
         if not self.cfg.target_activations:  # an ordinary transformer: one causal pass is exact
             x = self.target.model.embed_tokens(tokens)
             mask = attention_mask(pos[None], pos, self.view)
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
+                if self.enters(i):
+                    x = self.layer_input(i, x)
                 x = layer(x, cos_all, sin_all, lambda kk, vv: (kk, vv), mask)
             return self.logits(x)
         # target memory keys/values of every position, per draft layer: (B, KV, T, D); with chunks of G blocks
@@ -427,8 +503,8 @@ class SpireDraftModel(nn.Module):
             x = group(self.target.model.embed_tokens(tokens[:, q_pos]))  # (B·C, G, d)
             xs = [x]
             for i, layer in enumerate(self.layers):
-                if i == self.feature_layer:
-                    x = xs[i] = self.add_feature(x, feature)
+                if self.enters(i):
+                    x = xs[i] = self.layer_input(i, x, feature)
                 def kv_source(k_self, v_self, i=i):
                     return (torch.cat([kt[i], *kd[i], k_self], 2), torch.cat([vt[i], *vd[i], v_self], 2))
                 x = layer(x, cos, sin, kv_source, mask)
@@ -567,7 +643,15 @@ class SpireDraftModel(nn.Module):
                 raise ConfigError("a draft vocabulary is chosen from the training text's token counts: this data "
                                   "source has none (data.train.tokens)")
             vocab = frequent_tokens(tokens, cfg.spire.vocab_size, target.cfg.vocab_size)
-        return cls(target, cfg.spire, vocab)
+        model = cls(target, cfg.spire, vocab)
+        if model.bridge is not None and cfg.spire.init == "pruned":  # a random draft's stream is not the target's
+            sample = getattr(data, "sample_train_batch", None)
+            if sample is None:
+                raise ConfigError("the bridge is fitted on training text (data.sample_train_batch): this data "
+                                  "source has none")
+            rows = sample(BRIDGE_FIT_ROWS, cfg.seq_len, torch.Generator().manual_seed(cfg.seed))
+            model.bridge_r2 = model.fit_bridge(rows.to(target.device))
+        return model
 
     def target_layers(self) -> tuple[int, ...]:
         """The source layers when the draft reads target activations, else () (the target need not run)."""
@@ -680,6 +764,8 @@ class SpireDraft(Draft):
         old = torch.where(old < pos[:, :1], old, torch.full_like(old, 1 << 40))
         mask = attention_mask(pos, torch.cat([old, pos], 1), m.view)
         for i, layer in enumerate(m.layers):
+            if m.enters(i):
+                x = m.layer_input(i, x)
             new: list[torch.Tensor] = []
 
             def kv_source(k_new, v_new, i=i, new=new):  # the cache's past, then the call's own keys
@@ -711,14 +797,14 @@ class SpireDraft(Draft):
         run = fastpath.decode_step(m, m.layers, m.target.cfg, x, pos, cos, sin, cache, mask=mask, slots=slots)
         if run is not None:  # each layer one native call: the token's key/value into its slot, attention over slots
             for i in range(len(m.layers)):
-                if i == m.feature_layer:
-                    x = xs[i] = m.add_feature(x, feature)
+                if m.enters(i):
+                    x = xs[i] = m.layer_input(i, x, feature)
                 x = run.block(i, x)
                 xs.append(x)
         else:
             for i, layer in enumerate(m.layers):
-                if i == m.feature_layer:
-                    x = xs[i] = m.add_feature(x, feature)
+                if m.enters(i):
+                    x = xs[i] = m.layer_input(i, x, feature)
 
                 def kv_source(k_self, v_self, i=i):  # the token's own key/value, then everything up to it
                     cache.write(i, pos, k_self, v_self)

@@ -407,6 +407,12 @@ class Trainer:
             if self.rank == 0:
                 out_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write(out_dir / LOG_FILE, None, "")
+            r2 = getattr(model, "bridge_r2", None)
+            if r2 is not None:  # a bridged SPIRe draft, fitted to the target before training
+                self.write_log({"event": "bridge", "step": 0, "layer": model.bridge_layer, "r2": r2})
+                if self.log is not None and self.rank == 0:
+                    self.log(f"      bridge into draft layer {model.bridge_layer} fitted to the target "
+                             f"(R² {r2:.3f})")
         state["config"] = cfg_dict
         state["heldout_windows"] = 0 if self.heldout is None else int(self.heldout.shape[0])  # for a resume
         self.state = state
