@@ -165,3 +165,28 @@ def test_export_round_trip_keeps_the_feature_input(tmp_path, tiny):
     back = load_exported_spire(out, tiny)
     assert json.loads((out / "config.json").read_text())["spire"]["feature_input"] is True
     assert back.cfg.feature_input and torch.equal(back.feature_proj.weight, model.feature_proj.weight)
+
+
+def test_export_round_trip_keeps_the_bridge(tmp_path, tiny):
+    """A bridged draft (beyond the paper) exports its bridge and loads back exactly, with the same logits."""
+    import torch
+
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+    from spire.export import export_draft, load_exported_spire
+
+    torch.manual_seed(0)
+    model = SpireDraftModel(tiny, SpireConfig(layers=(0, 3), window=6, bridge=True))
+    with torch.no_grad():
+        model.bridge.weight.add_(0.1 * torch.randn_like(model.bridge.weight))
+        model.bridge.bias.normal_(0, 0.1)
+    path = tmp_path / "draft.safetensors"
+    model.save(path)
+    out = export_draft("spire", path, tiny, "tiny", tmp_path / "export", k=3)
+    back = load_exported_spire(out, tiny)
+    assert json.loads((out / "config.json").read_text())["spire"]["bridge"] is True
+    assert back.bridge_layer == 1 and torch.equal(back.bridge.weight, model.bridge.weight)
+    tokens = torch.randint(0, tiny.cfg.vocab_size, (1, 12))
+    with torch.no_grad():
+        hidden = tiny(tokens, torch.arange(12)[None], hidden_layers=(0, 3)).hidden
+        torch.testing.assert_close(back.forward_train(tokens, hidden, 3), model.forward_train(tokens, hidden, 3),
+                                   atol=0, rtol=0)

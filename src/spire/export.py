@@ -100,6 +100,7 @@ def spire_export_config(meta: dict, state: dict, target, name_or_path: str, k: i
                   "target_activations": sc.get("target_activations", True),
                   "self_attend": sc.get("self_attend", True),
                   "feature_input": sc.get("feature_input", False),
+                  "bridge": sc.get("bridge", False),
                   "draft_vocab": None if vocab is None else {
                       "tensor": vocab[0], "size": vocab[1], "holds": "target_ids",
                       "note": "the target token id of each draft column (EAGLE-3's d2t holds the offset "
