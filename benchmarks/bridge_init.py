@@ -1,6 +1,6 @@
 """What the bridge buys an untrained SPIRe draft: held-out α by drafted position of the pruned draft at
-initialization, without the bridge (the paper's) and with it fitted to the target (SpireConfig.bridge,
-:meth:`SpireDraftModel.fit_bridge` on the trainer's 32 training windows), on the same held-out windows that
+initialization, without the bridge and with it fitted to the target (SpireConfig.bridge,
+:meth:`SpireDraftModel.start_training`, the trainer's fit on 32 training windows), on the same held-out windows that
 `spire train` evaluates on. Prints one JSON object (also written to --out when given).
 
     python benchmarks/bridge_init.py --layers 0,1,24,25,26,27,28,29 --vocab-size 16384
@@ -39,11 +39,13 @@ def main() -> None:
               "heldout_windows": args.windows, "k": args.k}
     for bridge in (False, True):
         cfg = TrainConfig(k=args.k, spire=SpireConfig(layers=layers, vocab_size=args.vocab_size, bridge=bridge))
-        model = SpireDraftModel.for_training(target, cfg, data).eval()
+        model = SpireDraftModel.for_training(target, cfg, data)
+        model.start_training(data, cfg)  # the trainer's fit (nothing without a bridge)
+        model.eval()
         alpha = evaluate_alpha(model, target, windows, args.k)
-        result["bridge" if bridge else "paper"] = {"alpha_per_position": [round(a, 4) for a in alpha]}
+        result["bridge" if bridge else "no_bridge"] = {"alpha_per_position": [round(a, 4) for a in alpha]}
         if bridge:
-            result["bridge"].update(layer=model.bridge_layer, r2=round(model.bridge_r2, 4))
+            result["bridge"].update(layer=model.bridge_layer, r2_in_sample=round(model.bridge_r2, 4))
     text = json.dumps(result, indent=1)
     print(text)
     if args.out is not None:

@@ -56,7 +56,9 @@ def test_fused_block_equals_per_op_and_reference_paths(tiny16, view, monkeypatch
     reference = _run(ref, ids, lens, view, True, True, monkeypatch)
     assert fastpath.native_blocks(tiny16), "the fused path did not run"
     for other in (per_op, reference):
-        torch.testing.assert_close(fused[0], other[0], atol=1e-5, rtol=1e-5)
+        # float32 sums in another order (the kernel's vector width): on an AVX-512 Zen 4 one logit of 2,619 differed
+        # by 1.06e-5 (logits of order 1); 2e-5 still fails any real error (a wrong mask or weight moves logits by 1e-2)
+        torch.testing.assert_close(fused[0], other[0], atol=2e-5, rtol=1e-5)
         for a, b in zip(fused[1], other[1]):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(fused[2], other[2], atol=1e-5, rtol=1e-5)

@@ -342,9 +342,8 @@ def test_bridge_starts_as_the_paper_draft_and_fits_the_target(tiny):
     np.testing.assert_allclose(m.bridge.bias.detach().double().numpy(), w[-1], rtol=1e-4, atol=1e-5)
     expected_r2 = 1 - ((x1 @ w - y) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()
     assert r2 == pytest.approx(expected_r2, abs=1e-5) and r2 > 1 - ((x - y) ** 2).sum() / ((y - y.mean(0)) ** 2).sum()
-    flat = SpireDraftModel(tiny, SpireConfig(layers=(0, 1), bridge=True))  # layers 0, 1: no junction
-    assert flat.bridge_layer == 0 and flat.fit_bridge(tokens) == 1.0
-    assert torch.equal(flat.bridge.weight, torch.eye(tiny.cfg.d_model))
+    with pytest.raises(ConfigError, match="needs a junction"):  # layers 0, 1: nothing to bridge
+        SpireDraftModel(tiny, SpireConfig(layers=(0, 1), bridge=True))
     with pytest.raises(ConfigError, match="no bridge"):
         SpireDraftModel(tiny, SpireConfig(layers=(0, 3))).fit_bridge(tokens)
 

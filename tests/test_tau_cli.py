@@ -296,3 +296,25 @@ def test_bootstrap_ratio_ci_known_answers():
     lo, hi = bootstrap_ratio_ci(np.array([1, 10]), np.array([1, 2]), n_boot=100_000, level=0.1)
     assert lo == hi == pytest.approx(11 / 3)
     assert bootstrap_ratio_ci(np.array([1, 10]), np.array([1, 2]), n_boot=100_000) == (1.0, 5.0)
+
+
+def test_tau_reads_an_exported_spire_folder(tmp_path):
+    """`spire export`'s folder is a SPIRe draft for `spire tau` too (docs/serving.md), as for `spire generate`: its
+    draft computes the same logits as the trained file it came from."""
+    from spire.commands.tau import build_drafts
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+    from spire.export import export_draft
+
+    target = make_tiny()
+    torch.manual_seed(0)
+    model = SpireDraftModel(target, SpireConfig(n_draft_layers=2, window=6))
+    model.save(tmp_path / "draft.safetensors")
+    out = export_draft("spire", tmp_path / "draft.safetensors", target, "tiny", tmp_path / "export", k=3)
+    (spec, draft), = build_drafts(target, None, TauArgs(drafts=[DraftSpec("spire", "x", str(out))]))
+    tokens = torch.randint(0, target.cfg.vocab_size, (1, 12))
+    with torch.no_grad():
+        hidden = target(tokens, torch.arange(12)[None], hidden_layers=model.source_layers).hidden
+        torch.testing.assert_close(draft.model.forward_train(tokens, hidden, 3), model.forward_train(tokens, hidden, 3),
+                                   atol=0, rtol=0)
+    with pytest.raises(Exception, match="not found"):
+        build_drafts(target, None, TauArgs(drafts=[DraftSpec("spire", "x", str(tmp_path / "missing"))]))

@@ -463,3 +463,32 @@ def test_spawned_processes_match_one_process(tmp_path, tiny):
     assert s3["step"] == 4 and (tmp_path / "two" / "checkpoint" / "train_state.json").stat().st_mtime == mtime
     with pytest.raises(ConfigError, match="divisible"):
         train_in_processes(tiny, data, tmp_path / "three", config("spire", 4, 3), n_processes=2, log=None)
+
+
+def test_bridge_is_fitted_once_before_a_fresh_run_and_kept_on_resume(tmp_path, tiny, monkeypatch, one_thread):
+    """A bridged SPIRe run fits its bridge before step 1 (a "bridge" log event with its layer and R², the fitted
+    map the one fit_bridge gives on the seeded training windows); a resume keeps the trained bridge from its
+    checkpoint and does not fit again; a random draft is not fitted (its stream is not the target's)."""
+    cfg = config("spire", 2, 4)
+    cfg.spire = SpireConfig(n_draft_layers=2, window=8, bridge=True)
+    lines = []
+    model, _ = train_draft(tiny, RepeatingData(), tmp_path / "run", cfg, progress=False, log=lines.append)
+    events = [r for r in _log(tmp_path / "run") if r["event"] == "bridge"]
+    assert len(events) == 1 and events[0]["layer"] == 0 and events[0]["step"] == 0 and 0 < events[0]["r2"] <= 1
+    assert any("bridge into draft layer 0" in ln and "in-sample R²" in ln for ln in lines)
+    fresh = SpireDraftModel(tiny, cfg.spire)
+    rows = RepeatingData().sample_train_batch(32, cfg.seq_len, torch.Generator().manual_seed(cfg.seed))
+    assert fresh.fit_bridge(rows) == pytest.approx(events[0]["r2"], abs=1e-9)
+    assert not torch.equal(fresh.bridge.weight, torch.eye(tiny.cfg.d_model))
+    trained = model.bridge.weight.detach().clone()
+
+    def no_fit(*a, **kw):
+        raise AssertionError("a resume must not fit the bridge again")
+    monkeypatch.setattr(SpireDraftModel, "fit_bridge", no_fit)
+    cfg.max_steps = 3
+    model, state = train_draft(tiny, RepeatingData(), tmp_path / "run", cfg, resume=True, progress=False)
+    assert state["step"] == 3 and not torch.equal(model.bridge.weight, trained)  # trained on from the checkpoint
+    cfg2 = config("spire", 1, 4)
+    cfg2.spire = SpireConfig(n_draft_layers=2, window=8, bridge=True, init="random")
+    model, _ = train_draft(tiny, RepeatingData(), tmp_path / "random", cfg2, progress=False)  # fit_bridge raises
+    assert not [r for r in _log(tmp_path / "random") if r["event"] == "bridge"]

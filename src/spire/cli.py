@@ -450,7 +450,7 @@ def reproduce(
     bridge: Annotated[Optional[bool], typer.Option("--bridge/--no-bridge", help="SPIRe's residual stream passes "
                                                    "an affine map, fitted to the target's by least squares, where "
                                                    "its shallow layers meet its deep ones (beyond the paper; "
-                                                   "--no-bridge: the paper's draft) [on].")] = None,
+                                                   "--no-bridge: the paper's draft) [off].")] = None,
     compile_step: Annotated[Optional[bool], typer.Option("--compile/--no-compile", help="Every draft's training "
                                                          "step through torch.compile (the same computation, "
                                                          "fused; minutes of compiling the first time on a "

@@ -79,7 +79,7 @@ class ReproduceConfig:
     target_cache: str | None = "bfloat16"
     vanilla_token_share: float | None = 0.5
     hidden_weight: float = 0.0
-    bridge: bool = True
+    bridge: bool = False
     compile: bool = True
     sink: int = defaults.SINK
     window: int = defaults.WINDOW

@@ -47,8 +47,8 @@ from spire.paths import atomic_write
 INIT_KINDS = ("pruned", "random")
 
 BRIDGE_FIT_ROWS = 32
-"""Training windows the bridge is fitted on (:meth:`SpireDraftModel.fit_bridge`): 32 x 256 tokens, ~15 s of the
-target on one CPU thread, for d² + d = 332 K numbers on SmolLM2 (a ridge fit)."""
+"""Training windows the bridge is fitted on (:meth:`SpireDraftModel.fit_bridge`): 32 x 256 tokens through the
+target (its forward only), for d² + d = 332 K numbers on SmolLM2 (a ridge fit)."""
 
 CHUNKED_KPASS = True
 """Whether k-pass training groups its blocks in chunks that read only the target keys a window can reach
@@ -136,6 +136,9 @@ class SpireConfig:
         if self.feature_from is not None and not 0 <= self.feature_from < self.n_draft_layers:
             raise ConfigError(f"feature_from must be a draft layer in [0, {self.n_draft_layers - 1}], got "
                               f"{self.feature_from}")
+        if self.bridge and self.source_layers(n_t)[self.junction_layer(n_t)] == self.junction_layer(n_t):
+            raise ConfigError(f"a bridge needs a junction (a draft layer not copied from the same target depth): "
+                              f"draft layers {list(self.source_layers(n_t))} have none")
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ConfigError(f"the draft vocabulary must hold at least 1 token, got {self.vocab_size}")
         if self.vocab_size is not None and target_vocab_size is not None and self.vocab_size > target_vocab_size:
@@ -384,8 +387,6 @@ class SpireDraftModel(nn.Module):
             raise ConfigError("this draft has no bridge (SpireConfig.bridge)")
         J = self.bridge_layer
         src_in, dst = J, self.source_layers[J]
-        if src_in == dst:  # no junction: the identity is exact
-            return 1.0
         d = self.target.cfg.d_model
         A = torch.zeros(d + 1, d + 1, dtype=torch.float64)
         XtY = torch.zeros(d + 1, d, dtype=torch.float64)
@@ -643,15 +644,23 @@ class SpireDraftModel(nn.Module):
                 raise ConfigError("a draft vocabulary is chosen from the training text's token counts: this data "
                                   "source has none (data.train.tokens)")
             vocab = frequent_tokens(tokens, cfg.spire.vocab_size, target.cfg.vocab_size)
-        model = cls(target, cfg.spire, vocab)
-        if model.bridge is not None and cfg.spire.init == "pruned":  # a random draft's stream is not the target's
-            sample = getattr(data, "sample_train_batch", None)
-            if sample is None:
-                raise ConfigError("the bridge is fitted on training text (data.sample_train_batch): this data "
-                                  "source has none")
-            rows = sample(BRIDGE_FIT_ROWS, cfg.seq_len, torch.Generator().manual_seed(cfg.seed))
-            model.bridge_r2 = model.fit_bridge(rows.to(target.device))
-        return model
+        return cls(target, cfg.spire, vocab)
+
+    def start_training(self, data, cfg) -> dict | None:
+        """Before a fresh run's first step (not on a resume, whose checkpoint holds the trained bridge): fit the
+        bridge of a pruned draft to the target on BRIDGE_FIT_ROWS training windows of cfg.seq_len tokens (seeded by
+        cfg.seed). Returns {"event": "bridge", "layer", "r2"} for the run's log (R² in-sample, on those windows), or
+        None when there is nothing to fit (no bridge, or a random draft, whose stream is not the target's).
+        Raises ConfigError when ``data`` cannot sample training windows."""
+        if self.bridge is None or self.cfg.init != "pruned":
+            return None
+        sample = getattr(data, "sample_train_batch", None)
+        if sample is None:
+            raise ConfigError("the bridge is fitted on training text (data.sample_train_batch): this data source "
+                              "has none")
+        rows = sample(BRIDGE_FIT_ROWS, cfg.seq_len, torch.Generator().manual_seed(cfg.seed))
+        self.bridge_r2 = self.fit_bridge(rows.to(self.target.device))
+        return {"event": "bridge", "layer": self.bridge_layer, "r2": self.bridge_r2}
 
     def target_layers(self) -> tuple[int, ...]:
         """The source layers when the draft reads target activations, else () (the target need not run)."""

@@ -258,7 +258,7 @@ def _training_lines(results: dict, cfg) -> list[str]:
         into = f" (target layer {src[b['layer']]})" if b["layer"] < len(src) else ""
         beyond.append(f"**beyond the paper**: the residual stream entering draft layer {b['layer']}{into} passes an "
                       f"affine map (trained), first fitted by least squares to the target's own stream there "
-                      f"(R² {b['r2']:.3f} on 32 training windows); `--no-bridge` gives the paper's draft")
+                      f"(in-sample R² {b['r2']:.3f} on 32 training windows); `--no-bridge` gives the paper's draft")
     if tr.get("hidden_weight"):
         beyond.append(f"**beyond the paper**: SPIRe's loss adds {tr['hidden_weight']:g} × the mismatch between a "
                       "drafted position's residual stream entering each draft layer and the target's entering that "

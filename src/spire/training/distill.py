@@ -372,6 +372,7 @@ class Trainer:
         self.bar = self.source = None
         self.ema_loss = self.ema_alpha = None
         self.hidden_mismatch: float | None = None  # the last step's hidden-state mismatch (hidden_weight > 0)
+        self.started: dict | None = None  # what the draft did before a fresh run's first step (its log event)
         self.model = self._setup_model(resume)
         self.meta = {"ablation": cfg.ablation, "loss": cfg.resolved_loss(), "omega": cfg.omega}
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -407,12 +408,11 @@ class Trainer:
             if self.rank == 0:
                 out_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write(out_dir / LOG_FILE, None, "")
-            r2 = getattr(model, "bridge_r2", None)
-            if r2 is not None:  # a bridged SPIRe draft, fitted to the target before training
-                self.write_log({"event": "bridge", "step": 0, "layer": model.bridge_layer, "r2": r2})
-                if self.log is not None and self.rank == 0:
-                    self.log(f"      bridge into draft layer {model.bridge_layer} fitted to the target "
-                             f"(R² {r2:.3f})")
+            start = getattr(model, "start_training", None)  # e.g. SPIRe's bridge, fitted to the target
+            event = start(self.data, cfg) if start is not None else None
+            if event is not None:
+                self.write_log({**event, "step": 0})
+                self.started = event
         state["config"] = cfg_dict
         state["heldout_windows"] = 0 if self.heldout is None else int(self.heldout.shape[0])  # for a resume
         self.state = state
@@ -635,6 +635,9 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
     run = Trainer(target, data, out_dir, cfg, heldout, resume, target_folder, log)
     if banner is not None and log is not None and run.rank == 0:
         log(banner)
+    if run.started is not None and run.started.get("event") == "bridge" and log is not None and run.rank == 0:
+        log(f"      bridge into draft layer {run.started['layer']} fitted to the target (in-sample R² "
+            f"{run.started['r2']:.3f})")
     run.start(progress)
     if run.done():
         return run.finish()
