@@ -148,21 +148,37 @@ def test_export_refuses_to_destroy_a_folder(tmp_path):
     assert export_draft("spire", path, target, "t", out) == out  # an earlier export is replaced
 
 
+def _export_round_trip(tmp_path, tiny, cfg, perturb):
+    """Save a draft of ``cfg`` (its extra weights moved by ``perturb``), export it, load the export back: (model,
+    export folder, loaded model); the two give the same k-pass logits exactly."""
+    import torch
+
+    from spire.drafts.spire import SpireDraftModel
+    from spire.export import export_draft, load_exported_spire
+
+    torch.manual_seed(0)
+    model = SpireDraftModel(tiny, cfg)
+    with torch.no_grad():
+        perturb(model)
+    model.save(tmp_path / "draft.safetensors")
+    out = export_draft("spire", tmp_path / "draft.safetensors", tiny, "tiny", tmp_path / "export", k=3)
+    back = load_exported_spire(out, tiny)
+    tokens = torch.randint(0, tiny.cfg.vocab_size, (1, 12))
+    with torch.no_grad():
+        hidden = tiny(tokens, torch.arange(12)[None], hidden_layers=model.source_layers).hidden
+        torch.testing.assert_close(back.forward_train(tokens, hidden, 3), model.forward_train(tokens, hidden, 3),
+                                   atol=0, rtol=0)
+    return model, out, back
+
+
 def test_export_round_trip_keeps_the_feature_input(tmp_path, tiny):
     """A draft trained with feature_input (beyond the paper) exports its projection and loads back exactly."""
     import torch
 
-    from spire.drafts.spire import SpireConfig, SpireDraftModel
-    from spire.export import export_draft, load_exported_spire
+    from spire.drafts.spire import SpireConfig
 
-    torch.manual_seed(0)
-    model = SpireDraftModel(tiny, SpireConfig(n_draft_layers=2, window=6, feature_input=True))
-    with torch.no_grad():
-        model.feature_proj.weight.normal_(0, 0.1)
-    path = tmp_path / "draft.safetensors"
-    model.save(path)
-    out = export_draft("spire", path, tiny, "tiny", tmp_path / "export", k=3)
-    back = load_exported_spire(out, tiny)
+    model, out, back = _export_round_trip(tmp_path, tiny, SpireConfig(n_draft_layers=2, window=6, feature_input=True),
+                                          lambda m: m.feature_proj.weight.normal_(0, 0.1))
     assert json.loads((out / "config.json").read_text())["spire"]["feature_input"] is True
     assert back.cfg.feature_input and torch.equal(back.feature_proj.weight, model.feature_proj.weight)
 
@@ -171,22 +187,11 @@ def test_export_round_trip_keeps_the_bridge(tmp_path, tiny):
     """A bridged draft (beyond the paper) exports its bridge and loads back exactly, with the same logits."""
     import torch
 
-    from spire.drafts.spire import SpireConfig, SpireDraftModel
-    from spire.export import export_draft, load_exported_spire
+    from spire.drafts.spire import SpireConfig
 
-    torch.manual_seed(0)
-    model = SpireDraftModel(tiny, SpireConfig(layers=(0, 3), window=6, bridge=True))
-    with torch.no_grad():
-        model.bridge.weight.add_(0.1 * torch.randn_like(model.bridge.weight))
-        model.bridge.bias.normal_(0, 0.1)
-    path = tmp_path / "draft.safetensors"
-    model.save(path)
-    out = export_draft("spire", path, tiny, "tiny", tmp_path / "export", k=3)
-    back = load_exported_spire(out, tiny)
+    def perturb(m):
+        m.bridge.weight.add_(0.1 * torch.randn_like(m.bridge.weight))
+        m.bridge.bias.normal_(0, 0.1)
+    model, out, back = _export_round_trip(tmp_path, tiny, SpireConfig(layers=(0, 3), window=6, bridge=True), perturb)
     assert json.loads((out / "config.json").read_text())["spire"]["bridge"] is True
     assert back.bridge_layer == 1 and torch.equal(back.bridge.weight, model.bridge.weight)
-    tokens = torch.randint(0, tiny.cfg.vocab_size, (1, 12))
-    with torch.no_grad():
-        hidden = tiny(tokens, torch.arange(12)[None], hidden_layers=(0, 3)).hidden
-        torch.testing.assert_close(back.forward_train(tokens, hidden, 3), model.forward_train(tokens, hidden, 3),
-                                   atol=0, rtol=0)
