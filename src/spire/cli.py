@@ -290,6 +290,12 @@ def _given(ctx: typer.Context, names) -> dict:
             if getattr(ctx.get_parameter_source(name), "name", None) not in ("DEFAULT", "DEFAULT_MAP")}
 
 
+SPIRE_SWITCHES = {"full_kv": ("window", None), "no_feedback_memory": ("feedback_memory", False),
+                  "no_target_activations": ("target_activations", False), "no_self_attend": ("self_attend", False),
+                  "feature_input": ("feature_input", True), "bridge": ("bridge", True)}
+"""`spire train` flags that set a SpireConfig field: flag parameter -> (field, value when the flag is given)."""
+
+
 @app.command()
 def train(
     ctx: typer.Context,
@@ -351,9 +357,8 @@ def train(
     feature_input: Annotated[bool, _OPT("--feature-input", help="SPIRe, beyond the paper: a drafted token's "
                                         "input adds a learned projection of the previous position's feature "
                                         "(EAGLE-style).")] = False,
-    bridge: Annotated[bool, _OPT("--bridge", help="SPIRe, beyond the paper: a learned affine map on the residual "
-                                 "stream where the draft's shallow layers meet its deep ones, fitted to the "
-                                 "target's by least squares before training.")] = False,
+    bridge: Annotated[bool, _OPT("--bridge", help="SPIRe, beyond the paper: an affine map, fitted to the target "
+                                 "before training, where the draft's shallow layers meet its deep ones.")] = False,
     hidden_loss: Annotated[Optional[float], _OPT(metavar="W", help="SPIRe, beyond the paper: add W x the "
                                                  "mismatch between the draft's residual stream entering each draft "
                                                  "layer and the target's entering its source layer, at drafted "
@@ -375,12 +380,7 @@ def train(
     spire_kw = {name: value for name, value in _given(ctx, SPIRE_FIELDS).items() if value is not None}
     if layers is not None:
         spire_kw["layers"] = tuple(_ints("--layers", [layers]))
-    for flag, name, value in ((full_kv, "window", None), (no_feedback_memory, "feedback_memory", False),
-                              (no_target_activations, "target_activations", False),
-                              (no_self_attend, "self_attend", False), (feature_input, "feature_input", True),
-                              (bridge, "bridge", True)):
-        if flag:
-            spire_kw[name] = value
+    spire_kw.update(setting for flag, setting in SPIRE_SWITCHES.items() if ctx.params.get(flag))
     train_kw = {TRAIN_FIELDS[name]: value for name, value in _given(ctx, TRAIN_FIELDS).items() if value is not None}
     if train_kw.get("target_cache") == "none":  # as in `spire reproduce`: the live target (the default)
         train_kw["target_cache"] = None

@@ -151,20 +151,17 @@ def training_processes(cfg: ReproduceConfig, device: torch.device, batch_size: i
     return n, max(1, threads // n) if n > 1 else threads
 
 
+def _log_rows(run_dir: Path) -> list[dict]:
+    """The rows of a run's train_log.jsonl ([] when it has none)."""
+    path = Path(run_dir) / LOG_FILE
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+
+
 def heldout_curve(run_dir: Path) -> list[dict]:
     """The held-out evaluations of a run, in order: [{"step", "tokens", "alpha_per_position"}] (its learning
     curve; the log of a resumed run holds each step once)."""
-    path = Path(run_dir) / LOG_FILE
-    if not path.is_file():
-        return []
-    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
     return [{"step": r["step"], "tokens": r["tokens"], "alpha_per_position": r["alpha_per_position"]}
-            for r in rows if r.get("event") == "eval"]
-
-
-def _log_rows(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / LOG_FILE
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+            for r in _log_rows(run_dir) if r.get("event") == "eval"]
 
 
 def bridge_fit(run_dir: Path) -> dict | None:
@@ -176,11 +173,7 @@ def bridge_fit(run_dir: Path) -> dict | None:
 def compile_seconds(run_dir: Path) -> float | None:
     """Seconds spent compiling a run's training step (its log's "compile" events that succeeded; a resumed run
     compiles again), or None when it never ran compiled."""
-    path = Path(run_dir) / LOG_FILE
-    if not path.is_file():
-        return None
-    rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-    done = [r["seconds"] for r in rows if r.get("event") == "compile" and r.get("compiled")]
+    done = [r["seconds"] for r in _log_rows(run_dir) if r.get("event") == "compile" and r.get("compiled")]
     return sum(done) if done else None
 
 
