@@ -89,7 +89,9 @@ def test_prompt_longer_than_positions(folder):
 @pytest.mark.parametrize("args,message", [
     (["", "--draft", "none"], "empty prompt"),
     (["hi", "--k", "0"], "k must be >= 1"),
-    (["hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["hi", "--temperature", "-1"], "temperature must be finite and >= 0"),
+    (["hi", "--temperature", "inf"], "temperature must be finite and >= 0"),
+    (["hi", "--k", "8190", "--max-new-tokens", "16", "--draft", "magicdec"], "k = 8190 draft tokens per round"),
     (["hi", "--top-p", "0"], "top-p must be in (0, 1]"),
     (["hi", "--top-p", "1.5"], "top-p must be in (0, 1]"),
     (["hi", "--draft", "vanilla"], "needs --draft-path"),

@@ -110,10 +110,36 @@ def test_zero_is_not_unset_and_outputs_are_checked_first(capsys, tmp_path):
              (["throughput", "--bytes-per-value", "0", "-B", "1", "-L", "512"], "--bytes-per-value must be positive"),
              (["throughput", "--plot", str(afile / "x.png"), "-B", "1", "-L", "512"], f"{afile} is a file, not a folder"),
              (["throughput-figures", "--out", str(afile)], "is a file, not a folder"),
-             (["bench", "--quick", "--out", str(afile)], "is a file, not a folder")]
+             (["bench", "--quick", "--out", str(afile)], "is a file, not a folder"),
+             (["throughput", "--preset", "smollm2-135m", "-B", "64", "-L", "512,9000"],
+              "L=9000 exceeds smollm2-135m's 8192 positions"),
+             (["throughput", "--preset", "smollm2-135m", "-B", "64", "--contexts", "100,8193"],
+              "L=8193 exceeds smollm2-135m's 8192 positions")]
     for argv, needle in cases:
         with pytest.raises(SystemExit) as e:
             main(argv)
         err = capsys.readouterr().err
         assert e.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
     assert afile.read_text() == "keep"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc, where no file can be created")
+@pytest.mark.parametrize("argv", [["tau", "--draft", "magicdec", "--out", "/proc/x.json"],
+                                  ["reproduce", "--quick", "--out", "/proc/x/out"],
+                                  ["bench", "--quick", "--out", "/proc/x"],
+                                  ["throughput-figures", "--out", "/proc/x"]])
+def test_unwritable_out_is_refused_before_any_work(capsys, argv):
+    """An --out where nothing can be written is refused in one line before any measurement (it used to fail at
+    the end, naming a temporary file)."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "cannot write in /proc" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_output_check_creates_nothing(tmp_path):
+    from spire.paths import check_output_path
+
+    assert check_output_path(tmp_path / "a" / "b", "--out", folder=True) == tmp_path / "a" / "b"
+    assert check_output_path(tmp_path / "r.json", "--out") == tmp_path / "r.json"
+    assert list(tmp_path.iterdir()) == []

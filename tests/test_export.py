@@ -92,6 +92,8 @@ def test_cli_export_for_a_family_target_and_vanilla(tmp_path, capsys):
     assert e.value.code in (0, None)
     assert capsys.readouterr().out.strip() == str(tmp_path / "out")
     back = make_draft("spire", target, path=str(tmp_path / "out"))
+    with pytest.raises(CheckpointError, match="is an exported SPIRe draft: give it as the SPIRe draft"):
+        make_draft("vanilla", target, path=str(tmp_path / "out"))  # it said "unsupported model_type 'spire_draft'"
     q_norm = "layers.0.self_attn.q_norm.weight"
     assert torch.equal(back.model.state_dict()[q_norm], model.state_dict()[q_norm])
 
@@ -119,6 +121,7 @@ def test_export_keeps_the_draft_vocabulary(tmp_path):
     c = json.loads((out / "config.json").read_text())
     assert {k: c["spire"]["draft_vocab"][k] for k in ("tensor", "size", "holds")} == {
         "tensor": "vocab", "size": 20, "holds": "target_ids"}
+    assert c["torch_dtype"] == "float32"  # the weights' dtype, not the int64 vocab buffer's (stored first)
     back = make_draft("spire", target, path=str(out))
     assert torch.equal(back.model.vocab, vocab)
     prompts = [[5, 17, 42], [3, 71]]

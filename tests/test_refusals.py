@@ -83,6 +83,20 @@ def test_missing_key_and_mismatched_weights(tmp_path):
         load_target(tmp_path)
 
 
+def test_non_finite_weights_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from tests.families import build_checkpoint
+
+    build_checkpoint("llama", tmp_path)
+    (f,) = tmp_path.glob("*.safetensors")
+    sd = load_file(f)
+    sd["model.layers.1.mlp.up_proj.weight"][2, 3] = float("nan")
+    save_file(sd, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"tensor 'model.layers.1.mlp.up_proj.weight' holds NaN or infinite"):
+        load_model(tmp_path)
+
+
 def test_qwen2_weights_without_biases_refused(tmp_path):
     from tests.families import build_checkpoint
 

@@ -7,7 +7,7 @@ import torch
 
 from spire.drafts import spire as spire_module
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
-from spire.errors import ConfigError, TokenizerMismatchError
+from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.model import ForwardOutput
 from tests.conftest import make_tiny
 
@@ -148,6 +148,18 @@ def test_save_load_roundtrip_and_mismatch(tmp_path, tiny):
         perturbed.model.embed_tokens.weight.mul_(1.01)
     with pytest.raises(TokenizerMismatchError, match="trained for target"):
         SpireDraftModel.load(tmp_path / "d.safetensors", perturbed.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_draft_with_non_finite_weights_is_refused_at_load(tmp_path, tiny, bad):
+    """A diverged draft (NaN / inf weights) is refused by name: it decoded τ 1.0 at T = 0 and failed deep inside
+    sampling at T > 0."""
+    m = _draft(tiny)
+    with torch.no_grad():
+        m.layers[1].mlp.down_proj.weight[0, 0] = bad
+    m.save(tmp_path / "d.safetensors")
+    with pytest.raises(CheckpointError, match=r"tensor 'layers.1.mlp.down_proj.weight' holds NaN or infinite"):
+        SpireDraftModel.load(tmp_path / "d.safetensors", tiny)
 
 
 def test_fingerprint_of_a_draft_written_before_the_rounded_checksums(tiny):

@@ -246,6 +246,12 @@ def test_show_merges_files_and_prints_markdown(tmp_path, capsys):
                                 "| nofb | 0 | 2.100 [2.000, 2.200] | – |"]
     obj = json.loads(merged.read_text())
     assert [r["tau"] for r in obj["rows"]] == [3.0, 2.9, 2.1] and len(obj["merged_from"]) == 2
+    assert "warning" not in err  # measured alike
+    c = _tau_file(tmp_path, [{**_row("spire", 512, 2.0, k=2), "G": 16, "n_contexts": 2}], "c.json")
+    code, out, err = run(capsys, "tau", "--show", str(a), "--show", str(c), "--format", "markdown")
+    assert code == 0 and err.strip() == ("warning: the rows were measured with different settings (G 16, 64; k 2, 4; "
+                                         "n_contexts 2, 16): compare τ only between rows measured alike (the JSON's "
+                                         "merged_from keeps each file's settings)")
     code, _, err = run(capsys, "tau", "--show", str(tmp_path / "none.json"))
     assert code == 2 and err.startswith("error: --show: no such file")
 

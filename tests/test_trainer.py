@@ -109,7 +109,7 @@ def assert_same_run(run: Path, ref: Path) -> None:
 
 
 @pytest.mark.parametrize("draft", ["spire", "vanilla"])
-def test_resume_continues_exactly(tmp_path, tiny, draft, one_thread, tick_clock):
+def test_resume_continues_exactly(tmp_path, tiny, draft, one_thread, tick_clock, capsys):
     """An interrupted run resumed with --resume ends bit for bit where an uninterrupted run ends (weights,
     AdamW state, log lines): batches depend on (seed, step), the schedule on step, AdamW state is restored."""
     cfg = config(draft, max_steps=8, batch=4, checkpoint_every=0.0)  # checkpoint after every step
@@ -117,10 +117,25 @@ def test_resume_continues_exactly(tmp_path, tiny, draft, one_thread, tick_clock)
     with pytest.raises(KeyboardInterrupt):
         train_draft(tiny, CrashingData(crash_at=5), tmp_path / "run", config(draft, 8, 4, 0.0), progress=False)
     assert load_state(tmp_path / "run")["step"] == 4
+    from spire.commands.train import interrupted_note  # what `spire train` prints on Ctrl-C
+
+    assert "its last checkpoint (step 4;" in interrupted_note(tmp_path / "run")
+    assert interrupted_note(tmp_path / "none").startswith("interrupted before the first checkpoint")
+    if draft == "spire":  # its intermediate draft still serves, with a warning naming the run
+        from spire.drafts import make_draft
+
+        capsys.readouterr()
+        make_draft("spire", tiny, path=str(tmp_path / "run"))
+        err = capsys.readouterr().err
+        assert f"warning: {tmp_path / 'run'} is an unfinished training run (stopped at step 4)" in err
     model, state = train_draft(tiny, RepeatingData(), tmp_path / "run", config(draft, 8, 4, 0.0), resume=True,
                                progress=False)
     assert state["step"] == 8 and state["finished"]
     assert_same_run(tmp_path / "run", tmp_path / "ref")
+    if draft == "spire":
+        capsys.readouterr()
+        make_draft("spire", tiny, path=str(tmp_path / "run"))
+        assert "warning" not in capsys.readouterr().err
     losses = _train_losses(tmp_path / "ref")
     assert sorted(losses) == list(range(1, 9)) and losses[8] < losses[1]  # and it learns
 

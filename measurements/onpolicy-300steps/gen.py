@@ -4,6 +4,7 @@ of the window's first 256 - G natural tokens; rows alternate greedy (T = 0) and 
 
     python gen.py STEPS G [CHUNK] [OUT]      # e.g. python gen.py 300 64 100 onpolicy_300_64.pt
 """
+import os
 import sys
 import time
 
@@ -19,7 +20,7 @@ steps, G = int(sys.argv[1]), int(sys.argv[2])
 chunk = int(sys.argv[3]) if len(sys.argv) > 3 else 64
 out = sys.argv[4] if len(sys.argv) > 4 else f"onpolicy_{steps}_{G}.pt"
 B, T, seed = 4, 256, 0
-torch.set_num_threads(2)
+torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", 2)))
 target, tok, _ = load_target(progress=False)
 data = load_data(["registry"], tok, progress=False)
 nat = torch.cat([data.sample_train_batch(B, T, step_generator(seed, s)) for s in range(steps)])

@@ -228,12 +228,16 @@ def tau(
     no_progress: Annotated[bool, _OPT("--no-progress", help="No progress bars or log lines.")] = False,
 ) -> None:
     """τ (tokens per round) with a 95 % CI on held-out text: several drafts, L and temperatures in one run."""
-    from spire.commands.tau import merge_files, print_table, table_markdown, write_json
+    from spire.commands.tau import merge_files, print_table, table_markdown, unlike_settings, write_json
 
     if out is not None:
         check_output_path(out, "--out")
     if show:
         result = merge_files(show)
+        unlike = unlike_settings(result["rows"])
+        if unlike:
+            typer.echo(f"warning: the rows were measured with different settings ({unlike}): compare τ only "
+                       "between rows measured alike (the JSON's merged_from keeps each file's settings)", err=True)
         if out is not None:
             typer.echo(f"wrote {write_json(out, result)}", err=True)
     else:
@@ -479,7 +483,14 @@ def reproduce(
             raise ConfigError(f"--target-cache must be bfloat16, float32 or none, got {target_cache!r}")
         overrides["target_cache"] = None if target_cache == "none" else target_cache
     cfg = ReproduceConfig.quick_config(**overrides) if quick else ReproduceConfig(**overrides)
-    run(cfg, log=lambda msg: typer.echo(msg, err=True))
+    check_output_path(cfg.out, "--out", folder=True)
+    try:
+        run(cfg, log=lambda msg: typer.echo(msg, err=True))
+    except KeyboardInterrupt:
+        typer.echo("interrupted: the same command goes on where this one stopped (finished drafts and τ "
+                   "measurements are reused from the cache; an unfinished training resumes from its last checkpoint)",
+                   err=True)
+        raise
     typer.echo(f"wrote {out / 'REPORT.md'}, {out / 'results.json'} and figures")
 
 

@@ -85,7 +85,8 @@ def spire_export_config(meta: dict, state: dict, target, name_or_path: str, k: i
     # EAGLE-3's d2t offsets; config.json says which)
     vocab = next(((name, int(t.shape[0])) for name, t in state.items() if name == "vocab" or name.endswith("d2t")),
                  None)
-    dtype = str(next(iter(state.values())).dtype).removeprefix("torch.") if state else "float32"
+    # the weights' dtype: the first floating tensor (the vocab buffer, first when present, holds int64 ids)
+    dtype = next((str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()), "float32")
     return {
         "architectures": ["SpireDraftModel"], "model_type": SPIRE_MODEL_TYPE, "torch_dtype": dtype,
         "transformers_version": tf_version, "spire_version": __version__, "spire_format_version": FORMAT_VERSION,
@@ -229,5 +230,6 @@ def load_exported_spire(folder: str | Path, target):
     config = check_export(folder, target)
     algorithm = config["speculators_config"].get("algorithm")
     if algorithm != "spire":
-        raise CheckpointError(f"{folder} holds a {algorithm!r} draft, not a SPIRe one: use --draft vanilla")
+        raise CheckpointError(f"{folder} holds a draft of algorithm {algorithm!r}, not a SPIRe one: use --draft "
+                              "vanilla")
     return SpireDraftModel.load(Path(folder) / "model.safetensors", target)

@@ -186,18 +186,28 @@ def _split_fused(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, tor
     return out
 
 
+def check_finite(state: dict[str, torch.Tensor], what: str) -> None:
+    """Raise CheckpointError naming the first floating tensor of ``state`` with a NaN or infinite value (a
+    diverged training, a corrupted file): such weights would decode garbage or fail deep inside sampling."""
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise CheckpointError(f"{what}: tensor {name!r} holds NaN or infinite values (a diverged training or a "
+                                  "corrupted file?)")
+
+
 def load_model(folder: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
     """The :class:`Transformer` of an HF folder (config.json + safetensors), in eval mode with frozen weights.
 
     Raises:
-        CheckpointError: unreadable config or weights, unsupported family or feature (named), or weights that do
-            not fit the configuration.
+        CheckpointError: unreadable config or weights, unsupported family or feature (named), weights that do
+            not fit the configuration, or NaN / infinite weights.
     """
     folder = Path(folder)
     cfg = read_model_config(folder)
     with torch.device("meta"):
         model = Transformer(cfg)
     sd = load_state_dict(folder)
+    check_finite(sd, f"weights of {folder}")
     if cfg.family == "phi3":
         sd = _split_fused(sd, cfg)
     if cfg.tie_embeddings:

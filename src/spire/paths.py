@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from spire.errors import ConfigError
@@ -17,19 +18,29 @@ def spire_cache_dir() -> Path:
 
 def check_output_path(path: str | os.PathLike, option: str, folder: bool = False) -> Path:
     """Refuse, before any work, an output path that cannot be written: a part of its parent path that is a file,
-    or (``folder``) a file where a folder goes / (not ``folder``) a folder where a file goes. ``option`` names it
-    in the error. Returns the path. Raises :class:`spire.errors.ConfigError`."""
+    a nearest existing folder in which no file can be created (tried with a probe file, removed at once), or
+    (``folder``) a file where a folder goes / (not ``folder``) a folder where a file goes. ``option`` names it in
+    the error. Creates nothing. Returns the path. Raises :class:`spire.errors.ConfigError`."""
     from spire.errors import ConfigError
 
     path = Path(path)
+    where = None
     for parent in path.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise ConfigError(f"{option} {path}: {parent} is a file, not a folder")
+            where = parent
             break
     if path.exists() and path.is_dir() != folder:
         kind = "a file, not a folder" if folder else "a folder, not a file"
         raise ConfigError(f"{option} {path} is {kind}: choose another {option}")
+    where = path if folder and path.is_dir() else where
+    if where is not None:
+        try:
+            with tempfile.NamedTemporaryFile(dir=where, prefix=".spire-probe-"):
+                pass
+        except OSError as e:
+            raise ConfigError(f"{option} {path}: cannot write in {where} ({e.strerror or e})") from None
     return path
 
 

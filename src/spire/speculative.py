@@ -106,7 +106,8 @@ def cache_length(target: Transformer, rows: Sequence[Sequence[int]], max_new_tok
     longest = max(len(r) for r in rows)
     max_len = longest + max_new_tokens + depth + 1
     if max_len - 1 > target.cfg.max_positions:
-        raise ConfigError(f"prompt of {longest} tokens + {max_new_tokens} new tokens exceeds the "
+        extra = f" + k = {depth} draft tokens per round" if depth else ""
+        raise ConfigError(f"prompt of {longest} tokens + {max_new_tokens} new tokens{extra} exceeds the "
                           f"target's {target.cfg.max_positions} positions")
     return max_len
 

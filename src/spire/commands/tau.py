@@ -274,6 +274,19 @@ def merge_files(paths: list[str | Path]) -> dict[str, Any]:
     return merged
 
 
+def unlike_settings(rows: list[dict]) -> str | None:
+    """Which measurement settings (G, k, n_contexts, seed) differ between rows, e.g. "G 16, 64", or None."""
+    def ordered(values: set) -> list:
+        try:
+            return sorted(values)
+        except TypeError:  # a missing field (None) beside numbers
+            return sorted(values, key=str)
+
+    spread = {name: ordered({r.get(name) for r in rows}) for name in ("G", "k", "n_contexts", "seed")}
+    parts = [f"{name} {', '.join(map(str, values))}" for name, values in spread.items() if len(values) > 1]
+    return "; ".join(parts) or None
+
+
 def table_markdown(rows: list[dict]) -> str:
     """τ [95 % CI] per (draft name, T) against L, as a Markdown table."""
     Ls = sorted({r["L"] for r in rows})

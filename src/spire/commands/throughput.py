@@ -111,6 +111,10 @@ def resolve_hardware(a: ThroughputArgs) -> Hardware | None:
 def build(a: ThroughputArgs) -> tuple[dict[str, Any], list[dict[str, Any]], Preset]:
     """(summary, rows, preset) for ``spire throughput``; the summary is the JSON object's other keys."""
     preset, window, sink = resolve_preset(a)
+    if preset.max_positions is not None:
+        longest = max([*a.Ls, *(a.contexts or [])], default=0)
+        if longest > preset.max_positions:
+            raise ConfigError(f"L={longest} exceeds {preset.name}'s {preset.max_positions} positions")
     hw = resolve_hardware(a)
     if a.calibration is not None and a.dtype is None and a.bytes_per_value is None:
         # measured hardware: real bytes per value of the dtype it was measured with
@@ -262,9 +266,12 @@ EXTRA_COLUMNS = [  # (row key, header, format)
 
 
 def print_table(name: str, description: str, rows: list[dict[str, Any]]) -> None:
-    """A rich table of the rows; extra columns appear when a row has them."""
+    """A rich table of the rows; extra columns appear when a row has them; the caption says where τ came from
+    when every row took it from the same place."""
     extras = [c for c in EXTRA_COLUMNS if any(c[0] in r for r in rows)]
-    table = Table(title=f"{name}: {description}", caption="multiplier = τ / Δt (throughput over AD)")
+    sources = {r.get("tau_source") for r in rows}
+    caption = "multiplier = τ / Δt (throughput over AD)" + (f"; τ: {sources.pop()}" if len(sources) == 1 else "")
+    table = Table(title=f"{name}: {description}", caption=caption)
     for column in ("draft", "B", "L", "τ", "Δt", "multiplier", "memory (GB)", *(c[1] for c in extras)):
         table.add_column(column, justify="left" if column == "draft" else "right")
     for r in rows:

@@ -142,6 +142,18 @@ def resolve_device(device: str, world: int) -> str:
     return device
 
 
+def interrupted_note(out: Path) -> str:
+    """What an interrupted run left: its last checkpoint's step and how to go on from it."""
+    try:
+        step = (load_state(out) or {}).get("step", 0)
+    except CheckpointError:
+        step = 0
+    if not step:
+        return f"interrupted before the first checkpoint: nothing was saved in {out}"
+    return (f"interrupted: {out} holds its last checkpoint (step {step}; one is written every --checkpoint-every "
+            f"seconds); `spire train --resume --out {out}` goes on from there exactly")
+
+
 def run(args: TrainRunArgs, log=print) -> dict:
     """Train as asked and return a summary dict (also printed by the CLI). Raises SpireError subclasses."""
     if args.device not in DEVICES:
@@ -173,8 +185,13 @@ def run(args: TrainRunArgs, log=print) -> dict:
     banner = (f"training a {cfg.draft} draft{'' if cfg.ablation == 'none' else f' (ablation {cfg.ablation})'} for "
               f"{args.target} on {device} x {world} process(es): {cfg.budget_s:g} s budget"
               + (f", at most {cfg.max_steps} steps" if cfg.max_steps else "") + f"; run folder {out}")
-    model, state = train_draft(target, data, out, cfg, heldout=heldout, resume=args.resume, target_folder=folder,
-                               progress=rank == 0, log=log, banner=banner)
+    try:
+        model, state = train_draft(target, data, out, cfg, heldout=heldout, resume=args.resume,
+                                   target_folder=folder, progress=rank == 0, log=log, banner=banner)
+    except KeyboardInterrupt:
+        if rank == 0:
+            log(interrupted_note(out))
+        raise
     summary = {
         "run_dir": str(out), "draft": cfg.draft, "ablation": cfg.ablation, "loss": cfg.resolved_loss(),
         "steps": state["step"], "tokens": state["tokens"], "elapsed_s": round(state["elapsed_s"], 1),

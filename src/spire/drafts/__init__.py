@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from spire import defaults
@@ -18,14 +19,31 @@ from spire.paths import existing_dir, spire_cache_dir
 DRAFT_KINDS = ("none", "vanilla", "magicdec", "spire")
 
 
-def _finished(run_dir: Path) -> bool:
-    """Whether the training run in run_dir finished (new layout: checkpoint/train_state.json; older runs:
-    train_state.json beside the draft; a draft without any state was saved by hand and counts as finished)."""
+def _run_state(run_dir: Path) -> dict | None:
+    """The training state of the run in run_dir (new layout: checkpoint/train_state.json; older runs:
+    train_state.json beside the draft), or None for a draft saved by hand."""
     ckpt = existing_dir(run_dir / "checkpoint")
     for state in ([ckpt / "train_state.json"] if ckpt else []) + [run_dir / "train_state.json"]:
         if state.is_file():
-            return bool(json.loads(state.read_text()).get("finished", False))
-    return True
+            return json.loads(state.read_text())
+    return None
+
+
+def _finished(run_dir: Path) -> bool:
+    """Whether the training run in run_dir finished (a draft without any state was saved by hand and counts as
+    finished)."""
+    state = _run_state(run_dir)
+    return state is None or bool(state.get("finished", False))
+
+
+def _warn_if_unfinished(run_dir: Path) -> None:
+    """One ``warning:`` line on stderr when run_dir is a training run that has not finished: its draft is an
+    intermediate checkpoint (an interrupted or still running `spire train`)."""
+    state = _run_state(run_dir)
+    if state is not None and not state.get("finished", False):
+        print(f"warning: {run_dir} is an unfinished training run (stopped at step {state.get('step', '?')}): its "
+              f"draft is an intermediate checkpoint; `spire train --resume --out {run_dir}` finishes it",
+              file=sys.stderr)
 
 
 def find_trained_spire(target) -> Path | None:
@@ -95,6 +113,8 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
                                   "(or pass --draft-path)")
         if file.is_dir():
             return SpireDraft(load_exported_spire(file, target))
+        if path:
+            _warn_if_unfinished(file.parent)
         return SpireDraft(SpireDraftModel.load(file, target))
 
     if not path:
@@ -103,7 +123,12 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
     path = resolve_draft_path(kind, path)
     if path.is_dir():
         if read_export(path) is not None:  # a `spire export` folder: refuse one exported for another target
-            check_export(path, target)
+            algorithm = check_export(path, target)["speculators_config"].get("algorithm")
+            if algorithm == "spire":
+                raise CheckpointError(f"{path} is an exported SPIRe draft: give it as the SPIRe draft (--draft spire, "
+                                      "--spire-draft)")
+        elif path.name == "draft":  # a `spire train --draft vanilla` run's draft/
+            _warn_if_unfinished(path.parent)
     model, draft_tok, _ = load_target(path, dtype=dtype or target.dtype, device=str(target.device))
     if tokenizer is not None:
         check_same_vocabulary(tokenizer, draft_tok, "target", f"draft {path}")

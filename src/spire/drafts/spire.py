@@ -40,6 +40,7 @@ from spire import defaults, fastpath, kernels
 from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
+from spire.loading import check_finite
 from spire.model import ForwardOutput, RMSNorm, Transformer
 from spire.paths import atomic_write
 
@@ -605,10 +606,11 @@ class SpireDraftModel(nn.Module):
     def load(cls, path: Path, target: Transformer) -> "SpireDraftModel":
         """Load a draft saved by :meth:`save` for ``target``.
 
-        Raises CheckpointError (missing/unreadable, or a draft vocabulary with repeated or out-of-range ids) or
-        TokenizerMismatchError (trained for another target).
+        Raises CheckpointError (missing/unreadable, NaN or infinite weights, or a draft vocabulary with repeated or
+        out-of-range ids) or TokenizerMismatchError (trained for another target).
         """
         meta, state = read_draft_file(path, target)
+        check_finite(state, f"draft {path}")
         try:
             cfg = SpireConfig(**meta["spire_config"])
         except TypeError as e:

@@ -10,7 +10,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from spire.evaluation.tau import paired_ratio_ci
-from spire.paths import atomic_write
+from spire.paths import atomic_write, spire_cache_dir
 from spire.throughput import RowOptions, get_preset, throughput_rows
 from spire.throughput.analysis import NO_SPARSE_KV, ablation_rows
 from spire.throughput.shapes import PAPER_TAUS, ModelShape, Preset
@@ -103,7 +103,7 @@ def _plot_training(history: list[dict], path: Path, heldout: list[dict] | None =
     ax.set_ylabel("α = E[Σ min(p, q)]")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left")  # α rises from low values: the top left stays clear of the curves
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
 
 
@@ -208,7 +208,7 @@ def _flatness_lines(rows: list[dict]) -> list[str]:
         if len(by_L) < 2:
             continue
         lo, hi = min(by_L, key=lambda r: r["tau"]), max(by_L, key=lambda r: r["tau"])
-        span = f"τ {lo['tau']:.2f} at L = {lo['L']} to {hi['tau']:.2f} at L = {hi['L']}"
+        span = f"lowest τ {lo['tau']:.2f} at L = {lo['L']}, highest {hi['tau']:.2f} at L = {hi['L']}"
         if max(r["ci_low"] for r in by_L) <= min(r["ci_high"] for r in by_L):
             lines.append(f"- {d}: flat within the 95 % CIs over L = {by_L[0]['L']}..{by_L[-1]['L']} ({span}).")
         else:
@@ -223,7 +223,8 @@ def _reuse_note(results: dict) -> str:
     if not n_cached:
         return ""
     return (f" {n_cached} of {len(rows)} τ measurements were taken from the measurement cache "
-            "(`~/.cache/spire/tau`, same target, draft run, contexts and settings) rather than measured again, "
+            f"(`{spire_cache_dir() / 'tau'}`, same target, draft run, contexts and settings) rather than measured "
+            "again, "
             "so the wall time is not the cost of the job.")
 
 

@@ -218,7 +218,7 @@ SPIRE_70B = LLAMA3_70B.with_layers(20)
 
 # HuggingFaceTB/SmolLM2-135M: 30 layers, 9 query / 3 KV heads of 64, 3,540,096 body params per layer.
 SMOLLM2_135M = ModelShape(30, 576, 3, 3, 64, 1536, vocab_size=49_152, tie_embeddings=True)
-SPIRE_SMOLLM2 = SMOLLM2_135M.with_layers(8)  # its last 8 of 30 layers
+SPIRE_SMOLLM2 = SMOLLM2_135M.with_layers(8)  # 8 of its 30 layers (the cost depends on the count only)
 VANILLA_SMOLLM2 = SMOLLM2_135M.with_layers(4)  # ~1/8 of the target body (4/30)
 
 PAPER_TAUS = {"vanilla": 2.647, "magicdec": 3.891, "spire": 3.401}
@@ -256,6 +256,7 @@ class Preset:
     taus: Mapping[str, float]
     tau_source: str
     description: str = ""
+    max_positions: int | None = None  # the target's context limit (tokens) when it is a real model, else None
 
     def draft_shape(self, draft_kind: str) -> ModelShape:
         """Shape of the model that drafts for ``draft_kind`` (the target itself for MagicDec)."""
@@ -292,8 +293,10 @@ PRESETS: dict[str, Preset] = {
             target=SMOLLM2_135M,
             drafts={"vanilla": VANILLA_SMOLLM2, "spire": SPIRE_SMOLLM2},
             taus=PAPER_TAUS,
-            tau_source="paper (override with --tau)",
-            description="SmolLM2-135M target, 4-layer vanilla draft, SPIRe draft from its last 8 layers",
+            tau_source="the paper's 67M-target values (L=512, k=4); --tau or --tau-from gives this target's",
+            description="SmolLM2-135M target, 4-layer vanilla draft, 8-layer SPIRe draft (any 8 of its layers: the "
+                        "main job prunes its first 2 and last 6)",
+            max_positions=8192,
         ),
     )
 }
