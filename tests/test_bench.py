@@ -121,6 +121,22 @@ def test_bench_config_errors(tiny):
         run_bench(tiny, _contexts, {}, BenchConfig(Bs=[1], Ls=[1020], G=8, reps=1))
 
 
+def test_bench_refuses_a_long_L_before_drafts_and_calibration(monkeypatch):
+    """L beyond the target's positions is refused as soon as the target is known: before the drafts load and the
+    hardware is calibrated (it used to come after both)."""
+    import spire.commands.bench as bench_command
+
+    def unexpected(*a, **k):
+        raise AssertionError("reached past the positions check")
+
+    monkeypatch.setattr(bench_command, "get_calibration", unexpected)
+    monkeypatch.setattr(bench_command, "load_drafts", unexpected)
+    for random_weights in (True, False):
+        args = bench_command.BenchArgs(Bs=[1], Ls=[9000], random_weights=random_weights, device="cpu", out=None)
+        with pytest.raises(ConfigError, match="L=9000 .* exceeds the target's 8192 positions"):
+            bench_command.run(args, log=lambda m: None)
+
+
 def test_calibrate_quick_and_roundtrip(tmp_path):
     cal = calibrate(["fp32"], "cpu", quick=True)
     d = cal.dtypes["fp32"]

@@ -134,6 +134,14 @@ DRAFT_WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 64}
 per 64 inputs), for the cost model's draft step."""
 
 
+def check_positions(cfg, target) -> None:
+    """ConfigError when the longest cell (L + G + k + 1) does not fit the target's positions."""
+    longest = max(cfg.Ls) + cfg.G + cfg.k + 1
+    if longest > target.cfg.max_positions:
+        raise ConfigError(f"L={max(cfg.Ls)} + G={cfg.G} + k+1={cfg.k + 1} exceeds the target's "
+                          f"{target.cfg.max_positions} positions")
+
+
 def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load everything, run the grid, return (result, summary). Raises SpireError subclasses."""
     cfg = args.config()
@@ -156,9 +164,9 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
                           "(on a GPU use --dtype bf16)")
     if draft_weights == "int8" and (args.dtype != "fp32" or device.type != "cpu"):
         raise ConfigError("--draft-weights int8 is weight-only int8 for --dtype fp32 on the CPU")
-    cal = get_calibration(args.calibration, device, args.dtype, args.quick, log)
     if args.random_weights:
         target, folder = bench_run.random_target(TORCH_DTYPES[args.dtype], device, args.seed), None
+        check_positions(cfg, target)
         n_draft = max(1, round(target.cfg.n_layers * 8 / 30))  # SmolLM2: its last 8 of 30 layers
         drafts = {"magicdec": MagicDecDraft(args.sink, args.window),
                   "spire": SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=n_draft)))}
@@ -180,6 +188,7 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
     else:
         target, tokenizer, folder = load_target(args.target, dtype=TORCH_DTYPES[args.dtype], device=str(device),
                                                 progress=False)
+        check_positions(cfg, target)  # before the drafts load and the hardware is calibrated
         drafts, skipped, sources = load_drafts(args, target, tokenizer, log)
         data = prepare_data(tokenizer, eos_id=document_separator_id(tokenizer), progress=False)
 
@@ -211,11 +220,7 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
             "from their float32 storage, and are priced at 4 bytes per value")
         weight_bytes = 4.0 if weight_bytes else None
         draft_weight_bytes = 4.0 if draft_weight_bytes else None
-    longest = max(cfg.Ls) + cfg.G + cfg.k + 1
-    if longest > target.cfg.max_positions:
-        raise ConfigError(f"L={max(cfg.Ls)} + G={cfg.G} + k+1={cfg.k + 1} exceeds the target's "
-                          f"{target.cfg.max_positions} positions")
-
+    cal = get_calibration(args.calibration, device, args.dtype, args.quick, log)
     hw = cal.hardware(args.dtype)
     result = run_bench(target, contexts_for, drafts, cfg, hoi=hw.hoi(args.dtype), flops_per_s=hw.flops_for(args.dtype),
                        dtype_name=args.dtype, progress=log, weight_bytes=weight_bytes,
