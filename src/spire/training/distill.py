@@ -646,14 +646,19 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
     # broadcast, so every process decides alike (a clock of each process's own let one enter the checkpoint's
     # barrier while another entered the next step's all-reduce: a hang)
     last_ckpt = run.state["elapsed_s"]
-    run.warm_up()
-    while not run.done():
-        run.step()
-        if cfg.eval_every and run.state["step"] % cfg.eval_every == 0 and not run.done():
-            run.evaluate()
-        if run.state["elapsed_s"] - last_ckpt > cfg.checkpoint_every and not run.done():
-            run.checkpoint()
-            last_ckpt = run.state["elapsed_s"]
+    try:
+        run.warm_up()
+        while not run.done():
+            run.step()
+            if cfg.eval_every and run.state["step"] % cfg.eval_every == 0 and not run.done():
+                run.evaluate()
+            if run.state["elapsed_s"] - last_ckpt > cfg.checkpoint_every and not run.done():
+                run.checkpoint()
+                last_ckpt = run.state["elapsed_s"]
+    except KeyboardInterrupt:  # close the bar first: what the caller prints next is not overdrawn
+        if run.bar is not None:
+            run.bar.close()
+        raise
     return run.finish()
 
 
