@@ -137,6 +137,33 @@ def test_unwritable_out_is_refused_before_any_work(capsys, argv):
     assert e.value.code == 2 and "cannot write in /proc" in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_out_that_is_a_device_or_pipe_is_refused(tmp_path, capsys):
+    """A rename over /dev/full (or a FIFO) replaced the device with a regular file: refused up front, and
+    atomic_write itself never renames over a non-regular file."""
+    import os
+
+    from spire.errors import ConfigError
+    from spire.paths import atomic_write, check_output_path
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        check_output_path(fifo, "--out")
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        atomic_write(fifo, None, "x")
+    assert not fifo.is_file() and fifo.exists()  # still the pipe
+    with pytest.raises(SystemExit) as e:
+        main(["tau", "--draft", "magicdec", "--out", str(fifo)])
+    assert e.value.code == 2 and "is not a regular file" in capsys.readouterr().err
+
+
+def test_caption_says_where_each_drafts_tau_came_from(capsys):
+    code, out, err = run(capsys, "--preset", "smollm2-135m", "-B", "64", "-L", "512", "--tau", "spire=2.2")
+    assert code == 0, err
+    flat = " ".join(out.split())
+    assert "τ of vanilla, magicdec: the paper's 67M-target values" in flat and "of spire: override" in flat
+
+
 def test_output_check_creates_nothing(tmp_path):
     from spire.paths import check_output_path
 

@@ -160,6 +160,11 @@ def test_draft_with_non_finite_weights_is_refused_at_load(tmp_path, tiny, bad):
     m.save(tmp_path / "d.safetensors")
     with pytest.raises(CheckpointError, match=r"tensor 'layers.1.mlp.down_proj.weight' holds NaN or infinite"):
         SpireDraftModel.load(tmp_path / "d.safetensors", tiny)
+    from spire.export import export_draft  # nor is it exported
+
+    with pytest.raises(CheckpointError, match=r"tensor 'layers.1.mlp.down_proj.weight' holds NaN or infinite"):
+        export_draft("spire", tmp_path / "d.safetensors", tiny, "tiny", tmp_path / "export")
+    assert not (tmp_path / "export").exists()
 
 
 def test_fingerprint_of_a_draft_written_before_the_rounded_checksums(tiny):

@@ -83,6 +83,8 @@ def test_positions_check_says_the_longest_L_that_fits():
                                           r"longest L that fits is 8123"):
         validate(TauArgs(Ls=[512, 8190]), max_positions=8192)
     validate(TauArgs(Ls=[8123]), max_positions=8192)
+    with pytest.raises(ConfigError, match=r"G=8 \+ k\+1=8191 alone exceed the target's 8192 positions: lower -G or -k"):
+        validate(TauArgs(Ls=[128], G=8, k=8190), max_positions=8192)  # it said "the longest L that fits is -7"
 
 
 def test_parse_drafts_names_and_paths():

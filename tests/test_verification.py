@@ -72,9 +72,16 @@ def test_sampling_transforms():
     assert (topp[keep:] == 0).all() and (topp[:keep] > 0).all()
     from spire.errors import ConfigError
 
-    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-1)):
+    for bad in (dict(temperature=-1), dict(temperature=float("inf")), dict(top_p=0), dict(top_p=1.5),
+                dict(top_k=-1)):
         with pytest.raises(ConfigError):
             SamplingParams(**bad)
+    # a tiny temperature is (nearly) greedy, never NaN (logits / 1e-38 overflowed to inf, and inf - inf is NaN)
+    big = torch.tensor([[30.0, 29.0, -5.0], [3.0, 3.0, 1.0]])
+    for T in (1e-38, 1e-45, 1e-320):
+        p = probs_from_logits(big, SamplingParams(T))
+        assert torch.isfinite(p).all() and p[0].tolist() == [1.0, 0.0, 0.0] and p[1].tolist() == [0.5, 0.5, 0.0]
+    assert torch.allclose(probs_from_logits(big, SamplingParams(0.7)), (big / 0.7).softmax(-1))
 
 
 # --- every position of a block, the bonus token included, with p differing from position to position ---------

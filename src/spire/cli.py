@@ -648,6 +648,8 @@ def export(
     from spire.export import export_draft
     from spire.loading import load_model, resolve_checkpoint
 
+    check_output_path(out, "--out", folder=True)
+
     folder = resolve_checkpoint(target, progress=False)
     model = load_model(folder)
     name = target if target == "smollm2-135m" or target.endswith(".gguf") else str(Path(target).resolve())

@@ -34,6 +34,8 @@ def check_output_path(path: str | os.PathLike, option: str, folder: bool = False
     if path.exists() and path.is_dir() != folder:
         kind = "a file, not a folder" if folder else "a folder, not a file"
         raise ConfigError(f"{option} {path} is {kind}: choose another {option}")
+    if not folder and path.exists() and not path.is_file():  # a device or a pipe: a rename would replace it
+        raise ConfigError(f"{option} {path} is not a regular file (a device or a pipe): choose a file path")
     where = path if folder and path.is_dir() else where
     if where is not None:
         try:
@@ -54,6 +56,8 @@ def atomic_write(path: str | os.PathLike, write, text: str | None = None) -> Pat
     import tempfile
 
     path = Path(path)
+    if path.exists() and not path.is_file():  # never rename over a device, a pipe or a folder
+        raise ConfigError(f"{path} is not a regular file: spire writes only regular files")
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

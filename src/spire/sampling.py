@@ -41,7 +41,11 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # subtract the row maximum first: logits / T overflows to inf for a tiny T (1e-38), and inf - inf is NaN;
+    # shifted logits are <= 0, so / T gives finite values or -inf; the maxima stay 0 even where T underflows
+    # float32 to 0 (1e-320: 0 / 0 would be NaN), so a tiny T is greedy with ties shared
+    shifted = logits - logits.amax(-1, keepdim=True)
+    logits = torch.where(shifted == 0, torch.zeros_like(shifted), shifted / params.temperature)
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -137,6 +137,9 @@ def validate(a: TauArgs, max_positions: int | None = None) -> None:
         raise ConfigError(f"--nested-length needs --nested and must be >= every -L (got {a.nested_length})")
     if max_positions is not None:
         too_long = [L for L in [*a.Ls, a.nested_length or 0] if L + a.G + a.k + 1 > max_positions]
+        if too_long and max_context(max_positions, a.G, a.k) < 1:
+            raise ConfigError(f"G={a.G} + k+1={a.k + 1} alone exceed the target's {max_positions} positions: "
+                              "lower -G or -k")
         if too_long:
             L = max(too_long)
             raise ConfigError(

@@ -266,11 +266,19 @@ EXTRA_COLUMNS = [  # (row key, header, format)
 
 
 def print_table(name: str, description: str, rows: list[dict[str, Any]]) -> None:
-    """A rich table of the rows; extra columns appear when a row has them; the caption says where τ came from
-    when every row took it from the same place."""
+    """A rich table of the rows; extra columns appear when a row has them; the caption says where each draft's τ
+    came from (the rows' ``tau_source``)."""
     extras = [c for c in EXTRA_COLUMNS if any(c[0] in r for r in rows)]
-    sources = {r.get("tau_source") for r in rows}
-    caption = "multiplier = τ / Δt (throughput over AD)" + (f"; τ: {sources.pop()}" if len(sources) == 1 else "")
+    drafts_of: dict[str, list[str]] = {}
+    for r in rows:
+        names = drafts_of.setdefault(str(r.get("tau_source")), [])
+        if r["draft"] not in names:
+            names.append(r["draft"])
+    if len(drafts_of) == 1:
+        where = f"; τ: {next(iter(drafts_of))}"
+    else:
+        where = "; τ of " + "; of ".join(f"{', '.join(names)}: {src}" for src, names in drafts_of.items())
+    caption = "multiplier = τ / Δt (throughput over AD)" + (where if drafts_of else "")
     table = Table(title=f"{name}: {description}", caption=caption)
     for column in ("draft", "B", "L", "τ", "Δt", "multiplier", "memory (GB)", *(c[1] for c in extras)):
         table.add_column(column, justify="left" if column == "draft" else "right")

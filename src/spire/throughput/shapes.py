@@ -293,7 +293,8 @@ PRESETS: dict[str, Preset] = {
             target=SMOLLM2_135M,
             drafts={"vanilla": VANILLA_SMOLLM2, "spire": SPIRE_SMOLLM2},
             taus=PAPER_TAUS,
-            tau_source="the paper's 67M-target values (L=512, k=4); --tau or --tau-from gives this target's",
+            tau_source="the paper's 67M-target values (L=512, k=4); pass --tau or --tau-from for this target's "
+                       "own τ",
             description="SmolLM2-135M target, 4-layer vanilla draft, 8-layer SPIRe draft (any 8 of its layers: the "
                         "main job prunes its first 2 and last 6)",
             max_positions=8192,
