@@ -154,13 +154,11 @@ def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, o
     _check_out(out, Path(draft_path), src)
     if kind == "spire":
         from spire.drafts.spire import read_draft_file, write_draft_file
-        from spire.loading import check_finite
 
         if src.is_dir():  # an exported folder, exported again
             check_export(src, target)
             src = src / "model.safetensors"
         meta, state = read_draft_file(src, target)
-        check_finite(state, f"draft {src}")
         config = spire_export_config(meta, state, target, name_or_path, k)
 
         def write(tmp: Path) -> None:

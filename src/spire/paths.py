@@ -21,8 +21,6 @@ def check_output_path(path: str | os.PathLike, option: str, folder: bool = False
     a nearest existing folder in which no file can be created (tried with a probe file, removed at once), or
     (``folder``) a file where a folder goes / (not ``folder``) a folder where a file goes. ``option`` names it in
     the error. Creates nothing. Returns the path. Raises :class:`spire.errors.ConfigError`."""
-    from spire.errors import ConfigError
-
     path = Path(path)
     where = None
     for parent in path.parents:

@@ -212,7 +212,8 @@ def write_draft_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -
 
 def read_draft_file(path: Path, target: Transformer | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
     """(spire metadata, tensors) of a draft .safetensors written by spire. With ``target``, check that the
-    draft was trained for it. Raises CheckpointError (missing/unreadable) or TokenizerMismatchError."""
+    draft was trained for it. Raises CheckpointError (missing/unreadable, NaN or infinite weights) or
+    TokenizerMismatchError."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"draft checkpoint not found: {path}")
@@ -228,6 +229,7 @@ def read_draft_file(path: Path, target: Transformer | None = None) -> tuple[dict
         raise
     except Exception as e:
         raise CheckpointError(f"cannot read draft checkpoint {path}: {e}".splitlines()[0]) from None
+    check_finite(state, f"draft {path}")
     if target is not None:
         fp = meta.get("target", {})
         if not _fingerprint_matches(fp, target):
@@ -610,7 +612,6 @@ class SpireDraftModel(nn.Module):
         out-of-range ids) or TokenizerMismatchError (trained for another target).
         """
         meta, state = read_draft_file(path, target)
-        check_finite(state, f"draft {path}")
         try:
             cfg = SpireConfig(**meta["spire_config"])
         except TypeError as e:
@@ -651,8 +652,9 @@ class SpireDraftModel(nn.Module):
     def start_training(self, data, cfg) -> dict | None:
         """Before a fresh run's first step (not on a resume, whose checkpoint holds the trained bridge): fit the
         bridge of a pruned draft to the target on BRIDGE_FIT_ROWS training windows of cfg.seq_len tokens (seeded by
-        cfg.seed). Returns {"event": "bridge", "layer", "r2"} for the run's log (R² in-sample, on those windows), or
-        None when there is nothing to fit (no bridge, or a random draft, whose stream is not the target's).
+        cfg.seed). Returns {"event": "bridge", "layer", "r2"} for the run's log (R² in-sample, on those windows) with
+        "message", the line to show, or None when there is nothing to fit (no bridge, or a random draft, whose
+        stream is not the target's).
         Raises ConfigError when ``data`` cannot sample training windows."""
         if self.bridge is None or self.cfg.init != "pruned":
             return None
@@ -662,7 +664,9 @@ class SpireDraftModel(nn.Module):
                               "has none")
         rows = sample(BRIDGE_FIT_ROWS, cfg.seq_len, torch.Generator().manual_seed(cfg.seed))
         self.bridge_r2 = self.fit_bridge(rows.to(self.target.device))
-        return {"event": "bridge", "layer": self.bridge_layer, "r2": self.bridge_r2}
+        return {"event": "bridge", "layer": self.bridge_layer, "r2": self.bridge_r2,
+                "message": f"bridge into draft layer {self.bridge_layer} fitted to the target (in-sample R² "
+                           f"{self.bridge_r2:.3f})"}
 
     def target_layers(self) -> tuple[int, ...]:
         """The source layers when the draft reads target activations, else () (the target need not run)."""

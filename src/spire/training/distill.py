@@ -410,8 +410,8 @@ class Trainer:
                 atomic_write(out_dir / LOG_FILE, None, "")
             start = getattr(model, "start_training", None)  # e.g. SPIRe's bridge, fitted to the target
             event = start(self.data, cfg) if start is not None else None
-            if event is not None:
-                self.write_log({**event, "step": 0})
+            if event is not None:  # logged as an event; its "message" is shown after the banner
+                self.write_log({**{k: v for k, v in event.items() if k != "message"}, "step": 0})
                 self.started = event
         state["config"] = cfg_dict
         state["heldout_windows"] = 0 if self.heldout is None else int(self.heldout.shape[0])  # for a resume
@@ -635,9 +635,8 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
     run = Trainer(target, data, out_dir, cfg, heldout, resume, target_folder, log)
     if banner is not None and log is not None and run.rank == 0:
         log(banner)
-    if run.started is not None and run.started.get("event") == "bridge" and log is not None and run.rank == 0:
-        log(f"      bridge into draft layer {run.started['layer']} fitted to the target (in-sample R² "
-            f"{run.started['r2']:.3f})")
+    if run.started is not None and run.started.get("message") and log is not None and run.rank == 0:
+        log(f"      {run.started['message']}")
     run.start(progress)
     if run.done():
         return run.finish()
