@@ -157,7 +157,8 @@ def _export_round_trip(tmp_path, tiny, cfg, perturb):
     import torch
 
     from spire.drafts.spire import SpireDraftModel
-    from spire.export import export_draft, load_exported_spire
+    from spire.drafts.spire import load_exported_spire
+    from spire.export import export_draft
 
     torch.manual_seed(0)
     model = SpireDraftModel(tiny, cfg)

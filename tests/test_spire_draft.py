@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from spire.drafts import draft_file
 from spire.drafts import spire as spire_module
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
@@ -170,7 +171,7 @@ def test_draft_with_non_finite_weights_is_refused_at_load(tmp_path, tiny, bad):
 def test_fingerprint_of_a_draft_written_before_the_rounded_checksums(tiny):
     """A draft that stored only the float32 checksum: the same target in bf16 matches within 6 standard
     deviations of bf16 rounding; independent or 1 %-scaled embeddings do not."""
-    from spire.drafts.spire import _fingerprint, _fingerprint_matches
+    from spire.drafts.draft_file import fingerprint as _fingerprint, fingerprint_matches as _fingerprint_matches
 
     legacy = {k: v for k, v in _fingerprint(tiny).items() if not k.endswith(("_bf16", "_fp16"))}
     assert _fingerprint_matches(legacy, tiny) and _fingerprint_matches(legacy, copy.deepcopy(tiny).to(torch.bfloat16))
@@ -375,8 +376,8 @@ def test_bridge_round_trips_through_a_draft_file(tmp_path, tiny):
     assert torch.equal(back.bridge.weight, model.bridge.weight) and torch.equal(back.bridge.bias, model.bridge.bias)
     plain = SpireDraftModel(tiny, SpireConfig(layers=(0, 3)))
     plain.save(tmp_path / "p.safetensors")
-    meta, tensors = spire_module.read_draft_file(tmp_path / "p.safetensors", tiny)
+    meta, tensors = draft_file.read_draft_file(tmp_path / "p.safetensors", tiny)
     del meta["spire_config"]["bridge"]
-    spire_module.write_draft_file(tmp_path / "old.safetensors", tensors, meta)
+    draft_file.write_draft_file(tmp_path / "old.safetensors", tensors, meta)
     old = SpireDraftModel.load(tmp_path / "old.safetensors", tiny)
     assert old.bridge is None and not old.cfg.bridge

@@ -31,25 +31,20 @@ A vanilla draft (an independent small model) is exported as its HF folder with `
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
+from spire.drafts.draft_file import FORMAT_VERSION, check_export, fingerprint, read_export  # noqa: F401 (re-exported)
 from spire.errors import CheckpointError, TokenizerMismatchError
-
-FORMAT_VERSION = 1
-"""Version of the exported folder's schema; bumped when a field changes meaning."""
 
 SPIRE_MODEL_TYPE = "spire_draft"
 
 
 def _verifier(target, name_or_path: str) -> dict:
-    from spire.drafts.spire import _fingerprint
-
     c = target.cfg
     return {"name_or_path": name_or_path, "architectures": [_ARCH.get(c.family, "LlamaForCausalLM")],
             "model_type": c.family, "hidden_size": c.d_model, "intermediate_size": c.d_ff,
             "num_hidden_layers": c.n_layers, "vocab_size": c.vocab_size, "max_position_embeddings": c.max_positions,
-            "bos_token_id": c.bos_id, "eos_token_id": c.eos_ids, "spire_fingerprint": _fingerprint(target)}
+            "bos_token_id": c.bos_id, "eos_token_id": c.eos_ids, "spire_fingerprint": fingerprint(target)}
 
 
 _ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -132,104 +127,36 @@ def _check_out(out: Path, draft_path: Path, src: Path) -> None:
                               "replaced: choose an empty or new folder")
 
 
+def independent_config(config: dict, target, name_or_path: str, k: int) -> dict:
+    """An independent (vanilla) draft's HF config.json with spire's format version and ``speculators_config``
+    (algorithm "independent") added."""
+    return {**config, "spire_format_version": FORMAT_VERSION, "speculators_model_type": "independent",
+            "speculators_config": _speculators("independent", k, _verifier(target, name_or_path))}
+
+
 def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, out: str | Path, k: int = 4) -> Path:
-    """Write the trained ``kind`` ("spire" or "vanilla") draft at ``draft_path`` (as ``--draft-path`` takes it)
-    for ``target`` as the folder ``out`` (replaced atomically). Returns ``out``.
+    """Write the trained ``kind`` draft at ``draft_path`` (as ``--draft-path`` takes it) for ``target`` as the
+    folder ``out`` (replaced atomically), in the format its kind declares (:class:`spire.drafts.registry.DraftImpl`
+    ``export``). Returns ``out``.
 
     Raises:
-        ConfigError: k < 1 or another draft kind.
+        ConfigError: k < 1 or a kind with nothing to export.
         CheckpointError: a missing or unreadable draft.
         TokenizerMismatchError: a draft trained for another target.
     """
-    from spire.drafts import resolve_draft_path
+    from spire.drafts import registry
+    from spire.drafts.draft_file import resolve_draft_path
     from spire.errors import ConfigError
     from spire.paths import replace_dir
 
     if k < 1:
         raise ConfigError(f"k must be >= 1, got {k}")
-    if kind not in ("spire", "vanilla"):
-        raise ConfigError(f"spire export writes trained drafts: --draft spire or vanilla, not {kind!r}")
+    exporter = registry.impl(kind).export if registry.kind(kind).trains else None
+    if exporter is None:
+        raise ConfigError(f"spire export writes trained drafts: --draft {' or '.join(registry.names(trains=True))}, "
+                          f"not {kind!r}")
     src = resolve_draft_path(kind, draft_path)
     out = Path(out)
     _check_out(out, Path(draft_path), src)
-    if kind == "spire":
-        from spire.drafts.spire import read_draft_file, write_draft_file
-
-        if src.is_dir():  # an exported folder, exported again
-            check_export(src, target)
-            src = src / "model.safetensors"
-        meta, state = read_draft_file(src, target)
-        config = spire_export_config(meta, state, target, name_or_path, k)
-
-        def write(tmp: Path) -> None:
-            write_draft_file(tmp / "model.safetensors", state, meta)
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    else:
-        from spire.loading import load_model
-
-        if not (src / "config.json").is_file():
-            raise CheckpointError(f"{src} is not an HF folder: spire export takes a vanilla draft folder")
-        model = load_model(src)
-        if model.cfg.vocab_size != target.cfg.vocab_size:
-            raise TokenizerMismatchError(f"draft {src} has {model.cfg.vocab_size} vocabulary entries, the target "
-                                         f"{target.cfg.vocab_size}")
-        config = json.loads((src / "config.json").read_text())
-        config.update(spire_format_version=FORMAT_VERSION, speculators_model_type="independent",
-                      speculators_config=_speculators("independent", k, _verifier(target, name_or_path)))
-
-        def write(tmp: Path) -> None:
-            for f in src.iterdir():
-                if f.is_file() and f.name != "config.json":
-                    shutil.copy2(f, tmp / f.name)
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-
-    replace_dir(out, write)
+    replace_dir(out, exporter(src, target, name_or_path, k))
     return out
-
-
-def read_export(folder: str | Path) -> dict | None:
-    """The config.json of an exported draft folder, None when ``folder`` is not one (no ``speculators_config``).
-    Raises CheckpointError for an unreadable file or a format version this spire does not know."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        return None
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {path}: {e}") from None
-    if not isinstance(config, dict) or "speculators_config" not in config:
-        return None
-    version = config.get("spire_format_version")
-    if version != FORMAT_VERSION:
-        raise CheckpointError(f"{folder} is an exported draft of format version {version!r}; this spire reads "
-                              f"version {FORMAT_VERSION}")
-    return config
-
-
-def check_export(folder: str | Path, target) -> dict:
-    """Validate an exported draft folder against ``target``: its verifier fingerprint must be the target's.
-    Returns its config. Raises CheckpointError (not an export, unknown version) or TokenizerMismatchError."""
-    from spire.drafts.spire import _fingerprint, _fingerprint_matches
-
-    config = read_export(folder)
-    if config is None:
-        raise CheckpointError(f"{folder} is not an exported draft (config.json has no speculators_config)")
-    verifier = config["speculators_config"].get("verifier", {})
-    have, want = verifier.get("spire_fingerprint"), _fingerprint(target)
-    if not isinstance(have, dict) or not _fingerprint_matches(have, target):
-        raise TokenizerMismatchError(f"draft {folder} was exported for verifier {verifier.get('name_or_path')!r} "
-                                     f"{have}, but the target is {want}")
-    return config
-
-
-def load_exported_spire(folder: str | Path, target):
-    """The :class:`spire.drafts.spire.SpireDraftModel` of an exported SPIRe folder, checked against ``target``.
-    Raises CheckpointError or TokenizerMismatchError."""
-    from spire.drafts.spire import SpireDraftModel
-
-    config = check_export(folder, target)
-    algorithm = config["speculators_config"].get("algorithm")
-    if algorithm != "spire":
-        raise CheckpointError(f"{folder} holds a draft of algorithm {algorithm!r}, not a SPIRe one: use --draft "
-                              "vanilla")
-    return SpireDraftModel.load(Path(folder) / "model.safetensors", target)

@@ -48,7 +48,7 @@ class TrainableDraft(Protocol):
     """What the trainer (:mod:`spire.training.distill`) asks of a draft model, so that it never asks which class
     it has. Implemented by :class:`spire.drafts.spire.SpireDraftModel` and
     :class:`spire.drafts.vanilla.VanillaDraftModel`; the trainer finds the class by ``TrainConfig.draft``
-    (``spire.training.distill.DRAFT_CLASSES``).
+    (its kind's ``KIND.model`` in :mod:`spire.drafts.registry`).
 
     kind: the name in ``TrainConfig.draft``. default_loss: "mixed" or "hard" (the method's loss when the
     config names none). export_name: what :meth:`export` writes inside a run folder. vocab: the draft

@@ -11,6 +11,7 @@ import torch
 
 from spire import defaults
 from spire.drafts.base import Draft
+from spire.drafts.registry import DraftImpl
 from spire.kv_cache import KVCache, SinkWindow
 from spire.model import Transformer
 
@@ -32,3 +33,11 @@ class MagicDecDraft(Draft):
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         assert self._target is not None, "call start() first"
         return self._target(tokens, pos, self._cache, view=self.view).logits[:, -1]
+
+
+def load_draft(target: Transformer, sink: int = defaults.SINK, window: int = defaults.WINDOW, **_) -> MagicDecDraft:
+    """MagicDec over a sink + window view of ``target``'s own cache (no weights of its own)."""
+    return MagicDecDraft(sink, window)
+
+
+KIND = DraftImpl(load=load_draft, options=("sink", "window"))

@@ -33,16 +33,16 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn as nn
-from safetensors import safe_open
-from safetensors.torch import load_file, save
 
 from spire import defaults, fastpath, kernels
 from spire.drafts.base import Draft
-from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
+from spire.drafts.draft_file import (check_export, fingerprint, fingerprint_matches, read_draft_file, resolve_draft_path,
+                                     run_finished, warn_if_unfinished, write_draft_file)
+from spire.drafts.registry import DraftImpl
+from spire.errors import CheckpointError, ConfigError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
-from spire.loading import check_finite
 from spire.model import ForwardOutput, RMSNorm, Transformer
-from spire.paths import atomic_write
+from spire.paths import spire_cache_dir
 
 
 INIT_KINDS = ("pruned", "random")
@@ -166,76 +166,6 @@ class SpireConfig:
         d = asdict(self)
         d["layers"] = None if self.layers is None else list(self.layers)
         return d
-
-
-def _checksum(rows: torch.Tensor) -> float:
-    return round(float(rows.double().sum()), 3)
-
-
-def _fingerprint(target: Transformer) -> dict:
-    """What a draft records of its target: shape fields and checksums of the first 64 embedding rows as they
-    are, and rounded to bf16 and to fp16 (so the same target loaded in another dtype is recognized exactly)."""
-    cfg = target.cfg
-    rows = target.model.embed_tokens.weight[:64].detach()
-    return {"vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
-            "embedding_checksum": _checksum(rows), "embedding_checksum_bf16": _checksum(rows.to(torch.bfloat16)),
-            "embedding_checksum_fp16": _checksum(rows.to(torch.float16))}
-
-
-def _fingerprint_matches(stored: dict, target: Transformer) -> bool:
-    """Whether a draft's stored target fingerprint (:func:`_fingerprint`) is ``target``'s, whatever dtype either
-    was in: the shape fields exactly, and the checksum of the target's rows as they are equal to the stored one,
-    or their bf16 rounding's to the stored bf16 one (a bf16 target, or one rounded by use_bf16_weights), or an
-    fp16 target's to the stored fp16 one. A draft written before the bf16 / fp16 checksums existed: its float32
-    checksum within 6 standard deviations of what rounding to bf16 can move it (6 · 2^-9 · sqrt(Σ e²) / sqrt(3);
-    an independent embedding of the same scale lands inside with a probability of about 1 %)."""
-    want = _fingerprint(target)
-    shape_keys = ("vocab_size", "d_model", "n_layers")
-    if any(stored.get(k) != want[k] for k in shape_keys):
-        return False
-    rows = target.model.embed_tokens.weight[:64].detach()
-    if stored.get("embedding_checksum") == want["embedding_checksum"]:
-        return True
-    if "embedding_checksum_bf16" in stored:
-        return (stored["embedding_checksum_bf16"] == want["embedding_checksum_bf16"]
-                or (rows.dtype == torch.float16 and stored.get("embedding_checksum_fp16") == want["embedding_checksum"]))
-    got = stored.get("embedding_checksum")
-    tol = 6 * 2.0 ** -9 * float(rows.double().pow(2).sum().sqrt()) / 3 ** 0.5 + 2e-3
-    return got is not None and abs(float(got) - want["embedding_checksum"]) <= tol
-
-
-def write_draft_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    """Write tensors with spire's JSON metadata (read back by :func:`read_draft_file`) atomically to ``path``."""
-    data = save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata={"spire": json.dumps(meta)})
-    atomic_write(path, lambda f: f.write(data))
-
-
-def read_draft_file(path: Path, target: Transformer | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(spire metadata, tensors) of a draft .safetensors written by spire. With ``target``, check that the
-    draft was trained for it. Raises CheckpointError (missing/unreadable, NaN or infinite weights) or
-    TokenizerMismatchError."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"draft checkpoint not found: {path}")
-    try:
-        with safe_open(str(path), "pt") as f:
-            meta = (f.metadata() or {}).get("spire")
-        if meta is None:
-            raise CheckpointError(f"{path} is not a spire draft checkpoint (no spire metadata; a vanilla draft's "
-                                  "weights? use --draft vanilla with its folder)")
-        meta = json.loads(meta)
-        state = load_file(str(path))
-    except CheckpointError:
-        raise
-    except Exception as e:
-        raise CheckpointError(f"cannot read draft checkpoint {path}: {e}".splitlines()[0]) from None
-    check_finite(state, f"draft {path}")
-    if target is not None:
-        fp = meta.get("target", {})
-        if not _fingerprint_matches(fp, target):
-            raise TokenizerMismatchError(f"draft {path} was trained for target {fp}, but the target is "
-                                         f"{_fingerprint(target)}")
-    return meta, state
 
 
 def frequent_tokens(tokens, n: int, vocab_size: int) -> torch.Tensor:
@@ -601,7 +531,7 @@ class SpireDraftModel(nn.Module):
     # -- persistence ----------------------------------------------------------------------------------
     def save(self, path: Path, extra: dict | None = None) -> None:
         """Write weights (safetensors) and a JSON sidecar atomically to ``path`` (a .safetensors file)."""
-        meta = {"spire_config": self.cfg.to_dict(), "target": _fingerprint(self.target), **(extra or {})}
+        meta = {"spire_config": self.cfg.to_dict(), "target": fingerprint(self.target), **(extra or {})}
         write_draft_file(path, self.state_dict(), meta)
 
     @classmethod
@@ -836,3 +766,64 @@ class SpireDraft(Draft):
                 else:
                     cache.write(i, pos, *m.memory_kv(i, mem[i], cos, sin))
         return m.to_target_vocab(m.logits(x)[:, -1])
+
+
+def find_trained_spire(target: Transformer) -> Path | None:
+    """The most recently written finished full-method (not ablated) SPIRe draft in the cache that fits
+    ``target``, or None."""
+    found = []
+    for f in (spire_cache_dir() / "drafts").glob("*/draft.safetensors"):
+        try:
+            meta, _ = read_draft_file(f)
+            finished = run_finished(f.parent)
+        except Exception:  # an unreadable or foreign file is not a candidate
+            continue
+        if (fingerprint_matches(meta.get("target", {}), target) and finished
+                and meta.get("ablation", "none") == "none"):
+            found.append(f)
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def load_exported_spire(folder: str | Path, target: Transformer) -> SpireDraftModel:
+    """The :class:`SpireDraftModel` of an exported SPIRe folder (:mod:`spire.export`), checked against ``target``.
+    Raises CheckpointError or TokenizerMismatchError."""
+    config = check_export(folder, target)
+    algorithm = config["speculators_config"].get("algorithm")
+    if algorithm != "spire":
+        raise CheckpointError(f"{folder} holds a draft of algorithm {algorithm!r}, not a SPIRe one: use --draft "
+                              f"{'eagle3' if algorithm == 'eagle3' else 'vanilla'}")
+    return SpireDraftModel.load(Path(folder) / "model.safetensors", target)
+
+
+def load_draft(target: Transformer, path: str | Path | None = None, **_) -> SpireDraft:
+    """The SPIRe draft at ``path`` (a draft .safetensors, a `spire train` run folder or a `spire export` folder),
+    default the newest finished one in the cache for ``target``. Raises CheckpointError (none trained, missing,
+    unreadable) or TokenizerMismatchError (trained for another target)."""
+    file = resolve_draft_path("spire", path) if path else find_trained_spire(target)
+    if file is None:
+        raise CheckpointError("no trained SPIRe draft for this target in the cache: run `spire reproduce` "
+                              "(or pass --draft-path)")
+    if file.is_dir():
+        return SpireDraft(load_exported_spire(file, target))
+    if path:
+        warn_if_unfinished(file.parent)
+    return SpireDraft(SpireDraftModel.load(file, target))
+
+
+def _export(src: Path, target: Transformer, name_or_path: str, k: int):
+    """(config.json, writer) of an exported SPIRe folder (:func:`spire.export.export_draft`)."""
+    from spire.export import spire_export_config
+
+    if src.is_dir():  # an exported folder, exported again
+        check_export(src, target)
+        src = src / "model.safetensors"
+    meta, state = read_draft_file(src, target)
+    config = spire_export_config(meta, state, target, name_or_path, k)
+
+    def write(tmp: Path) -> None:
+        write_draft_file(tmp / "model.safetensors", state, meta)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return write
+
+
+KIND = DraftImpl(load=load_draft, model=SpireDraftModel, export=_export)

@@ -12,8 +12,10 @@ import torch
 from safetensors.torch import save_file
 
 from spire.drafts.base import Draft
-from spire.drafts.spire import _fingerprint, read_draft_file, write_draft_file
-from spire.errors import ConfigError, TokenizerMismatchError
+from spire.drafts.draft_file import (check_export, fingerprint, read_draft_file, read_export, resolve_draft_path,
+                                     warn_if_unfinished, write_draft_file)
+from spire.drafts.registry import DraftImpl
+from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache
 from spire.model import ForwardOutput, ModelConfig, Transformer
 from spire.paths import replace_dir
@@ -90,7 +92,7 @@ class VanillaDraftModel(Transformer):
         return tokens
 
     def save_checkpoint(self, path: Path, target: Transformer, meta: dict) -> None:
-        meta = {"vanilla_config": self.cfg.to_dict(), "target": _fingerprint(target), **meta}
+        meta = {"vanilla_config": self.cfg.to_dict(), "target": fingerprint(target), **meta}
         write_draft_file(path, {k: v for k, v in self.state_dict().items() if k != "lm_head.weight"}, meta)
 
     def load_checkpoint(self, path: Path, target: Transformer) -> None:
@@ -100,7 +102,7 @@ class VanillaDraftModel(Transformer):
     def export(self, out_dir: Path, target: Transformer, meta: dict, target_folder: Path | None = None) -> Path:
         """``draft/``, an HF Llama folder with the target's tokenizer files when ``target_folder`` is given."""
         folder = Path(out_dir) / self.export_name
-        save_vanilla(self, folder, target_folder, {"target": _fingerprint(target), **meta})
+        save_vanilla(self, folder, target_folder, {"target": fingerprint(target), **meta})
         return folder
 
     def as_draft(self) -> VanillaDraft:
@@ -157,3 +159,52 @@ def save_vanilla(model: Transformer, folder, target_folder, meta: dict) -> None:
                 shutil.copy2(f, tmp / f.name)
 
     replace_dir(folder, write)
+
+
+def load_draft(target: Transformer, path: str | Path | None = None, tokenizer=None, dtype=None, **_) -> VanillaDraft:
+    """The vanilla draft at ``path``: a .gguf, an HF folder sharing the target's tokenizer, or a `spire train --draft
+    vanilla` run folder. Raises ConfigError (no path), CheckpointError or TokenizerMismatchError."""
+    from spire.loading import load_target
+
+    if not path:
+        raise ConfigError("--draft vanilla needs --draft-path (a .gguf file or HF folder of a small model "
+                          "with the target's tokenizer)")
+    path = resolve_draft_path("vanilla", path)
+    if path.is_dir():
+        if read_export(path) is not None:  # a `spire export` folder: refuse one exported for another target
+            algorithm = check_export(path, target)["speculators_config"].get("algorithm")
+            if algorithm in ("spire", "eagle3"):
+                raise CheckpointError(f"{path} is an exported {'SPIRe' if algorithm == 'spire' else 'EAGLE-3'} draft: "
+                                      f"give it as the {'SPIRe' if algorithm == 'spire' else 'EAGLE-3'} draft "
+                                      f"(--draft {algorithm})")
+        elif path.name == "draft":  # a `spire train --draft vanilla` run's draft/
+            warn_if_unfinished(path.parent)
+    model, draft_tok, _ = load_target(path, dtype=dtype or target.dtype, device=str(target.device))
+    if tokenizer is not None:
+        check_same_vocabulary(tokenizer, draft_tok, "target", f"draft {path}")
+    return VanillaDraft(model)
+
+
+def _export(src: Path, target: Transformer, name_or_path: str, k: int):
+    """The writer of an exported vanilla folder: its HF folder with ``speculators_config`` (algorithm
+    "independent") added to its config.json (:func:`spire.export.export_draft`)."""
+    from spire.export import independent_config
+    from spire.loading import load_model
+
+    if not (src / "config.json").is_file():
+        raise CheckpointError(f"{src} is not an HF folder: spire export takes a vanilla draft folder")
+    model = load_model(src)
+    if model.cfg.vocab_size != target.cfg.vocab_size:
+        raise TokenizerMismatchError(f"draft {src} has {model.cfg.vocab_size} vocabulary entries, the target "
+                                     f"{target.cfg.vocab_size}")
+    config = independent_config(json.loads((src / "config.json").read_text()), target, name_or_path, k)
+
+    def write(tmp: Path) -> None:
+        for f in src.iterdir():
+            if f.is_file() and f.name != "config.json":
+                shutil.copy2(f, tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return write
+
+
+KIND = DraftImpl(load=load_draft, model=VanillaDraftModel, export=_export)

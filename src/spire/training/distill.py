@@ -7,7 +7,7 @@ autocast when asked); the draft computes teacher-forced logits (SPIRe: the k-pas
 and cosine decay to 10 %, gradient clipping, and MixedLoss(omega) or HardTargetLoss.
 
 The trainer never asks which class of draft it has: ``TrainConfig.draft`` names a class in
-:data:`DRAFT_CLASSES`, and every draft model implements the training interface
+:mod:`spire.drafts.registry` (its kind's ``KIND.model``), and every draft model implements the training interface
 :class:`spire.drafts.base.TrainableDraft` (target layers it reads, teacher-forced logits, draft vocabulary,
 checkpoint, export). The run is a :class:`Trainer` in pieces (setup, step, checkpoint, evaluate, finish) that
 :func:`train_draft` drives.
@@ -45,8 +45,8 @@ from tqdm.auto import tqdm
 
 from spire import defaults
 from spire.drafts.base import TrainableDraft
+from spire.drafts import registry
 from spire.drafts.spire import SpireConfig, SpireDraftModel
-from spire.drafts.vanilla import VanillaDraftModel
 from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.model import Transformer
 from spire.paths import atomic_write, existing_dir, replace_dir
@@ -59,9 +59,9 @@ DRAFT_FILE = "draft.safetensors"
 STATE_FILE = "train_state.json"
 OPTIM_FILE = "optimizer.pt"
 LOG_FILE = "train_log.jsonl"
-DRAFT_CLASSES: dict[str, type] = {"spire": SpireDraftModel, "vanilla": VanillaDraftModel}
 """TrainConfig.draft -> the draft class trained for it (each implements :class:`spire.drafts.base.TrainableDraft`)."""
-DRAFT_KINDS = tuple(DRAFT_CLASSES)
+DRAFT_KINDS = registry.names(trains=True)
+"""The kinds `spire train` trains (their ``KIND.model`` classes: :func:`spire.drafts.registry.trainable_class`)."""
 LOSSES = ("mixed", "hard")
 
 # The paper's Figure 5 ablations: name -> (SpireConfig overrides, TrainConfig overrides), and the paper's
@@ -129,7 +129,9 @@ class TrainConfig:
 
     def resolved_loss(self) -> str:
         """The loss given, else the draft method's default (SPIRe: mixed, vanilla: hard)."""
-        return self.loss or getattr(DRAFT_CLASSES.get(self.draft), "default_loss", "mixed")
+        if self.loss:
+            return self.loss
+        return getattr(registry.trainable_class(self.draft), "default_loss", "mixed") if self.draft in DRAFT_KINDS else "mixed"
 
     def validate(self) -> None:
         """Raise ConfigError for impossible settings."""
@@ -200,8 +202,8 @@ def fast_bf16(device: torch.device) -> bool:
 
 
 def _build_model(target: Transformer, cfg: TrainConfig, data=None) -> TrainableDraft:
-    """A fresh draft of the class registered for ``cfg.draft`` (:data:`DRAFT_CLASSES`). Raises ConfigError."""
-    return DRAFT_CLASSES[cfg.draft].for_training(target, cfg, data)
+    """A fresh draft of the class registered for ``cfg.draft`` (:mod:`spire.drafts.registry`). Raises ConfigError."""
+    return registry.trainable_class(cfg.draft).for_training(target, cfg, data)
 
 
 FUSED_ADAMW = True

@@ -1,0 +1,183 @@
+"""The draft file: one owner for what every trained draft's .safetensors carries (SPIRe, vanilla, EAGLE-3).
+
+A draft file is a safetensors file whose metadata key ``spire`` holds a JSON object; its ``target`` entry is the
+target's :func:`fingerprint`, so a draft trained for another target is refused at load
+(:func:`read_draft_file` with ``target``). Writes are atomic (:func:`spire.paths.atomic_write`): an interrupted
+write leaves the previous file whole.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save
+
+from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
+from spire.loading import check_finite
+from spire.model import Transformer
+from spire.paths import atomic_write, existing_dir
+
+FORMAT_VERSION = 1
+"""Version of an exported draft folder's schema (:mod:`spire.export`); bumped when a field changes meaning."""
+
+
+def _checksum(rows: torch.Tensor) -> float:
+    return round(float(rows.double().sum()), 3)
+
+
+def fingerprint(target: Transformer) -> dict:
+    """What a draft records of its target: shape fields and checksums of the first 64 embedding rows as they
+    are, and rounded to bf16 and to fp16 (so the same target loaded in another dtype is recognized exactly)."""
+    cfg = target.cfg
+    rows = target.model.embed_tokens.weight[:64].detach()
+    return {"vocab_size": cfg.vocab_size, "d_model": cfg.d_model, "n_layers": cfg.n_layers,
+            "embedding_checksum": _checksum(rows), "embedding_checksum_bf16": _checksum(rows.to(torch.bfloat16)),
+            "embedding_checksum_fp16": _checksum(rows.to(torch.float16))}
+
+
+def fingerprint_matches(stored: dict, target: Transformer) -> bool:
+    """Whether a draft's stored target fingerprint (:func:`fingerprint`) is ``target``'s, whatever dtype either
+    was in: the shape fields exactly, and the checksum of the target's rows as they are equal to the stored one,
+    or their bf16 rounding's to the stored bf16 one (a bf16 target, or one rounded by use_bf16_weights), or an
+    fp16 target's to the stored fp16 one. A draft written before the bf16 / fp16 checksums existed: its float32
+    checksum within 6 standard deviations of what rounding to bf16 can move it (6 · 2^-9 · sqrt(Σ e²) / sqrt(3);
+    an independent embedding of the same scale lands inside with a probability of about 1 %)."""
+    want = fingerprint(target)
+    shape_keys = ("vocab_size", "d_model", "n_layers")
+    if any(stored.get(k) != want[k] for k in shape_keys):
+        return False
+    rows = target.model.embed_tokens.weight[:64].detach()
+    if stored.get("embedding_checksum") == want["embedding_checksum"]:
+        return True
+    if "embedding_checksum_bf16" in stored:
+        return (stored["embedding_checksum_bf16"] == want["embedding_checksum_bf16"]
+                or (rows.dtype == torch.float16 and stored.get("embedding_checksum_fp16") == want["embedding_checksum"]))
+    got = stored.get("embedding_checksum")
+    tol = 6 * 2.0 ** -9 * float(rows.double().pow(2).sum().sqrt()) / 3 ** 0.5 + 2e-3
+    return got is not None and abs(float(got) - want["embedding_checksum"]) <= tol
+
+
+def write_draft_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Write tensors with spire's JSON metadata (read back by :func:`read_draft_file`) atomically to ``path``."""
+    data = save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata={"spire": json.dumps(meta)})
+    atomic_write(path, lambda f: f.write(data))
+
+
+def read_draft_file(path: Path, target: Transformer | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(spire metadata, tensors) of a draft .safetensors written by spire. With ``target``, check that the
+    draft was trained for it. Raises CheckpointError (missing/unreadable, NaN or infinite weights) or
+    TokenizerMismatchError."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"draft checkpoint not found: {path}")
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = (f.metadata() or {}).get("spire")
+        if meta is None:
+            raise CheckpointError(f"{path} is not a spire draft checkpoint (no spire metadata; a vanilla draft's "
+                                  "weights? use --draft vanilla with its folder)")
+        meta = json.loads(meta)
+        state = load_file(str(path))
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(f"cannot read draft checkpoint {path}: {e}".splitlines()[0]) from None
+    check_finite(state, f"draft {path}")
+    if target is not None:
+        fp = meta.get("target", {})
+        if not fingerprint_matches(fp, target):
+            raise TokenizerMismatchError(f"draft {path} was trained for target {fp}, but the target is "
+                                         f"{fingerprint(target)}")
+    return meta, state
+
+
+def read_export(folder: str | Path) -> dict | None:
+    """The config.json of an exported draft folder, None when ``folder`` is not one (no ``speculators_config``).
+    Raises CheckpointError for an unreadable file or a format version this spire does not know."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from None
+    if not isinstance(config, dict) or "speculators_config" not in config:
+        return None
+    version = config.get("spire_format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{folder} is an exported draft of format version {version!r}; this spire reads "
+                              f"version {FORMAT_VERSION}")
+    return config
+
+
+def check_export(folder: str | Path, target) -> dict:
+    """Validate an exported draft folder against ``target``: its verifier fingerprint must be the target's.
+    Returns its config. Raises CheckpointError (not an export, unknown version) or TokenizerMismatchError."""
+    config = read_export(folder)
+    if config is None:
+        raise CheckpointError(f"{folder} is not an exported draft (config.json has no speculators_config)")
+    verifier = config["speculators_config"].get("verifier", {})
+    have, want = verifier.get("spire_fingerprint"), fingerprint(target)
+    if not isinstance(have, dict) or not fingerprint_matches(have, target):
+        raise TokenizerMismatchError(f"draft {folder} was exported for verifier {verifier.get('name_or_path')!r} "
+                                     f"{have}, but the target is {want}")
+    return config
+
+
+def run_state(run_dir: Path) -> dict | None:
+    """The training state of the run in run_dir (new layout: checkpoint/train_state.json; older runs:
+    train_state.json beside the draft), or None for a draft saved by hand."""
+    ckpt = existing_dir(run_dir / "checkpoint")
+    for state in ([ckpt / "train_state.json"] if ckpt else []) + [run_dir / "train_state.json"]:
+        if state.is_file():
+            return json.loads(state.read_text())
+    return None
+
+
+def run_finished(run_dir: Path) -> bool:
+    """Whether the training run in run_dir finished (a draft without any state was saved by hand and counts as
+    finished)."""
+    state = run_state(run_dir)
+    return state is None or bool(state.get("finished", False))
+
+
+def warn_if_unfinished(run_dir: Path) -> None:
+    """One ``warning:`` line on stderr when run_dir is a training run that has not finished: its draft is an
+    intermediate checkpoint (an interrupted or still running `spire train`)."""
+    state = run_state(run_dir)
+    if state is not None and not state.get("finished", False):
+        print(f"warning: {run_dir} is an unfinished training run (stopped at step {state.get('step', '?')}): its "
+              f"draft is an intermediate checkpoint; `spire train --resume --out {run_dir}` finishes it",
+              file=sys.stderr)
+
+
+def resolve_draft_path(kind: str, path: str | Path) -> Path:
+    """A draft path as given, or the draft inside a `spire train` run folder (``draft.safetensors`` for
+    SPIRe, ``draft/`` for vanilla). Raises CheckpointError when nothing is there."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"draft not found: {p}")
+    if p.is_dir():
+        if kind == "spire" and read_export(p) is not None:  # a `spire export` folder
+            return p
+        inner = p / ("draft.safetensors" if kind == "spire" else "draft")
+        if inner.exists():
+            return inner
+        if kind == "spire" and not (p / "config.json").is_file() and (p / "draft").is_dir():
+            raise CheckpointError(f"{p} is a vanilla draft run (it has draft/, no draft.safetensors): give it as "
+                                  "the vanilla draft (--draft vanilla, --vanilla-draft)")
+        if kind == "spire":
+            hf = (p / "config.json").is_file()
+            raise CheckpointError(f"{p} holds no SPIRe draft (draft.safetensors)"
+                                  + (": it is an HF model folder; give it as the vanilla draft" if hf else ""))
+        if kind == "vanilla" and not (p / "config.json").is_file() and (p / "draft.safetensors").is_file():
+            raise CheckpointError(f"{p} is a SPIRe draft run (it has draft.safetensors, no draft/): give it as "
+                                  "the SPIRe draft (--draft spire, --spire-draft)")
+    elif kind == "vanilla" and p.suffix == ".safetensors":
+        raise CheckpointError(f"{p} is a single .safetensors file (a SPIRe draft?): --draft vanilla takes an HF "
+                              "folder, a .gguf file or a `spire train --draft vanilla` run folder")
+    return p

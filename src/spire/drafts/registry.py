@@ -1,0 +1,151 @@
+"""The draft kinds: one line per kind, the only list of them in spire.
+
+A kind is a module under ``spire/drafts/`` that declares itself once, as ``KIND = DraftImpl(...)``
+(:class:`DraftImpl`: its inference :class:`~spire.drafts.base.Draft`, its trainable model if it has one, its
+options). Its line here (:class:`Kind`) holds what the light parts of spire need without importing torch: the
+name, a one-line summary, whether it takes a ``--draft-path``, whether ``spire train`` trains it, and how the cost
+model prices it (:class:`Pricing`). The CLI, ``spire tau``, ``spire bench``, ``spire throughput``, the main job
+and export read the kinds from here (:func:`names`, :func:`kind`, :func:`impl`).
+
+Adding a seventh kind: write ``spire/drafts/<name>.py`` with its ``KIND``, its tests, and one line in
+:data:`KINDS`.
+
+This module imports nothing heavy; :func:`impl` imports the kind's module (and torch) on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from spire.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """How the paper's cost model (SPIRE.md §2) prices one draft forward.
+
+    weights: "own" (the draft's own body is read: vanilla, SPIRe, EAGLE-3), "target" (the target's body over a
+    view of its cache: MagicDec) or "none" (no forward: n-gram lookup, priced at zero; ``spire bench`` measures
+    its lookup time). kv: "full" (the draft's KV over the whole context), "window" (sink + window) or "none".
+    layers: the draft's blocks when no shape is given: an int, or a float fraction of the target's (ceil).
+    memory_projection: SPIRe's feedback memory, each new memory vector projected to a key and a value in every
+    draft layer (2·(2·n_layers·n_kv·d_model·d_head)·B FLOPs per forward). fused_inputs: EAGLE-3's fused target
+    hidden states (a fused_inputs·d → d map per forward, and an attention input of 2d: extra q, k, v columns
+    and a norm; arXiv 2503.01840). own_embeddings: the draft has embedding tables of its own (vanilla; counted
+    only when the cost model counts embeddings). training_cost: in units of the target's training cost
+    (None: the draft's share of the target's body, N_d / N_t, trained on as many tokens).
+    """
+
+    weights: str = "own"
+    kv: str = "full"
+    layers: int | float = 1
+    memory_projection: bool = False
+    fused_inputs: int = 0
+    own_embeddings: bool = False
+    training_cost: float | None = None
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One draft kind's line: see the module docstring. path: "none" (takes no --draft-path), "optional" (a
+    default is found, e.g. the newest trained SPIRe draft) or "required". trains: `spire train --draft NAME`
+    trains it. paper_tau: τ the paper measured (L = 512, k = 4), None for kinds the paper did not measure."""
+
+    name: str
+    module: str
+    summary: str
+    path: str
+    trains: bool
+    pricing: Pricing | None
+    paper_tau: float | None = None
+
+
+KINDS: tuple[Kind, ...] = (
+    Kind("none", "spire.drafts.none", "autoregressive decoding, no draft", "none", False, None),
+    Kind("vanilla", "spire.drafts.vanilla", "a small model with the target's tokenizer (HF folder, .gguf or a "
+         "`spire train --draft vanilla` run)", "required", True,
+         Pricing(kv="full", layers=1 / 8, own_embeddings=True), 2.647),
+    Kind("magicdec", "spire.drafts.magicdec", "the target over a sink + window view of its own cache (MagicDec)",
+         "none", False, Pricing(weights="target", kv="window", training_cost=0.0), 3.891),
+    Kind("spire", "spire.drafts.spire", "SPIRe: pruned, sliding-window, feedback memory over the target's "
+         "activations (default: the newest trained in the cache)", "optional", True,
+         Pricing(kv="window", layers=1 / 4, memory_projection=True, training_cost=0.25), 3.401),
+    Kind("eagle3", "spire.drafts.eagle3", "EAGLE-3: one layer over three fused target hidden states (a `spire "
+         "train --draft eagle3` run or a speculators folder)", "required", True,
+         Pricing(kv="full", layers=1, fused_inputs=3)),
+    Kind("ngram", "spire.drafts.ngram", "n-gram prompt lookup in the row's own context (no weights, no training)",
+         "none", False, Pricing(weights="none", kv="none", layers=0, training_cost=0.0)),
+)
+
+_BY_NAME = {k.name: k for k in KINDS}
+
+
+def names(*, drafts_only: bool = False, trains: bool | None = None, priced: bool | None = None) -> tuple[str, ...]:
+    """Kind names in the registry's order (the order of every table). drafts_only: without "none"; trains /
+    priced: only kinds that `spire train` trains / the cost model prices (True) or the others (False)."""
+    out = []
+    for k in KINDS:
+        if drafts_only and k.name == "none":
+            continue
+        if trains is not None and k.trains != trains:
+            continue
+        if priced is not None and (k.pricing is not None) != priced:
+            continue
+        out.append(k.name)
+    return tuple(out)
+
+
+def kind(name: str, what: str = "draft") -> Kind:
+    """The line of kind ``name``; ConfigError naming the known kinds otherwise."""
+    try:
+        return _BY_NAME[name]
+    except (KeyError, TypeError):
+        raise ConfigError(f"unknown {what} {name!r}; choose one of {', '.join(names())}") from None
+
+
+def check(name: str, allowed: tuple[str, ...] | None = None, what: str = "draft") -> str:
+    """``name`` when it is a kind (and in ``allowed`` when given); ConfigError otherwise."""
+    kind(name, what)
+    if allowed is not None and name not in allowed:
+        raise ConfigError(f"{what} {name!r} is not available here; choose one of {', '.join(allowed)}")
+    return name
+
+
+@dataclass(frozen=True)
+class DraftImpl:
+    """What a kind's module declares as ``KIND``.
+
+    load(target, tokenizer, path, **options) -> Draft | None: the inference draft bound to ``target`` (path:
+    the --draft-path, None when not given; options: the kind's own settings, e.g. sink / window, n_min / n_max).
+    Raises ConfigError / CheckpointError / TokenizerMismatchError.
+    model: the trainable class (:class:`~spire.drafts.base.TrainableDraft`) when ``spire train`` trains it.
+    export(src, target, name_or_path, k) -> write(folder): how `spire export` writes a trained draft (``src``: the
+    resolved draft path) as a folder a serving engine reads; None when the kind has nothing to export.
+    options: the names of the keyword options ``load`` takes beyond the common ones (tokenizer, path, dtype).
+    """
+
+    load: Callable[..., Any]
+    model: type | None = None
+    export: Callable[..., Callable[[Any], None]] | None = None
+    options: tuple[str, ...] = field(default_factory=tuple)
+
+
+def impl(name: str) -> DraftImpl:
+    """The ``KIND`` its module declares (imports the module, and torch, on first use)."""
+    entry = kind(name)
+    module = importlib.import_module(entry.module)
+    declared = getattr(module, "KIND", None)
+    if not isinstance(declared, DraftImpl):
+        raise ConfigError(f"draft module {entry.module} declares no KIND (a DraftImpl)")
+    return declared
+
+
+def trainable_class(name: str) -> type:
+    """The trainable draft class of kind ``name``; ConfigError for a kind that `spire train` does not train."""
+    if not kind(name).trains:
+        raise ConfigError(f"draft must be one of {', '.join(names(trains=True))}, got {name!r}")
+    model = impl(name).model
+    assert model is not None, f"{name} is declared trainable but its module gives no model"
+    return model
