@@ -3,7 +3,7 @@
 
 import pytest
 
-from spire.throughput import DRAFTS, RowOptions, delta_t, get_preset, round_costs, throughput_rows
+from spire.throughput import PAPER_DRAFTS, RowOptions, delta_t, get_preset, round_costs, throughput_rows
 from spire.throughput import shapes
 from spire.throughput.analysis import (
     NO_SPARSE_KV,
@@ -133,7 +133,7 @@ def test_llama3_70b_extrapolation():
 
 
 def test_growing_context_reduces_to_fixed_for_one_token():
-    for d in DRAFTS:
+    for d in PAPER_DRAFTS:
         one = growing_context_multiplier(PAPER, d, 64, 512, 1, PAPER.taus[d])
         assert one == pytest.approx(PAPER.taus[d] / delta_t(PAPER, d, 64, 512))
 

@@ -17,6 +17,7 @@ from typing import Annotated, Literal, Optional
 import typer
 
 from spire import defaults
+import spire.drafts.registry as registry
 from spire.errors import ConfigError, SpireError
 from spire.paths import check_output_path
 
@@ -294,6 +295,16 @@ def _given(ctx: typer.Context, names) -> dict:
             if getattr(ctx.get_parameter_source(name), "name", None) not in ("DEFAULT", "DEFAULT_MAP")}
 
 
+def _kinds(allowed: tuple[str, ...]) -> dict:
+    """typer.Option arguments that restrict a draft option to the registry's kinds ``allowed`` (a usage error,
+    exit 2, names them otherwise)."""
+    def check(value: str | None) -> str | None:
+        if value is not None and value not in allowed:
+            raise typer.BadParameter(f"{value!r} is not one of {', '.join(allowed)}")
+        return value
+    return {"callback": check, "metavar": "[" + "|".join(allowed) + "]"}
+
+
 SPIRE_SWITCHES = {"full_kv": ("window", None), "no_feedback_memory": ("feedback_memory", False),
                   "no_target_activations": ("target_activations", False), "no_self_attend": ("self_attend", False),
                   "feature_input": ("feature_input", True), "bridge": ("bridge", True)}
@@ -303,8 +314,9 @@ SPIRE_SWITCHES = {"full_kv": ("window", None), "no_feedback_memory": ("feedback_
 @app.command()
 def train(
     ctx: typer.Context,
-    draft: Annotated[Literal["spire", "vanilla"], _OPT(help="SPIRe (pruned from the target) or the vanilla "
-                                                            "baseline (small, random init, full KV).")] = "spire",
+    draft: Annotated[str, _OPT(**_kinds(registry.names(trains=True)),
+                               help="SPIRe (pruned from the target), EAGLE-3 (one layer over three target layers) "
+                                    "or the vanilla baseline (small, random init, full KV).")] = "spire",
     target: Annotated[str, _OPT(help="Target: smollm2-135m, a .gguf file or an HF Llama-family folder.")]
     = "smollm2-135m",
     data: Annotated[list[str], _OPT(metavar="registry|PATH", help="Text: 'registry' (the registry texts of "
@@ -552,9 +564,9 @@ def generate(
     = None,
     file: Annotated[Optional[Path], typer.Option(help="A text file with one prompt per line.")] = None,
     target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
-    draft: Annotated[Literal["none", "vanilla", "magicdec", "spire"], typer.Option(help="Draft model.")] = "magicdec",
-    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe draft .safetensors, run folder or `spire export` "
-                                                           "folder, or vanilla draft model.")]
+    draft: Annotated[str, typer.Option(**_kinds(registry.names()), help="Draft model.")] = "magicdec",
+    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe or EAGLE-3 draft: .safetensors, run folder or "
+                                                           "exported folder; or vanilla draft model.")]
     = None,
     k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
@@ -637,7 +649,8 @@ def export(
     out: Annotated[Path, typer.Option(help="Folder to write (replaced): config.json + model.safetensors.")],
     draft_path: Annotated[str, typer.Option(help="The trained draft: a SPIRe .safetensors or `spire train` run "
                                                  "folder, or a vanilla draft folder.")],
-    draft: Annotated[Literal["spire", "vanilla"], typer.Option(help="Draft kind.")] = "spire",
+    draft: Annotated[str, typer.Option(**_kinds(registry.names(trains=True)), help="Draft kind.")]
+    = "spire",
     target: Annotated[str, typer.Option(help="The draft's target (verifier): smollm2-135m, a .gguf file or an HF "
                                              "folder.")] = "smollm2-135m",
     k: Annotated[int, typer.Option("--k", "-k", help="Speculative tokens per round recorded for serving.")]
@@ -661,9 +674,10 @@ def export(
 def compare(
     prompts: Annotated[list[str], typer.Argument(help="Prompts.")],
     target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
-    draft: Annotated[Literal["vanilla", "magicdec", "spire"], typer.Option(help="Draft model.")] = "magicdec",
-    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe draft .safetensors, run folder or `spire export` "
-                                                           "folder, or vanilla draft model.")]
+    draft: Annotated[str, typer.Option(**_kinds(registry.names(drafts_only=True)),
+                                       help="Draft model.")] = "magicdec",
+    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe or EAGLE-3 draft: .safetensors, run folder or "
+                                                           "exported folder; or vanilla draft model.")]
     = None,
     dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="Weights and activations.")] = "bfloat16",
     k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,

@@ -144,7 +144,7 @@ def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, o
         CheckpointError: a missing or unreadable draft.
         TokenizerMismatchError: a draft trained for another target.
     """
-    from spire.drafts import registry
+    import spire.drafts.registry as registry
     from spire.drafts.draft_file import resolve_draft_path
     from spire.errors import ConfigError
     from spire.paths import replace_dir

@@ -40,10 +40,8 @@ from typing import Any, Callable
 import torch
 
 from spire import defaults
+import spire.drafts.registry as registry
 from spire.drafts.base import Draft
-from spire.drafts.magicdec import MagicDecDraft
-from spire.drafts.spire import SpireDraft
-from spire.drafts.vanilla import VanillaDraft
 from spire.errors import ConfigError, DataError
 from spire.model import ModelConfig, Transformer
 from spire.speculative import Prefilled, cache_length, decode, prefill, start_draft
@@ -127,18 +125,14 @@ def shape_of(model: Transformer) -> ModelShape:
 
 
 def draft_kind_and_shape(draft: Draft, target: Transformer) -> tuple[str, ModelShape, int, int]:
-    """(cost-model kind, draft shape, sink, window) of a draft instance. Raises ConfigError for a draft the
-    cost model has no formula for."""
-    t = shape_of(target)
-    if isinstance(draft, MagicDecDraft):
-        return "magicdec", t, draft.view.sink, draft.view.window
-    if isinstance(draft, VanillaDraft):
-        return "vanilla", shape_of(draft.model), defaults.SINK, defaults.WINDOW
-    if isinstance(draft, SpireDraft):  # the head it streams: its draft vocabulary's N rows, or the target's V
-        view = draft.model.view
-        return ("spire", replace(t.with_layers(len(draft.model.layers)), vocab_size=draft.model.n_vocab), view.sink,
-                view.window)
-    raise ConfigError(f"no cost-model formula for draft {type(draft).__name__}")
+    """(cost-model kind, draft shape, sink, window) of a draft instance: its registered kind (``draft.name``) and
+    :meth:`Draft.cost_shape`. Raises ConfigError for a draft the cost model has no formula for."""
+    entry = registry.kind(getattr(draft, "name", None))
+    if entry.pricing is None:
+        raise ConfigError(f"no cost-model formula for draft {type(draft).__name__}")
+    view = getattr(draft, "view", None) or getattr(getattr(draft, "model", None), "view", None)
+    sink, window = (view.sink, view.window) if view is not None else (defaults.SINK, defaults.WINDOW)
+    return entry.name, draft.cost_shape(shape_of(target)), sink, window
 
 
 def predict(target: ModelShape, draft: ModelShape, kind: str, B: int, L: int, k: int, hoi: float,
@@ -163,7 +157,7 @@ def draft_bytes(draft: Draft, kind: str, shape: ModelShape, own_bytes: float, ta
     """Bytes per weight value a draft's forward streams: the target's for MagicDec (its weights), ``own_bytes``
     for a draft with weights of its own, and for a full-vocabulary SPIRe draft whose own bytes differ from the
     target's the mean over its body (own bytes) and its head (the target's unembedding, at the target's bytes)."""
-    if kind == "magicdec":
+    if registry.kind(kind).pricing.weights == "target":
         return target_bytes
     if kind == "spire" and own_bytes != target_bytes and draft.model.vocab is None:
         body, head = shape.body_params(), shape.unembedding_params()

@@ -28,6 +28,7 @@ from rich.table import Table
 
 from spire import defaults
 from spire.data import document_separator_id, prepare_data
+import spire.drafts.registry as registry
 from spire.drafts import find_trained_spire, make_draft, resolve_draft_path
 from spire.errors import CheckpointError, ConfigError, DataError
 from spire.evaluation.tau import measure_tau
@@ -36,7 +37,7 @@ from spire.loading import load_target
 from spire.paths import atomic_write
 from spire.sampling import SamplingParams
 
-DRAFT_CHOICES = ("magicdec", "spire", "vanilla")
+DRAFT_CHOICES = registry.names(drafts_only=True)
 
 
 @dataclass
@@ -82,6 +83,10 @@ def _named(values: list[str], kind: str, option: str) -> list[DraftSpec]:
     return out
 
 
+def _path_takers() -> tuple[str, ...]:
+    return tuple(k for k in DRAFT_CHOICES if registry.kind(k).path != "none")
+
+
 def parse_drafts(kinds: list[str], draft_path: str | None = None, spire_named: list[str] = (),
                  vanilla_named: list[str] = ()) -> list[DraftSpec]:
     """Drafts from ``--draft`` (repeatable, comma lists), ``--draft-path`` (for the one spire or vanilla among
@@ -92,12 +97,12 @@ def parse_drafts(kinds: list[str], draft_path: str | None = None, spire_named: l
         if kind not in DRAFT_CHOICES:
             raise ConfigError(f"unknown draft {kind!r}; choose among {', '.join(DRAFT_CHOICES)}")
     if draft_path is not None:
-        takers = [kind for kind in plain if kind in ("spire", "vanilla")]
+        takers = [kind for kind in plain if registry.kind(kind).path != "none"]
         if len(takers) != 1:
-            raise ConfigError("--draft-path belongs to exactly one --draft spire or --draft vanilla "
+            raise ConfigError(f"--draft-path belongs to exactly one --draft of {', '.join(_path_takers())} "
                               "(use --spire-draft / --vanilla-draft NAME=PATH for several)")
     for kind in dict.fromkeys(plain):
-        specs.append(DraftSpec(kind, kind, draft_path if kind in ("spire", "vanilla") else None))
+        specs.append(DraftSpec(kind, kind, draft_path if registry.kind(kind).path != "none" else None))
     specs += _named(list(spire_named), "spire", "--spire-draft")
     specs += _named(list(vanilla_named), "vanilla", "--vanilla-draft")
     if not specs:
@@ -107,9 +112,10 @@ def parse_drafts(kinds: list[str], draft_path: str | None = None, spire_named: l
         if s.name in seen:
             raise ConfigError(f"two drafts are named {s.name!r}: give each a distinct NAME")
         seen.add(s.name)
-    if any(s.kind == "vanilla" and not s.path for s in specs):
-        raise ConfigError("--draft vanilla needs --draft-path (a .gguf file or HF folder of a small model with "
-                          "the target's tokenizer), or use --vanilla-draft NAME=PATH")
+    for s in specs:
+        if registry.kind(s.kind).path == "required" and not s.path:
+            raise ConfigError(f"--draft {s.kind} needs --draft-path ({registry.kind(s.kind).summary})"
+                              + (", or use --vanilla-draft NAME=PATH" if s.kind == "vanilla" else ""))
     return specs
 
 

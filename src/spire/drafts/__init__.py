@@ -3,15 +3,29 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from spire import defaults
-from spire.drafts import registry
-from spire.drafts.base import Draft
-from spire.drafts.draft_file import resolve_draft_path  # noqa: F401 (public here)
-from spire.drafts.spire import find_trained_spire  # noqa: F401 (public here)
+import spire.drafts.registry as registry
 from spire.errors import ConfigError
+
+if TYPE_CHECKING:
+    from spire.drafts.base import Draft
 
 DRAFT_KINDS = registry.names()
 """Every draft kind, in the registry's order (a view of :data:`spire.drafts.registry.KINDS`)."""
+
+
+def __getattr__(name: str):
+    """``find_trained_spire`` and ``resolve_draft_path``, imported on first use: importing this package (and the
+    registry, which the cost model reads) stays free of torch."""
+    if name == "find_trained_spire":
+        from spire.drafts.spire import find_trained_spire
+        return find_trained_spire
+    if name == "resolve_draft_path":
+        from spire.drafts.draft_file import resolve_draft_path
+        return resolve_draft_path
+    raise AttributeError(name)
 
 
 def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink: int = defaults.SINK,

@@ -35,6 +35,13 @@ class Draft(ABC):
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One draft forward. tokens, pos: (B, 1) -> float32 logits (B, V) for position pos + 1."""
 
+    def cost_shape(self, target):
+        """The cost model's :class:`~spire.throughput.shapes.ModelShape` of this draft, given the target's: by
+        default what its kind's pricing implies (:func:`spire.throughput.shapes.default_draft_shape`)."""
+        from spire.throughput.shapes import default_draft_shape
+
+        return default_draft_shape(target, self.name)
+
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
                 valid: torch.Tensor | None = None) -> None:
         """The target has just run on ``tokens`` at ``pos`` (B, T) (prefill or verify); ``target_out``

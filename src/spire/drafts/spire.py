@@ -642,6 +642,12 @@ class SpireDraft(Draft):
         self._feature: torch.Tensor | None = None  # (B, R, d) recent positions' features (feature_input)
         self._feature_pos: torch.Tensor | None = None  # (B, R) the position each slot holds
 
+    def cost_shape(self, target):
+        """Its layers at the target's width; the head it streams: its draft vocabulary's N rows, or the target's V."""
+        from dataclasses import replace
+
+        return replace(target.with_layers(len(self.model.layers)), vocab_size=self.model.n_vocab)
+
     def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int, k: int) -> None:
         t, view = target.cfg, self.model.view
         if view is None:

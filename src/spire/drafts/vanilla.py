@@ -53,6 +53,12 @@ class VanillaDraft(Draft):
         self.model(tokens, pos, self._cache)
 
     @torch.no_grad()
+    def cost_shape(self, target):
+        """Its own model's shape (:func:`spire.bench.run.shape_of`)."""
+        from spire.bench.run import shape_of
+
+        return shape_of(self.model)
+
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return self.model(tokens, pos, self._cache).logits[:, -1]
 

@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import spire.drafts.registry as registry
 from spire.errors import ConfigError
 
 FORMAT = "spire-tau"
 VERSION = 1
-DRAFT_KINDS = ("vanilla", "magicdec", "spire")
+DRAFT_KINDS = registry.names(drafts_only=True)
 L_RULE = "linear in log L between the nearest measured L; the nearest end's τ outside the measured range"
 
 
@@ -52,7 +53,7 @@ def read_tau_file(path: str | Path, option: str = "--tau-from") -> dict[str, Any
             isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
             for key in ("temperature", "L", "k", "tau"))
         if not ok:
-            raise ConfigError(f"{option}: row {i} of {path} lacks draft (vanilla, magicdec or spire), "
+            raise ConfigError(f"{option}: row {i} of {path} lacks draft ({', '.join(DRAFT_KINDS)}), "
                               "temperature, L, k or tau")
     return obj
 
@@ -145,5 +146,5 @@ def select_taus(obj: dict[str, Any], temperature: float, k: int, names: dict[str
             points.append((L, tau, lo, hi))
         curves[kind] = TauCurve(kind, name, float(temperature), k, tuple(points))
     if not curves:
-        raise ConfigError(f"{path} has no vanilla, magicdec or spire τ at T={temperature:g}, k={k}")
+        raise ConfigError(f"{path} has no τ of {', '.join(DRAFT_KINDS)} at T={temperature:g}, k={k}")
     return curves

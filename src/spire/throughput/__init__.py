@@ -19,4 +19,4 @@ from spire.throughput.cost_model import (  # noqa: F401
     verify_operational_intensity,
 )
 from spire.throughput.hardware import HARDWARE, Hardware, get_hardware  # noqa: F401
-from spire.throughput.shapes import DRAFTS, PRESETS, ModelShape, Preset, get_preset, preset_from_configs  # noqa: F401
+from spire.throughput.shapes import DRAFTS, PAPER_DRAFTS, PRESETS, ModelShape, Preset, get_preset, preset_from_configs  # noqa: F401

@@ -157,7 +157,7 @@ def headline(preset: Preset, B: int = 64, L: int = 512, training_cost: float = 0
     """The paper's headline at (B, L) = (64, 512): each draft's multiplier, SPIRe's gain over vanilla SD and
     MagicDec in percent, and the cost analysis saving 10·(1 − 1/m) − training cost for SPIRe."""
     rows = {r["draft"]: r for r in throughput_rows(preset, [B], [L], options)}
-    m = {d: rows[d]["multiplier"] for d in DRAFTS}
+    m = {d: row["multiplier"] for d, row in rows.items()}
     return {
         "B": B,
         "L": L,

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 from spire import defaults
 from spire.errors import ConfigError
+import spire.drafts.registry as registry
 from spire.throughput.shapes import DRAFTS, ModelShape, Preset, check_draft_kind
 
 HOI = 600
@@ -176,6 +177,9 @@ def _costs(
     target_step = Cost(C=C_t + C_attn_t, N=read_t * o.weight_bytes, KV=KV_t)
     verify = Cost(C=(k + 1) * target_step.C, N=target_step.N, KV=KV_t)
 
+    pricing = registry.kind(draft_kind).pricing
+    if pricing.weights == "none":  # no forward (n-gram lookup): priced at nothing; `spire bench` measures it
+        return RoundCosts(draft=Cost(C=0, N=0, KV=0), verify=verify, target=target_step)
     N_d = draft.body_params()
     C_d = 2 * N_d * B
     read_d = N_d
@@ -183,11 +187,11 @@ def _costs(
         _check_vocab(draft, f"{draft_kind} draft")
         C_d += 2 * draft.unembedding_params() * B
         read_d += draft.unembedding_params()
-    draft_tokens = sum_L if draft_kind == "vanilla" else sum_window
+    draft_tokens = {"full": sum_L, "window": sum_window, "none": 0}[pricing.kv]
     KV_d = draft_tokens * draft.kv_values_per_token() * o.kv_bytes
     if o.attention_flops:
         C_d += draft.attention_flops_per_token(draft_tokens)
-    if draft_kind == "spire":
+    if pricing.memory_projection:
         C_d += 2 * (2 * draft.n_layers * draft.n_kv * draft.d_model * draft.d_head) * B
     return RoundCosts(draft=Cost(C=C_d, N=read_d * o.weight_bytes, KV=KV_d), verify=verify, target=target_step)
 
@@ -227,7 +231,7 @@ def _shapes(model: Preset | tuple[ModelShape, ModelShape], draft_kind: str) -> t
         return model.target, model.draft_shape(draft_kind)
     target, draft = model
     check_draft_kind(draft_kind)
-    return target, (target if draft_kind == "magicdec" else draft)
+    return target, (target if registry.kind(draft_kind).pricing.weights == "target" else draft)
 
 
 def delta_t(
@@ -315,11 +319,12 @@ def draft_training_cost(preset: Preset, draft_kind: str, spire_cost: float = 0.2
     ``spire_cost`` (paper: 0.25), vanilla N_d / N_t (its share of the body, trained on as many tokens;
     an assumption: the paper gives no figure for it)."""
     check_draft_kind(draft_kind)
-    if draft_kind == "magicdec":
-        return 0.0
+    declared = registry.kind(draft_kind).pricing.training_cost
     if draft_kind == "spire":
         return spire_cost
-    return preset.drafts["vanilla"].body_params() / preset.target.body_params()
+    if declared is not None:
+        return declared
+    return preset.draft_shape(draft_kind).body_params() / preset.target.body_params()
 
 
 def resident_bytes(target: ModelShape, draft: ModelShape, draft_kind: str, costs: RoundCosts,
@@ -331,9 +336,10 @@ def resident_bytes(target: ModelShape, draft: ModelShape, draft_kind: str, costs
     resident = target.body_params() * wb + costs.target.KV
     if options.embeddings:
         resident += target.embedding_params() * wb
-    if draft_kind != "magicdec":
+    pricing = registry.kind(draft_kind).pricing
+    if pricing.weights == "own":
         resident += draft.body_params() * wb + costs.draft.KV
-        if options.embeddings and draft_kind == "vanilla":
+        if options.embeddings and pricing.own_embeddings:
             resident += draft.embedding_params() * wb
     return resident
 
@@ -389,7 +395,8 @@ class RowOptions:
 
 def throughput_rows(preset: Preset, Bs: Iterable[int] = (64,), Ls: Iterable[int] = (512,),
                     options: RowOptions = RowOptions()) -> list[dict[str, Any]]:
-    """The cost model over a grid: one row per draft (vanilla, magicdec, spire) per (B, L), B outermost.
+    """The cost model over a grid: one row per draft with a τ (the paper's vanilla, magicdec, spire; eagle3 and ngram
+    when their τ is given) per (B, L), B outermost.
 
     Each row holds "draft", "B", "L", "tau", "delta_t", "multiplier" (the public contract) and also
     "k", "hoi", "combine", "tau_source", "memory_bytes_needed" and "fits", plus the columns that
@@ -402,7 +409,7 @@ def throughput_rows(preset: Preset, Bs: Iterable[int] = (64,), Ls: Iterable[int]
     for draft, a in alphas.items():
         resolved[draft] = (resolved[draft][0], f"alpha={a:g}")
     return [_row(preset, draft, B, L, batch, *resolved[draft], o) for B, L, batch in _grid_points(Bs, Ls, o.contexts)
-            for draft in DRAFTS]
+            for draft in resolved]
 
 
 def _point_costs(preset: Preset, draft: str, B: int, L: int, batch: list[int] | None, k: int, cost: CostOptions
@@ -468,13 +475,17 @@ def _grid_points(Bs: Iterable[int], Ls: Iterable[int], contexts: Sequence[int] |
 
 
 def _resolve_taus(preset: Preset, k: int, overrides: Mapping[str, float]) -> dict[str, tuple[float, str]]:
-    """(τ, source) per draft kind; τ must lie in [1, k+1] (the bonus token is always emitted)."""
+    """(τ, source) per draft kind that has one (the preset's or an override: a kind the paper did not measure, such
+    as EAGLE-3 or n-gram, gets rows only when its τ is given), in :data:`DRAFTS` order; τ must lie in [1, k+1]
+    (the bonus token is always emitted)."""
     for draft in overrides:
         check_draft_kind(draft)
     resolved = {}
     for draft in DRAFTS:
         if draft in overrides:
             tau, source = overrides[draft], "override"
+        elif draft not in preset.taus:
+            continue
         else:
             tau, source = preset.taus[draft], preset.tau_source
         if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not 1 <= tau <= k + 1:

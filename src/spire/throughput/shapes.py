@@ -12,10 +12,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+import spire.drafts.registry as registry
 from spire.errors import ConfigError
 
-DRAFTS = ("vanilla", "magicdec", "spire")
-"""Draft kinds, in the order every table and plot uses."""
+DRAFTS = registry.names(priced=True)
+"""Draft kinds the cost model prices, in the registry's order (the order of every table and plot)."""
+
+PAPER_DRAFTS = tuple(name for name in DRAFTS if registry.kind(name).paper_tau is not None)
+"""The drafts the paper measured (vanilla, MagicDec, SPIRe): the rows of its tables."""
 
 
 @dataclass(frozen=True)
@@ -259,14 +263,38 @@ class Preset:
     max_positions: int | None = None  # the target's context limit (tokens) when it is a real model, else None
 
     def draft_shape(self, draft_kind: str) -> ModelShape:
-        """Shape of the model that drafts for ``draft_kind`` (the target itself for MagicDec)."""
+        """Shape of the model that drafts for ``draft_kind``: the preset's own when it has one, else the one its
+        pricing implies (:func:`default_draft_shape`; the target itself for MagicDec)."""
         check_draft_kind(draft_kind)
-        return self.target if draft_kind == "magicdec" else self.drafts[draft_kind]
+        pricing = registry.kind(draft_kind).pricing
+        if pricing.weights == "target":
+            return self.target
+        return self.drafts.get(draft_kind) or default_draft_shape(self.target, draft_kind)
 
 
 def check_draft_kind(draft_kind: str) -> None:
+    """ConfigError unless the cost model prices ``draft_kind`` (:data:`DRAFTS`)."""
     if draft_kind not in DRAFTS:
         raise ConfigError(f"unknown draft {draft_kind!r}; known: {', '.join(DRAFTS)}")
+
+
+def default_draft_shape(target: ModelShape, draft_kind: str) -> ModelShape:
+    """The draft shape a kind's pricing (:class:`spire.drafts.registry.Pricing`) implies for ``target``: its
+    ``layers`` blocks at the target's width (a float: that fraction of the target's blocks, rounded up); with
+    ``fused_inputs`` (EAGLE-3, arXiv 2503.01840) each block also holds the fc map fused_inputs·d → d, the q, k, v
+    columns of its second attention input (the fused hidden state beside the token embedding) and that input's
+    norm. A kind without weights (n-gram) has a zero-cost shape: its forwards are priced at nothing."""
+    pricing = registry.kind(draft_kind).pricing
+    if pricing.weights == "target":
+        return target
+    layers = pricing.layers
+    n = max(1, math.ceil(target.n_layers * layers) if isinstance(layers, float) else int(layers))
+    shape = target.with_layers(n)
+    if pricing.fused_inputs:
+        d = target.d_model
+        extra = pricing.fused_inputs * d * d + (target.q_per_kv + 2) * target.n_kv * d * target.d_head + d
+        shape = replace(shape, extra_per_layer=target.extra_per_layer + extra)
+    return shape
 
 
 PRESETS: dict[str, Preset] = {

@@ -45,7 +45,7 @@ from tqdm.auto import tqdm
 
 from spire import defaults
 from spire.drafts.base import TrainableDraft
-from spire.drafts import registry
+import spire.drafts.registry as registry
 from spire.drafts.spire import SpireConfig, SpireDraftModel
 from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.model import Transformer
