@@ -65,19 +65,25 @@ def test_reproduce_end_to_end_tiny_budget(tmp_path, env, smollm2):
     assert res.returncode == 0, res.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
     taus = {(t["draft"], t["temperature"]): t for t in results["tau"]}
-    drafts = {"magicdec", "vanilla", "spire", "spire-no-feedback", "spire-full-kv"}
+    kinds = ("vanilla", "magicdec", "spire", "eagle3", "ngram")  # every draft kind, in the registry's order
+    drafts = {*kinds, "spire-no-feedback", "spire-full-kv"}
     assert set(taus) == {(d, T) for d in drafts for T in (0.0, 1.0)}
     for t in taus.values():
         assert 1.0 <= t["ci_low"] <= t["tau"] <= t["ci_high"] <= 5.0
-    assert {(r["draft"], r["L"]) for r in results["tau_vs_L"]} == {(d, L) for d in ("magicdec", "vanilla", "spire")
-                                                                  for L in (32, 96)}
-    for label in ("spire", "vanilla", "spire-no-feedback", "spire-full-kv"):
+    assert {(r["draft"], r["L"]) for r in results["tau_vs_L"]} == {(d, L) for d in kinds for L in (32, 96)}
+    assert {(r["draft"], r["k"]) for r in results["tau_vs_k"]} == {(d, k) for d in kinds for k in (1, 4)}
+    assert {(r["draft"], r["B"], r["L"]) for r in results["throughput"]["best_k"]} == {
+        (d, B, L) for d in kinds for B in (1, 4, 16, 64, 256) for L in (64, 256, 512, 1024, 2048, 4096, 8192)}
+    assert all(r["best_k"] in (1, 4) for r in results["throughput"]["best_k"])
+    # EAGLE-3 trains for SPIRe's budget (equal training compute by the clock), from the same target cache
+    assert results["trainings"]["eagle3"]["draft"] == "eagle3"
+    for label in ("spire", "vanilla", "eagle3", "spire-no-feedback", "spire-full-kv"):
         tr = results["trainings"][label]
         assert tr["steps"] >= 1 and len(tr["heldout_alpha_per_position"]) == 4
     assert results["trainings"]["vanilla"]["loss"] == "hard"
     assert results["trainings"]["spire-full-kv"]["ablation"] == "full-kv"
     rows = results["throughput"]["measured"]["T=0"]
-    assert {r["draft"] for r in rows} == {"magicdec", "spire", "vanilla"}
+    assert {r["draft"] for r in rows} == set(kinds)
     goal = results["throughput"]["goal"]["T=0"]
     at = {r["draft"]: r["multiplier"] for r in rows if r["B"] == 64 and r["L"] == 64}
     assert goal["spire_vs_magicdec"] == pytest.approx(at["spire"] / at["magicdec"])
@@ -86,6 +92,7 @@ def test_reproduce_end_to_end_tiny_budget(tmp_path, env, smollm2):
     report = (out / "REPORT.md").read_text()
     assert "τ (average tokens per round" in report and "2.78 / 1.36 / 2.05" in report
     assert "τ against context length" in report and "Order of importance" in report and "Goal check" in report
+    assert "τ against k (greedy)" in report and "SPIRe against EAGLE-3" in report
     assert "By held-out α drop" in report and "Does τ stay flat with L" in report
     for f in results["figures"]:
         assert (out / f).stat().st_size > 1000
@@ -100,7 +107,7 @@ def test_reproduce_end_to_end_tiny_budget(tmp_path, env, smollm2):
     assert again["trainings"]["spire-none"]["run_dir"] == results["trainings"]["spire"]["run_dir"]
     taus2 = {(t["draft"], t["temperature"]): t for t in again["tau"]}
     for (draft, T), t in taus.items():
-        if draft in ("magicdec", "vanilla", "spire"):
+        if draft in kinds:
             assert taus2[(draft, T)].get("cached") and taus2[(draft, T)]["tau"] == t["tau"]
     for T in (0.0, 1.0):
         assert taus2[("spire-none", T)]["tau"] == taus[("spire", T)]["tau"]
@@ -156,6 +163,7 @@ def test_draft_keys_are_stable_and_every_run_is_checked_first(monkeypatch, tmp_p
     cfg = ReproduceConfig(cache_steps=400, vanilla_budget_s=900.0, bridge=False)
     runs = training_runs(cfg, spire_architecture(cfg, 30, 49152))
     keys = {label: _draft_dir(cfg, tc, Path("/nonexistent/smollm2"), label).name for label, tc in runs}
+    assert keys.pop("eagle3").startswith("smollm2-135m-eagle3-")  # a kind added later: its own key
     assert keys == {"spire": "smollm2-135m-spire-20cb574c63", "vanilla": "smollm2-135m-vanilla-b098eef00a"}
     cfg.bridge = True  # a bridged draft is another draft
     bridged = dict(training_runs(cfg, spire_architecture(cfg, 30, 49152)))["spire"]

@@ -414,7 +414,8 @@ def train(
 
 REPRODUCE_OPTIONS = ("budget", "n_contexts", "L", "G", "vanilla_budget", "ablation_budget", "tau_L_contexts", "steps",
                      "vanilla_steps", "ablation_steps", "first_layers", "cache_steps", "preset", "target", "out", "k",
-                     "n_draft_layers", "seed", "train_processes", "hidden_loss", "compile_step", "bridge")
+                     "n_draft_layers", "seed", "train_processes", "hidden_loss", "compile_step", "bridge", "eagle3",
+                     "eagle3_budget", "eagle3_steps", "tau_k_contexts")
 """`spire reproduce` options passed to ReproduceConfig as given (budget -> budget_s, and the other budgets alike)."""
 
 
@@ -440,6 +441,15 @@ def reproduce(
     tau_L: Annotated[Optional[str], typer.Option("--tau-L", metavar="L[,L...]", help="Context lengths of the τ-vs-L "
                                                  "sweep [256,512,960,2048,4096].")] = None,
     tau_L_contexts: Annotated[Optional[int], typer.Option(help="Contexts per L in the sweep [8].")] = None,
+    tau_k: Annotated[Optional[str], typer.Option("--tau-k", metavar="K[,K...]", help="k of the τ-vs-k sweep (greedy, "
+                                                 "at -L; 0 skips it) [1,...,8].")] = None,
+    tau_k_contexts: Annotated[Optional[int], typer.Option(help="Contexts per k in the sweep [8].")] = None,
+    eagle3: Annotated[Optional[bool], typer.Option("--eagle3/--no-eagle3", help="Train and measure an EAGLE-3 "
+                                                   "draft beside SPIRe [on].")] = None,
+    eagle3_budget: Annotated[Optional[float], typer.Option(help="EAGLE-3 training seconds [SPIRe's --budget].")]
+    = None,
+    eagle3_steps: Annotated[Optional[int], typer.Option(help="EAGLE-3: steps instead of seconds [SPIRe's --steps]."
+                                                        )] = None,
     n_contexts: Annotated[Optional[int], typer.Option(help="Held-out contexts per τ measurement [48].")] = None,
     L: Annotated[Optional[int], typer.Option("-L", "--context", help="Context length for τ (tokens) [512].")] = None,
     G: Annotated[Optional[int], typer.Option("-G", "--generate", help="Tokens generated per context [64].")] = None,
@@ -474,13 +484,14 @@ def reproduce(
                                                          "--quick].")] = None,
     seed: Annotated[int, typer.Option(help="Seed for data windows, training and sampling.")] = 0,
 ) -> None:
-    """The main job: data, SPIRe + vanilla (+ ablation) training, τ tables, cost model, REPORT.md."""
+    """The main job: data, SPIRe + EAGLE-3 + vanilla (+ ablation) training, τ of every draft kind, cost model,
+    REPORT.md."""
     from spire.pipeline import ReproduceConfig, reproduce as run
 
     from spire.training.distill import ABLATIONS
 
     fields = {"budget": "budget_s", "vanilla_budget": "vanilla_budget_s", "ablation_budget": "ablation_budget_s",
-              "hidden_loss": "hidden_weight", "compile_step": "compile"}
+              "hidden_loss": "hidden_weight", "compile_step": "compile", "eagle3_budget": "eagle3_budget_s"}
     overrides = {fields.get(name, name): value for name, value in _given(ctx, REPRODUCE_OPTIONS).items()
                  if value is not None}
     if ablations is not None:
@@ -488,6 +499,8 @@ def reproduce(
         overrides["ablations"] = tuple(ABLATIONS) if names == ["all"] else tuple(names)
     if tau_L is not None:
         overrides["tau_Ls"] = tuple(_ints("--tau-L", [tau_L]))
+    if tau_k is not None:
+        overrides["tau_ks"] = () if tau_k.strip() == "0" else tuple(_ints("--tau-k", [tau_k]))
     if draft_vocab is not None:
         overrides["draft_vocab"] = draft_vocab or None
     if target_cache is not None:
@@ -577,6 +590,10 @@ def generate(
     seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 0,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the model's chat template.")] = False,
     window: Annotated[int, typer.Option(help="MagicDec window (tokens).")] = defaults.WINDOW,
+    ngram_min: Annotated[Optional[int], typer.Option(help="n-gram draft: shortest suffix matched [vLLM's 5, or "
+                                                          "--ngram-max].")] = None,
+    ngram_max: Annotated[Optional[int], typer.Option(help="n-gram draft: longest suffix matched [vLLM's 5, or "
+                                                          "--ngram-min].")] = None,
     fmt: Annotated[Literal["text", "json"], typer.Option("--format", help="Plain text or one JSON object.")]
     = "text",
     weights: Annotated[Literal["fp32", "float32", "bf16"], typer.Option(
@@ -604,6 +621,14 @@ def generate(
     texts = _prompts(prompts or [], file)
     if window < 1:
         raise ConfigError(f"--window must be >= 1, got {window}")
+    options = {}
+    if ngram_min is not None or ngram_max is not None:
+        if draft != "ngram":
+            raise ConfigError(f"--ngram-min / --ngram-max are for --draft ngram, not {draft}")
+        from spire.drafts.ngram import NgramConfig
+
+        NgramConfig(ngram_min, ngram_max).validate()
+        options = {"n_min": ngram_min, "n_max": ngram_max}
     model, tokenizer, _ = load_target(target, progress=False)
     if chat:
         ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
@@ -611,7 +636,7 @@ def generate(
     else:
         ids = [tokenizer(t).input_ids for t in texts]
     ids = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x) for x in ids]
-    d = make_draft(draft, model, tokenizer, draft_path, window=window)
+    d = make_draft(draft, model, tokenizer, draft_path, window=window, **options)
     own_model = getattr(d, "model", None)  # a draft with weights of its own (SPIRe, vanilla)
     if draft_weights is not None and own_model is None:
         typer.echo(f"note: --draft-weights ignored: the {draft} draft has no weights of its own", err=True)
@@ -746,6 +771,10 @@ def bench(
     no_spire: Annotated[bool, _OPT("--no-spire", help="Skip the SPIRe draft.")] = False,
     vanilla_draft: Annotated[Optional[str], _OPT(help="Vanilla draft: HF folder (config.json, model.safetensors, "
                                                       "tokenizer) [skipped when not given].")] = None,
+    eagle3_draft: Annotated[Optional[str], _OPT(help="EAGLE-3 draft: a `spire train --draft eagle3` run or a "
+                                                     "speculators folder [skipped when not given].")] = None,
+    no_ngram: Annotated[bool, _OPT("--no-ngram", help="Skip the n-gram draft (measured by default: no weights, "
+                                                      "its draft step is the lookup).")] = False,
     sink: Annotated[int, _OPT(help="MagicDec sink tokens.")] = defaults.SINK,
     window: Annotated[int, _OPT(help="MagicDec window (tokens).")] = defaults.WINDOW,
     calibration: Annotated[Optional[Path], _OPT(help="Calibration JSON (default: this device's cached one, else "
@@ -776,7 +805,7 @@ def bench(
                      target=target,
                      dtype=dtype, weights=weights, draft_weights=draft_weights, device=device, threads=threads,
                      spire_draft=spire_draft, no_spire=no_spire,
-                     vanilla_draft=vanilla_draft, sink=sink, window=window, calibration=calibration, out=out,
+                     vanilla_draft=vanilla_draft, eagle3_draft=eagle3_draft, no_ngram=no_ngram, sink=sink, window=window, calibration=calibration, out=out,
                      quick=quick, random_weights=random_weights, seed=seed, combine=combine, clock=clock)
     result, summary = run(args, log=lambda msg: typer.echo(msg, err=True))
     j, m = write_outputs(result, summary, out)

@@ -1,5 +1,5 @@
-"""The main job, ``spire reproduce``: data -> SPIRe draft training -> τ for MagicDec and SPIRe -> cost model
--> report. Every step caches what it derives, so a second run reuses the converted target, the token data
+"""The main job, ``spire reproduce``: data -> draft training (SPIRe, EAGLE-3, vanilla) -> τ for every draft kind
+(MagicDec and n-gram need no training) -> cost model -> report. Every step caches what it derives, so a second run reuses the converted target, the token data
 and a finished draft (see :func:`spire.paths.spire_cache_dir`).
 """
 
@@ -17,7 +17,8 @@ import torch
 
 from spire import defaults
 from spire.data import document_separator_id, prepare_data
-from spire.drafts.magicdec import MagicDecDraft
+import spire.drafts.registry as registry
+from spire.drafts import make_draft
 from spire.drafts.spire import SpireConfig
 from spire.errors import ConfigError
 from spire.evaluation.report import write_report
@@ -25,7 +26,8 @@ from spire.evaluation.tau import measure_tau_shared
 from spire.loading import load_target
 from spire.paths import atomic_write, spire_cache_dir
 from spire.sampling import SamplingParams
-from spire.training.distill import ABLATIONS, LOG_FILE, TrainConfig, ablation_config
+from spire.training.distill import ABLATIONS, LOG_FILE, TrainConfig, ablation_config, fast_bf16, needs_teacher
+from spire.training.sources import TargetCache
 from spire.training.parallel import train_in_processes
 
 PRESETS = {"smollm2-135m": "smollm2-135m"}  # reproduce preset -> target checkpoint spec
@@ -52,7 +54,12 @@ class ReproduceConfig:
     paper's loss). bridge: SPIRe's draft (and its ablations') maps its residual stream where the shallow layers
     meet the deep ones by an affine map fitted to the target's (SpireConfig.bridge; False: the paper's draft).
     compile: every draft's training step through torch.compile (TrainConfig.compile; the compile
-    runs before each training clock starts; not part of a draft's cache key)."""
+    runs before each training clock starts; not part of a draft's cache key).
+
+    The drafts the field uses beside the paper's: eagle3 trains an EAGLE-3 draft for eagle3_budget_s (None: SPIRe's
+    budget_s, and SPIRe's steps when steps is set: equal training compute by the clock) on the same text and target
+    cache settings; the n-gram draft needs no training. tau_ks / tau_k_contexts: the τ-vs-k sweep (greedy, every
+    draft, at L) from which the cost model picks the best k per (B, L) and draft; () skips it."""
 
     preset: str = "smollm2-135m"
     target: str | None = None  # a .gguf file or HF Llama-family folder instead of the preset's checkpoint
@@ -63,6 +70,9 @@ class ReproduceConfig:
     ablation_budget_s: float = 300.0
     steps: int | None = None  # optimizer steps instead of seconds (then contention on the machine does not
     vanilla_steps: int | None = None  # change what is trained); ablation_steps likewise
+    eagle3: bool = True
+    eagle3_budget_s: float | None = None
+    eagle3_steps: int | None = None
     ablation_steps: int | None = None
     L: int = 512
     G: int = 64
@@ -71,6 +81,8 @@ class ReproduceConfig:
     temperatures: tuple[float, ...] = (0.0, 1.0)
     tau_Ls: tuple[int, ...] = (256, 512, 960, 2048, 4096)
     tau_L_contexts: int = 8
+    tau_ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    tau_k_contexts: int = 8
     batch_size: int = 8
     n_draft_layers: int = defaults.N_DRAFT_LAYERS
     first_layers: int = 2
@@ -95,7 +107,8 @@ class ReproduceConfig:
     def quick_config(cls, **kw) -> "ReproduceConfig":
         """Smoke-test settings: finishes in a few minutes on 2 CPU cores."""
         base = dict(budget_s=60.0, vanilla_budget_s=30.0, ablation_budget_s=20.0, n_contexts=8, L=256, G=32,
-                    tau_Ls=(128, 256), tau_L_contexts=4, alpha_windows=4, cache_steps=8, quick=True,
+                    tau_Ls=(128, 256), tau_L_contexts=4, alpha_windows=4, cache_steps=8, quick=True, tau_ks=(1, 4),
+                    tau_k_contexts=4,
                     compile=False)
         base.update(kw)
         return cls(**base)
@@ -131,6 +144,10 @@ class ReproduceConfig:
             raise ConfigError("step counts must be >= 1")
         if any(not t >= 0 for t in self.temperatures):
             raise ConfigError("temperatures must be >= 0")
+        if any(x < 1 for x in self.tau_ks) or self.tau_k_contexts < 1:
+            raise ConfigError(f"--tau-k takes positive k, got {list(self.tau_ks)}")
+        if self.eagle3_budget_s is not None and not self.eagle3_budget_s > 0:
+            raise ConfigError(f"the EAGLE-3 budget must be positive, got {self.eagle3_budget_s} s")
         if any(x < 1 for x in self.tau_Ls):
             raise ConfigError(f"--tau-L takes positive context lengths, got {list(self.tau_Ls)}")
         if any(b < 1 for b in self.grid_B) or any(x < 1 for x in self.grid_L):
@@ -218,12 +235,12 @@ TAU_CACHE_VERSION = 1  # bump when a change to decoding or sampling changes what
 
 
 def _tau_key(target_folder: Path, draft: dict, contexts: torch.Tensor, cfg: ReproduceConfig, temperature: float,
-             batch_size: int) -> str:
+             batch_size: int, k: int | None = None) -> str:
     """Content key of one τ measurement: target, draft (settings or run folder and step), the exact context
     tokens, G, k, temperature, batch and seed."""
     h = hashlib.sha1(contexts.to(torch.int64).cpu().numpy().tobytes())
     h.update(json.dumps({"v": TAU_CACHE_VERSION, "target": str(Path(target_folder).resolve()), "draft": draft,
-                         "G": cfg.G, "k": cfg.k, "T": temperature, "batch": batch_size, "seed": cfg.seed},
+                         "G": cfg.G, "k": cfg.k if k is None else k, "T": temperature, "batch": batch_size, "seed": cfg.seed},
                         sort_keys=True).encode())
     return h.hexdigest()[:20]
 
@@ -276,7 +293,8 @@ def _amount(budget: float, steps: int | None) -> str:
 
 
 def training_runs(cfg: ReproduceConfig, spire_arch: SpireConfig) -> list[tuple[str, TrainConfig]]:
-    """(label, TrainConfig) of every draft the job trains: "spire", "vanilla", then "spire-<ablation>"."""
+    """(label, TrainConfig) of every draft the job trains: "spire", "vanilla", "eagle3" (when on), then
+    "spire-<ablation>"."""
     cache = {} if cfg.target_cache is None else {"data_steps": cfg.cache_steps, "target_cache": cfg.target_cache}
     if cfg.hidden_weight:
         cache["hidden_weight"] = cfg.hidden_weight
@@ -284,6 +302,12 @@ def training_runs(cfg: ReproduceConfig, spire_arch: SpireConfig) -> list[tuple[s
                                   compile=cfg.compile, **_limits(cfg.budget_s, cfg.steps))),
             ("vanilla", TrainConfig(draft="vanilla", k=cfg.k, seed=cfg.seed, compile=cfg.compile,
                                     **_limits(cfg.vanilla_budget_s, cfg.vanilla_steps)))]
+    if cfg.eagle3:  # the same budget as SPIRe (seconds, or steps when SPIRe trains by steps): equal training compute
+        budget = cfg.budget_s if cfg.eagle3_budget_s is None else cfg.eagle3_budget_s
+        steps = cfg.eagle3_steps if cfg.eagle3_steps is not None else (cfg.steps if cfg.eagle3_budget_s is None
+                                                                       else None)
+        runs.append(("eagle3", TrainConfig(draft="eagle3", k=cfg.k, seed=cfg.seed, **cache, eval_every=cfg.eval_every,
+                                           compile=cfg.compile, **_limits(budget, steps))))
     for a in cfg.ablations:
         run = ablation_config(a, k=cfg.k, seed=cfg.seed, spire=spire_arch, **cache, eval_every=cfg.eval_every,
                               compile=cfg.compile,
@@ -307,7 +331,7 @@ def _training_summary(run_dir: Path, train_cfg: TrainConfig, model, state: dict)
         "draft_body_params": sum(p.numel() for p in model.layers.parameters()),
         "source_layers": list(getattr(model, "source_layers", ())) or None,
         "draft_vocab": None if model.vocab is None else len(model.vocab),
-        "target_cache": None if train_cfg.target_cache is None or train_cfg.draft != "spire" else {
+        "target_cache": None if train_cfg.target_cache is None or train_cfg.draft == "vanilla" else {
             "batches": train_cfg.data_steps, "dtype": train_cfg.target_cache,
             "tokens": train_cfg.data_steps * train_cfg.batch_size * train_cfg.seq_len},
         "heldout_alpha_per_position": state["heldout"]["alpha_per_position"], "heldout_loss": state["heldout"]["loss"],
@@ -316,10 +340,38 @@ def _training_summary(run_dir: Path, train_cfg: TrainConfig, model, state: dict)
         "history": state["history"]}
 
 
+def shared_target_cache(runs: list, target, data, folder: Path, progress: bool, log) -> TargetCache | None:
+    """One target cache for every run that trains from one (SPIRe, EAGLE-3, the ablations): built once over the
+    union of the target layers they read, so each run finds it (a cache holding more layers serves a run that
+    reads fewer: :meth:`TargetCache.build`) and the target runs over the cached batches once, not once per draft.
+    None when fewer than two runs share cache settings (each builds its own as before)."""
+    cached = [c for _, c in runs if c.target_cache is not None]
+    if len({c.draft for c in cached}) < 2:
+        return None
+    first = cached[0]
+    shape = ("batch_size", "seq_len", "seed", "data_steps", "target_cache", "bf16")
+    if any(any(getattr(c, f) != getattr(first, f) for f in shape) for c in cached):
+        return None
+    layers, teacher = set(), False
+    for c in cached:
+        model = registry.trainable_class(c.draft).for_training(target, c, data)
+        layers |= set(model.target_layers())
+        teacher = teacher or needs_teacher(model, c)
+        del model
+    bf16 = first.bf16 if first.bf16 is not None else fast_bf16(target.device)
+    log(f"      one target cache for {', '.join(dict.fromkeys(c.draft for c in cached))}: layers {sorted(layers)}")
+    return TargetCache.build(target, data, tuple(sorted(layers)), teacher, first.batch_size, first.seq_len, first.seed,
+                             first.data_steps, first.target_cache, folder=folder, bf16=bf16, progress=progress,
+                             log=log)
+
+
 def _train(cfg: ReproduceConfig, runs: list, target, data, windows, folder: Path, progress: bool, log
            ) -> tuple[dict, dict, dict]:
     """Step 3: train (or find trained) every run once. Returns (models, training summaries, states) by label."""
     trained, training, states, by_config = {}, {}, {}, {}
+    if not all(_draft_dir(cfg, c, folder, label).joinpath("draft.safetensors").is_file() for label, c in runs
+               if c.target_cache is not None):
+        shared_target_cache(runs, target, data, folder, progress, log)
     n_procs, threads = training_processes(cfg, target.device)
     for label, train_cfg in runs:
         if label == "vanilla" and cfg.vanilla_token_share is not None and cfg.vanilla_steps is None:
@@ -336,7 +388,7 @@ def _train(cfg: ReproduceConfig, runs: list, target, data, windows, folder: Path
         # the vanilla draft trains in one process: its step is light and its gradient (a full-vocabulary
         # embedding) heavy, so averaging gradients across processes costs more than it saves (measured: 490 against
         # 615 tokens/s on 2 cores)
-        procs, n_threads = (n_procs, threads) if train_cfg.draft == "spire" else (1, torch.get_num_threads())
+        procs, n_threads = (n_procs, threads) if train_cfg.draft != "vanilla" else (1, torch.get_num_threads())
         model, state = train_in_processes(target, data, run_dir, train_cfg, procs, n_threads, heldout=windows,
                                           target_folder=folder, progress=progress, log=log)
         states[label], trained[label] = state, model
@@ -357,22 +409,24 @@ class _TauMeter:
         self.trained, self.training, self.states = trained, training, states
 
     def draft(self, name: str):
-        if name == "magicdec":
-            return MagicDecDraft(self.cfg.sink, self.cfg.window)
-        return self.trained[name].as_draft()
+        if name in self.trained:
+            return self.trained[name].as_draft()
+        return make_draft(name, self.target, sink=self.cfg.sink, window=self.cfg.window)
 
     def identity(self, name: str) -> dict:
-        if name == "magicdec":
-            return {"magicdec": [self.cfg.sink, self.cfg.window]}
-        return {"run_dir": self.training[name]["run_dir"], "step": self.states[name]["step"]}
+        if name in self.trained:
+            return {"run_dir": self.training[name]["run_dir"], "step": self.states[name]["step"]}
+        return {name: [self.cfg.sink, self.cfg.window]}  # an untrained kind: its settings
 
-    def measure(self, names: list[str], ctx: torch.Tensor, temperature: float) -> list[dict]:
-        """One row per name, in order, on contexts ``ctx`` (N, L) at ``temperature``."""
+    def measure(self, names: list[str], ctx: torch.Tensor, temperature: float, k: int | None = None) -> list[dict]:
+        """One row per name, in order, on contexts ``ctx`` (N, L) at ``temperature`` (k: draft tokens per round,
+        default the job's)."""
         cfg = self.cfg
+        k = cfg.k if k is None else k
         batch = _tau_batch(cfg, ctx.shape[1])
         rows, todo = {}, {}
         for name in names:
-            key = _tau_key(self.folder, self.identity(name), ctx, cfg, temperature, batch)
+            key = _tau_key(self.folder, self.identity(name), ctx, cfg, temperature, batch, k)
             cached = _tau_cache_get(key)
             if cached is not None:
                 rows[name] = {**cached, "draft": name, "cached": True}
@@ -383,7 +437,7 @@ class _TauMeter:
             first.setdefault(key, name)
         if first:
             measured = measure_tau_shared(self.target, {name: self.draft(name) for name in first.values()}, ctx,
-                                          G=cfg.G, k=cfg.k, params=SamplingParams(temperature), batch_size=batch,
+                                          G=cfg.G, k=k, params=SamplingParams(temperature), batch_size=batch,
                                           seed=cfg.seed, progress=self.progress)
             for key, name in first.items():
                 _tau_cache_put(key, measured[name].to_dict(per_context=True))
@@ -394,7 +448,8 @@ class _TauMeter:
 
 def _measure_taus(cfg: ReproduceConfig, meter: _TauMeter, names: list[str], contexts, sweep: dict, log,
                   timings: dict) -> tuple[list[dict], list[dict]]:
-    """Steps 4-5: τ of every draft at L and each temperature, then τ vs L (greedy, the three methods)."""
+    """Steps 4-5: τ of every draft at L and each temperature, then τ vs L and τ vs k (greedy, every draft kind;
+    ablations only at L)."""
     log(f"[4/6] tau: {cfg.n_contexts} held-out contexts, L={cfg.L}, G={cfg.G}, k={cfg.k}")
     t = time.time()
     taus = []
@@ -405,20 +460,32 @@ def _measure_taus(cfg: ReproduceConfig, meter: _TauMeter, names: list[str], cont
             taus.append(r)
     timings["tau_s"] = time.time() - t
 
+    kinds = [n for n in names if n in registry.names()]  # every draft kind, no ablation
     log(f"[5/6] tau vs L: L in {list(cfg.tau_Ls)}, {cfg.tau_L_contexts} contexts each, greedy")
     t = time.time()
     tau_vs_L = []
     for L, ctx in sweep.items():
-        for r in meter.measure(["magicdec", "vanilla", "spire"], ctx, 0.0):
+        for r in meter.measure(kinds, ctx, 0.0):
             log(f"      L={L:5d} {r['draft']:9s}: tau {r['tau']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
                 + (" (cached)" if r.get("cached") else ""))
             tau_vs_L.append(r)
     timings["tau_vs_L_s"] = time.time() - t
-    return taus, tau_vs_L
+
+    tau_vs_k = []
+    if cfg.tau_ks:
+        log(f"      tau vs k: k in {list(cfg.tau_ks)}, {cfg.tau_k_contexts} contexts of L={cfg.L}, greedy")
+        t = time.time()
+        for k in cfg.tau_ks:
+            for r in meter.measure(kinds, contexts[: cfg.tau_k_contexts], 0.0, k=k):
+                log(f"      k={k} {r['draft']:9s}: tau {r['tau']:.3f} [{r['ci_low']:.3f}, {r['ci_high']:.3f}]"
+                    + (" (cached)" if r.get("cached") else ""))
+                tau_vs_k.append({**r, "k": k})
+        timings["tau_vs_k_s"] = time.time() - t
+    return taus, tau_vs_L, tau_vs_k
 
 
 def _results(cfg: ReproduceConfig, target, folder: Path, data, training: dict, taus: list, tau_vs_L: list,
-             timings: dict) -> dict:
+             tau_vs_k: list, timings: dict) -> dict:
     """The results dict (results.json)."""
     return {
         "preset": cfg.preset,
@@ -435,6 +502,7 @@ def _results(cfg: ReproduceConfig, target, folder: Path, data, training: dict, t
         "trainings": training,
         "tau": taus,
         "tau_vs_L": tau_vs_L,
+        "tau_vs_k": tau_vs_k,
         "timings": timings,
     }
 
@@ -461,6 +529,7 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
         + (f", draft vocabulary {spire_arch.vocab_size}" if spire_arch.vocab_size else "")
         + (f", target cache of {cfg.cache_steps} batches ({cfg.target_cache})" if cfg.target_cache else "") + ", "
         f"{_amount(cfg.budget_s, cfg.steps)}), vanilla ({_amount(cfg.vanilla_budget_s, cfg.vanilla_steps)})"
+        + "".join(f", {label} ({_amount(r.budget_s, r.max_steps)})" for label, r in runs if label == "eagle3")
         + (f", {len(cfg.ablations)} ablations ({_amount(cfg.ablation_budget_s, cfg.ablation_steps)} each)"
            if cfg.ablations else ""))
     t = time.time()
@@ -468,10 +537,11 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     timings["train_s"] = time.time() - t
 
     meter = _TauMeter(cfg, target, folder, trained, training, states, progress)
-    names = ["magicdec", "vanilla", "spire"] + [label for label, _ in runs[2:]]
-    taus, tau_vs_L = _measure_taus(cfg, meter, names, contexts, sweep, log, timings)
+    names = [n for n in registry.names(drafts_only=True) if n in trained or not registry.kind(n).trains]
+    names += [label for label, _ in runs if label not in names]
+    taus, tau_vs_L, tau_vs_k = _measure_taus(cfg, meter, names, contexts, sweep, log, timings)
 
     log("[6/6] throughput model and report")
-    results = _results(cfg, target, folder, data, training, taus, tau_vs_L, timings)
+    results = _results(cfg, target, folder, data, training, taus, tau_vs_L, tau_vs_k, timings)
     write_report(results, cfg, t_start)
     return results

@@ -44,6 +44,8 @@ class BenchArgs:
     spire_draft: str | None = None
     no_spire: bool = False
     vanilla_draft: str | None = None
+    eagle3_draft: str | None = None
+    no_ngram: bool = False
     sink: int = defaults.SINK
     window: int = defaults.WINDOW
     calibration: Path | None = None
@@ -118,6 +120,17 @@ def load_drafts(args: BenchArgs, target, tokenizer, log: Callable[[str], None]) 
             log(f"SPIRe draft: {found}")
             drafts["spire"] = make_draft("spire", target, tokenizer, str(found))
             sources["spire"] = f"{found} (newest trained in the cache)"
+    if args.eagle3_draft:
+        drafts["eagle3"] = make_draft("eagle3", target, tokenizer, args.eagle3_draft)
+        sources["eagle3"] = str(args.eagle3_draft)
+    else:
+        skipped.append("eagle3: no --eagle3-draft PATH given (a `spire train --draft eagle3` run or a speculators "
+                       "folder)")
+    if args.no_ngram:
+        skipped.append("ngram: --no-ngram")
+    else:  # no weights: its draft step is the lookup, timed like any draft step
+        drafts["ngram"] = make_draft("ngram", target, tokenizer)
+        sources["ngram"] = "prompt lookup in each row's own context (vLLM's defaults)"
     if args.vanilla_draft:
         drafts["vanilla"] = make_draft("vanilla", target, tokenizer, args.vanilla_draft)
         sources["vanilla"] = str(args.vanilla_draft)

@@ -9,16 +9,18 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
+import spire.drafts.registry as registry
 from spire.evaluation.tau import paired_ratio_ci
 from spire.paths import atomic_write, spire_cache_dir
 from spire.throughput import RowOptions, get_preset, throughput_rows
+from spire.throughput.cost_model import delta_t
 from spire.throughput.analysis import NO_SPARSE_KV, ablation_rows
 from spire.throughput.shapes import PAPER_TAUS, ModelShape, Preset
 from spire.throughput.plots import plot_ablation, plot_multiplier_heatmaps, plot_multiplier_vs_L
 from spire.training.distill import PAPER_ABLATION_TAU
 
-MEASURED = ("vanilla", "magicdec", "spire")  # the drafts whose τ the main job measures
-PAPER_TAU = {"magicdec": 3.891, "spire": 3.401, "vanilla": 2.647}  # paper, 67M target, L = 512
+MEASURED = registry.names(drafts_only=True)  # the draft kinds whose τ the main job measures (those it has)
+PAPER_TAU = {n: registry.kind(n).paper_tau for n in MEASURED if registry.kind(n).paper_tau}  # 67M target, L = 512
 ABLATION_LABELS = {"none": "SPIRe (same budget)", "no-feedback": "no feedback memory", "no-feedback-no-target": "no feedback, no target activations",
                    "omega1": "ω = 1 (pure distillation)", "hard-loss": "HardTargetLoss",
                    "random-init": "random initialization", "full-kv": "full KV cache (no sparse KV)"}
@@ -62,19 +64,40 @@ def goal_check(rows: list[dict], B: int, L: int, k: int, target_ratio: float = 1
             "alpha_needed": alpha_for_tau(need, k)}
 
 
-def multiplier_ratio_ci(results: dict, rows: list[dict], temperature: float, B: int, L: int) -> list[float] | None:
-    """95 % CI of SPIRe's modeled multiplier over MagicDec's at (B, L): the paired bootstrap CI of τ_SPIRe /
-    τ_MagicDec over the shared contexts (:func:`spire.evaluation.tau.paired_ratio_ci`) times Δt_MagicDec /
-    Δt_SPIRe (the cost model's Δt has no sampling error). None when per-context counts are missing (a τ taken
-    from an older measurement cache)."""
-    s, m = _tau_of(results, "spire", temperature), _tau_of(results, "magicdec", temperature)
+def multiplier_ratio_ci(results: dict, rows: list[dict], temperature: float, B: int, L: int, a: str = "spire",
+                        b: str = "magicdec") -> list[float] | None:
+    """95 % CI of draft a's modeled multiplier over draft b's at (B, L) (default SPIRe over MagicDec): the paired
+    bootstrap CI of τ_a / τ_b over the shared contexts (:func:`spire.evaluation.tau.paired_ratio_ci`) times
+    Δt_b / Δt_a (the cost model's Δt has no sampling error). None when either τ or its per-context counts are
+    missing (a τ taken from an older measurement cache)."""
+    s, m = _tau_of(results, a, temperature), _tau_of(results, b, temperature)
     if not (s and m and s.get("emitted") and m.get("emitted")) or len(s["emitted"]) != len(m["emitted"]):
         return None
     at = {r["draft"]: r for r in rows if r["B"] == B and r["L"] == L}
     lo, hi = paired_ratio_ci(*(np.asarray(x, dtype=float) for x in (s["emitted"], s["rounds"], m["emitted"],
                                                                    m["rounds"])))
-    scale = at["magicdec"]["delta_t"] / at["spire"]["delta_t"]
+    if a not in at or b not in at:
+        return None
+    scale = at[b]["delta_t"] / at[a]["delta_t"]
     return [lo * scale, hi * scale]
+
+
+def best_k_rows(results: dict, preset: Preset, Bs, Ls) -> list[dict]:
+    """The best k per (B, L) and draft from the measured τ-vs-k sweep (greedy, at the job's L): the k that
+    maximizes τ(k)/Δt(k) under the cost model, with that multiplier. [] without a sweep."""
+    sweep = results.get("tau_vs_k") or []
+    taus: dict[str, dict[int, float]] = {}
+    for r in sweep:
+        taus.setdefault(r["draft"], {})[int(r["k"])] = float(r["tau"])
+    rows = []
+    for B in Bs:
+        for L in Ls:
+            for d in (n for n in MEASURED if n in taus):
+                mult = {k: tau / delta_t(preset, d, B, L, k) for k, tau in taus[d].items()}
+                best = max(mult, key=mult.get)
+                rows.append({"draft": d, "B": B, "L": L, "best_k": best, "tau": taus[d][best],
+                             "multiplier": mult[best], "multiplier_by_k": mult})
+    return rows
 
 
 def target_preset(target: dict, n_draft_layers: int) -> Preset:
@@ -105,6 +128,22 @@ def _plot_training(history: list[dict], path: Path, heldout: list[dict] | None =
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left")  # α rises from low values: the top left stays clear of the curves
     atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120))
+
+
+def _plot_tau_vs_k(rows: list[dict], path: Path, title: str) -> None:
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    for d in MEASURED:
+        pts = sorted((r["k"], r["tau"], r["ci_low"], r["ci_high"]) for r in rows if r["draft"] == d)
+        if pts:
+            ks, t, lo, hi = zip(*pts)
+            ax.errorbar(ks, t, yerr=[np.subtract(t, lo), np.subtract(hi, t)], marker="o", capsize=3, label=d)
+    ax.set_xlabel("k (draft tokens per round)")
+    ax.set_ylabel("τ (tokens per round)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def _plot_tau_vs_L(rows: list[dict], path: Path, title: str) -> None:
@@ -153,7 +192,7 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
     B_main = 64 if 64 in cfg.grid_B else max(cfg.grid_B)
     for temperature in cfg.temperatures:
         key = f"T={temperature:g}"
-        taus = {d: _tau_of(results, d, temperature)["tau"] for d in MEASURED}
+        taus = {d: _tau_of(results, d, temperature)["tau"] for d in MEASURED if _tau_of(results, d, temperature)}
         rows = [dict(r, tau_source=f"measured ({key}, L={cfg.L})")
                 for r in throughput_rows(preset, cfg.grid_B, sorted(set(cfg.grid_L) | {cfg.L}),
                                           RowOptions(k=cfg.k, taus=taus))
@@ -162,6 +201,11 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
         goals[key] = goal_check(rows, B_main, cfg.L, cfg.k)
         if goals[key] is not None:
             goals[key]["spire_vs_magicdec_ci"] = multiplier_ratio_ci(results, rows, temperature, B_main, cfg.L)
+            at = {r["draft"]: r for r in rows if r["B"] == B_main and r["L"] == cfg.L}
+            if "eagle3" in at:
+                goals[key]["spire_vs_eagle3"] = at["spire"]["multiplier"] / at["eagle3"]["multiplier"]
+                goals[key]["spire_vs_eagle3_ci"] = multiplier_ratio_ci(results, rows, temperature, B_main, cfg.L,
+                                                                       "spire", "eagle3")
         fig = f"throughput_measured_T{temperature:g}.png"
         plot_multiplier_heatmaps(rows, out / fig, f"{name}, measured τ ({key}): "
                                                   f"modeled throughput multiplier τ/Δt (HOI 600)")
@@ -188,7 +232,13 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
         _plot_training(results["training"]["history"], out / "training_alpha.png",
                        results["training"].get("heldout_curve"))
         figures.append("training_alpha.png")
-    results["throughput"] = {"measured": grids, "paper_67m": paper_rows, "goal": goals, "ablations": ablations}
+    best_k = best_k_rows(results, preset, cfg.grid_B, sorted(set(cfg.grid_L) | {cfg.L}))
+    if results.get("tau_vs_k"):
+        _plot_tau_vs_k(results["tau_vs_k"], out / "tau_vs_k.png",
+                       f"{name}: τ against k (greedy, L = {cfg.L}, G = {cfg.G})")
+        figures.append("tau_vs_k.png")
+    results["throughput"] = {"measured": grids, "paper_67m": paper_rows, "goal": goals, "ablations": ablations,
+                             "best_k": best_k}
     results["figures"] = figures
     results["timings"]["total_s"] = time.time() - t_start
     atomic_write(out / "results.json", None, json.dumps(results, indent=1))
@@ -384,6 +434,40 @@ def _throughput_lines(results: dict, cfg, measured: list[str]) -> list[str]:
                           f"{g['spire_vs_magicdec']:.2f}× MagicDec's{ci_txt}{vs_v} (paper's claim: ≥ 1.35× and ≥ 2×); "
                           f"SPIRe is the best option in {100 * g['spire_best_share']:.0f} % of the grid. "
                           f"1.35× MagicDec would need SPIRe τ ≈ {g['tau_needed']:.2f}{need_a}.", ""]
+            if g.get("spire_vs_eagle3"):
+                ci = g.get("spire_vs_eagle3_ci")
+                lines += [f"SPIRe against EAGLE-3 ({key}) at ({g['B']}, {g['L']}): SPIRe's modeled multiplier is "
+                          f"{g['spire_vs_eagle3']:.2f}× EAGLE-3's"
+                          + (f" (paired 95 % CI [{ci[0]:.2f}, {ci[1]:.2f}])" if ci else "") + ".", ""]
+    return lines
+
+
+def _tau_vs_k_lines(results: dict, cfg) -> list[str]:
+    """REPORT.md's τ-vs-k table and the cost model's best k per (B, L) and draft."""
+    sweep = results.get("tau_vs_k") or []
+    if not sweep:
+        return []
+    ks = sorted({r["k"] for r in sweep})
+    lines = ["", "## τ against k (greedy)", "",
+             f"{cfg.tau_k_contexts} held-out contexts of L = {cfg.L} (the first of the τ table's), G = {cfg.G}.", "",
+             "| draft | " + " | ".join(f"k = {k}" for k in ks) + " |", "|---|" + "---|" * len(ks)]
+    for d in MEASURED:
+        by_k = {r["k"]: r for r in sweep if r["draft"] == d}
+        if by_k:
+            lines.append(f"| {d} | " + " | ".join(_fmt_tau(by_k.get(k)) for k in ks) + " |")
+    best = results["throughput"].get("best_k") or []
+    Bs, Ls = sorted({r["B"] for r in best}), sorted({r["L"] for r in best})
+    if best:
+        lines += ["", "Which pays off with each draft at its best k (the cost model's k that maximizes τ(k)/Δt(k) with "
+                      "the greedy τ above; draft k multiplier):", "",
+                  "| B \\ L | " + " | ".join(str(x) for x in Ls) + " |", "|---|" + "---|" * len(Ls)]
+        for b in Bs:
+            cells = []
+            for x in Ls:
+                top = max((r for r in best if r["B"] == b and r["L"] == x), key=lambda r: r["multiplier"])
+                cells.append("AD" if top["multiplier"] <= 1 else
+                             f"{top['draft']} k={top['best_k']} {top['multiplier']:.2f}")
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -391,7 +475,7 @@ def _markdown(results: dict, cfg) -> str:
     env, tm = results["environment"], results["timings"]
     measured = [d for d in MEASURED if _tau_of(results, d, cfg.temperatures[0]) is not None]
     lines = [
-        f"# spire reproduce: SPIRe vs MagicDec vs vanilla on {results['target']['name']}",
+        f"# spire reproduce: SPIRe beside MagicDec, EAGLE-3, n-gram and vanilla on {results['target']['name']}",
         "",
         f"Target `{results['target']['checkpoint']}`{' (--quick: smoke-test settings, not a measurement)' if cfg.quick else ''}. "
         f"Wall time {tm['total_s'] / 60:.1f} min on {env['processor']} ({env['threads']} "
@@ -407,8 +491,9 @@ def _markdown(results: dict, cfg) -> str:
         "|---|" + "---|" * (len(cfg.temperatures) + 1),
     ]
     for d in measured:
+        paper = f"{PAPER_TAU[d]:.3f}" if d in PAPER_TAU else "not measured"
         lines.append(f"| {d} | " + " | ".join(_fmt_tau(_tau_of(results, d, t)) for t in cfg.temperatures)
-                     + f" | {PAPER_TAU[d]:.3f} |")
+                     + f" | {paper} |")
     if results.get("tau_vs_L"):
         Ls = sorted({r["L"] for r in results["tau_vs_L"]})
         lines += ["", "## τ against context length (greedy)", "",
@@ -420,6 +505,7 @@ def _markdown(results: dict, cfg) -> str:
             if by_L:
                 lines.append(f"| {d} | " + " | ".join(_fmt_tau(by_L.get(x)) for x in Ls) + " |")
         lines += [""] + _flatness_lines(results["tau_vs_L"])
+    lines += _tau_vs_k_lines(results, cfg)
     lines += ["", "## Draft training", ""] + _training_lines(results, cfg)
     lines += ["## Ablations (paper Figure 5)", ""] + _ablation_lines(results, cfg)
     lines += _throughput_lines(results, cfg, measured)
