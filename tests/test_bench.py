@@ -320,8 +320,12 @@ def test_bench_cli_smoke(tmp_path, monkeypatch, capsys, tiny):
     captured = capsys.readouterr()
     assert (e.value.code or 0) == 0, captured.err
     data = json.loads(captured.out)
-    assert [(r["B"], r["draft"]) for r in data["rows"]] == [(1, "magicdec"), (1, "spire"), (2, "magicdec"),
-                                                              (2, "spire")]
+    assert [(r["B"], r["draft"]) for r in data["rows"]] == [(1, "magicdec"), (1, "ngram"), (1, "spire"),
+                                                              (2, "magicdec"), (2, "ngram"), (2, "spire")]
+    for r in data["rows"]:  # n-gram: its measured draft step is the lookup; the cost model prices it at nothing
+        if r["draft"] == "ngram":
+            assert r["t_draft_s"] > 0 and r["predicted_t_draft_s"] == 0
+            assert r["delta_t_predicted"] == pytest.approx(r["predicted_t_verify_s"] / r["predicted_t_ad_s"])
     assert data["calibration"]["quick"] and data["hoi"] == pytest.approx(data["calibration"]["hoi"]["fp32"])
     assert data["config"]["clock"] == "cpu" and data["threads"] == 1
     assert all(r["delta_t_measured"] > 0 and r["identical_to_ad"] for r in data["rows"])
@@ -419,7 +423,7 @@ def test_bench_cli_bf16_draft_weights(tmp_path, monkeypatch, capsys, tiny):
     assert torch.equal(tiny.lm_head.weight[small.vocab], before)  # the target's head stays float32
     # no draft with weights of its own: nothing rounded, nothing priced at 2 bytes
     none = _tiny_bench_json(tmp_path / "none", capsys, "--no-spire", "--draft-weights", "bf16")
-    assert none["draft_weight_bytes"] == 4 and [r["draft"] for r in none["rows"]] == ["magicdec"]
+    assert none["draft_weight_bytes"] == 4 and [r["draft"] for r in none["rows"]] == ["magicdec", "ngram"]
     with pytest.raises(SystemExit) as e:  # Typer refuses a value outside the choices (its usage block, exit 2)
         main(["bench", "--random-weights", "--quick", "--draft-weights", "int4"])
     assert e.value.code == 2

@@ -388,9 +388,13 @@ def train(
                                                 "--cache-steps batches, store its outputs on disk and train from "
                                                 "them (float32: exact; bfloat16: half the bytes) [live].")] = None,
     vanilla_layers: Annotated[Optional[int], _OPT(help="Vanilla: blocks [target layers / 8].")] = None,
+    eagle3_layers: Annotated[Optional[str], _OPT(metavar="J,J,J", help="EAGLE-3: the three target layers whose "
+                                                 "entering residual streams it fuses [2, n/2, n-3].")] = None,
+    eagle3_vocab: Annotated[Optional[int], _OPT(help="EAGLE-3: draft vocabulary (d2t), the N most frequent training "
+                                                     "tokens; 0 = the target's [16384].")] = None,
     device: Annotated[str, _OPT(help="auto, cpu or cuda.")] = "auto",
 ) -> None:
-    """Train a draft (SPIRe or vanilla) against the target; resumable; data parallel under torchrun."""
+    """Train a draft (SPIRe, EAGLE-3 or vanilla) against the target; resumable; data parallel under torchrun."""
     from spire.commands.train import TrainRunArgs, run
 
     spire_kw = {name: value for name, value in _given(ctx, SPIRE_FIELDS).items() if value is not None}
@@ -400,8 +404,12 @@ def train(
     train_kw = {TRAIN_FIELDS[name]: value for name, value in _given(ctx, TRAIN_FIELDS).items() if value is not None}
     if train_kw.get("target_cache") == "none":  # as in `spire reproduce`: the live target (the default)
         train_kw["target_cache"] = None
+    eagle3_kw = {} if eagle3_layers is None else {"layers": tuple(_ints("--eagle3-layers", [eagle3_layers]))}
+    if eagle3_vocab is not None:
+        eagle3_kw["draft_vocab"] = eagle3_vocab
     args = TrainRunArgs(draft=draft, target=target, data=data, out=out, ablation=ablation, resume=resume,
                         device=device, eval_windows=eval_windows, spire_overrides=spire_kw, train_overrides=train_kw,
+                        eagle3_overrides=eagle3_kw,
                         given=tuple(_given(ctx, ("draft", "ablation"))))
     summary = run(args, log=lambda m: typer.echo(m, err=True))
     if summary.get("rank", 0) == 0:
@@ -577,7 +585,7 @@ def generate(
     = None,
     file: Annotated[Optional[Path], typer.Option(help="A text file with one prompt per line.")] = None,
     target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
-    draft: Annotated[str, typer.Option(**_kinds(registry.names()), help="Draft model.")] = "magicdec",
+    draft: Annotated[str, typer.Option(**_kinds(registry.names()), help="Draft model.")] = registry.DEFAULT,
     draft_path: Annotated[Optional[str], typer.Option(help="SPIRe or EAGLE-3 draft: .safetensors, run folder or "
                                                            "exported folder; or vanilla draft model.")]
     = None,
@@ -700,7 +708,7 @@ def compare(
     prompts: Annotated[list[str], typer.Argument(help="Prompts.")],
     target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
     draft: Annotated[str, typer.Option(**_kinds(registry.names(drafts_only=True)),
-                                       help="Draft model.")] = "magicdec",
+                                       help="Draft model.")] = registry.DEFAULT,
     draft_path: Annotated[Optional[str], typer.Option(help="SPIRe or EAGLE-3 draft: .safetensors, run folder or "
                                                            "exported folder; or vanilla draft model.")]
     = None,

@@ -359,12 +359,11 @@ def summarize(result: dict[str, Any], tolerance: float = 0.2) -> dict[str, Any]:
     spire_goal = None
     if "spire" in goal_cell:
         s = goal_cell["spire"]
+        base = goal_cell.get(registry.BASELINE)
         spire_goal = {"spire_multiplier": s["multiplier_measured"],
-                      "magicdec_multiplier": goal_cell["magicdec"]["multiplier_measured"] if "magicdec" in goal_cell
-                      else None}
+                      "magicdec_multiplier": base["multiplier_measured"] if base else None}
         spire_goal["met"] = bool(s["multiplier_measured"] and s["multiplier_measured"] >= 1.5 and
-                                 (spire_goal["magicdec_multiplier"] is None or
-                                  s["sd_tokens_per_s"] > goal_cell["magicdec"]["sd_tokens_per_s"]))
+                                 (base is None or s["sd_tokens_per_s"] > base["sd_tokens_per_s"]))
     ratios = [r["delta_t_ratio"] for r in result["rows"]]
     return {"memory_bound_cells": len(mem), "within_tolerance": len(within), "tolerance": tolerance,
             "delta_t_ratio_geomean": math.exp(sum(math.log(x) for x in ratios) / len(ratios)) if ratios else None,

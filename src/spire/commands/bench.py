@@ -15,7 +15,7 @@ from spire.bench.calibrate import (TORCH_DTYPES, Calibration, cached_calibration
 from spire.bench.run import BenchConfig, run_bench, summarize
 from spire.data import document_separator_id, prepare_data
 from spire.drafts import find_trained_spire, make_draft
-from spire.drafts.magicdec import MagicDecDraft
+import spire.drafts.registry as registry
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.errors import ConfigError
 from spire.loading import load_target
@@ -102,11 +102,25 @@ def get_calibration(path: Path | None, device: torch.device, dtype: str, quick: 
     return cal
 
 
+def untrained_drafts(args: BenchArgs, target) -> tuple[dict, dict, list[str]]:
+    """(name -> draft, name -> where it came from, skipped) for the kinds that need no training (MagicDec over
+    --sink / --window; n-gram, whose draft step is its lookup, unless --no-ngram)."""
+    drafts: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    skipped: list[str] = []
+    for name in registry.names(drafts_only=True, trains=False):
+        if name == "ngram" and args.no_ngram:
+            skipped.append("ngram: --no-ngram")
+            continue
+        drafts[name] = make_draft(name, target, sink=args.sink, window=args.window)
+        view = getattr(drafts[name], "view", None)
+        sources[name] = registry.kind(name).summary + (f": sink {view.sink} + window {view.window}" if view else "")
+    return drafts, sources, skipped
+
+
 def load_drafts(args: BenchArgs, target, tokenizer, log: Callable[[str], None]) -> tuple[dict, list[str], dict]:
     """name -> draft for the run, messages for the drafts skipped, name -> where each draft came from."""
-    drafts: dict[str, Any] = {"magicdec": MagicDecDraft(args.sink, args.window)}
-    sources = {"magicdec": f"target over sink {args.sink} + window {args.window}"}
-    skipped: list[str] = []
+    drafts, sources, skipped = untrained_drafts(args, target)
     if args.no_spire:
         skipped.append("spire: --no-spire")
     elif args.spire_draft:
@@ -126,11 +140,6 @@ def load_drafts(args: BenchArgs, target, tokenizer, log: Callable[[str], None]) 
     else:
         skipped.append("eagle3: no --eagle3-draft PATH given (a `spire train --draft eagle3` run or a speculators "
                        "folder)")
-    if args.no_ngram:
-        skipped.append("ngram: --no-ngram")
-    else:  # no weights: its draft step is the lookup, timed like any draft step
-        drafts["ngram"] = make_draft("ngram", target, tokenizer)
-        sources["ngram"] = "prompt lookup in each row's own context (vLLM's defaults)"
     if args.vanilla_draft:
         drafts["vanilla"] = make_draft("vanilla", target, tokenizer, args.vanilla_draft)
         sources["vanilla"] = str(args.vanilla_draft)
@@ -181,16 +190,15 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
         target, folder = bench_run.random_target(TORCH_DTYPES[args.dtype], device, args.seed), None
         check_positions(cfg, target)
         n_draft = max(1, round(target.cfg.n_layers * 8 / 30))  # SmolLM2: its last 8 of 30 layers
-        drafts = {"magicdec": MagicDecDraft(args.sink, args.window),
-                  "spire": SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=n_draft)))}
-        skipped = ["random weights: τ and tokens/s of SD are meaningless (timings and Δt are real); the SPIRe "
-                   "draft is an untrained pruned copy", "vanilla: not with --random-weights"]
-        sources = {"magicdec": f"target over sink {args.sink} + window {args.window}",
-                   "spire": f"untrained pruned copy of the last {n_draft} layers"}
+        drafts, sources, skipped = untrained_drafts(args, target)
+        drafts["spire"] = SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=n_draft)))
+        sources["spire"] = f"untrained pruned copy of the last {n_draft} layers"
+        skipped += ["random weights: τ and tokens/s of SD are meaningless (timings and Δt are real); the SPIRe "
+                    "draft is an untrained pruned copy", "vanilla: not with --random-weights"]
         if args.no_spire:  # honoured here too (it was ignored with --random-weights)
             drafts.pop("spire")
             sources.pop("spire")
-            skipped[0] = "spire: --no-spire"
+            skipped[-2] = "spire: --no-spire"
         log(f"random-weights {args.target}-shaped target: timings only"
             + ("; --spire-draft / --vanilla-draft ignored (a draft trained for the real target does not fit)"
                if args.spire_draft or args.vanilla_draft else ""))

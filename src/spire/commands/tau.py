@@ -55,7 +55,7 @@ class TauArgs:
     """Every option of ``spire tau``. max_batch_tokens caps batch × L per generate call (the prefill keeps
     float32 logits of every prompt position: batch × L × vocab × 4 bytes)."""
 
-    drafts: list[DraftSpec] = field(default_factory=lambda: [DraftSpec("magicdec", "magicdec")])
+    drafts: list[DraftSpec] = field(default_factory=lambda: [DraftSpec(registry.DEFAULT, registry.DEFAULT)])
     Ls: list[int] = field(default_factory=lambda: [512])
     G: int = 64
     k: int = defaults.K
@@ -106,7 +106,7 @@ def parse_drafts(kinds: list[str], draft_path: str | None = None, spire_named: l
     specs += _named(list(spire_named), "spire", "--spire-draft")
     specs += _named(list(vanilla_named), "vanilla", "--vanilla-draft")
     if not specs:
-        specs = [DraftSpec("magicdec", "magicdec")]
+        specs = [DraftSpec(registry.DEFAULT, registry.DEFAULT)]
     seen: set[str] = set()
     for s in specs:
         if s.name in seen:

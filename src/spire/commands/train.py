@@ -14,6 +14,7 @@ import torch
 
 from spire import defaults
 from spire.data import document_separator_id, prepare_data, prepare_text_files
+from spire.drafts.eagle3 import Eagle3Config
 from spire.drafts.spire import SpireConfig
 from spire.drafts.vanilla import vanilla_config
 from spire.errors import CheckpointError, ConfigError
@@ -43,6 +44,7 @@ class TrainRunArgs:
     device: str = "auto"
     eval_windows: int | None = None  # None: 16, or a resumed run's own
     spire_overrides: dict = field(default_factory=dict)
+    eagle3_overrides: dict = field(default_factory=dict)
     train_overrides: dict = field(default_factory=dict)
     given: tuple[str, ...] = ()  # of "draft", "ablation": those the user set (a resume checks them)
 
@@ -77,9 +79,13 @@ def build_config(args: TrainRunArgs) -> TrainConfig:
     """The run's TrainConfig: the ablation's settings, then the explicit options. Raises ConfigError."""
     if args.ablation not in ABLATIONS:
         raise ConfigError(f"unknown ablation {args.ablation!r}; choose one of {', '.join(ABLATIONS)}")
-    if args.draft == "vanilla" and args.ablation != "none":
+    if args.draft != "spire" and args.ablation != "none":
         raise ConfigError(f"--ablation {args.ablation} applies to --draft spire only")
-    if args.draft == "vanilla" and args.spire_overrides:
+    if args.draft != "eagle3" and args.eagle3_overrides:
+        flags = {"layers": "--eagle3-layers", "draft_vocab": "--eagle3-vocab"}
+        raise ConfigError(f"{', '.join(flags.get(k, k) for k in args.eagle3_overrides)}: EAGLE-3 options, for --draft "
+                          "eagle3 only")
+    if args.draft != "spire" and args.spire_overrides:
         raise ConfigError(f"{', '.join(spire_option(k, v) for k, v in args.spire_overrides.items())}: SPIRe options, "
                           "for --draft spire only")
     if args.draft == "spire":
@@ -87,6 +93,8 @@ def build_config(args: TrainRunArgs) -> TrainConfig:
         cfg.spire = SpireConfig(**{**cfg.spire.to_dict(), **args.spire_overrides})
     else:
         cfg = TrainConfig(draft=args.draft, **args.settings())
+        if args.draft == "eagle3":
+            cfg.eagle3 = Eagle3Config(**args.eagle3_overrides)
     cfg.validate()
     return cfg
 
@@ -111,6 +119,8 @@ def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None) -> T
             raise ConfigError(f"--resume continues {out} with its saved settings; these options differ from them: "
                               f"{', '.join(changed)} (drop them, or train into another --out)")
     saved["spire"] = SpireConfig(**saved["spire"])
+    if "eagle3" in saved:
+        saved["eagle3"] = Eagle3Config.from_dict(saved["eagle3"])
     saved.update(limits)
     return TrainConfig(**saved)
 
@@ -174,6 +184,8 @@ def run(args: TrainRunArgs, log=print) -> dict:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the target's {target.cfg.max_positions} positions")
     if cfg.draft == "spire":  # what the target decides, refused before the banner and the data
         cfg.spire.validate(target.cfg.n_layers, target.cfg.vocab_size)
+    elif cfg.draft == "eagle3":
+        cfg.eagle3.validate(target.cfg.n_layers, target.cfg.vocab_size)
     else:
         vanilla_config(target, cfg.vanilla_layers)
     data = load_data(args.data, tokenizer, progress=rank == 0)

@@ -26,10 +26,11 @@ at x_1).
 Target layer ids. Layer id j means the residual stream ENTERING target layer j, i.e. HF transformers'
 ``output_hidden_states[j]`` for 0 <= j < n (``hidden_states[0]`` is the embedding output), which is what
 :meth:`spire.model.Transformer.forward` returns for ``hidden_layers=(j,)`` and what vLLM's and speculators'
-``eagle_aux_hidden_state_layer_ids`` capture ("input to layer j"; SGLang #25454 and vLLM #38111 were off-by-one
-bugs around this convention). Id n (the number of target layers) is the final residual stream BEFORE the final
-norm, as vLLM captures it; HF's ``hidden_states[n]`` is after the final norm. tests/test_eagle3.py checks both
-against transformers. The default ids are speculators' ``[2, n // 2, n - 3]``
+``eagle_aux_hidden_state_layer_ids`` capture ("input to layer j": vLLM's ``EagleModelMixin._maybe_add_hidden_state``
+records id 0 before the first layer and id i + 1 after layer i; SGLang PR #25454 fixed a +1 offset applied to such
+ids, and vLLM #38111 reportedly mixed up the same convention). Id n (the number of target layers) is the
+final residual stream BEFORE the final norm, as vLLM captures it; HF's ``hidden_states[n]`` is after the final norm.
+tests/test_eagle3.py checks both against transformers. The default ids are speculators' ``[2, n // 2, n - 3]``
 (``speculators.models.utils.resolve_target_layer_ids``).
 
 The KV cache: at inference the draft's cache holds, for every verified position t, the keys/values of
@@ -79,11 +80,15 @@ from safetensors.torch import save_file
 
 from spire import defaults, fastpath, kernels
 from spire.drafts.base import Draft
-from spire.drafts.spire import _fingerprint, _fingerprint_matches, frequent_tokens, read_draft_file, write_draft_file
+from spire.drafts.draft_file import FORMAT_VERSION, read_draft_file, warn_if_unfinished, write_draft_file
+from spire.drafts.draft_file import fingerprint as _fingerprint
+from spire.drafts.draft_file import fingerprint_matches as _fingerprint_matches
+from spire.drafts.registry import DraftImpl
+from spire.drafts.spire import frequent_tokens
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, SinkWindow, attention_mask
 from spire.model import MLP, Attention, ForwardOutput, ModelConfig, RMSNorm, Transformer, rope_cos_sin
-from spire.training.losses import LossTerms, acceptance_alpha_logp, mixed_loss_logp
+from spire.training.losses import kl_loss_logp  # noqa: F401 (EAGLE-3's loss, public here too)
 
 SPECULATORS_VERSION = "0.9.0"
 """The speculators release whose Eagle3 format :func:`export_speculators` writes (and tests/test_eagle3.py checks
@@ -528,33 +533,16 @@ class Eagle3DraftModel(nn.Module):
 
     def export(self, out_dir: Path, target: Transformer, meta: dict, target_folder: Path | None = None) -> Path:
         """``eagle3/`` in the run folder: a speculators folder (:func:`export_speculators`; the verifier's
-        name_or_path is ``target_folder`` when given; k from ``meta["k"]``, else spire's default)."""
+        name_or_path is ``target_folder`` when given; k from ``meta["k"]``, else spire's default; the embedding is
+        left to the verifier's unless the target scales it; a sink + window draft is written with its view in the
+        ``spire`` section)."""
         folder = Path(out_dir) / self.export_name
         return export_speculators(self, folder, target, k=int(meta.get("k", defaults.K)),
                                   verifier_name_or_path=None if target_folder is None else str(target_folder),
-                                  meta=meta, allow_extensions=True)
+                                  meta=meta, embed_tokens=target.cfg.embed_scale != 1.0, allow_extensions=True)
 
     def as_draft(self) -> "Eagle3Draft":
         return Eagle3Draft(self)
-
-
-def kl_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor) -> LossTerms:
-    """speculators' Eagle3 loss (``losses.eager.kl_div_loss``): the forward KL(p' || q) per position, averaged,
-    where p' is the target's distribution renormalized over the draft's N tokens (speculators' targets are the
-    verifier's head rows t2d, softmaxed over N) and q the draft's.
-
-    draft_logits: (..., N); target_logp: (..., N) the target's log-probabilities of those N tokens normalized
-    over its whole vocabulary (:meth:`spire.training.sources.TeacherBatch.target_logp`). Returns the loss (with
-    gradient to draft_logits; MixedLoss(omega = 1) against log p', minus the constant entropy of p', so its value
-    is the KL), ``distill`` = the same KL, and ``alpha`` = the expected acceptance Σ min(p, q) with the target's
-    true p (not renormalized)."""
-    logp = target_logp.detach().float()
-    logp_r = logp - logp.logsumexp(-1, keepdim=True)  # p' over the N tokens
-    terms = mixed_loss_logp(draft_logits, logp_r, 1.0)  # -Σ p' log q (mean over positions)
-    entropy = float(-(logp_r.exp() * logp_r).sum(-1).mean())  # H(p'), a constant
-    kl = terms.loss - entropy
-    alpha = float(acceptance_alpha_logp(draft_logits.detach(), logp).mean())
-    return LossTerms(kl, float(kl.detach()), alpha)
 
 
 # ---------------------------------------------------------------------------------------------- inference
@@ -666,63 +654,47 @@ def _layer_hf_config(layer_cfg: ModelConfig) -> dict:
     return tf.LlamaConfig(**kw, attention_bias=bool(c.qkv_bias), mlp_bias=bool(c.mlp_bias)).to_diff_dict()
 
 
-def speculators_state(model: Eagle3DraftModel, embed_tokens: bool = True) -> dict[str, torch.Tensor]:
+def speculators_state(model: Eagle3DraftModel, target: Transformer | None = None, embed_tokens: bool = True
+                      ) -> dict[str, torch.Tensor]:
     """The draft's tensors under speculators' names (float32, contiguous): its state without ``vocab``, plus
-    ``d2t`` / ``t2d`` for a draft vocabulary and the target's ``embed_tokens.weight`` when ``embed_tokens``."""
+    ``d2t`` / ``t2d`` for a draft vocabulary and, when ``embed_tokens``, ``embed_tokens.weight``: the target's
+    embedding rows as the draft reads them (times the target's embedding scale, Gemma's sqrt(d), so that a reader's
+    plain nn.Embedding gives the same vectors)."""
+    target = model.target if target is None else target
     sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items() if k != "vocab"}
     maps = model.d2t_t2d()
     if maps is not None:
         sd["d2t"], sd["t2d"] = maps
     if embed_tokens:
-        sd["embed_tokens.weight"] = model.target.model.embed_tokens.weight.detach().float().contiguous()
+        sd["embed_tokens.weight"] = _embedding_rows(target).contiguous()
     return sd
 
 
-def export_speculators(model: Eagle3DraftModel, out_dir: str | Path, target: Transformer | None = None, *,
-                       k: int = defaults.K, verifier_name_or_path: str | None = None, meta: dict | None = None,
-                       embed_tokens: bool = True, allow_extensions: bool = False) -> Path:
-    """Write ``model`` as a speculators Eagle3 folder (module docstring) at ``out_dir``, replaced atomically:
-    config.json and model.safetensors (float32), loadable by speculators' ``Eagle3DraftModel.from_pretrained``,
-    vLLM and :func:`load_speculators`. config.json also holds ``spire_format_version`` (so spire's tools see a spire
-    export), the verifier's spire fingerprint (``speculators_config.verifier.spire_fingerprint``) and a ``spire``
-    section (the Eagle3Config, the layer's ModelConfig, k, ``meta``).
+def _embedding_rows(target: Transformer) -> torch.Tensor:
+    """(V, d) float32: the target's embedding of every token, scale included."""
+    emb = target.model.embed_tokens
+    with torch.no_grad():
+        return emb(torch.arange(emb.num_embeddings, device=emb.weight.device)).detach().float().cpu()
 
-    Args:
-        model: the draft; target: its target (default ``model.target``).
-        k: speculative_tokens of the greedy proposal method (speculators knows no other proposal type).
-        verifier_name_or_path: the verifier's HF id or folder (speculators loads it when set), else null.
-        embed_tokens: also store the target's embedding (speculators' own saves do; optional for readers).
-        allow_extensions: write a draft with spire's sink + window view too (speculators and vLLM would run it with
-            a full cache; spire reads the view back); otherwise such a draft is refused.
-    Returns: ``out_dir``.
-    Raises:
-        ConfigError: k < 1; a draft beyond the format (a view without allow_extensions; a target whose embedding
-            is scaled, Gemma); ``out_dir`` is a file or a non-empty folder that is not a speculators folder.
-    """
+
+def speculators_writer(model: Eagle3DraftModel, target: Transformer | None = None, *, k: int = defaults.K,
+                       verifier_name_or_path: str | None = None, meta: dict | None = None, embed_tokens: bool = True,
+                       allow_extensions: bool = False):
+    """The writer ``write(folder)`` of :func:`export_speculators` (config.json and model.safetensors into an empty
+    folder), the form :func:`spire.export.export_draft` takes from a kind. Arguments and errors as
+    :func:`export_speculators` (but for ``out_dir``)."""
     from spire import __version__
-    from spire.export import FORMAT_VERSION, _verifier
-    from spire.paths import replace_dir
+    from spire.export import _verifier
 
     target = model.target if target is None else target
-    out = Path(out_dir)
     if k < 1:
         raise ConfigError(f"k must be >= 1, got {k}")
     if model.view is not None and not allow_extensions:
         raise ConfigError("this EAGLE-3 draft reads a sink + window view of its cache (beyond EAGLE-3): "
                           "speculators has no such draft (allow_extensions=True writes it anyway)")
-    if target.cfg.embed_scale != 1.0:
-        raise ConfigError(f"the target scales its embedding (x {target.cfg.embed_scale:g}, {target.cfg.family}): "
-                          "speculators' Eagle3 embedding has no scale")
-    if out.is_file():
-        raise ConfigError(f"{out} is a file; give a folder")
-    if out.is_dir() and any(out.iterdir()):
-        try:
-            ours = "speculators_model_type" in json.loads((out / "config.json").read_text())
-        except (OSError, ValueError):
-            ours = False
-        if not ours:
-            raise ConfigError(f"{out} is a non-empty folder that is not a speculators folder; it would be replaced: "
-                              "choose an empty or new folder")
+    if target.cfg.embed_scale != 1.0 and not embed_tokens:
+        raise ConfigError(f"the target scales its embedding (x {target.cfg.embed_scale:g}, {target.cfg.family}) and "
+                          "speculators' Eagle3 embedding has no scale: export the scaled rows (embed_tokens=True)")
     try:
         import transformers
 
@@ -756,12 +728,53 @@ def export_speculators(model: Eagle3DraftModel, out_dir: str | Path, target: Tra
         "spire": {"spire_version": __version__, "k": k, "eagle3_config": c.to_dict(), "layer_config": lc.to_dict(),
                   "training": meta or {}},
     }
-    tensors = speculators_state(model, embed_tokens)
+    tensors = speculators_state(model, target, embed_tokens)
 
     def write(tmp: Path) -> None:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+        save_file(tensors, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        (Path(tmp) / "config.json").write_text(json.dumps(config, indent=2, default=str) + "\n")
+    return write
 
+
+def export_speculators(model: Eagle3DraftModel, out_dir: str | Path, target: Transformer | None = None, *,
+                       k: int = defaults.K, verifier_name_or_path: str | None = None, meta: dict | None = None,
+                       embed_tokens: bool = True, allow_extensions: bool = False) -> Path:
+    """Write ``model`` as a speculators Eagle3 folder (module docstring) at ``out_dir``, replaced atomically
+    (:func:`spire.paths.replace_dir`): config.json and model.safetensors (float32), loadable by speculators'
+    ``Eagle3DraftModel.from_pretrained``, vLLM and :func:`load_speculators`. config.json also holds
+    ``spire_format_version`` (so spire's tools see a spire export), the verifier's spire fingerprint
+    (``speculators_config.verifier.spire_fingerprint``) and a ``spire`` section (the Eagle3Config, the layer's
+    ModelConfig, k, ``meta``).
+
+    Args:
+        model: the draft; target: its target (default ``model.target``).
+        k: speculative_tokens of the greedy proposal method (speculators knows no other proposal type).
+        verifier_name_or_path: the verifier's HF id or folder (speculators loads it when set), else null.
+        embed_tokens: also store the target's embedding rows, scale included (speculators' own saves do; optional
+            for readers that load the verifier's, required for a target that scales its embedding).
+        allow_extensions: write a draft with spire's sink + window view too (speculators and vLLM would run it with
+            a full cache; spire reads the view back); otherwise such a draft is refused.
+    Returns: ``out_dir``.
+    Raises:
+        ConfigError: k < 1; a draft beyond the format (a view without allow_extensions; a target whose embedding
+            is scaled, Gemma, without embed_tokens); ``out_dir`` is a file or a non-empty folder that is not a
+            speculators folder.
+    """
+    from spire.paths import replace_dir
+
+    out = Path(out_dir)
+    if out.is_file():
+        raise ConfigError(f"{out} is a file; give a folder")
+    if out.is_dir() and any(out.iterdir()):
+        try:
+            ours = "speculators_model_type" in json.loads((out / "config.json").read_text())
+        except (OSError, ValueError):
+            ours = False
+        if not ours:
+            raise ConfigError(f"{out} is a non-empty folder that is not a speculators folder; it would be replaced: "
+                              "choose an empty or new folder")
+    write = speculators_writer(model, target, k=k, verifier_name_or_path=verifier_name_or_path, meta=meta,
+                               embed_tokens=embed_tokens, allow_extensions=allow_extensions)
     replace_dir(out, write)
     return out
 
@@ -829,8 +842,9 @@ def _layer_config(folder: Path, tl: dict) -> ModelConfig:
 
 
 def _same_embedding(stored: torch.Tensor, target: Transformer) -> bool:
-    """Whether an embedding stored with a draft is the target's, to bf16 rounding of either side."""
-    w = target.model.embed_tokens.weight.detach().float().cpu()
+    """Whether an embedding stored with a draft is the target's (rows times its scale), to bf16 rounding of either
+    side."""
+    w = _embedding_rows(target)
     s = stored.detach().float().cpu()
     if s.shape != w.shape:
         return False
@@ -891,9 +905,6 @@ def load_speculators(folder: str | Path, target: Transformer) -> Eagle3DraftMode
     if isinstance(fp, dict) and not _fingerprint_matches(fp, target):
         raise DraftTargetMismatchError(f"{folder} was exported for target {fp}, but the target is "
                                        f"{_fingerprint(target)}")
-    if target.cfg.embed_scale != 1.0:
-        raise CheckpointError(f"{folder}: the target scales its embedding ({tc.family}); speculators' Eagle3 "
-                              "embedding has no scale")
     spire_section = config.get("spire") if isinstance(config.get("spire"), dict) else {}
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     try:
@@ -909,6 +920,9 @@ def load_speculators(folder: str | Path, target: Transformer) -> Eagle3DraftMode
     state = load_state_dict(folder)
     check_finite({k: v for k, v in state.items() if not k.startswith("verifier_")}, f"draft {folder}")
     emb = state.pop("embed_tokens.weight", None)
+    if emb is None and tc.embed_scale != 1.0:
+        raise CheckpointError(f"{folder} stores no embedding and the target scales its own ({tc.family}): which "
+                              "rows the draft was trained on is unknown")
     if emb is not None and not _same_embedding(emb, target):
         raise DraftTargetMismatchError(f"{folder} stores an embedding that is not the target's: a draft for another "
                                        "target (or a trained embedding, which spire does not implement)")
@@ -940,3 +954,56 @@ def load_speculators(folder: str | Path, target: Transformer) -> Eagle3DraftMode
         raise CheckpointError(f"{folder}: its tensors do not fit an EAGLE-3 draft of its config: "
                               f"{' '.join(str(e).split())[:400]}") from None
     return model.to(target.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- the registry's entry
+
+def resolve_path(path: str | Path) -> Path:
+    """What ``--draft eagle3 --draft-path`` names: a speculators folder (config.json with speculators_model_type),
+    a `spire train --draft eagle3` run folder (its ``eagle3/`` export; the run's checkpoint file when the export
+    is missing), or a draft .safetensors checkpoint. Raises CheckpointError when nothing is there."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise CheckpointError(f"draft not found: {p}")
+    if p.is_file():
+        if p.suffix != ".safetensors":
+            raise CheckpointError(f"{p} is not an EAGLE-3 draft (a speculators folder, a `spire train --draft eagle3` "
+                                  "run folder or a draft .safetensors)")
+        return p
+    if (p / "config.json").is_file():
+        return p
+    for inner in (p / Eagle3DraftModel.export_name, p / "checkpoint" / "draft.safetensors"):
+        if inner.exists():
+            return inner
+    raise CheckpointError(f"{p} holds no EAGLE-3 draft (no config.json, {Eagle3DraftModel.export_name}/ or "
+                          "checkpoint/draft.safetensors)")
+
+
+def load_eagle3(path: str | Path, target: Transformer) -> Eagle3DraftModel:
+    """The :class:`Eagle3DraftModel` at ``path`` (:func:`resolve_path`) for ``target``. Raises CheckpointError or
+    TokenizerMismatchError."""
+    src = resolve_path(path)
+    return Eagle3DraftModel.load(src, target) if src.is_file() else load_speculators(src, target)
+
+
+def load_draft(target: Transformer, path: str | Path | None = None, **_) -> Eagle3Draft:
+    """``spire generate --draft eagle3 --draft-path PATH``: the inference draft (:func:`load_eagle3`); a run folder
+    that has not finished gets a warning line. Raises ConfigError (no path), CheckpointError or
+    TokenizerMismatchError."""
+    if not path:
+        raise ConfigError("--draft eagle3 needs --draft-path (a speculators folder, a `spire train --draft eagle3` "
+                          "run folder or a draft .safetensors)")
+    run = Path(path).expanduser()
+    if run.is_dir() and (run / "checkpoint").exists():  # a `spire train` run folder
+        warn_if_unfinished(run)
+    return Eagle3Draft(load_eagle3(run, target))
+
+
+def _export(src: Path, target: Transformer, name_or_path: str, k: int):
+    """The writer of ``spire export --draft eagle3``: the draft at ``src`` (:func:`resolve_path`) as a speculators
+    folder (:func:`speculators_writer`, the verifier named ``name_or_path``)."""
+    model = load_eagle3(src, target)
+    return speculators_writer(model, target, k=k, verifier_name_or_path=name_or_path, allow_extensions=True)
+
+
+KIND = DraftImpl(load=load_draft, model=Eagle3DraftModel, export=_export)

@@ -81,6 +81,13 @@ KINDS: tuple[Kind, ...] = (
 
 _BY_NAME = {k.name: k for k in KINDS}
 
+DEFAULT = "magicdec"
+"""The draft used where none is named (`spire generate`, `spire compare`, `spire tau`): it needs no training."""
+
+BASELINE = "magicdec"
+"""The paper's strongest baseline, which its headline measures SPIRe against (≥ 1.35× MagicDec's multiplier at
+(B, L) = (64, 512))."""
+
 
 def names(*, drafts_only: bool = False, trains: bool | None = None, priced: bool | None = None) -> tuple[str, ...]:
     """Kind names in the registry's order (the order of every table). drafts_only: without "none"; trains /

@@ -49,7 +49,8 @@ def goal_check(rows: list[dict], B: int, L: int, k: int, target_ratio: float = 1
     """Issue 6's goal at (B, L): SPIRe's multiplier over MagicDec's and vanilla's, the share of grid cells where
     SPIRe is the best option, and the τ (and i.i.d. α) SPIRe would need for ``target_ratio`` × MagicDec."""
     at = {r["draft"]: r for r in rows if r["B"] == B and r["L"] == L}
-    if not {"spire", "magicdec"} <= set(at):
+    base = registry.BASELINE
+    if not {"spire", base} <= set(at):
         return None
     cells = {(r["B"], r["L"]) for r in rows}
 
@@ -57,15 +58,15 @@ def goal_check(rows: list[dict], B: int, L: int, k: int, target_ratio: float = 1
         top = max((r for r in rows if (r["B"], r["L"]) == c), key=lambda r: r["multiplier"])
         return top["draft"] if top["multiplier"] > 1.0 else "ad"
     best = [winner(c) for c in cells]
-    need = target_ratio * at["magicdec"]["multiplier"] * at["spire"]["delta_t"]
-    return {"B": B, "L": L, "spire_vs_magicdec": at["spire"]["multiplier"] / at["magicdec"]["multiplier"],
+    need = target_ratio * at[base]["multiplier"] * at["spire"]["delta_t"]
+    return {"B": B, "L": L, "spire_vs_magicdec": at["spire"]["multiplier"] / at[base]["multiplier"],
             "spire_vs_vanilla": (at["spire"]["multiplier"] / at["vanilla"]["multiplier"]) if "vanilla" in at else None,
             "spire_best_share": best.count("spire") / len(best), "tau_needed": need,
             "alpha_needed": alpha_for_tau(need, k)}
 
 
 def multiplier_ratio_ci(results: dict, rows: list[dict], temperature: float, B: int, L: int, a: str = "spire",
-                        b: str = "magicdec") -> list[float] | None:
+                        b: str = registry.BASELINE) -> list[float] | None:
     """95 % CI of draft a's modeled multiplier over draft b's at (B, L) (default SPIRe over MagicDec): the paired
     bootstrap CI of τ_a / τ_b over the shared contexts (:func:`spire.evaluation.tau.paired_ratio_ci`) times
     Δt_b / Δt_a (the cost model's Δt has no sampling error). None when either τ or its per-context counts are
@@ -513,7 +514,7 @@ def _markdown(results: dict, cfg) -> str:
                 if r["L"] == 512 and r["B"] == 64}
     lines += [
         f"Check: the paper's 67M setting at (64, 512) gives SPIRe {headline['spire']:.2f}, vanilla "
-        f"{headline['vanilla']:.2f}, MagicDec {headline['magicdec']:.2f} (paper: 2.78 / 1.36 / 2.05).",
+        f"{headline['vanilla']:.2f}, MagicDec {headline[registry.BASELINE]:.2f} (paper: 2.78 / 1.36 / 2.05).",
         "",
         "## Figures",
         "",

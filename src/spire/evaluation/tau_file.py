@@ -3,7 +3,7 @@
 File format (one object)::
 
     {"format": "spire-tau", "version": 1,
-     "rows": [{"draft": "magicdec"|"spire"|"vanilla", "name": str, "temperature": float, "L": int, "G": int,
+     "rows": [{"draft": a kind of spire.drafts.registry, "name": str, "temperature": float, "L": int, "G": int,
                "k": int, "n_contexts": int, "tau": float, "ci_low": float, "ci_high": float, "wall_s": float,
                ...}],
      "target": {...}, "settings": {...}, ...}

@@ -225,7 +225,7 @@ SMOLLM2_135M = ModelShape(30, 576, 3, 3, 64, 1536, vocab_size=49_152, tie_embedd
 SPIRE_SMOLLM2 = SMOLLM2_135M.with_layers(8)  # 8 of its 30 layers (the cost depends on the count only)
 VANILLA_SMOLLM2 = SMOLLM2_135M.with_layers(4)  # ~1/8 of the target body (4/30)
 
-PAPER_TAUS = {"vanilla": 2.647, "magicdec": 3.891, "spire": 3.401}
+PAPER_TAUS = {name: registry.kind(name).paper_tau for name in PAPER_DRAFTS}  # vanilla 2.647, magicdec 3.891, spire 3.401
 """τ the paper measured at L = 512, k = 4 with its 67M target (SPIRE.md §2)."""
 
 PAPER_TAU_TABLE = {

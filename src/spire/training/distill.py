@@ -46,11 +46,12 @@ from tqdm.auto import tqdm
 from spire import defaults
 from spire.drafts.base import TrainableDraft
 import spire.drafts.registry as registry
+from spire.drafts.eagle3 import Eagle3Config
 from spire.drafts.spire import SpireConfig, SpireDraftModel
 from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.model import Transformer
 from spire.paths import atomic_write, existing_dir, replace_dir
-from spire.training.losses import acceptance_alpha_logp, hard_target_loss, mixed_loss_logp
+from spire.training.losses import acceptance_alpha_logp, hard_target_loss, kl_loss_logp, mixed_loss_logp
 from spire.training.sources import (STORAGE_DTYPES, CachedTarget, LiveTarget, TargetCache, TeacherBatch, autocast,
                                     run_target)
 
@@ -62,7 +63,7 @@ LOG_FILE = "train_log.jsonl"
 """TrainConfig.draft -> the draft class trained for it (each implements :class:`spire.drafts.base.TrainableDraft`)."""
 DRAFT_KINDS = registry.names(trains=True)
 """The kinds `spire train` trains (their ``KIND.model`` classes: :func:`spire.drafts.registry.trainable_class`)."""
-LOSSES = ("mixed", "hard")
+LOSSES = ("mixed", "hard", "kl")
 
 # The paper's Figure 5 ablations: name -> (SpireConfig overrides, TrainConfig overrides), and the paper's
 # tau for each (SPIRE.md §3.7; full-kv changes the cost, not tau, in the paper's figure).
@@ -87,8 +88,10 @@ class TrainConfig:
     excluded); max_steps: also stop after this many optimizer steps (and then the cosine schedule runs
     over steps, which makes resumed runs exact). batch_size: global batch (rows) per step; seq_len: tokens
     per row (a multiple of k). lr: AdamW peak learning rate. loss: "mixed" (MixedLoss(omega); omega = 1 is
-    pure distillation) or "hard" (HardTargetLoss); None picks the method's default (SPIRe: mixed,
-    vanilla: hard). bf16: autocast (None: on where bf16 is fast). eval_every: steps between held-out
+    pure distillation), "hard" (HardTargetLoss) or "kl" (speculators' EAGLE-3 loss: the forward KL to the target
+    renormalized over the draft vocabulary, :func:`spire.training.losses.kl_loss_logp`); None picks the method's
+    default (SPIRe: mixed, vanilla: hard, EAGLE-3: kl). eagle3: the EAGLE-3 draft's settings (:class:`Eagle3Config`;
+    read only when draft is "eagle3"). bf16: autocast (None: on where bf16 is fast). eval_every: steps between held-out
     evaluations (0: at the end only). ablation: a name of :data:`ABLATIONS`, recorded in the checkpoint.
     data_steps: distinct batches in the run (step s trains on batch s mod data_steps, so a run longer than
     data_steps makes epochs over them); None: a fresh batch every step. target_cache: None runs the frozen
@@ -120,6 +123,7 @@ class TrainConfig:
     eval_every: int = 0
     ablation: str = "none"
     spire: SpireConfig = field(default_factory=SpireConfig)
+    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
     vanilla_layers: int | None = None
     data_steps: int | None = None
     target_cache: str | None = None
@@ -179,6 +183,7 @@ class TrainConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["spire"] = self.spire.to_dict()
+        d["eagle3"] = self.eagle3.to_dict()
         d["loss"] = self.resolved_loss()
         return d
 
@@ -277,12 +282,12 @@ def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg:
                 parts["hidden"] = float(mismatch.detach())
         else:
             q_logits = model.train_logits(tb.tokens, tb.hidden, cfg.k)
-    mixed = cfg.resolved_loss() == "mixed"
-    if mixed or tb.final is not None:
+    kind = cfg.resolved_loss()
+    if kind in ("mixed", "kl") or tb.final is not None:
         with autocast(bool(cfg.bf16), tb.tokens.device):  # the teacher's head as the live target computes it
             logp = tb.target_logp(target, model.vocab)
-    if mixed:
-        terms = mixed_loss_logp(q_logits, logp, cfg.omega)
+    if kind in ("mixed", "kl"):
+        terms = mixed_loss_logp(q_logits, logp, cfg.omega) if kind == "mixed" else kl_loss_logp(q_logits, logp)
         return terms.loss + extra, terms.alpha
     loss = hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tb.tokens[:, 1:])) + extra
     if tb.final is None:
@@ -376,7 +381,7 @@ class Trainer:
         self.hidden_mismatch: float | None = None  # the last step's hidden-state mismatch (hidden_weight > 0)
         self.started: dict | None = None  # what the draft did before a fresh run's first step (its log event)
         self.model = self._setup_model(resume)
-        self.meta = {"ablation": cfg.ablation, "loss": cfg.resolved_loss(), "omega": cfg.omega}
+        self.meta = {"ablation": cfg.ablation, "loss": cfg.resolved_loss(), "omega": cfg.omega, "k": cfg.k}
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = make_optimizer(self.params, cfg)
         ckpt = existing_dir(self.out_dir / CHECKPOINT_DIR)
@@ -666,7 +671,7 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
 def needs_teacher(model: TrainableDraft, cfg: TrainConfig) -> bool:
     """Whether a step needs the teacher distribution: for MixedLoss, and for the logged alpha whenever the
     target runs anyway (a SPIRe draft reading its activations)."""
-    return cfg.resolved_loss() == "mixed" or bool(model.target_layers())
+    return cfg.resolved_loss() in ("mixed", "kl") or bool(model.target_layers())
 
 
 def make_source(target: Transformer, data, model: TrainableDraft, cfg: TrainConfig,
@@ -721,7 +726,9 @@ def evaluate_heldout(model: TrainableDraft, target: Transformer, windows: torch.
             q_logits = model.train_logits(tokens, tb.hidden, k)
             logp = tb.target_logp(target, vocab)  # the teacher's head as training computes it
         ce = float(hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tokens[:, 1:])))
-        loss = ce if cfg.resolved_loss() == "hard" else float(mixed_loss_logp(q_logits, logp, cfg.omega).loss)
+        kind = cfg.resolved_loss()
+        loss = (ce if kind == "hard" else float(kl_loss_logp(q_logits, logp).loss) if kind == "kl"
+                else float(mixed_loss_logp(q_logits, logp, cfg.omega).loss))
         a = acceptance_alpha_logp(q_logits, logp)  # (B, T)
         sums += a.view(a.shape[0], -1, k).sum((0, 1)).cpu()
         count += a.shape[0] * (a.shape[1] // k)

@@ -158,3 +158,22 @@ def acceptance_alpha_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor)
     """sum_i min(p_i, q_i) per position over the draft's N tokens: draft logits and target log-probabilities
     (..., N) (see :func:`mixed_loss_logp`) -> (...)."""
     return torch.minimum(target_logp.float().exp(), F.softmax(draft_logits.float(), -1)).sum(-1)
+
+
+def kl_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor) -> LossTerms:
+    """speculators' Eagle3 loss (``losses.eager.kl_div_loss``): the forward KL(p' || q) per position, averaged,
+    where p' is the target's distribution renormalized over the draft's N tokens (speculators' targets are the
+    verifier's head rows t2d, softmaxed over N) and q the draft's.
+
+    draft_logits: (..., N); target_logp: (..., N) the target's log-probabilities of those N tokens normalized
+    over its whole vocabulary (:meth:`spire.training.sources.TeacherBatch.target_logp`). Returns the loss (with
+    gradient to draft_logits; MixedLoss(omega = 1) against log p', minus the constant entropy of p', so its value
+    is the KL), ``distill`` = the same KL, and ``alpha`` = the expected acceptance Σ min(p, q) with the target's
+    true p (not renormalized)."""
+    logp = target_logp.detach().float()
+    logp_r = logp - logp.logsumexp(-1, keepdim=True)  # p' over the N tokens
+    terms = mixed_loss_logp(draft_logits, logp_r, 1.0)  # -Σ p' log q (mean over positions)
+    entropy = float(-(logp_r.exp() * logp_r).sum(-1).mean())  # H(p'), a constant
+    kl = terms.loss - entropy
+    alpha = float(acceptance_alpha_logp(draft_logits.detach(), logp).mean())
+    return LossTerms(kl, float(kl.detach()), alpha)
