@@ -32,7 +32,14 @@ demo: venv  ## the main job on the embedded default (about 70 minutes on 2 cores
 quick: venv  ## the main job with smoke-test settings (a few minutes)
 	$(BIN)/spire reproduce --quick --out $(OUT)-quick
 
-test: venv  ## the whole test suite
+# the EAGLE-3 tests compare against vllm-project/speculators: --no-deps keeps its GPU extras (torchvision,
+# torchaudio) and its transformers pin away from the pinned CPU torch; then only what `import speculators` needs
+$(VENV)/.speculators: $(VENV)/.installed
+	$(BIN)/python -m pip install -q --no-deps speculators==0.9.0
+	$(BIN)/python -m pip install -q openai "datasets>=4.0.0,<=5.1.0" hs-connectors==0.9.0 "loguru>=0.7.2,<=0.7.3"
+	touch $@
+
+test: venv $(VENV)/.speculators  ## the whole test suite
 	$(BIN)/python -m pytest -q
 
 clean:

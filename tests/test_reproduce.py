@@ -129,7 +129,7 @@ def test_reproduce_help_states_the_config_defaults():
                 "Contexts per L in the sweep": c.tau_L_contexts, "Held-out contexts per τ measurement": c.n_contexts,
                 "Context length for τ (tokens)": c.L, "Tokens generated per context": c.G,
                 "the paper's last layers)": c.first_layers, "the whole vocabulary)": c.draft_vocab,
-                "trains epochs over": c.cache_steps}
+                "train epochs over": c.cache_steps}
     flat = re.sub(r'"\s*\n\s*"', "", src)  # join implicitly concatenated help strings
     for text, value in expected.items():
         m = re.search(re.escape(text) + r'[^\[]*\[([0-9.]+)\]', flat)
@@ -160,7 +160,7 @@ def test_draft_keys_are_stable_and_every_run_is_checked_first(monkeypatch, tmp_p
 
     monkeypatch.setenv("SPIRE_CACHE", str(tmp_path))
     # the defaults of the code the keys come from (before the bridge, whose "off" leaves the key as it was)
-    cfg = ReproduceConfig(cache_steps=400, vanilla_budget_s=900.0, bridge=False)
+    cfg = ReproduceConfig(budget_s=1500.0, cache_steps=400, vanilla_budget_s=900.0, bridge=False)
     runs = training_runs(cfg, spire_architecture(cfg, 30, 49152))
     keys = {label: _draft_dir(cfg, tc, Path("/nonexistent/smollm2"), label).name for label, tc in runs}
     assert keys.pop("eagle3").startswith("smollm2-135m-eagle3-")  # a kind added later: its own key

@@ -435,7 +435,7 @@ def reproduce(
                                                       "of the preset's checkpoint.")] = None,
     out: Annotated[Path, typer.Option(help="Output folder for REPORT.md, results.json and PNGs.")] = Path("spire-out"),
     quick: Annotated[bool, typer.Option("--quick", help="Smoke-test settings: about 5 minutes on 2 cores.")] = False,
-    budget: Annotated[Optional[float], typer.Option(help="SPIRe training budget in seconds [1500].")] = None,
+    budget: Annotated[Optional[float], typer.Option(help="SPIRe training budget in seconds [600].")] = None,
     vanilla_budget: Annotated[Optional[float], typer.Option(help="Vanilla draft training seconds, at most [1100].")] = None,
     ablations: Annotated[Optional[str], typer.Option(metavar="NAME[,NAME...]|all", help="Figure 5 ablations to "
                                                      "train and measure: none (full SPIRe at the ablation budget), "
@@ -447,10 +447,10 @@ def reproduce(
     ablation_steps: Annotated[Optional[int], typer.Option(help="Ablations: steps instead of seconds (equal "
                                                                 "training for every variant).")] = None,
     tau_L: Annotated[Optional[str], typer.Option("--tau-L", metavar="L[,L...]", help="Context lengths of the τ-vs-L "
-                                                 "sweep [256,512,960,2048,4096].")] = None,
+                                                 "sweep [256,512,1024,4096].")] = None,
     tau_L_contexts: Annotated[Optional[int], typer.Option(help="Contexts per L in the sweep [8].")] = None,
     tau_k: Annotated[Optional[str], typer.Option("--tau-k", metavar="K[,K...]", help="k of the τ-vs-k sweep (greedy, "
-                                                 "at -L; 0 skips it) [1,...,8].")] = None,
+                                                 "at -L; 0 skips it) [1,2,4,8].")] = None,
     tau_k_contexts: Annotated[Optional[int], typer.Option(help="Contexts per k in the sweep [8].")] = None,
     eagle3: Annotated[Optional[bool], typer.Option("--eagle3/--no-eagle3", help="Train and measure an EAGLE-3 "
                                                    "draft beside SPIRe [on].")] = None,
@@ -469,8 +469,8 @@ def reproduce(
     draft_vocab: Annotated[Optional[int], typer.Option(help="SPIRe head over the N most frequent training tokens "
                                                        "(beyond the paper; lossless; 0 = the whole vocabulary) "
                                                        "[16384].")] = None,
-    cache_steps: Annotated[Optional[int], typer.Option(help="Batches of the target cache that SPIRe trains epochs "
-                                                       "over [800].")] = None,
+    cache_steps: Annotated[Optional[int], typer.Option(help="Batches of the target cache that SPIRe and EAGLE-3 "
+                                                       "train epochs over [500].")] = None,
     target_cache: Annotated[Optional[str], typer.Option(metavar="bfloat16|float32|none", help="Storage of the "
                                                         "target cache; none runs the target live on fresh batches "
                                                         "[bfloat16].")] = None,

@@ -288,7 +288,8 @@ def _training_lines(results: dict, cfg) -> list[str]:
     lines = ["| draft | body params | loss | steps | tokens | minutes | tokens/s | held-out α by drafted position |",
              "|---|---|---|---|---|---|---|---|"]
     for label, tr in trs.items():
-        loss = f"MixedLoss(ω = {tr['omega']})" if tr.get("loss", "mixed") == "mixed" else "HardTargetLoss"
+        loss = {"mixed": f"MixedLoss(ω = {tr['omega']})", "hard": "HardTargetLoss",
+                "kl": "KL over the draft vocabulary (speculators)"}.get(tr.get("loss", "mixed"), tr.get("loss"))
         lines.append(f"| {label} | {tr['draft_body_params'] / 1e6:.1f} M | {loss} | {tr['steps']} | {tr['tokens']:,} | "
                      f"{tr['elapsed_s'] / 60:.1f} | {tr['tokens'] / max(tr['elapsed_s'], 1e-9):.0f} | "
                      + ", ".join(f"{a:.3f}" for a in tr["heldout_alpha_per_position"]) + " |")
@@ -324,6 +325,13 @@ def _training_lines(results: dict, cfg) -> list[str]:
     if "vanilla" in trs:
         shares = (f" Vanilla got {trs['vanilla']['tokens'] / max(tr['tokens'], 1):.2f}× SPIRe's training tokens "
                   f"({trs['vanilla']['tokens']:,} against {tr['tokens']:,}).")
+    if "eagle3" in trs:
+        e3 = trs["eagle3"]
+        shares += (f" EAGLE-3 trained for {e3['elapsed_s']:.0f} s against SPIRe's {tr['elapsed_s']:.0f} s (the same "
+                   f"budget: equal training compute by the clock) and got {e3['tokens'] / max(tr['tokens'], 1):.2f}× "
+                   f"its tokens ({e3['tokens']:,}): one decoder layer over the fused target layers "
+                   f"{e3.get('source_layers') or []}, random initialization but for the target's embedding, final "
+                   "norm and head rows, full KV cache (speculators' Eagle3; arXiv 2503.01840).")
     return [
         f"SPIRe: pruned from {origin} of {results['target']['layers']} layers "
         f"({results['target']['body_params'] / 1e6:.1f} M body parameters in the target), sink {cfg.sink} + window "
