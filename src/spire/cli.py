@@ -98,7 +98,7 @@ def throughput(
                                               "[default: 600, or the --hardware's].")] = None,
     combine: Annotated[Literal["max", "sum"], _OPT(help="Overlap compute and memory fully (max) or not at all (sum).")]
     = "max",
-    tau: Annotated[list[str], _OPT(metavar="DRAFT=VALUE", help="Override τ of vanilla, magicdec or spire; repeatable.")]
+    tau: Annotated[list[str], _OPT(metavar="DRAFT=VALUE", help="τ of a draft kind (vanilla, magicdec, spire, eagle3, ngram); repeatable.")]
     = [],
     tau_from: Annotated[Optional[Path], _OPT(metavar="FILE", help="Measured τ from `spire tau --out FILE`, per draft "
                                                                   "and L (interpolated in log L); --tau wins.")]
@@ -390,12 +390,11 @@ def train(
     vanilla_layers: Annotated[Optional[int], _OPT(help="Vanilla: blocks [target layers / 8].")] = None,
     eagle3_layers: Annotated[Optional[str], _OPT(metavar="J,J,J", help="EAGLE-3: the three target layers whose "
                                                  "entering residual streams it fuses [2, n/2, n-3].")] = None,
-    eagle3_vocab: Annotated[Optional[int], _OPT(help="EAGLE-3: draft vocabulary (d2t), the N most frequent training "
-                                                     "tokens; 0 = the target's [16384].")] = None,
+    eagle3_vocab: Annotated[Optional[int], _OPT(help="EAGLE-3: draft vocabulary size (d2t); 0: the target's [16384].")] = None,
     device: Annotated[str, _OPT(help="auto, cpu or cuda.")] = "auto",
 ) -> None:
     """Train a draft (SPIRe, EAGLE-3 or vanilla) against the target; resumable; data parallel under torchrun."""
-    from spire.commands.train import TrainRunArgs, run
+    from spire.commands.train import TrainRunArgs, run, summary_line
 
     spire_kw = {name: value for name, value in _given(ctx, SPIRE_FIELDS).items() if value is not None}
     if layers is not None:
@@ -405,19 +404,14 @@ def train(
     if train_kw.get("target_cache") == "none":  # as in `spire reproduce`: the live target (the default)
         train_kw["target_cache"] = None
     eagle3_kw = {} if eagle3_layers is None else {"layers": tuple(_ints("--eagle3-layers", [eagle3_layers]))}
-    if eagle3_vocab is not None:
-        eagle3_kw["draft_vocab"] = eagle3_vocab
+    eagle3_kw.update({} if eagle3_vocab is None else {"draft_vocab": eagle3_vocab})
     args = TrainRunArgs(draft=draft, target=target, data=data, out=out, ablation=ablation, resume=resume,
                         device=device, eval_windows=eval_windows, spire_overrides=spire_kw, train_overrides=train_kw,
                         eagle3_overrides=eagle3_kw,
                         given=tuple(_given(ctx, ("draft", "ablation"))))
     summary = run(args, log=lambda m: typer.echo(m, err=True))
     if summary.get("rank", 0) == 0:
-        h = summary["heldout"] or {}
-        alpha = " ".join(f"{a:.3f}" for a in h.get("alpha_per_position", []))
-        typer.echo(f"{summary['draft']} draft: {summary['steps']} steps, {summary['tokens']:,} tokens, "
-                   f"{summary['tokens_per_s']:.0f} tokens/s; held-out alpha per position {alpha or '-'}; "
-                   f"draft at {summary['draft_path']}")
+        typer.echo(summary_line(summary))
 
 
 REPRODUCE_OPTIONS = ("budget", "n_contexts", "L", "G", "vanilla_budget", "ablation_budget", "tau_L_contexts", "steps",
@@ -813,7 +807,8 @@ def bench(
                      target=target,
                      dtype=dtype, weights=weights, draft_weights=draft_weights, device=device, threads=threads,
                      spire_draft=spire_draft, no_spire=no_spire,
-                     vanilla_draft=vanilla_draft, eagle3_draft=eagle3_draft, no_ngram=no_ngram, sink=sink, window=window, calibration=calibration, out=out,
+                     vanilla_draft=vanilla_draft, eagle3_draft=eagle3_draft, no_ngram=no_ngram, sink=sink, window=window,
+                     calibration=calibration, out=out,
                      quick=quick, random_weights=random_weights, seed=seed, combine=combine, clock=clock)
     result, summary = run(args, log=lambda msg: typer.echo(msg, err=True))
     j, m = write_outputs(result, summary, out)

@@ -217,3 +217,12 @@ def run(args: TrainRunArgs, log=print) -> dict:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return summary
+
+
+def summary_line(summary: dict) -> str:
+    """The line `spire train` prints on stdout when a run ends (rank 0)."""
+    h = summary["heldout"] or {}
+    alpha = " ".join(f"{a:.3f}" for a in h.get("alpha_per_position", []))
+    return (f"{summary['draft']} draft: {summary['steps']} steps, {summary['tokens']:,} tokens, "
+            f"{summary['tokens_per_s']:.0f} tokens/s; held-out alpha per position {alpha or '-'}; "
+            f"draft at {summary['draft_path']}")

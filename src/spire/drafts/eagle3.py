@@ -851,21 +851,9 @@ def _same_embedding(stored: torch.Tensor, target: Transformer) -> bool:
     return bool(((s - w).abs() <= 2.0 ** -7 * w.abs().maximum(s.abs()) + 1e-6).all())
 
 
-def load_speculators(folder: str | Path, target: Transformer) -> Eagle3DraftModel:
-    """The :class:`Eagle3DraftModel` of a speculators Eagle3 folder (written by speculators or by
-    :func:`export_speculators`) for ``target``, in the target's dtype.
-
-    Raises:
-        CheckpointError: no or unreadable config.json / weights; another algorithm (speculators_model_type or
-            speculators_config.algorithm not "eagle3"); a speculators_version outside :data:`SPECULATORS_READS`;
-            a flag or layer spire does not implement (embed_requires_grad, several or sliding-window layers, a
-            set key it does not know); inconsistent vocabulary maps; tensors that do not fit; NaN weights.
-        DraftTargetMismatchError (a CheckpointError and a TokenizerMismatchError): a draft for another target
-            (hidden size, vocabulary size, spire fingerprint, stored embedding).
-    """
-    from spire.loading import check_finite, load_state_dict
-
-    folder = Path(folder)
+def _speculators_config(folder: Path, target: Transformer) -> tuple[Eagle3Config, ModelConfig]:
+    """(draft settings, decoder layer config) of the speculators Eagle3 folder ``folder`` for ``target``, every
+    config check of :func:`load_speculators` done (same errors)."""
     path = folder / "config.json"
     if not path.is_file():
         raise CheckpointError(f"{folder} holds no config.json (not a speculators folder)")
@@ -917,6 +905,26 @@ def load_speculators(folder: str | Path, target: Transformer) -> Eagle3DraftMode
         e3.validate(tc.n_layers, tc.vocab_size)
     except ConfigError as e:
         raise CheckpointError(f"{folder}: {e}") from None
+    return e3, lc
+
+
+def load_speculators(folder: str | Path, target: Transformer) -> Eagle3DraftModel:
+    """The :class:`Eagle3DraftModel` of a speculators Eagle3 folder (written by speculators or by
+    :func:`export_speculators`) for ``target``, in the target's dtype.
+
+    Raises:
+        CheckpointError: no or unreadable config.json / weights; another algorithm (speculators_model_type or
+            speculators_config.algorithm not "eagle3"); a speculators_version outside :data:`SPECULATORS_READS`;
+            a flag or layer spire does not implement (embed_requires_grad, several or sliding-window layers, a
+            set key it does not know); inconsistent vocabulary maps; tensors that do not fit; NaN weights.
+        DraftTargetMismatchError (a CheckpointError and a TokenizerMismatchError): a draft for another target
+            (hidden size, vocabulary size, spire fingerprint, stored embedding).
+    """
+    from spire.loading import check_finite, load_state_dict
+
+    folder = Path(folder)
+    e3, lc = _speculators_config(folder, target)
+    tc = target.cfg
     state = load_state_dict(folder)
     check_finite({k: v for k, v in state.items() if not k.startswith("verifier_")}, f"draft {folder}")
     emb = state.pop("embed_tokens.weight", None)
