@@ -208,15 +208,15 @@ def test_greedy_identity_with_ad_and_tau(tiny, cfg, k):
 
 
 def test_budget_and_context_limit(tiny):
-    """The last positions the target has (max_positions 1024): prompt 1000 + 19 new tokens + k = 4 + 1 fill
-    its 1024-position cache exactly; a budget below k is never overshot; a step past the draft's context is refused."""
+    """The last positions the target has (max_positions 1024): prompt 1000 + 20 new tokens + k = 4 fill its
+    1024 positions exactly; a budget below k is never overshot; a step past the draft's context is refused."""
     prompt = (_repetitive() * 20)[:1000]
-    ad = generate(tiny, [prompt, prompt[:7]], 19)
+    ad = generate(tiny, [prompt, prompt[:7]], 20)
     draft = NgramDraft(NgramConfig(1, 4))
-    sd = generate(tiny, [prompt, prompt[:7]], 19, draft=draft, k=4)
-    assert draft.max_len == 1024 and sd.tokens == ad.tokens and sd.emitted == [19, 19]
+    sd = generate(tiny, [prompt, prompt[:7]], 20, draft=draft, k=4)
+    assert draft.max_len == 1024 and sd.tokens == ad.tokens and sd.emitted == [20, 20]
     with pytest.raises(ConfigError, match="exceeds"):  # one more token would pass the target's positions
-        generate(tiny, [prompt], 20, draft=NgramDraft(), k=4)
+        generate(tiny, [prompt], 21, draft=NgramDraft(), k=4)
     small = generate(tiny, [_repetitive()], 3, draft=NgramDraft(NgramConfig(1, 3)), k=8)
     assert small.emitted == [3] and small.tokens == generate(tiny, [_repetitive()], 3).tokens
     draft = NgramDraft(NgramConfig(1, 2))

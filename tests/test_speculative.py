@@ -85,6 +85,18 @@ def test_bad_generation_settings(tiny):
         generate(tiny, [[1] * 1000], 100)
 
 
+def test_context_filling_every_position(tiny):
+    """A prompt + new tokens + k that fills the target's positions exactly decodes (the cache's slack slot is not
+    asked of the target), greedy SD equal to AD; one position more is refused with one clear error."""
+    P, new, k = tiny.cfg.max_positions, 6, 4
+    prompt = torch.randint(0, tiny.cfg.vocab_size, (P - new - k,), generator=torch.Generator().manual_seed(0))
+    ad = generate(tiny, [prompt.tolist()], new)
+    sd = generate(tiny, [prompt.tolist()], new, draft=MagicDecDraft(sink=1, window=8), k=k)
+    assert sd.tokens == ad.tokens and len(ad.tokens[0]) == new
+    with pytest.raises(ConfigError, match="exceeds the target"):
+        generate(tiny, [prompt.tolist() + [1]], new, draft=MagicDecDraft(sink=1, window=8), k=k)
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_identity_smollm2(smollm2, batch):
     """Real target, float32: MagicDec and SPIRe greedy outputs equal greedy AD for batch 1 and 3."""

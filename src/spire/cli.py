@@ -147,7 +147,8 @@ def throughput(
     = "table",
     plot: Annotated[Optional[Path], _OPT(help="Also write a PNG heatmap of the multiplier here.")] = None,
 ) -> None:
-    """Throughput multiplier τ/Δt of vanilla SD, MagicDec and SPIRe from the paper's cost model."""
+    """Throughput multiplier τ/Δt of every draft kind with a τ (the paper's three, EAGLE-3, n-gram) from the paper's
+    cost model."""
     from spire.commands.throughput import ThroughputArgs, build, print_table, to_csv, to_json, write_plot
 
     if plot is not None:
@@ -192,10 +193,11 @@ def throughput_figures(
 
 @app.command()
 def tau(
-    draft: Annotated[list[str], _OPT(metavar="KIND[,KIND...]", help="magicdec, spire or vanilla; repeatable "
-                                                                    "(default: magicdec).")] = [],
-    draft_path: Annotated[Optional[str], _OPT(help="Checkpoint of the one --draft spire (.safetensors; default "
-                                                   "the newest trained) or vanilla (.gguf / HF folder).")] = None,
+    draft: Annotated[list[str], _OPT(metavar="KIND[,KIND...]", help=f"{', '.join(registry.names(drafts_only=True))}; "
+                                                                    f"repeatable (default: {registry.DEFAULT}).")] = [],
+    draft_path: Annotated[Optional[str], _OPT(help="The trained draft of the one --draft that trains: spire "
+                                                   "(.safetensors or run folder; default the newest trained), vanilla "
+                                                   "(.gguf / HF folder), eagle3 (run or speculators folder).")] = None,
     spire_draft: Annotated[list[str], _OPT(metavar="NAME=PATH", help="A named SPIRe draft; repeatable.")] = [],
     vanilla_draft: Annotated[list[str], _OPT(metavar="NAME=PATH", help="A named vanilla draft; repeatable.")]
     = [],
@@ -339,8 +341,9 @@ def train(
     lr: Annotated[float, _OPT(help="AdamW peak learning rate (warmup, then cosine to 10 %).")] = defaults.LR,
     warmup_steps: Annotated[int, _OPT(help="Linear warmup steps.")] = defaults.WARMUP_STEPS,
     weight_decay: Annotated[float, _OPT(help="AdamW weight decay.")] = defaults.WEIGHT_DECAY,
-    loss: Annotated[Optional[str], _OPT(help="mixed (MixedLoss(omega)) or hard (HardTargetLoss) [default: mixed "
-                                             "for spire, hard for vanilla].")] = None,
+    loss: Annotated[Optional[str], _OPT(help="mixed (MixedLoss(omega)), hard (HardTargetLoss) or kl (speculators' "
+                                             "KL over the draft vocabulary) [default: mixed for spire, hard for "
+                                             "vanilla, kl for eagle3].")] = None,
     omega: Annotated[Optional[float], _OPT(help=f"MixedLoss weight of distillation (1 = pure distillation) "
                                                 f"[default: {defaults.OMEGA}].")] = None,
     grad_clip: Annotated[float, _OPT(help="Gradient-norm clip.")] = defaults.GRAD_CLIP,
@@ -604,7 +607,7 @@ def generate(
              "with --weights bf16 --draft none.")]
     = "fp32",
     draft_weights: Annotated[Optional[Literal["fp32", "float32", "bf16", "int8"]], typer.Option(
-        help="The SPIRe / vanilla draft's own weights (default: as --weights). bf16 (int8) beside a float32 "
+        help="A trained draft's own weights (SPIRe, vanilla, EAGLE-3) (default: as --weights). bf16 (int8) beside a float32 "
              "target: the draft streams half (about a quarter of) the bytes and the output stays the float32 "
              "target's (SD is lossless whatever the draft computes).")] = None,
 ) -> None:
@@ -629,8 +632,13 @@ def generate(
             raise ConfigError(f"--ngram-min / --ngram-max are for --draft ngram, not {draft}")
         from spire.drafts.ngram import NgramConfig
 
-        NgramConfig(ngram_min, ngram_max).validate()
+        try:
+            NgramConfig(ngram_min, ngram_max)
+        except ConfigError as e:  # the same rule, named by the flags that set it
+            raise ConfigError(f"--ngram-min / --ngram-max: {e}") from None
         options = {"n_min": ngram_min, "n_max": ngram_max}
+    if window != defaults.WINDOW and draft != "magicdec":
+        typer.echo(f"note: --window sets MagicDec's window; ignored for --draft {draft}", err=True)
     model, tokenizer, _ = load_target(target, progress=False)
     if chat:
         ids = [tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
@@ -674,8 +682,8 @@ def generate(
 @app.command()
 def export(
     out: Annotated[Path, typer.Option(help="Folder to write (replaced): config.json + model.safetensors.")],
-    draft_path: Annotated[str, typer.Option(help="The trained draft: a SPIRe .safetensors or `spire train` run "
-                                                 "folder, or a vanilla draft folder.")],
+    draft_path: Annotated[str, typer.Option(help="The trained draft: a `spire train` run folder (any kind), a "
+                                                 "SPIRe .safetensors, or a vanilla draft folder.")],
     draft: Annotated[str, typer.Option(**_kinds(registry.names(trains=True)), help="Draft kind.")]
     = "spire",
     target: Annotated[str, typer.Option(help="The draft's target (verifier): smollm2-135m, a .gguf file or an HF "
@@ -692,8 +700,9 @@ def export(
 
     folder = resolve_checkpoint(target, progress=False)
     model = load_model(folder)
-    name = target if target == "smollm2-135m" or target.endswith(".gguf") else str(Path(target).resolve())
-    export_draft(draft, draft_path, model, name, out, k)
+    # the verifier as engines load it: the checkpoint folder a preset resolves to (HF hub ids are not
+    # reachable offline), else the folder or .gguf file given, as an absolute path
+    export_draft(draft, draft_path, model, str(Path(folder).resolve()), out, k)
     typer.echo(str(out))
 
 
@@ -762,7 +771,7 @@ def bench(
                                                      "rounded and streamed at 2 bytes, predicted with 2 bytes per "
                                                      "weight value.")] = "fp32",
     draft_weights: Annotated[Optional[Literal["fp32", "bf16", "int8"]], _OPT(
-        help="The SPIRe / vanilla draft's own weights (default: as --weights). bf16 beside a float32 target: the "
+        help="A trained draft's own weights (SPIRe, vanilla, EAGLE-3) (default: as --weights). bf16 beside a float32 target: the "
              "draft streams half the bytes, the target stays exact (q is whatever the draft computes, so SD stays "
              "lossless); int8: group-wise int8 (a scale per 64 inputs), 1.06 bytes per value; MagicDec's draft is "
              "the target's weights.")] = None,

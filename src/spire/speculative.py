@@ -109,7 +109,7 @@ def cache_length(target: Transformer, rows: Sequence[Sequence[int]], max_new_tok
         extra = f" + k = {depth} draft tokens per round" if depth else ""
         raise ConfigError(f"prompt of {longest} tokens + {max_new_tokens} new tokens{extra} exceeds the "
                           f"target's {target.cfg.max_positions} positions")
-    return max_len
+    return min(max_len, target.cfg.max_positions)  # the last slot is slack: never more than the target has
 
 
 @torch.no_grad()

@@ -99,6 +99,11 @@ def build_config(args: TrainRunArgs) -> TrainConfig:
     return cfg
 
 
+def _plain(v):
+    """A setting as JSON holds it (tuples as lists), for comparing with a saved run's."""
+    return list(v) if isinstance(v, (tuple, list)) else v
+
+
 def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None) -> TrainConfig:
     """The TrainConfig of the run saved in ``out``, with new limits (:data:`spire.training.distill.RESUME_SETTINGS`)
     applied. Raises CheckpointError when there is nothing to resume, ConfigError when ``args`` give settings other
@@ -115,6 +120,9 @@ def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None) -> T
         changed += sorted(f"spire.{k}" for k, v in args.spire_overrides.items()
                           if saved["spire"].get(k, getattr(SpireConfig(), k, None)) != (list(v) if isinstance(v, tuple)
                                                                                            else v))
+        saved_e3 = Eagle3Config.from_dict(saved["eagle3"]) if "eagle3" in saved else Eagle3Config()
+        changed += sorted(f"eagle3.{k}" for k, v in args.eagle3_overrides.items()
+                          if _plain(getattr(saved_e3, k)) != _plain(v))
         if changed:
             raise ConfigError(f"--resume continues {out} with its saved settings; these options differ from them: "
                               f"{', '.join(changed)} (drop them, or train into another --out)")
@@ -194,7 +202,8 @@ def run(args: TrainRunArgs, log=print) -> dict:
                           "the run's own --data again")
     cfg.data = data.manifest.get("key")
     heldout = heldout_windows(data, cfg.seq_len, args.eval_windows)
-    banner = (f"training a {cfg.draft} draft{'' if cfg.ablation == 'none' else f' (ablation {cfg.ablation})'} for "
+    article = "an" if cfg.draft[0] in "aeiou" else "a"
+    banner = (f"training {article} {cfg.draft} draft{'' if cfg.ablation == 'none' else f' (ablation {cfg.ablation})'} for "
               f"{args.target} on {device} x {world} process(es): {cfg.budget_s:g} s budget"
               + (f", at most {cfg.max_steps} steps" if cfg.max_steps else "") + f"; run folder {out}")
     try:

@@ -171,6 +171,9 @@ class Eagle3Config:
             raise ConfigError(f"EAGLE-3 {which} must be distinct target layers in [0, {n}] (id {n}: the final "
                               f"residual stream), got {list(ids)}" + ("; give Eagle3Config.layers" if
                                                                       self.layers is None else ""))
+        if len(ids) != 3:
+            raise ConfigError(f"EAGLE-3 fuses exactly three target layers (a low, a middle and a high one: the fc is "
+                              f"3d -> d, as speculators and SpecForge build it), got {len(ids)}: {list(ids)}")
         if self.draft_vocab < 0:
             raise ConfigError(f"the draft vocabulary must be >= 0 tokens (0: the whole vocabulary), got "
                               f"{self.draft_vocab}")
