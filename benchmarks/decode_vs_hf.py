@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="interleaved timed rounds; best is kept (default 3)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     ap.add_argument("--weights", choices=["float32", "fp32", "bf16", "both"], default="float32",
-                    help="bf16: weight-only bf16 on CPU (spire.model.use_bf16_weights: spire streams bf16 weights "
+                    help="bf16: weight-only bf16 on CPU (spire.fastpath.use_bf16_weights: spire streams bf16 weights "
                          "through its kernels, float32 arithmetic; HF runs the same rounded weights in float32); "
                          "both: float32 rows, then bf16 rows, in one run (default float32)")
     ap.add_argument("--device", default="auto", help="auto, cpu, cuda")
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for mode in modes:
             if mode == "bf16":  # the same rounded weights for spire and HF: outputs stay comparable token by token
-                from spire.model import use_bf16_weights
+                from spire.fastpath import use_bf16_weights
 
                 use_bf16_weights(target, hf, vanilla, hf_vanilla)
             for r in compare(target, hf, contexts, cfg, vanilla, hf_vanilla,

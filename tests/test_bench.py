@@ -291,7 +291,7 @@ def test_lazy_logits_and_weight_cache_invalidation(tiny):
 def test_autograd_flows_through_a_frozen_model(tiny):
     """Frozen weights but an input that requires grad: the reference path runs, so gradients reach the input
     (the fast path's native kernel would cut the graph)."""
-    from spire.model import rope_cos_sin
+    from spire.rope import rope_cos_sin
 
     ids = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(2))
     pos = torch.arange(5)[None].expand(2, 5)
@@ -502,7 +502,7 @@ def test_bf16_weights_model_is_the_rounded_model(tiny):
 
     from spire.drafts.magicdec import MagicDecDraft
     from spire.errors import ConfigError
-    from spire.model import use_bf16_weights
+    from spire.fastpath import use_bf16_weights
     from spire.speculative import generate
 
     model = copy.deepcopy(tiny)

@@ -308,11 +308,11 @@ def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp
              (["--seq-len", "1024"], "--seq-len 1024 exceeds the target's 512 positions"),
              (["--eval-windows", "-1"], "--eval-windows must be >= 0, got -1"),
              (["--batch-size", "0"], "got k=4, batch size 0, seq_len 16"),
-             (["--draft", "vanilla", "--full-kv", "--no-feedback-memory", "--vocab-size", "64"],
-              "--n-draft-layers, --full-kv, --vocab-size, --no-feedback-memory: SPIRe options, for --draft spire only"),
+             (["--draft", "vanilla", "--full-kv", "--no-feedback-memory", "--draft-vocab", "64"],
+              "--n-draft-layers, --full-kv, --draft-vocab, --no-feedback-memory: SPIRe options, for --draft spire only"),
              (["--draft", "vanilla", "--ablation", "omega1"], "--ablation omega1 applies to --draft spire only"),
              (["--layers", "0,99"], "draft layers must be distinct target layers in [0, "),
-             (["--vocab-size", "10000000"], "the draft vocabulary (10000000) is larger than the target's")]
+             (["--draft-vocab", "10000000"], "the draft vocabulary (10000000) is larger than the target's")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "sees no CUDA device"))
     for bad, needle in cases:
@@ -331,3 +331,24 @@ def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp
         main(vanilla + ["--draft", "vanilla", "--vanilla-layers", "0"])
     err = capsys.readouterr().err
     assert e.value.code and err.strip() == "error: the vanilla draft needs 1 to 2 layers (the target's), got 0", err
+
+
+def test_vocab_size_is_a_deprecated_alias_of_draft_vocab(monkeypatch, capsys):
+    """`spire train --draft-vocab N` is the name `spire reproduce` gives the SPIRe draft vocabulary; the old
+    --vocab-size still sets it, with one warning line on stderr, and is left out of --help."""
+    import spire.commands.train as train_command
+
+    seen = []
+    monkeypatch.setattr(train_command, "run", lambda args, log: seen.append(args) or {"rank": 1})  # no training
+    _main(["train", "--vocab-size", "1000"])
+    assert capsys.readouterr().err.splitlines() == ["warning: --vocab-size is deprecated; use --draft-vocab"]
+    _main(["train", "--draft-vocab", "1000"])
+    assert capsys.readouterr().err == ""
+    assert seen[0].spire_overrides == seen[1].spire_overrides == {"vocab_size": 1000}
+    _main(["train", "--draft-vocab", "2000", "--vocab-size", "1000"])  # the new name wins
+    assert seen[2].spire_overrides == {"vocab_size": 2000}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--vocab-size", "1000", "--help"])
+    help_text = capsys.readouterr().out
+    assert not e.value.code and "--draft-vocab" in help_text and "--vocab-size" not in help_text

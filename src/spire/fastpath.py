@@ -359,7 +359,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight: torch.Tensor)
 
 
 def _rope_qk(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE over a (B, heads, T, D) stack of query and key heads at once (spire.model.apply_rope's arithmetic)."""
+    """RoPE over a (B, heads, T, D) stack of query and key heads at once (spire.rope.apply_rope's arithmetic)."""
     half = y.shape[-1] // 2
     return y * cos + torch.cat((-y[..., half:], y[..., :half]), -1) * sin
 

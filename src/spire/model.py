@@ -7,9 +7,11 @@ match HF transformers to 1e-4 in float32 (tests/test_model.py).
 
 Families (:data:`FAMILIES`, each checked against HF in tests/test_families.py): Llama 2/3.x, Mistral, Qwen2/2.5,
 Qwen3, Phi-3, SmolLM3, Gemma 3 text. What a family changes is a :class:`ModelConfig` field read by a small
-piece (``Attention.q_norm``, ``Block.sandwich``, ``ScaledEmbedding``, :func:`rope_inv_freq`,
+piece (``Attention.q_norm``, ``Block.sandwich``, ``ScaledEmbedding``, :func:`spire.rope.rope_inv_freq`,
 ``Transformer._layer_masks``); reading a config.json and refusing, by name, a feature spire lacks is
 :mod:`spire.families`' job.
+
+RoPE (the tables each block reads, the scaled variants) is :mod:`spire.rope`.
 
 Shapes: B batch, T new tokens, S key positions, H query heads, KV key/value heads, D head dim, V vocab.
 
@@ -22,7 +24,6 @@ logits nobody reads skips the unembedding.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from typing import Callable, Iterable, Sequence
@@ -34,8 +35,9 @@ import torch.nn.functional as F
 from spire import fastpath
 from spire.errors import ConfigError
 from spire.families import ACTIVATION_NAMES, FAMILIES, hf_fields  # noqa: F401 (FAMILIES: part of this API)
-from spire.fastpath import KVSource, needs_autograd, use_bf16_weights, use_int8_weights  # noqa: F401 (API)
+from spire.fastpath import KVSource, needs_autograd
 from spire.kv_cache import KVCache, SinkWindow, attention_mask
+from spire.rope import apply_rope, rope_tables
 
 
 @dataclass
@@ -91,7 +93,7 @@ class ModelConfig:
         return asdict(self)
 
     def rope_of(self, layer: int) -> dict:
-        """The RoPE spec of ``layer`` (see :func:`rope_inv_freq`)."""
+        """The RoPE spec of ``layer`` (see :func:`spire.rope.rope_inv_freq`)."""
         if self.layer_ropes is None:
             return {"rope_type": "default", "rope_theta": float(self.rope_theta)}
         return self.layer_ropes[layer]
@@ -157,91 +159,6 @@ class ScaledEmbedding(nn.Embedding):
         if self.scale != 1.0:  # as HF: the scale rounded to the weights' dtype, then one multiply
             x = x * torch.tensor(self.scale, dtype=torch.float32).to(x.dtype)
         return x
-
-
-_INV_FREQ: dict[tuple, tuple[torch.Tensor, float]] = {}
-
-
-def rope_inv_freq(spec: dict, d_head: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, float]:
-    """RoPE inverse frequencies (D/2,) float32 and the factor applied to cos and sin, for one RoPE spec
-    (:meth:`ModelConfig.rope_of`): "default" theta^(-2i/D) (Su et al. 2021); "linear" divided by ``factor``
-    (position interpolation, Chen et al. 2023); "llama3" (Meta's Llama 3.1 low/high-frequency interpolation);
-    "yarn" (Peng et al. 2023, with its attention factor). The same formulas as transformers'
-    ``modeling_rope_utils`` (so that logits match HF's). Cached per (spec, D, device)."""
-    key = (tuple(sorted(spec.items())), d_head, str(device))
-    hit = _INV_FREQ.get(key)
-    if hit is not None:
-        return hit
-    kind, theta = spec["rope_type"], spec.get("rope_theta", 10000.0)
-    inv = 1.0 / (theta ** (torch.arange(0, d_head, 2, device=device, dtype=torch.int64).float() / d_head))
-    scale = 1.0
-    if kind == "linear":
-        inv = inv / spec["factor"]
-    elif kind == "llama3":
-        factor, lo, hi = spec["factor"], spec["low_freq_factor"], spec["high_freq_factor"]
-        old = spec["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-        smooth = (old / wavelen - lo) / (hi - lo)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
-        inv = torch.where(medium, smoothed, scaled)
-    elif kind == "yarn":
-        factor, orig = spec["factor"], spec["original_max_position_embeddings"]
-
-        def correction_dim(rotations: float) -> float:
-            return (d_head * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(theta))
-
-        low, high = correction_dim(spec["beta_fast"]), correction_dim(spec["beta_slow"])
-        if spec["truncate"]:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, d_head - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(d_head // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1).to(device)
-        pos_freqs = theta ** (torch.arange(0, d_head, 2, device=device).float() / d_head)
-        extrapolation = 1 - ramp
-        inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-        scale = spec["attention_factor"]
-    elif kind != "default":
-        raise ConfigError(f"unknown RoPE type {kind!r}")
-    _INV_FREQ[key] = (inv, scale)
-    return inv, scale
-
-
-def rope_cos_sin(pos: torch.Tensor, d_head: int, theta: float | dict, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables for absolute positions. pos: (B, T) -> cos, sin: (B, 1, T, D) (half-split layout, as HF).
-    ``theta``: a base (default RoPE) or a RoPE spec (:func:`rope_inv_freq`); {"rope_type": "none"} gives
-    cos 1, sin 0 (no rotation, exactly)."""
-    spec = {"rope_type": "default", "rope_theta": float(theta)} if not isinstance(theta, dict) else theta
-    B, T = pos.shape
-    if spec["rope_type"] == "none":
-        return (torch.ones(B, 1, T, d_head, dtype=dtype, device=pos.device),
-                torch.zeros(B, 1, T, d_head, dtype=dtype, device=pos.device))
-    inv_freq, scale = rope_inv_freq(spec, d_head, pos.device)
-    freqs = pos.float()[..., None] * inv_freq  # (B, T, D/2)
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # (B, 1, T, D)
-    cos, sin = emb.cos(), emb.sin()
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    return cos.to(dtype), sin.to(dtype)
-
-
-def rope_tables(pos: torch.Tensor, ropes: Sequence[dict], d_head: int, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The RoPE tables of every distinct RoPE of a model (:attr:`Transformer.ropes`), stacked: pos (B, T) ->
-    cos, sin: (R, B, 1, T, D); block i reads index ``Block.rope_id``."""
-    tables = [rope_cos_sin(pos, d_head, spec, dtype) for spec in ropes]
-    if len(tables) == 1:  # one RoPE for every layer (most families): a view, no copy
-        return tables[0][0][None], tables[0][1][None]
-    return torch.stack([c for c, _ in tables]), torch.stack([s for _, s in tables])
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (B, heads, T, D) rotated by position."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 GROUPED_ATTENTION = True
@@ -351,7 +268,7 @@ class Block(nn.Module):
     """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x)). With ``sandwich_norm`` (Gemma 3) the
     attention and MLP outputs are normed too: x + norm(attn(norm(x))), then x + norm(mlp(norm(x))); the norm
     before the MLP is then ``pre_feedforward_layernorm`` and ``post_attention_layernorm`` norms the attention
-    output (HF's names). ``rope_id`` picks this block's RoPE tables (:func:`rope_tables`)."""
+    output (HF's names). ``rope_id`` picks this block's RoPE tables (:func:`spire.rope.rope_tables`)."""
 
     def __init__(self, cfg: ModelConfig, rope_id: int = 0) -> None:
         super().__init__()
@@ -369,7 +286,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_source: KVSource,
                 mask: torch.Tensor | None) -> torch.Tensor:
         """x: (B, T, d_model) residual stream entering the block -> leaving it. cos, sin: (R, B, 1, T, D) RoPE
-        tables (:func:`rope_tables`), or this block's own (B, 1, T, D) ones. kv_source: what the attention
+        tables (:func:`spire.rope.rope_tables`), or this block's own (B, 1, T, D) ones. kv_source: what the attention
         reads (:data:`spire.fastpath.KVSource`). mask: (B|1, 1, T, S) bool, or None when no key is masked."""
         a = self.self_attn(self.input_layernorm(x), *self._tables(cos, sin), kv_source, mask)
         if self.sandwich:

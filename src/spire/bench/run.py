@@ -206,7 +206,7 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
         hoi, flops_per_s: calibrated hardware (FLOP/byte and FLOP/s); hoi None uses the paper's 600.
         dtype_name: the weights' and cache's dtype name for bytes per value ("fp32", "bf16", ...).
         weight_bytes: bytes per weight value when it differs from the dtype's (2 for weight-only bf16,
-            :func:`spire.model.use_bf16_weights`); the KV cache keeps the dtype's.
+            :func:`spire.fastpath.use_bf16_weights`); the KV cache keeps the dtype's.
         draft_weight_bytes: bytes per weight value of the drafts with weights of their own (SPIRe, vanilla)
             when they differ from the target's (e.g. 2: a float32 target with bf16 draft weights); None: the
             target's. Per draft: :func:`draft_bytes`.

@@ -2,24 +2,28 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import typer
 
 import spire.bench.run as bench_run
 from spire import defaults, kernels
 from spire.bench.calibrate import (TORCH_DTYPES, Calibration, cached_calibration, calibrate, load_calibration,
                                    resolve_device)
 from spire.bench.run import BenchConfig, run_bench, summarize
+from spire.commands.options import ints
 from spire.data import document_separator_id, prepare_data
 from spire.drafts import find_trained_spire, make_draft
 import spire.drafts.registry as registry
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.errors import ConfigError
+from spire.fastpath import use_bf16_weights, use_int8_weights
 from spire.loading import load_target
-from spire.model import use_bf16_weights, use_int8_weights
+from spire.paths import check_output_path
 
 QUICK = dict(Bs=[1, 2], Ls=[64, 128], G=8, reps=2)
 """``--quick``: a smoke-test grid (about a minute on 2 CPU cores with SmolLM2)."""
@@ -252,3 +256,52 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
                   drafts=sources,
                   threads=torch.get_num_threads(), torch_version=torch.__version__)
     return result, summarize(result)
+
+
+def command(p: dict[str, Any], log: Callable[[str], None]) -> None:
+    """`spire bench` from its options ``p`` (by parameter name, as typer parsed them): run the grid, write
+    bench.json and BENCH.md into ``p["out"]``, print the table (``p["fmt"]`` "table") or the JSON object with its
+    summary ("json") on stdout; progress and the written paths go through ``log``. Raises SpireError
+    subclasses."""
+    from spire.bench.report import print_table, write_outputs
+
+    check_output_path(p["out"], "--out", folder=True)
+    args = BenchArgs(Bs=ints("-B", p["B"]) or None, Ls=ints("-L", p["L"]) or None,
+                     **{name: value for name, value in p.items() if name not in ("B", "L", "fmt")})
+    result, summary = run(args, log=log)
+    j, m = write_outputs(result, summary, p["out"])
+    if p["fmt"] == "json":
+        typer.echo(json.dumps({**result, "summary": summary}))
+    else:
+        weights, dw = p["weights"], result.get("draft_weights", p["weights"])
+        draft_note = "" if dw == weights else f" ({dw} draft weights)"
+        print_table(result, title=f"spire bench: {p['target']}, {p['dtype']}"
+                                  + (" (bf16 weights)" if weights == "bf16" else "") + draft_note
+                                  + f", {result['device']}")
+    log(f"wrote {j} and {m}")
+
+
+def calibrate_command(dtypes: list[str], device: str, threads: int | None, quick: bool, buffer_mb: float | None,
+                      out: Path | None, no_save: bool, clock: str, fmt: str, log: Callable[[str], None]) -> None:
+    """`spire bench calibrate`: measure the roofline of ``dtypes`` (repeated and/or comma-separated; none:
+    fp32,bf16) on ``device``; save it to the spire cache (unless ``no_save`` or ``quick``) and to ``out``; print
+    one HOI line per dtype ("table") or the JSON object ("json") on stdout. Raises ConfigError for a
+    non-positive ``buffer_mb`` (MiB) or ``threads``."""
+    names = [d.strip() for v in dtypes for d in v.split(",") if d.strip()] or ["fp32", "bf16"]
+    if buffer_mb is not None and not buffer_mb > 0:
+        raise ConfigError(f"--buffer-mb must be positive, got {buffer_mb}")
+    set_threads(threads)
+    cal = calibrate(names, device, quick=quick, buffer_bytes=None if buffer_mb is None else int(buffer_mb * 2**20),
+                    log=None if fmt == "json" else log, clock=clock)
+    written = []
+    if not no_save and not quick:
+        written.append(cal.save())
+    if out is not None:
+        written.append(cal.save(out))
+    if fmt == "json":
+        typer.echo(json.dumps(cal.to_dict()))
+    else:
+        for name in cal.dtypes:
+            typer.echo(f"{cal.device_name} {name}: HOI {cal.hoi(name):.2f} FLOP/byte")
+    for path in written:
+        log(f"wrote {path}")

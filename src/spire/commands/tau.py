@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+import typer
 from rich.console import Console
 from rich.table import Table
 
 from spire import defaults
+from spire.commands.options import ints
 from spire.data import document_separator_id, prepare_data
 import spire.drafts.registry as registry
 from spire.drafts import find_trained_spire, make_draft, resolve_draft_path
@@ -34,7 +36,7 @@ from spire.errors import CheckpointError, ConfigError, DataError
 from spire.evaluation.tau import measure_tau
 from spire.evaluation.tau_file import FORMAT, VERSION, read_tau_file
 from spire.loading import load_target
-from spire.paths import atomic_write
+from spire.paths import atomic_write, check_output_path
 from spire.sampling import SamplingParams
 
 DRAFT_CHOICES = registry.names(drafts_only=True)
@@ -329,3 +331,55 @@ def print_table(result: dict[str, Any]) -> None:
                  for c in (cell.get((name, t, L)) for L in Ls)]
         table.add_row(name, kind, f"{t:g}", *cells)
     Console(width=None if sys.stdout.isatty() else 200).print(table)
+
+
+def temperatures(values: list[str]) -> list[float]:
+    """--temperature values, repeated and/or comma-separated (none given: 0,1), as floats. Raises ConfigError."""
+    temps: list[float] = []
+    for value in values or ["0,1"]:
+        for item in value.split(","):
+            try:
+                temps.append(float(item))
+            except ValueError:
+                raise ConfigError(f"--temperature: {item.strip()!r} is not a number") from None
+    return temps
+
+
+def args_from_options(p: dict[str, Any]) -> TauArgs:
+    """The :class:`TauArgs` of `spire tau`'s options ``p`` (by parameter name, as typer parsed them), validated
+    (:func:`validate`). Raises ConfigError."""
+    args = TauArgs(drafts=parse_drafts(p["draft"], p["draft_path"], p["spire_draft"], p["vanilla_draft"]),
+                   Ls=ints("-L", p["L"]), G=p["G"], k=p["k"], temperatures=temperatures(p["temperature"]),
+                   n_contexts=p["n_contexts"], batch_size=p["batch_size"], max_batch_tokens=p["max_batch_tokens"],
+                   seed=p["seed"], target=p["target"], sink=p["sink"], window=p["window"], nested=p["nested"],
+                   nested_length=p["nested_length"], threads=p["threads"])
+    validate(args)
+    return args
+
+
+def command(p: dict[str, Any], log: Callable[[str], None]) -> None:
+    """`spire tau` from its options ``p`` (by parameter name): merge the --show files or measure (writing --out as
+    it goes), then print the result as ``p["fmt"]`` (table, json, markdown) on stdout; notes go through ``log``.
+    Raises SpireError subclasses (ConfigError for an option, before any loading)."""
+    out = p["out"]
+    if out is not None:
+        check_output_path(out, "--out")
+    if p["show"]:
+        result = merge_files(p["show"])
+        unlike = unlike_settings(result["rows"])
+        if unlike:
+            log(f"warning: the rows were measured with different settings ({unlike}): compare τ only between rows "
+                "measured alike (the JSON's merged_from keeps each file's settings)")
+        if out is not None:
+            log(f"wrote {write_json(out, result)}")
+    else:
+        args = args_from_options(p)
+        result = run_tau(args, progress=not p["no_progress"], log=None if p["no_progress"] else log, out=out)
+        if out is not None:
+            log(f"wrote {out}")
+    if p["fmt"] == "json":
+        typer.echo(json.dumps(result))
+    elif p["fmt"] == "markdown":
+        typer.echo(table_markdown(result["rows"]))
+    else:
+        print_table(result)

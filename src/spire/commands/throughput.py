@@ -1,4 +1,5 @@
-"""The logic behind ``spire throughput`` and ``spire throughput-figures`` (kept out of spire.cli)."""
+"""The logic behind ``spire throughput`` (kept out of spire.cli; ``spire throughput-figures`` is
+:mod:`spire.commands.throughput_figures`)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+import typer
 from rich.console import Console
 from rich.table import Table
 
 from spire import defaults
 from spire.bench.calibrate import load_calibration
+from spire.commands.options import floats, ints, names
 from spire.errors import ConfigError
 from spire.evaluation.tau_file import L_RULE, read_tau_file, select_taus
+from spire.paths import check_output_path
 from spire.throughput.analysis import growing_rows, read_contexts, sample_contexts
 from spire.throughput.cost_model import HOI, CostOptions, RowOptions, throughput_rows
 from spire.throughput.hardware import DTYPE_BYTES, Hardware, check_dtype, custom_hardware, get_hardware
@@ -293,3 +297,30 @@ def print_table(name: str, description: str, rows: list[dict[str, Any]]) -> None
         table.add_row(r["draft"], str(r["B"]), L, f"{r['tau']:.3f}", dt, m, memory, *cells)
 
     Console(width=None if sys.stdout.isatty() else 160).print(table)  # no truncated columns in pipes
+
+
+PARSED_HERE = ("B", "L", "tau", "alpha", "contexts", "tau_draft")
+"""`spire throughput` options that are strings to parse (grids, DRAFT=VALUE lists), not ThroughputArgs fields."""
+
+
+def command(p: dict[str, Any], log: Callable[[str], None]) -> None:
+    """`spire throughput` from its options ``p`` (by parameter name, as typer parsed them): the rows, written as
+    ``p["fmt"]`` (table, json, csv) on stdout, and with ``p["plot"]`` a PNG heatmap (its path through ``log``).
+    Raises ConfigError for a malformed option, before any work."""
+    plot = p["plot"]
+    if plot is not None:
+        check_output_path(plot, "--plot")
+    given = {name: value for name, value in p.items() if name not in ("fmt", "plot", *PARSED_HERE)}
+    parsed = {"Bs": ints("-B", p["B"]), "Ls": ints("-L", p["L"]), "taus": floats(p["tau"], "--tau"),
+              "alphas": floats(p["alpha"], "--alpha"),
+              "contexts": None if p["contexts"] is None else ints("--contexts", [p["contexts"]]),
+              "tau_drafts": names(p["tau_draft"])}
+    summary, rows, chosen = build(ThroughputArgs(**given, **parsed))
+    if plot is not None:
+        log(f"wrote {write_plot(summary, rows, chosen, plot)}")
+    if p["fmt"] == "json":
+        typer.echo(to_json(summary, rows))
+    elif p["fmt"] == "csv":
+        typer.echo(to_csv(rows), nl=False)
+    else:
+        print_table(chosen.name, chosen.description, rows)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from spire import defaults
+from spire.commands.options import ints
 from spire.data import document_separator_id, prepare_data, prepare_text_files
 from spire.drafts.eagle3 import Eagle3Config
 from spire.drafts.spire import SpireConfig
@@ -63,16 +65,65 @@ def default_out(args: TrainRunArgs) -> Path:
     return Path("spire-runs") / name
 
 
-NEGATED_OPTIONS = {"feedback_memory": "--no-feedback-memory", "target_activations": "--no-target-activations",
-                   "self_attend": "--no-self-attend"}
-"""SpireConfig fields that `spire train` sets to False by a flag of another name."""
+TRAIN_FIELDS = {"budget": "budget_s", "max_steps": "max_steps", "batch_size": "batch_size", "seq_len": "seq_len",
+                "k": "k", "lr": "lr", "warmup_steps": "warmup_steps", "weight_decay": "weight_decay", "loss": "loss",
+                "omega": "omega", "grad_clip": "grad_clip", "bf16": "bf16", "seed": "seed",
+                "checkpoint_every": "checkpoint_every", "eval_every": "eval_every", "vanilla_layers": "vanilla_layers",
+                "cache_steps": "data_steps", "target_cache": "target_cache", "hidden_loss": "hidden_weight",
+                "compile_step": "compile"}
+"""`spire train` option (parameter name) -> TrainConfig field."""
+SPIRE_FIELDS = {"n_draft_layers": "n_draft_layers", "init": "init", "sink": "sink", "window": "window",
+                "draft_vocab": "vocab_size"}
+"""`spire train` options (parameter name) -> the SpireConfig field each sets."""
+SPIRE_SWITCHES = {"full_kv": ("window", None), "no_feedback_memory": ("feedback_memory", False),
+                  "no_target_activations": ("target_activations", False), "no_self_attend": ("self_attend", False),
+                  "feature_input": ("feature_input", True), "bridge": ("bridge", True)}
+"""`spire train` flags that set a SpireConfig field: flag parameter -> (field, value when the flag is given)."""
+DEPRECATED = {"vocab_size": "draft_vocab"}
+"""`spire train` options that still work under an old name: old parameter -> new one (the name `spire reproduce`
+gives the same setting). Using the old one prints a warning."""
+
+FLAG_NAMES = {"feedback_memory": "--no-feedback-memory", "target_activations": "--no-target-activations",
+              "self_attend": "--no-self-attend", "vocab_size": "--draft-vocab"}
+"""SpireConfig fields that `spire train` sets by a flag of another name."""
+
+
+def _flag(param: str) -> str:
+    """The command-line flag of a parameter name: draft_vocab -> --draft-vocab."""
+    return "--" + param.replace("_", "-")
 
 
 def spire_option(field_name: str, value) -> str:
     """The `spire train` option that set SpireConfig field ``field_name`` to ``value`` (for error messages)."""
     if field_name == "window" and value is None:
         return "--full-kv"
-    return NEGATED_OPTIONS.get(field_name, "--" + field_name.replace("_", "-"))
+    return FLAG_NAMES.get(field_name, _flag(field_name))
+
+
+def args_from_options(params: dict, given: dict, log: Callable[[str], None] = print) -> TrainRunArgs:
+    """The :class:`TrainRunArgs` of `spire train`'s options. ``params``: every option by parameter name (as typer
+    parsed them); ``given``: those the user set (the library's defaults stand for the others). An old option name
+    (:data:`DEPRECATED`) is read as its new one, with one warning line through ``log`` (the new one wins when
+    both are given). Raises ConfigError for a malformed --layers or --eagle3-layers."""
+    given = dict(given)
+    for old, new in DEPRECATED.items():
+        if old in given:
+            log(f"warning: {_flag(old)} is deprecated; use {_flag(new)}")
+            given.setdefault(new, given.pop(old))
+    spire_kw = {field: given[name] for name, field in SPIRE_FIELDS.items() if given.get(name) is not None}
+    if params["layers"] is not None:
+        spire_kw["layers"] = tuple(ints("--layers", [params["layers"]]))
+    spire_kw.update(setting for flag, setting in SPIRE_SWITCHES.items() if params.get(flag))
+    train_kw = {field: given[name] for name, field in TRAIN_FIELDS.items() if given.get(name) is not None}
+    if train_kw.get("target_cache") == "none":  # as in `spire reproduce`: the live target (the default)
+        train_kw["target_cache"] = None
+    eagle3_kw = {} if params["eagle3_layers"] is None else {
+        "layers": tuple(ints("--eagle3-layers", [params["eagle3_layers"]]))}
+    eagle3_kw.update({} if params["eagle3_vocab"] is None else {"draft_vocab": params["eagle3_vocab"]})
+    return TrainRunArgs(draft=params["draft"], target=params["target"], data=params["data"], out=params["out"],
+                        ablation=params["ablation"], resume=params["resume"], device=params["device"],
+                        eval_windows=params["eval_windows"], spire_overrides=spire_kw, train_overrides=train_kw,
+                        eagle3_overrides=eagle3_kw, given=tuple(name for name in ("draft", "ablation") if name in given))
 
 
 def build_config(args: TrainRunArgs) -> TrainConfig:

@@ -87,7 +87,8 @@ from spire.drafts.registry import DraftImpl
 from spire.drafts.spire import frequent_tokens
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, SinkWindow, attention_mask
-from spire.model import MLP, Attention, ForwardOutput, ModelConfig, RMSNorm, Transformer, rope_cos_sin
+from spire.model import MLP, Attention, ForwardOutput, ModelConfig, RMSNorm, Transformer
+from spire.rope import rope_cos_sin
 from spire.training.losses import kl_loss_logp  # noqa: F401 (EAGLE-3's loss, public here too)
 
 SPECULATORS_VERSION = "0.9.0"
