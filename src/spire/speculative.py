@@ -315,13 +315,8 @@ class _Rows:
             if not self.active[b]:
                 continue
             self.rounds[b] += 1
-            toks = toks[: accepted[b] + 1][: max_new_tokens - len(self.emitted[b])]
-            cut = next((i + 1 for i, t in enumerate(toks) if t in eos_set), None)
-            if stop is not None:
-                cut_s = stop.cut(self.emitted[b], toks[:cut])
-                cut = cut_s if cut_s is not None else cut
-            if cut is not None:
-                toks = toks[:cut]
+            toks, stopped = cut_output(self.emitted[b], toks[: accepted[b] + 1], max_new_tokens, eos_set, stop)
+            if stopped:
                 self.finish[b] = "stop"
                 self.active[b] = False
             self.emitted[b].extend(toks)
@@ -337,6 +332,20 @@ class _Rows:
         act = torch.tensor(self.active, device=self.n.device)
         self.n = torch.where(act, self.n + n_acc + 1, self.n)
         self.pending = torch.where(act, next_tok, self.pending)
+
+
+def cut_output(emitted: list[int], toks: list[int], max_new_tokens: int, eos_set: set[int],
+               stop: StopStrings | None) -> tuple[list[int], bool]:
+    """One row's share of a round's output tokens ``toks`` (its accepted tokens and the recovered / bonus one),
+    given the tokens it ``emitted`` before: cut at its budget (``max_new_tokens`` in all), after an EOS token
+    (kept) or after the token that completes a stop string. Returns (the tokens to emit, whether an EOS or a
+    stop string ended the row). An EOS or stop string inside the budget wins over the budget (finish "stop")."""
+    toks = toks[: max_new_tokens - len(emitted)]
+    cut = next((i + 1 for i, t in enumerate(toks) if t in eos_set), None)
+    if stop is not None:
+        cut_s = stop.cut(emitted, toks[:cut])
+        cut = cut_s if cut_s is not None else cut
+    return (toks, False) if cut is None else (toks[:cut], True)
 
 
 class StopStrings:

@@ -13,6 +13,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from spire.errors import ConfigError
 from spire.kv_cache import KVCache
 from spire.model import ForwardOutput, Transformer
 
@@ -34,6 +35,15 @@ class Draft(ABC):
     @abstractmethod
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """One draft forward. tokens, pos: (B, 1) -> float32 logits (B, V) for position pos + 1."""
+
+    def restart_rows(self, rows: torch.Tensor) -> None:
+        """Forget rows ``rows`` ((R,) int64 indices into the batch bound by :meth:`start`): a new request takes
+        those slots (continuous batching, :mod:`spire.serving.engine`), and nothing of the previous request
+        (KV, memory, n-gram context) may be read for it. The draft's :meth:`observe` must then honour ``valid``
+        (False rows and positions are not written), since the engine observes a joining request's prefill with
+        the other rows masked out. Raises ConfigError for a draft that cannot restart single rows (yet)."""
+        raise ConfigError(f"the {self.name} draft cannot restart single rows of its batch yet, so it cannot run "
+                          "with continuous batching (spire serve); use none, magicdec, ngram or spire")
 
     def cost_shape(self, target):
         """The cost model's :class:`~spire.throughput.shapes.ModelShape` of this draft, given the target's: by

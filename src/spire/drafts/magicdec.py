@@ -29,6 +29,10 @@ class MagicDecDraft(Draft):
     def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int, k: int) -> None:
         self._target, self._cache = target, target_cache
 
+    def restart_rows(self, rows: torch.Tensor) -> None:
+        """Nothing to forget: the draft's only state is the target's cache, whose rows a new request overwrites
+        (its prefill, then each round) before any query reads them."""
+
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         assert self._target is not None, "call start() first"

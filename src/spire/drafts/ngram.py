@@ -166,6 +166,14 @@ class NgramDraft(Draft):
         self.last_pos = torch.full((batch_size,), -2, dtype=torch.int64, device=dev)
         self.last_tok = torch.full((batch_size,), -1, dtype=torch.int64, device=dev)
 
+    def restart_rows(self, rows: torch.Tensor) -> None:
+        """Forget rows ``rows`` (R,): their token buffers and lookup state are reset as :meth:`start` leaves them, so
+        a new request in the slot never sees the previous one's tokens (CASES.md 16)."""
+        assert self.buf is not None, "call start() first"
+        rows = rows.to(self.buf.device)
+        self.buf[rows] = -1
+        self.src[rows], self.last_pos[rows], self.last_tok[rows] = -1, -2, -1
+
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
                 valid: torch.Tensor | None = None) -> None:
         """Write the tokens (B, T) the target ran on at positions (B, T) (right-padding, ``valid`` False, is not

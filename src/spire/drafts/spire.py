@@ -40,7 +40,7 @@ from spire.drafts.draft_file import (check_export, fingerprint, fingerprint_matc
                                      run_finished, warn_if_unfinished, write_draft_file)
 from spire.drafts.registry import DraftImpl
 from spire.errors import CheckpointError, ConfigError
-from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
+from spire.kv_cache import EMPTY, KVCache, RingKVCache, SinkWindow, attention_mask
 from spire.model import ForwardOutput, RMSNorm, Transformer
 from spire.paths import spire_cache_dir
 
@@ -659,6 +659,17 @@ class SpireDraft(Draft):
         if self.model.feature_proj is not None:  # a ring of k + 2 slots: a verify writes k + 1 positions
             self._feature = torch.zeros(batch_size, k + 2, t.d_model, dtype=target.dtype, device=target.device)
             self._feature_pos = torch.full((batch_size, k + 2), -1 << 40, dtype=torch.int64, device=target.device)
+
+    def restart_rows(self, rows: torch.Tensor) -> None:
+        """Forget rows ``rows`` (R,): their ring slots are tagged empty (never visible again) and their kept features
+        dropped. Raises ConfigError for a dense draft cache (the no-window ablation), whose writes ignore ``valid``."""
+        if not isinstance(self._cache, RingKVCache):
+            raise ConfigError("a SPIRe draft without a window (full KV cache) cannot restart single rows yet, so it "
+                              "cannot run with continuous batching")
+        rows = rows.to(self._cache.tags.device)
+        self._cache.tags[rows] = EMPTY
+        if self._feature_pos is not None:
+            self._feature_pos[rows] = -1 << 40
 
     def _keep_features(self, pos: torch.Tensor, feature: torch.Tensor, valid: torch.Tensor | None) -> None:
         """Store the features (B, T, d) at positions (B, T) (the latest R valid ones of each row)."""

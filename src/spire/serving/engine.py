@@ -1,0 +1,371 @@
+"""Continuous batching with lossless speculative decoding: the engine behind ``spire serve``.
+
+The static-batch loop of :mod:`spire.speculative` starts every row together and runs until the last one ends.
+Here rows are **slots**: the target cache is ``max_running`` rows of ``max_len`` positions, and the draft is
+started once on that batch (:meth:`~spire.drafts.base.Draft.start`). A request takes a free slot between rounds,
+and gives it back as soon as it finishes (or is aborted):
+
+- :meth:`Engine.add_request` queues a request (its own sampling settings, generator, budget, stop strings);
+- :meth:`Engine.step` admits waiting requests into free slots (their prompts prefilled together, the draft's
+  rows restarted with :meth:`~spire.drafts.base.Draft.restart_rows` so a slot's new request never sees the
+  previous one's KV, memory or n-gram context), then runs **one round** over the batch: draft k tokens per row,
+  verify them in one target forward over k + 1 positions, accept a prefix per row (greedy rows by argmax,
+  sampled rows by rejection sampling with their own transform and generator), commit each running row's output
+  tokens (cut by its budget, EOS and stop strings, :func:`spire.speculative.cut_output`);
+- :meth:`Engine.abort` ends a request at the next step and frees its slot.
+
+Lossless per request: a greedy request's tokens are its own single-request AD output
+(``spire.speculative.generate(target, [prompt], n)``) whatever else runs beside it, and a sampled request's
+tokens are distributed as the target's (the verification of :mod:`spire.verification`, row by row).
+
+Every round computes all ``max_running`` rows (a free slot runs a dummy token at positions 0..k, overwritten by
+the next request's prefill before it is ever read), so the cost of a round does not depend on the load.
+The cache invariant of :mod:`spire.speculative` holds per slot: a row's committed tokens are at positions < n - 1,
+its pending token is the next round's first input.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from spire.drafts.base import Draft
+from spire.errors import ConfigError
+from spire.model import ForwardOutput, Transformer
+from spire.sampling import SamplingParams, probs_from_logits, sample
+from spire.speculative import StopStrings, cut_output, prefill
+from spire.verification import output_tokens, verify, verify_greedy
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """One request's settings. max_tokens: new tokens at most (>= 1); temperature 0 = greedy; top_k 0 and top_p 1
+    = off (:class:`~spire.sampling.SamplingParams`); seed: its own generator's seed (None: a fresh random one);
+    stop: stop strings (the request ends with the token that completes one); ignore_eos: do not stop at EOS.
+    Raises ConfigError for impossible values."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        self.sampling()  # validates temperature, top_k, top_p
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p))
+
+
+@dataclass
+class RequestOutput:
+    """What one :meth:`Engine.step` gives a request: its new tokens this step (after the cut), whether it
+    finished, with finish_reason "stop" (EOS or a stop string), "length" (max_tokens) or "abort", and how many of
+    the round's k draft tokens verification accepted (None when it ran no round)."""
+
+    request_id: int
+    new_tokens: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    accepted: int | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters since start. rounds: engine rounds run; row_rounds: rounds summed over the requests that ran in
+    them; prompt_tokens / generated_tokens: tokens in and out; accepted: accepted[i] counts row-rounds that
+    accepted i of the k draft tokens (i = 0..k); finished: requests ended, by reason."""
+
+    k: int
+    rounds: int = 0
+    row_rounds: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    accepted: list[int] = field(default_factory=list)
+    finished: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.accepted = self.accepted or [0] * (self.k + 1)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per round per request (bonus included): generated / row-rounds."""
+        return self.generated_tokens / max(1, self.row_rounds)
+
+    def acceptance(self) -> list[float]:
+        """Acceptance by drafted position: element j-1 is the share of row-rounds that accepted draft token j
+        (j = 1..k), i.e. accepted at least j."""
+        total = max(1, sum(self.accepted))
+        return [sum(self.accepted[j:]) / total for j in range(1, self.k + 1)]
+
+
+class _Request:
+    """A request's state: its prompt, settings, generator, stop strings, emitted tokens and slot (None while it
+    waits)."""
+
+    def __init__(self, rid: int, prompt: list[int], params: RequestParams, stop: StopStrings | None) -> None:
+        self.id, self.prompt, self.params, self.stop = rid, prompt, params, stop
+        self.sampling = params.sampling()
+        self.generator = torch.Generator()
+        if params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(int(params.seed))
+        self.emitted: list[int] = []
+        self.slot: int | None = None
+
+
+class Engine:
+    """Continuous batching over ``max_running`` slots of ``max_len`` positions (see the module docstring).
+
+    Args:
+        target: the target model.
+        draft: an unstarted :class:`Draft` (from ``spire.drafts.make_draft``), or None for AD.
+        k: draft tokens per round (>= 1; ignored for AD).
+        max_running: slots, i.e. requests decoded together (the batch of every round).
+        max_len: positions per slot (a request needs prompt + max_tokens + k + 1 <= max_len); default the
+            smaller of the target's positions and 2048.
+        eos_ids: token ids that end a request (emitted, then finish "stop"), unless its ``ignore_eos``.
+        decode: token ids -> text, needed for stop strings.
+    Raises:
+        ConfigError: bad k / max_running / max_len, or a draft that cannot restart single rows (it names the draft).
+    """
+
+    def __init__(self, target: Transformer, draft: Draft | None = None, k: int = 4, max_running: int = 8,
+                 max_len: int | None = None, eos_ids: Sequence[int] = (),
+                 decode: Callable[[list[int]], str] | None = None) -> None:
+        if k < 1 or max_running < 1:
+            raise ConfigError(f"k and max_running must be >= 1, got k = {k}, max_running = {max_running}")
+        self.target, self.draft, self.decode = target, draft, decode
+        self.k = k if draft is not None else 0
+        self.max_len = min(target.cfg.max_positions, 2048) if max_len is None else int(max_len)
+        if not self.k + 2 <= self.max_len <= target.cfg.max_positions:
+            raise ConfigError(f"max_len must be in [{self.k + 2}, {target.cfg.max_positions}] (the target's "
+                              f"positions), got {self.max_len}")
+        self.max_running, self.eos_ids = max_running, frozenset(int(t) for t in eos_ids)
+        dev = target.device
+        self.cache = target.new_cache(max_running, self.max_len)
+        if draft is not None:
+            draft.start(target, self.cache, max_running, self.max_len, k)
+            draft.restart_rows(torch.arange(max_running, device=dev))  # refuses a draft that cannot
+        self.n = torch.ones(max_running, dtype=torch.long, device=dev)  # (S,) committed length per slot
+        self.pending = torch.zeros(max_running, dtype=torch.long, device=dev)  # (S,) the pending token per slot
+        self.slots: list[_Request | None] = [None] * max_running
+        self.waiting: deque[_Request] = deque()
+        self.stats = EngineStats(max(self.k, 1))
+        self._ids = itertools.count()
+        self._aborts: set[int] = set()
+        self._lock = threading.Lock()
+
+    # ---- requests (thread-safe) ----------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        """Whether :meth:`step` has anything to do (running or waiting requests, or aborts to apply)."""
+        return bool(self.waiting or self._aborts or self.num_running)
+
+    def max_prompt(self, max_tokens: int) -> int:
+        """The longest prompt (tokens) a request of ``max_tokens`` new tokens may have."""
+        return self.max_len - max_tokens - self.k - 1
+
+    def add_request(self, prompt_ids: Sequence[int], params: RequestParams = RequestParams()) -> int:
+        """Queue a request; it joins at a later :meth:`step`. prompt_ids: its token ids (>= 1, each in
+        [0, vocab)). Returns its id. Raises ConfigError (the message names the field: prompt, max_tokens, stop)."""
+        prompt = [int(t) for t in prompt_ids]
+        vocab = self.target.cfg.vocab_size
+        if not prompt:
+            raise ConfigError("prompt: empty (a request needs at least one token)")
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ConfigError(f"prompt: token ids must be in [0, {vocab}) (the target's vocabulary)")
+        if len(prompt) > self.max_prompt(params.max_tokens):
+            raise ConfigError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens}"
+                              f"{f' + k {self.k}' if self.k else ''} + 1 exceeds the context of {self.max_len} "
+                              "positions per slot")
+        if params.stop and self.decode is None:
+            raise ConfigError("stop: stop strings need the engine's decode (a tokenizer)")
+        stop = StopStrings(list(params.stop), self.decode) if params.stop else None
+        with self._lock:
+            req = _Request(next(self._ids), prompt, params, stop)
+            self.waiting.append(req)
+        return req.id
+
+    def abort(self, request_id: int) -> None:
+        """End a waiting or running request at the next :meth:`step` (its slot is freed there, finish "abort");
+        unknown or finished ids are ignored."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    # ---- the step ----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        """Apply aborts, admit waiting requests into free slots (batched prefill), then one round for every
+        running request. Returns one :class:`RequestOutput` per request that got tokens or finished."""
+        outputs = self._apply_aborts()
+        self._admit()
+        running = [r for r in self.slots if r is not None]
+        if not running:
+            return outputs
+        n_acc, next_tok, block = self._round(running)
+        accepted, block_l = n_acc.tolist(), block.tolist()
+        self.stats.rounds += 1
+        for req in running:
+            b = req.slot
+            outputs.append(self._commit(req, block_l[b][: accepted[b] + 1], accepted[b]))
+        live = torch.tensor([r is not None for r in self.slots], device=self.n.device)  # finished ones are freed
+        self.n = torch.where(live, self.n + n_acc + 1, self.n)
+        self.pending = torch.where(live, next_tok, self.pending)
+        return outputs
+
+    def _apply_aborts(self) -> list[RequestOutput]:
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+            gone = [r for r in self.waiting if r.id in aborts]
+            self.waiting = deque(r for r in self.waiting if r.id not in aborts)
+        gone += [r for r in self.slots if r is not None and r.id in aborts]
+        for req in gone:
+            self._free(req, "abort")
+        return [RequestOutput(r.id, [], True, "abort") for r in gone]
+
+    def _free(self, req: _Request, reason: str) -> None:
+        if req.slot is not None:
+            self.slots[req.slot] = None
+            self.n[req.slot], self.pending[req.slot] = 1, 0
+            req.slot = None
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+
+    def _commit(self, req: _Request, toks: list[int], n_accepted: int) -> RequestOutput:
+        """Emit a running request's share of the round (cut) and free its slot when it finishes."""
+        eos = set() if req.params.ignore_eos else self.eos_ids
+        toks, stopped = cut_output(req.emitted, toks, req.params.max_tokens, eos, req.stop)
+        req.emitted.extend(toks)
+        st = self.stats
+        st.row_rounds += 1
+        st.generated_tokens += len(toks)
+        st.accepted[min(n_accepted, len(st.accepted) - 1)] += 1
+        reason = "stop" if stopped else "length" if len(req.emitted) >= req.params.max_tokens else None
+        if reason is not None:
+            self._free(req, reason)
+        return RequestOutput(req.id, toks, reason is not None, reason, n_accepted)
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots (lowest first) and prefill them together: the prompts but their
+        last token run through the target in one right-padded batch, whose keys / values are copied into the
+        slots' rows; the draft restarts those rows and observes the prefill (other rows masked out)."""
+        joiners: list[_Request] = []
+        with self._lock:
+            for s in range(self.max_running):
+                if self.slots[s] is None and self.waiting:
+                    req = self.waiting.popleft()
+                    req.slot, self.slots[s] = s, req
+                    joiners.append(req)
+        if not joiners:
+            return
+        dev = self.n.device
+        slots = torch.tensor([r.slot for r in joiners], device=dev)
+        if self.draft is not None:
+            self.draft.restart_rows(slots)
+        rows = [r.prompt for r in joiners]
+        width = max(len(r) for r in rows) - 1
+        if width > 0:
+            hidden = self.draft.hidden_layers if self.draft is not None else ()
+            state = prefill(self.target, rows, width, hidden)
+            for layer in range(len(self.cache.k)):
+                self.cache.k[layer][slots, :, :width] = state.cache.k[layer][:, :, :width]
+                self.cache.v[layer][slots, :, :width] = state.cache.v[layer][:, :, :width]
+            if self.draft is not None:
+                self._observe_prefill(slots, state)
+        self.n[slots] = torch.tensor([len(r) for r in rows], device=dev)
+        self.pending[slots] = torch.tensor([r[-1] for r in rows], device=dev)
+        self.stats.prompt_tokens += sum(len(r) for r in rows)
+
+    def _observe_prefill(self, slots: torch.Tensor, state) -> None:
+        """:meth:`Draft.observe` of the joiners' prefill as full-batch (S, W) tensors, other rows invalid."""
+        S, (J, W) = self.max_running, state.tokens.shape
+        dev = state.tokens.device
+        tokens = torch.zeros(S, W, dtype=torch.long, device=dev)
+        valid = torch.zeros(S, W, dtype=torch.bool, device=dev)
+        tokens[slots], valid[slots] = state.tokens, state.valid
+        hidden = {}
+        for j, h in state.out.hidden.items():
+            hidden[j] = torch.zeros(S, *h.shape[1:], dtype=h.dtype, device=h.device)
+            hidden[j][slots] = h
+
+        def logits() -> torch.Tensor:
+            lg = state.out.logits
+            full = torch.zeros(S, *lg.shape[1:], dtype=lg.dtype, device=lg.device)
+            full[slots] = lg
+            return full
+
+        pos = torch.arange(W, device=dev)[None].expand(S, W)
+        self.draft.observe(tokens, pos, ForwardOutput(hidden=hidden, compute_logits=logits), valid=valid)
+
+    # ---- one round ----------------------------------------------------------------------------------------
+
+    def _round(self, running: list[_Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One round over all S slots. Returns n_accepted (S,), next_token (S,) and the output block (S, k+1)."""
+        sampled = [r for r in running if not r.sampling.greedy]
+        pos0 = self.n - 1  # (S,) position of each slot's pending token
+        if self.draft is None:
+            logits = self.target(self.pending[:, None], pos0[:, None], self.cache).logits[:, -1]  # (S, V)
+            next_tok, _ = _choose(logits, sampled)
+            return torch.zeros_like(next_tok), next_tok, next_tok[:, None]
+        tok, tokens, qs = self.pending, [], []
+        for j in range(self.k):
+            tok, q = _choose(self.draft.step(tok[:, None], (pos0 + j)[:, None]), sampled)
+            tokens.append(tok)
+            qs.append(q)
+        d_tokens = torch.stack(tokens, 1)  # (S, k)
+        verify_in = torch.cat([self.pending[:, None], d_tokens], 1)  # (S, k+1)
+        vpos = pos0[:, None] + torch.arange(self.k + 1, device=pos0.device)
+        out = self.target(verify_in, vpos, self.cache, hidden_layers=self.draft.hidden_layers)
+        n_acc, next_tok = _accept(d_tokens, qs, out.logits, sampled)
+        self.draft.observe(verify_in, vpos, out)
+        return n_acc, next_tok, output_tokens(d_tokens, n_acc, next_tok)
+
+
+def _choose(logits: torch.Tensor, sampled: list[_Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Tokens (S,) from logits (S, V): the argmax in every row, then in each sampled request's row a draw from
+    its transformed distribution with its own generator. Returns the tokens and the (S, V) float32 distributions
+    they were drawn from (rows of greedy requests are zero), or None when no request samples."""
+    tok = logits.argmax(-1)
+    if not sampled:
+        return tok, None
+    q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    for req in sampled:
+        b = req.slot
+        q[b] = probs_from_logits(logits[b], req.sampling)
+        tok[b] = sample(q[b], req.generator)
+    return tok, q
+
+
+def _accept(d_tokens: torch.Tensor, qs: list[torch.Tensor | None], logits: torch.Tensor,
+            sampled: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verification per row: greedy for every row (:func:`verify_greedy`), then rejection sampling
+    (:func:`verify`) for each sampled request's row with its transform and generator. d_tokens (S, k), qs: k
+    (S, V) or None, logits (S, k+1, V). Returns n_accepted (S,), next_token (S,)."""
+    n_acc, next_tok = verify_greedy(d_tokens, logits)
+    if sampled:
+        q = torch.stack(qs, 1)  # (S, k, V)
+        for req in sampled:
+            b = req.slot
+            p = probs_from_logits(logits[b: b + 1], req.sampling)  # (1, k+1, V)
+            nb, xb = verify(d_tokens[b: b + 1], q[b: b + 1], p, req.generator)
+            n_acc[b], next_tok[b] = nb[0], xb[0]
+    return n_acc, next_tok

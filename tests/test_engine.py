@@ -1,0 +1,221 @@
+"""The continuous-batching engine (spire.serving.engine, issue 31): greedy output of every request equals its own
+single-request AD output with requests joining mid-stream, slots are reused without leaking state, abort frees a
+slot, per-request sampling settings and seeds, EOS / stop strings inside an accepted block, and T = 1 sampling
+distributed as the target's (chi-square) with rows joining mid-stream, bonus position included."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from spire.drafts import make_draft
+from spire.drafts.base import Draft
+from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
+from spire.errors import ConfigError
+from spire.sampling import SamplingParams, probs_from_logits
+from spire.serving.engine import Engine, RequestParams
+from spire.speculative import generate
+from tests.conftest import make_tiny
+from tests.test_lossless import _chi2
+
+DRAFTS = ["none", "magicdec", "ngram", "spire"]
+
+
+def _draft(kind: str, target):
+    if kind == "spire":
+        torch.manual_seed(3)
+        return SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=2, window=4)))
+    if kind == "magicdec":
+        return make_draft("magicdec", target, window=4)
+    if kind == "ngram":
+        return make_draft("ngram", target, n_min=1, n_max=3)
+    return make_draft(kind, target)
+
+
+def _prompts(n: int, seed: int = 0, vocab: int = 97) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 5, 17, 3, 40, 9, 2, 30, 11, 6][:n]
+    out = [torch.randint(0, vocab, (L,), generator=g).tolist() for L in lengths]
+    out[3] = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]  # repetitive: the n-gram draft proposes from it
+    return out
+
+
+def _run(engine: Engine, jobs: list[tuple[int, list[int], RequestParams]]) -> dict[int, dict]:
+    """Drive the engine: job j = (the step it is added at, prompt, params). Returns per job its tokens, finish
+    reason and accepted counts."""
+    results, ids, step = {}, {}, 0
+    todo = sorted(enumerate(jobs), key=lambda x: x[1][0])
+    while todo or engine.has_work():
+        while todo and todo[0][1][0] <= step:
+            j, (_, prompt, params) = todo.pop(0)
+            ids[engine.add_request(prompt, params)] = j
+            results[j] = {"tokens": [], "reason": None, "accepted": []}
+        for o in engine.step():
+            r = results[ids[o.request_id]]
+            r["tokens"] += o.new_tokens
+            if o.accepted is not None:
+                r["accepted"].append(o.accepted)
+            if o.finished:
+                r["reason"] = o.finish_reason
+        assert engine.num_running <= engine.max_running
+        step += 1
+    return results
+
+
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_greedy_equals_per_request_ad_with_staggered_joins(tiny, kind):
+    """10 requests of prompt lengths 1..40 and budgets 6..33 join every other step into 3 slots (so slots are
+    reused); each one's tokens are its own single-request AD output."""
+    prompts = _prompts(10)
+    jobs = [(2 * i, p, RequestParams(max_tokens=6 + 3 * i)) for i, p in enumerate(prompts)]
+    engine = Engine(tiny, _draft(kind, tiny), k=3, max_running=3, max_len=96)
+    res = _run(engine, jobs)
+    for j, (_, p, params) in enumerate(jobs):
+        assert res[j]["tokens"] == generate(tiny, [p], params.max_tokens).tokens[0], (kind, j)
+        assert res[j]["reason"] == "length"
+    assert engine.num_running == 0 and engine.num_waiting == 0
+    if kind != "none":
+        assert engine.stats.tau > 1.0
+
+
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_reused_slot_sees_nothing_of_the_previous_request(tiny, kind):
+    """Request B in the slot request A just left accepts exactly as B alone in a fresh engine, round by round
+    (its KV, draft state and n-gram context are its own; CASES.md 16)."""
+    a = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]  # a context whose n-grams would match B's
+    b = [7, 8, 9, 1, 2]
+    reused = Engine(tiny, _draft(kind, tiny), k=3, max_running=1, max_len=64)
+    both = _run(reused, [(0, a, RequestParams(max_tokens=30)), (0, b, RequestParams(max_tokens=20))])
+    fresh = _run(Engine(tiny, _draft(kind, tiny), k=3, max_running=1, max_len=64),
+                 [(0, b, RequestParams(max_tokens=20))])
+    assert both[1]["tokens"] == fresh[0]["tokens"] == generate(tiny, [b], 20).tokens[0]
+    assert both[1]["accepted"] == fresh[0]["accepted"]
+
+
+def test_ngram_restart_clears_the_row(tiny):
+    d = _draft("ngram", tiny)
+    engine = Engine(tiny, d, k=3, max_running=2, max_len=64)
+    _run(engine, [(0, list(range(1, 30)), RequestParams(max_tokens=8))])
+    d.restart_rows(torch.tensor([0]))
+    assert bool((d.buf[0] == -1).all()) and int(d.src[0]) == -1
+
+
+def test_abort_frees_the_slot_at_the_next_step(tiny):
+    engine = Engine(tiny, _draft("magicdec", tiny), k=3, max_running=1, max_len=96)
+    first = engine.add_request([1, 2, 3], RequestParams(max_tokens=50))
+    second = engine.add_request([4, 5], RequestParams(max_tokens=5))
+    third = engine.add_request([6], RequestParams(max_tokens=5))
+    engine.step()
+    assert engine.num_running == 1 and engine.num_waiting == 2
+    engine.abort(first)
+    engine.abort(third)  # still waiting
+    out = engine.step()
+    reasons = {o.request_id: o.finish_reason for o in out if o.finished}
+    assert reasons == {first: "abort", third: "abort"}
+    assert engine.slots[0] is not None and engine.slots[0].id == second  # joined in the same step
+    while engine.has_work():
+        engine.step()
+    assert engine.num_running == 0
+    assert engine.stats.finished == {"abort": 2, "length": 1}
+    engine.abort(12345)  # unknown: ignored
+    assert engine.step() == []
+
+
+def test_per_request_sampling_settings_and_seeds(tiny):
+    """A seeded request gives the same tokens whatever runs beside it and whenever it joins; greedy requests in
+    the same batch as sampled ones still equal AD; another seed gives other tokens."""
+    prompts = _prompts(6, seed=1)
+    hot = RequestParams(max_tokens=20, temperature=1.0, seed=7)
+    solo = _run(Engine(tiny, _draft("magicdec", tiny), k=3, max_running=4, max_len=96), [(0, prompts[0], hot)])
+    jobs = [(0, prompts[1], RequestParams(max_tokens=12)),
+            (1, prompts[2], RequestParams(max_tokens=15, temperature=0.7, top_k=10, seed=1)),
+            (3, prompts[0], hot),
+            (3, prompts[4], RequestParams(max_tokens=9, temperature=1.3, top_p=0.8, seed=2)),
+            (4, prompts[0], RequestParams(max_tokens=20, temperature=1.0, seed=8)),
+            (5, prompts[5], RequestParams(max_tokens=14))]
+    mixed = _run(Engine(tiny, _draft("magicdec", tiny), k=3, max_running=4, max_len=96), jobs)
+    assert mixed[2]["tokens"] == solo[0]["tokens"]
+    assert mixed[4]["tokens"] != solo[0]["tokens"]
+    for j in (0, 5):
+        assert mixed[j]["tokens"] == generate(tiny, [jobs[j][1]], jobs[j][2].max_tokens).tokens[0]
+
+
+def test_eos_and_stop_inside_an_accepted_block_end_the_request_there(tiny):
+    """An EOS (or a stop string's last token) inside an accepted block, in a block that also crosses max_tokens,
+    ends the request with finish "stop" and nothing past it (CASES.md 15)."""
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8]
+    ref = generate(tiny, [prompt], 12).tokens[0]
+    eos = ref[5]
+    first = ref.index(eos)
+    engine = Engine(tiny, _draft("ngram", tiny), k=4, max_running=2, max_len=64, eos_ids=[eos],
+                    decode=lambda ids: " ".join(f"t{i}" for i in ids))
+    res = _run(engine, [(0, prompt, RequestParams(max_tokens=first + 2)),
+                        (0, prompt, RequestParams(max_tokens=12, ignore_eos=True, stop=(f"t{ref[3]} t{ref[4]}",))),
+                        (0, prompt, RequestParams(max_tokens=first + 1))])
+    assert res[0] == {**res[0], "tokens": ref[: first + 1], "reason": "stop"}
+    assert res[1]["tokens"] == ref[: ref.index(ref[4], 4) + 1] and res[1]["reason"] == "stop"
+    assert res[2]["tokens"] == ref[: first + 1] and res[2]["reason"] == "stop"
+
+
+def test_bad_requests_and_drafts_are_refused(tiny):
+    engine = Engine(tiny, None, max_running=1, max_len=32)
+    for prompt, params, field in [([], RequestParams(), "prompt"), ([97], RequestParams(), "prompt"),
+                                  ([1] * 20, RequestParams(max_tokens=12), "prompt"),
+                                  ([1], RequestParams(stop=("x",)), "stop")]:
+        with pytest.raises(ConfigError, match=field):
+            engine.add_request(prompt, params)
+    for bad in [dict(max_tokens=0), dict(max_tokens="many"), dict(temperature=float("nan")), dict(top_p=0.0),
+                dict(temperature=-1.0)]:
+        with pytest.raises(ConfigError):
+            RequestParams(**bad)
+
+    class Static(Draft):
+        name = "static-only"
+
+        def start(self, *a):
+            pass
+
+        def step(self, tokens, pos):
+            raise AssertionError
+
+    with pytest.raises(ConfigError, match="static-only"):
+        Engine(tiny, Static(), max_running=2, max_len=32)
+    from spire.drafts.vanilla import VanillaDraft
+
+    with pytest.raises(ConfigError, match="vanilla"):
+        Engine(tiny, VanillaDraft(make_tiny(seed=4, n_layers=1)), max_running=2, max_len=32)
+
+
+def _exact_marginals(target, prompt, params, depth: int) -> list[np.ndarray]:
+    """The target's exact marginal distributions of generated tokens 1..depth (depth <= 3, tiny vocabulary)."""
+    V = target.cfg.vocab_size
+    ctx, weight, out = torch.tensor([prompt]), torch.ones(1), []
+    for _ in range(depth):
+        p = probs_from_logits(target(ctx, torch.arange(ctx.shape[1])[None].expand_as(ctx)).logits[:, -1], params)
+        out.append((weight[:, None] * p).sum(0).double().numpy())
+        weight = (weight[:, None] * p).reshape(-1)  # (R·V,) joint probability of each extended context
+        ctx = torch.cat([ctx.repeat_interleave(V, 0), torch.arange(V).repeat(ctx.shape[0])[:, None]], 1)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["magicdec", "ngram", "spire"])
+def test_sampling_is_lossless_with_rows_joining_mid_stream(kind):
+    """T = 1, k = 2: tokens 1, 2 and 3 (3 is the bonus token when both drafts are accepted) of 1200 requests of one
+    prompt, 4 joining per step beside greedy fillers of other lengths, follow the target's exact marginals."""
+    target = make_tiny(seed=11)
+    with torch.no_grad():  # soften the tiny model so that many tokens have mass
+        target.lm_head.weight.mul_(0.35)
+    prompt = [5, 17, 42, 8, 60, 5, 17, 42]
+    params = RequestParams(max_tokens=3, temperature=1.0)
+    with torch.no_grad():
+        exact = _exact_marginals(target, prompt, params.sampling(), 3)
+    N = 1200
+    jobs = [(i // 4, prompt, RequestParams(max_tokens=3, temperature=1.0, seed=1000 + i)) for i in range(N)]
+    jobs += [(3 * i, p, RequestParams(max_tokens=7)) for i, p in enumerate(_prompts(10, seed=5) * 8)]
+    engine = Engine(target, _draft(kind, target), k=2, max_running=24, max_len=64)
+    res = _run(engine, jobs)
+    toks = np.array([res[j]["tokens"] for j in range(N)])
+    for i in range(3):
+        assert _chi2(toks[:, i], exact[i]) > 1e-3, (kind, i)
+    assert engine.stats.accepted[2] > 50  # the bonus position was reached often
