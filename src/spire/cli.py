@@ -26,6 +26,7 @@ from spire.commands.export import export
 from spire.commands.generate import generate
 from spire.commands.options import GRID_HELP, given, kinds
 from spire.commands.reproduce import reproduce
+from spire.commands.serve import serve
 from spire.commands.throughput_figures import throughput_figures
 from spire.errors import SpireError
 
@@ -268,6 +269,7 @@ app.command()(data)
 app.command()(generate)
 app.command()(export)
 app.command()(compare)
+app.command()(serve)
 
 
 # ------------------------------------------------------------------------------------------- spire bench

@@ -1,0 +1,80 @@
+"""``spire serve``: continuous batching with lossless speculative decoding behind an OpenAI-compatible API.
+
+The command's options are declared here and registered by :mod:`spire.cli`; the library (torch, FastAPI) is
+imported inside the function, so that ``spire --help`` stays light. What it serves: :mod:`spire.serving.api`;
+the engine: :mod:`spire.serving.engine`; docs/serving.md, section "spire serve".
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+import spire.drafts.registry as registry
+from spire import defaults
+from spire.commands.generate import ngram_options
+from spire.commands.options import kinds
+from spire.errors import ConfigError
+
+
+def _check(port: int, max_running: int, max_waiting: int, k: int, max_len: int) -> None:
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be in [0, 65535], got {port}")
+    for flag, v, lo in (("--max-running", max_running, 1), ("--max-waiting", max_waiting, 0), ("-k", k, 1),
+                        ("--max-len", max_len, 2)):
+        if v < lo:
+            raise ConfigError(f"{flag} must be >= {lo}, got {v}")
+
+
+def pick_draft(draft: Optional[str], draft_path: Optional[str], model) -> tuple[str, Optional[str], str]:
+    """(kind, path, why) of the draft to serve: the one named, else the newest trained SPIRe draft in the cache,
+    else MagicDec."""
+    if draft is not None:
+        return draft, draft_path, "as asked"
+    from spire.drafts import find_trained_spire
+
+    found = find_trained_spire(model)
+    if found is not None:
+        return "spire", str(found), f"the newest trained SPIRe draft in the cache, {found}"
+    return registry.BASELINE, None, "no trained SPIRe draft in the cache"
+
+
+def serve(
+    target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
+    draft: Annotated[Optional[str], typer.Option(**kinds(registry.names()), help=(
+        "Draft: none (AD), magicdec, ngram or spire (vanilla and eagle3 cannot run with continuous batching yet) "
+        "[the newest trained SPIRe draft in the cache, else magicdec]."))] = None,
+    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe draft: .safetensors, run folder or exported "
+                                                           "folder.")] = None,
+    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` on /v1 requests.")]
+    = None,
+    max_running: Annotated[int, typer.Option(help="Slots: requests decoded together in every round.")] = 8,
+    max_waiting: Annotated[int, typer.Option(help="Requests queued for a slot at most; past it a 503.")] = 64,
+    max_len: Annotated[int, typer.Option(help="Positions per slot (prompt + max_tokens + k + 1 at most).")] = 2048,
+    window: Annotated[int, typer.Option(help="MagicDec window (tokens).")] = defaults.WINDOW,
+    ngram_min: Annotated[Optional[int], typer.Option(help="n-gram draft: shortest suffix matched.")] = None,
+    ngram_max: Annotated[Optional[int], typer.Option(help="n-gram draft: longest suffix matched.")] = None,
+    log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "warning",
+) -> None:
+    """Serve the target with continuous batching and lossless speculative decoding (OpenAI-compatible API)."""
+    _check(port, max_running, max_waiting, k, max_len)
+    options = ngram_options(draft or "", ngram_min, ngram_max)
+    from spire.drafts import make_draft
+    from spire.loading import load_target
+    from spire.serving.api import Server, create_app, run
+    from spire.serving.engine import Engine
+
+    model, tokenizer, _ = load_target(target, progress=False)
+    kind, path, why = pick_draft(draft, draft_path, model)
+    d = make_draft(kind, model, tokenizer, path, window=window, **options)
+    eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+    engine = Engine(model, d, k=k, max_running=max_running, max_len=min(max_len, model.cfg.max_positions),
+                    eos_ids=sorted(eos), decode=tokenizer.decode)
+    server = Server(engine, tokenizer, target, kind, max_waiting=max_waiting, api_key=api_key)
+    typer.echo(f"spire serve: target {target}, draft {kind} ({why}), k {engine.k}, {max_running} slots x "
+               f"{engine.max_len} positions, at most {max_waiting} waiting; http://{host}:{port}/v1", err=True)
+    run(create_app(server), host, port, log_level=log_level)

