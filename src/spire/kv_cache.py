@@ -92,12 +92,18 @@ class KVCache:
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               valid: torch.Tensor | None = None) -> None:
         """Store keys/values of new tokens. pos: (B, T) absolute positions; k, v: (B, n_kv, T, d_head).
-        ``valid`` is accepted for interface parity with :class:`RingKVCache`; padding entries are written
-        (they lie past the committed length and are overwritten before being read)."""
+        ``valid``: optional (B, T) bool, False entries are not written (the rows of other requests while one
+        joins a continuous batch); without it padding entries are written (they lie past the committed length
+        and are overwritten before being read)."""
         if int(pos.max()) >= self.max_len:
             raise ConfigError(f"position {int(pos.max())} is beyond the cache length {self.max_len}")
         B, T = pos.shape
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
+        if valid is not None and not bool(valid.all()):
+            keep = valid.to(pos.device)
+            self.k[layer][rows[keep], :, pos[keep]] = k.transpose(1, 2)[keep].to(self.k[layer].dtype)
+            self.v[layer][rows[keep], :, pos[keep]] = v.transpose(1, 2)[keep].to(self.v[layer].dtype)
+            return
         # advanced indexing: cache[b, :, pos[b, t], :] = k[b, :, t, :]
         self.k[layer][rows, :, pos] = k.transpose(1, 2).to(self.k[layer].dtype)
         self.v[layer][rows, :, pos] = v.transpose(1, 2).to(self.v[layer].dtype)
@@ -114,6 +120,19 @@ class KVCache:
     def key_positions(self, upto: int | None = None) -> torch.Tensor:
         """(S,) absolute positions of the entries :meth:`read` returns."""
         return self.positions if upto is None else self.positions[:upto]
+
+    def take_rows(self, rows: torch.Tensor) -> "KVCache":
+        """A copy holding only rows ``rows`` ((R,) int64), in that order: a sub-batch to run on, written back with
+        :meth:`put_rows`."""
+        new = KVCache.__new__(KVCache)
+        new.k, new.v = [t[rows] for t in self.k], [t[rows] for t in self.v]
+        new.max_len, new.positions = self.max_len, self.positions
+        return new
+
+    def put_rows(self, rows: torch.Tensor, sub: "KVCache") -> None:
+        """Write the rows of ``sub`` (from :meth:`take_rows` with the same ``rows``) back into this cache."""
+        for mine, theirs in zip(self.k + self.v, sub.k + sub.v):
+            mine[rows] = theirs
 
     def clone(self) -> "KVCache":
         """An independent copy (same shape, dtype, device, contents)."""

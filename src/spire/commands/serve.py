@@ -43,10 +43,9 @@ def pick_draft(draft: Optional[str], draft_path: Optional[str], model) -> tuple[
 def serve(
     target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
     draft: Annotated[Optional[str], typer.Option(**kinds(registry.names()), help=(
-        "Draft: none (AD), magicdec, ngram or spire (vanilla and eagle3 cannot run with continuous batching yet) "
-        "[the newest trained SPIRe draft in the cache, else magicdec]."))] = None,
-    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe draft: .safetensors, run folder or exported "
-                                                           "folder.")] = None,
+        "Draft model [the newest trained SPIRe draft in the cache, else magicdec]."))] = None,
+    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe or EAGLE-3 draft: .safetensors, run folder or "
+                                                           "exported folder; or vanilla draft model.")] = None,
     k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,

@@ -43,7 +43,7 @@ class Draft(ABC):
         (False rows and positions are not written), since the engine observes a joining request's prefill with
         the other rows masked out. Raises ConfigError for a draft that cannot restart single rows (yet)."""
         raise ConfigError(f"the {self.name} draft cannot restart single rows of its batch yet, so it cannot run "
-                          "with continuous batching (spire serve); use none, magicdec, ngram or spire")
+                          "with continuous batching (spire serve); see docs/serving.md")
 
     def cost_shape(self, target):
         """The cost model's :class:`~spire.throughput.shapes.ModelShape` of this draft, given the target's: by

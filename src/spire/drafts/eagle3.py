@@ -591,12 +591,34 @@ class Eagle3Draft(Draft):
         f = self._feat[rows, (pos - 1).clamp_min(0)]
         return f * (pos > 0)[:, None].to(f.dtype)
 
+    def restart_rows(self, rows: torch.Tensor) -> None:
+        """Forget rows ``rows`` (R,): their chains end; their cache entries and features are rewritten by the new
+        request's prefill and rounds before any step reads them (positions <= its own, written first)."""
+        self._chain[rows.to(self._chain.device)] = _NONE
+
+    def _observe_rows(self, rows: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
+                      target_out: ForwardOutput) -> None:
+        """:meth:`observe` of rows ``rows`` only: on a sub-batch of the cache and features, written back."""
+        cache, feat = self._cache, self._feat
+        self._cache, self._feat = cache.take_rows(rows), feat[rows]
+        try:
+            hidden = {j: h[rows] for j, h in target_out.hidden.items()}
+            self.observe(tokens[rows], pos[rows], ForwardOutput(hidden=hidden, compute_logits=lambda: None))
+        finally:
+            cache.put_rows(rows, self._cache)
+            feat[rows] = self._feat
+            self._cache, self._feat = cache, feat
+
     @torch.no_grad()
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
                 valid: torch.Tensor | None = None) -> None:
         """Catch-up after a prefill or verify: tokens, pos (B, T) (each row's positions contiguous); keys/values of
         (x_t, g_{t-1}) into the cache and the fused features g_t kept, for every position (padding included: it
-        lies past the committed length). The next step starts a new chain from the target's features."""
+        lies past the committed length). The next step starts a new chain from the target's features. With
+        ``valid`` (B, T), rows without a valid token are left untouched (other requests while one joins)."""
+        if valid is not None and not bool(valid.any(1).all()):
+            self._observe_rows(valid.any(1).nonzero()[:, 0], tokens, pos, target_out)
+            return
         m = self.model
         layer = m.layers[0]
         B, T = tokens.shape

@@ -662,14 +662,12 @@ class SpireDraft(Draft):
 
     def restart_rows(self, rows: torch.Tensor) -> None:
         """Forget rows ``rows`` (R,): their ring slots are tagged empty (never visible again) and their kept features
-        dropped. Raises ConfigError for a dense draft cache (the no-window ablation), whose writes ignore ``valid``."""
-        if not isinstance(self._cache, RingKVCache):
-            raise ConfigError("a SPIRe draft without a window (full KV cache) cannot restart single rows yet, so it "
-                              "cannot run with continuous batching")
-        rows = rows.to(self._cache.tags.device)
-        self._cache.tags[rows] = EMPTY
+        dropped. A dense draft cache (the no-window ablation) needs nothing: a new request writes every position of
+        its row before any query reads it."""
+        if isinstance(self._cache, RingKVCache):
+            self._cache.tags[rows.to(self._cache.tags.device)] = EMPTY
         if self._feature_pos is not None:
-            self._feature_pos[rows] = -1 << 40
+            self._feature_pos[rows.to(self._feature_pos.device)] = -1 << 40
 
     def _keep_features(self, pos: torch.Tensor, feature: torch.Tensor, valid: torch.Tensor | None) -> None:
         """Store the features (B, T, d) at positions (B, T) (the latest R valid ones of each row)."""

@@ -47,9 +47,21 @@ class VanillaDraft(Draft):
                                          f"target's has {target.cfg.vocab_size}")
         self._cache = self.model.new_cache(batch_size, max_len)
 
+    def restart_rows(self, rows: torch.Tensor) -> None:
+        """Nothing to forget: a new request's prefill (:meth:`observe`) and rounds write every position of its row
+        before any query reads it (the cache invariant of :mod:`spire.speculative`)."""
+
     @torch.no_grad()
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
                 valid: torch.Tensor | None = None) -> None:
+        """Run the draft over the tokens (B, T) at positions (B, T). With ``valid`` (B, T), rows without a valid
+        token are left untouched (the rows of other requests while one joins a continuous batch)."""
+        if valid is not None and not bool(valid.any(1).all()):
+            rows = valid.any(1).nonzero()[:, 0]
+            sub = self._cache.take_rows(rows)
+            self.model(tokens[rows], pos[rows], sub)
+            self._cache.put_rows(rows, sub)
+            return
         self.model(tokens, pos, self._cache)
 
     @torch.no_grad()
