@@ -12,6 +12,7 @@ import torch
 from spire.drafts import make_draft
 from spire.drafts.base import Draft
 from spire.drafts.eagle3 import Eagle3Config, Eagle3Draft
+from spire.drafts.magicdec import MagicDecDraft
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.drafts.vanilla import VanillaDraft
 from spire.errors import ConfigError
@@ -21,10 +22,19 @@ from spire.speculative import generate
 from tests.conftest import make_tiny
 from tests.test_lossless import _chi2
 
-DRAFTS = ["none", "magicdec", "ngram", "spire", "spire-dense", "vanilla", "eagle3"]
+DRAFTS = ["none", "magicdec", "ngram", "spire", "spire-dense", "vanilla", "eagle3", "magicdec-all-rows"]
+
+
+class AllRowsMagicDec(MagicDecDraft):
+    """A draft that cannot narrow to the occupied rows: the engine runs every round on all slots."""
+
+    def use_rows(self, n: int) -> bool:
+        return False
 
 
 def _draft(kind: str, target):
+    if kind == "magicdec-all-rows":
+        return AllRowsMagicDec(window=4)
     if kind in ("spire", "spire-dense"):
         torch.manual_seed(3)
         window = 4 if kind == "spire" else None
@@ -79,11 +89,15 @@ def test_greedy_equals_per_request_ad_with_staggered_joins(tiny, kind):
     prompts = _prompts(10)
     jobs = [(2 * i, p, RequestParams(max_tokens=6 + 3 * i)) for i, p in enumerate(prompts)]
     engine = Engine(tiny, _draft(kind, tiny), k=3, max_running=3, max_len=96)
+    widths = []
+    step = engine.step
+    engine.step = lambda: step() + [widths.append(engine.width)][:0]
     res = _run(engine, jobs)
     for j, (_, p, params) in enumerate(jobs):
         assert res[j]["tokens"] == generate(tiny, [p], params.max_tokens).tokens[0], (kind, j)
         assert res[j]["reason"] == "length"
     assert engine.num_running == 0 and engine.num_waiting == 0
+    assert set(widths) == ({3} if kind == "magicdec-all-rows" else {1, 2, 3})  # rounds run on the occupied rows
     if kind not in ("none", "eagle3"):  # the random EAGLE-3 draft (60-token vocabulary) never hits
         assert engine.stats.tau > 1.0
 

@@ -121,6 +121,15 @@ class KVCache:
         """(S,) absolute positions of the entries :meth:`read` returns."""
         return self.positions if upto is None else self.positions[:upto]
 
+    def narrow(self, n: int) -> "KVCache":
+        """A view of rows [0, n) (the same storage: writes through it land here); ``self`` when n is every row."""
+        if n == self.batch_size:
+            return self
+        new = KVCache.__new__(KVCache)
+        new.k, new.v = [t[:n] for t in self.k], [t[:n] for t in self.v]
+        new.max_len, new.positions = self.max_len, self.positions
+        return new
+
     def take_rows(self, rows: torch.Tensor) -> "KVCache":
         """A copy holding only rows ``rows`` ((R,) int64), in that order: a sub-batch to run on, written back with
         :meth:`put_rows`."""
@@ -176,6 +185,15 @@ class RingKVCache:
     @property
     def batch_size(self) -> int:
         return self.k[0].shape[0]
+
+    def narrow(self, n: int) -> "RingKVCache":
+        """A view of rows [0, n) (the same storage and tags); ``self`` when n is every row."""
+        if n == self.batch_size:
+            return self
+        new = RingKVCache.__new__(RingKVCache)
+        new.view, new.ring = self.view, self.ring
+        new.k, new.v, new.tags = [t[:n] for t in self.k], [t[:n] for t in self.v], self.tags[:n]
+        return new
 
     def slot(self, pos: torch.Tensor) -> torch.Tensor:
         """Slot index of absolute positions (any shape)."""

@@ -45,6 +45,13 @@ class Draft(ABC):
         raise ConfigError(f"the {self.name} draft cannot restart single rows of its batch yet, so it cannot run "
                           "with continuous batching (spire serve); see docs/serving.md")
 
+    def use_rows(self, n: int) -> bool:
+        """Run the next steps and observes on rows [0, n) of the batch bound by :meth:`start` only (continuous
+        batching: the slots past n are free), the state of every row kept. Called between rounds (after an
+        observe), n from 1 to the batch size. Returns False when the draft cannot: the engine then runs every
+        round on the whole batch."""
+        return False
+
     def cost_shape(self, target):
         """The cost model's :class:`~spire.throughput.shapes.ModelShape` of this draft, given the target's: by
         default what its kind's pricing implies (:func:`spire.throughput.shapes.default_draft_shape`)."""

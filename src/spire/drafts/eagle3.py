@@ -584,6 +584,15 @@ class Eagle3Draft(Draft):
         self._feat = torch.zeros(batch_size, max_len, t.d_model, dtype=dtype, device=dev)
         self._own = torch.zeros(batch_size, 1, t.d_model, dtype=dtype, device=dev)
         self._chain = torch.full((batch_size,), _NONE, dtype=torch.int64, device=dev)
+        self._full = (self._cache, self._feat)
+
+    def use_rows(self, n: int) -> bool:
+        """Rows [0, n) of its cache and features (views); the chains (reset by every observe) restart."""
+        cache, feat = self._full
+        self._cache, self._feat = cache.narrow(n), feat[:n]
+        self._own = torch.zeros(n, 1, feat.shape[-1], dtype=feat.dtype, device=feat.device)
+        self._chain = torch.full((n,), _NONE, dtype=torch.int64, device=feat.device)
+        return True
 
     def _target_feature(self, pos: torch.Tensor) -> torch.Tensor:
         """(B,) positions p -> (B, d) the fused target feature kept for p - 1 (zeros at p = 0)."""

@@ -27,7 +27,12 @@ class MagicDecDraft(Draft):
         self._cache: KVCache | None = None
 
     def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int, k: int) -> None:
-        self._target, self._cache = target, target_cache
+        self._target, self._cache, self._full = target, target_cache, target_cache
+
+    def use_rows(self, n: int) -> bool:
+        """Read rows [0, n) of the target's cache (a view)."""
+        self._cache = self._full.narrow(n)
+        return True
 
     def restart_rows(self, rows: torch.Tensor) -> None:
         """Nothing to forget: the draft's only state is the target's cache, whose rows a new request overwrites

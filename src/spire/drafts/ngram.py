@@ -161,10 +161,17 @@ class NgramDraft(Draft):
         """Fresh state for ``batch_size`` rows and positions < max_len: nothing of a previous generation stays."""
         dev = target.device
         self.vocab_size, self.max_len = target.cfg.vocab_size, max_len
-        self.buf = torch.full((batch_size, max_len), -1, dtype=torch.int64, device=dev)
-        self.src = torch.full((batch_size,), -1, dtype=torch.int64, device=dev)
-        self.last_pos = torch.full((batch_size,), -2, dtype=torch.int64, device=dev)
-        self.last_tok = torch.full((batch_size,), -1, dtype=torch.int64, device=dev)
+        self._buf = torch.full((batch_size, max_len), -1, dtype=torch.int64, device=dev)
+        self.use_rows(batch_size)
+
+    def use_rows(self, n: int) -> bool:
+        """Rows [0, n): a view of the token buffers; the lookup state (reset by every observe) restarts."""
+        dev = self._buf.device
+        self.buf = self._buf[:n]
+        self.src = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self.last_pos = torch.full((n,), -2, dtype=torch.int64, device=dev)
+        self.last_tok = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        return True
 
     def restart_rows(self, rows: torch.Tensor) -> None:
         """Forget rows ``rows`` (R,): their token buffers and lookup state are reset as :meth:`start` leaves them, so

@@ -659,6 +659,15 @@ class SpireDraft(Draft):
         if self.model.feature_proj is not None:  # a ring of k + 2 slots: a verify writes k + 1 positions
             self._feature = torch.zeros(batch_size, k + 2, t.d_model, dtype=target.dtype, device=target.device)
             self._feature_pos = torch.full((batch_size, k + 2), -1 << 40, dtype=torch.int64, device=target.device)
+        self._full = (self._cache, self._feature, self._feature_pos)
+
+    def use_rows(self, n: int) -> bool:
+        """Rows [0, n) of its cache and kept features (views)."""
+        cache, feature, feature_pos = self._full
+        self._cache = cache.narrow(n)
+        if feature is not None:
+            self._feature, self._feature_pos = feature[:n], feature_pos[:n]
+        return True
 
     def restart_rows(self, rows: torch.Tensor) -> None:
         """Forget rows ``rows`` (R,): their ring slots are tagged empty (never visible again) and their kept features

@@ -45,7 +45,12 @@ class VanillaDraft(Draft):
         if self.model.cfg.vocab_size != target.cfg.vocab_size:
             raise TokenizerMismatchError(f"draft vocabulary has {self.model.cfg.vocab_size} entries, the "
                                          f"target's has {target.cfg.vocab_size}")
-        self._cache = self.model.new_cache(batch_size, max_len)
+        self._cache = self._full = self.model.new_cache(batch_size, max_len)
+
+    def use_rows(self, n: int) -> bool:
+        """Rows [0, n) of its cache (a view)."""
+        self._cache = self._full.narrow(n)
+        return True
 
     def restart_rows(self, rows: torch.Tensor) -> None:
         """Nothing to forget: a new request's prefill (:meth:`observe`) and rounds write every position of its row

@@ -18,8 +18,10 @@ Lossless per request: a greedy request's tokens are its own single-request AD ou
 (``spire.speculative.generate(target, [prompt], n)``) whatever else runs beside it, and a sampled request's
 tokens are distributed as the target's (the verification of :mod:`spire.verification`, row by row).
 
-Every round computes all ``max_running`` rows (a free slot runs a dummy token at positions 0..k, overwritten by
-the next request's prefill before it is ever read), so the cost of a round does not depend on the load.
+A round computes the rows [0, w) where w is one past the highest occupied slot (requests take the lowest free
+slot; the target cache is narrowed to a view, the draft with :meth:`~spire.drafts.base.Draft.use_rows`, or all
+rows for a draft that cannot): a free slot below w runs a dummy token at positions 0..k, which the next request
+in that slot overwrites (its prefill, then its rounds) before anything reads it.
 The cache invariant of :mod:`spire.speculative` holds per slot: a row's committed tokens are at positions < n - 1,
 its pending token is the next round's first input.
 """
@@ -131,7 +133,8 @@ class Engine:
         target: the target model.
         draft: an unstarted :class:`Draft` (from ``spire.drafts.make_draft``), or None for AD.
         k: draft tokens per round (>= 1; ignored for AD).
-        max_running: slots, i.e. requests decoded together (the batch of every round).
+        max_running: slots, i.e. requests decoded together (a round's batch: the rows up to the highest occupied
+            slot, or all of them for a draft whose ``use_rows`` returns False).
         max_len: positions per slot (a request needs prompt + max_tokens + k + 1 <= max_len); default the
             smaller of the target's positions and 2048.
         eos_ids: token ids that end a request (emitted, then finish "stop"), unless its ``ignore_eos``.
@@ -154,9 +157,12 @@ class Engine:
         self.max_running, self.eos_ids = max_running, frozenset(int(t) for t in eos_ids)
         dev = target.device
         self.cache = target.new_cache(max_running, self.max_len)
+        self._narrows = draft is None
         if draft is not None:
             draft.start(target, self.cache, max_running, self.max_len, k)
             draft.restart_rows(torch.arange(max_running, device=dev))  # refuses a draft that cannot
+            self._narrows = draft.use_rows(max_running)
+        self.width, self._cache_w = max_running, self.cache  # rows [0, width) run; the target cache's view
         self.n = torch.ones(max_running, dtype=torch.long, device=dev)  # (S,) committed length per slot
         self.pending = torch.zeros(max_running, dtype=torch.long, device=dev)  # (S,) the pending token per slot
         self.slots: list[_Request | None] = [None] * max_running
@@ -218,20 +224,31 @@ class Engine:
         """Apply aborts, admit waiting requests into free slots (batched prefill), then one round for every
         running request. Returns one :class:`RequestOutput` per request that got tokens or finished."""
         outputs = self._apply_aborts()
-        self._admit()
+        joiners = self._assign()
         running = [r for r in self.slots if r is not None]
         if not running:
             return outputs
+        self._narrow(max(r.slot for r in running) + 1 if self._narrows else self.max_running)
+        if joiners:
+            self._prefill(joiners)
         n_acc, next_tok, block = self._round(running)
         accepted, block_l = n_acc.tolist(), block.tolist()
         self.stats.rounds += 1
         for req in running:
             b = req.slot
             outputs.append(self._commit(req, block_l[b][: accepted[b] + 1], accepted[b]))
-        live = torch.tensor([r is not None for r in self.slots], device=self.n.device)  # finished ones are freed
-        self.n = torch.where(live, self.n + n_acc + 1, self.n)
-        self.pending = torch.where(live, next_tok, self.pending)
+        w = self.width
+        live = torch.tensor([r is not None for r in self.slots[:w]], device=self.n.device)  # the finished are freed
+        self.n[:w] = torch.where(live, self.n[:w] + n_acc + 1, self.n[:w])
+        self.pending[:w] = torch.where(live, next_tok, self.pending[:w])
         return outputs
+
+    def _narrow(self, w: int) -> None:
+        """Run the next rounds on rows [0, w): the target cache's view and the draft's rows."""
+        if w != self.width:
+            self.width, self._cache_w = w, self.cache.narrow(w)
+            if self.draft is not None:
+                self.draft.use_rows(w)
 
     def _apply_aborts(self) -> list[RequestOutput]:
         with self._lock:
@@ -264,10 +281,8 @@ class Engine:
             self._free(req, reason)
         return RequestOutput(req.id, toks, reason is not None, reason, n_accepted)
 
-    def _admit(self) -> None:
-        """Move waiting requests into free slots (lowest first) and prefill them together: the prompts but their
-        last token run through the target in one right-padded batch, whose keys / values are copied into the
-        slots' rows; the draft restarts those rows and observes the prefill (other rows masked out)."""
+    def _assign(self) -> list[_Request]:
+        """Move waiting requests into free slots, lowest first. Returns them."""
         joiners: list[_Request] = []
         with self._lock:
             for s in range(self.max_running):
@@ -275,20 +290,24 @@ class Engine:
                     req = self.waiting.popleft()
                     req.slot, self.slots[s] = s, req
                     joiners.append(req)
-        if not joiners:
-            return
+        return joiners
+
+    def _prefill(self, joiners: list[_Request]) -> None:
+        """Prefill the requests that just took slots, together: the prompts but their last token run through the
+        target in one right-padded batch, whose keys / values are copied into the slots' rows; the draft restarts
+        those rows and observes the prefill (the other rows of [0, width) masked out)."""
         dev = self.n.device
         slots = torch.tensor([r.slot for r in joiners], device=dev)
         if self.draft is not None:
             self.draft.restart_rows(slots)
         rows = [r.prompt for r in joiners]
-        width = max(len(r) for r in rows) - 1
-        if width > 0:
+        span = max(len(r) for r in rows) - 1
+        if span > 0:
             hidden = self.draft.hidden_layers if self.draft is not None else ()
-            state = prefill(self.target, rows, width, hidden)
+            state = prefill(self.target, rows, span, hidden)
             for layer in range(len(self.cache.k)):
-                self.cache.k[layer][slots, :, :width] = state.cache.k[layer][:, :, :width]
-                self.cache.v[layer][slots, :, :width] = state.cache.v[layer][:, :, :width]
+                self.cache.k[layer][slots, :, :span] = state.cache.k[layer][:, :, :span]
+                self.cache.v[layer][slots, :, :span] = state.cache.v[layer][:, :, :span]
             if self.draft is not None:
                 self._observe_prefill(slots, state)
         self.n[slots] = torch.tensor([len(r) for r in rows], device=dev)
@@ -297,7 +316,7 @@ class Engine:
 
     def _observe_prefill(self, slots: torch.Tensor, state) -> None:
         """:meth:`Draft.observe` of the joiners' prefill as full-batch (S, W) tensors, other rows invalid."""
-        S, (J, W) = self.max_running, state.tokens.shape
+        S, (J, W) = self.width, state.tokens.shape
         dev = state.tokens.device
         tokens = torch.zeros(S, W, dtype=torch.long, device=dev)
         valid = torch.zeros(S, W, dtype=torch.bool, device=dev)
@@ -319,22 +338,24 @@ class Engine:
     # ---- one round ----------------------------------------------------------------------------------------
 
     def _round(self, running: list[_Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One round over all S slots. Returns n_accepted (S,), next_token (S,) and the output block (S, k+1)."""
+        """One round over the slots [0, width) (S of them). Returns n_accepted (S,), next_token (S,) and the
+        output block (S, k+1)."""
         sampled = [r for r in running if not r.sampling.greedy]
-        pos0 = self.n - 1  # (S,) position of each slot's pending token
+        w, cache = self.width, self._cache_w
+        pending, pos0 = self.pending[:w], self.n[:w] - 1  # (S,) each slot's pending token and its position
         if self.draft is None:
-            logits = self.target(self.pending[:, None], pos0[:, None], self.cache).logits[:, -1]  # (S, V)
+            logits = self.target(pending[:, None], pos0[:, None], cache).logits[:, -1]  # (S, V)
             next_tok, _ = _choose(logits, sampled)
             return torch.zeros_like(next_tok), next_tok, next_tok[:, None]
-        tok, tokens, qs = self.pending, [], []
+        tok, tokens, qs = pending, [], []
         for j in range(self.k):
             tok, q = _choose(self.draft.step(tok[:, None], (pos0 + j)[:, None]), sampled)
             tokens.append(tok)
             qs.append(q)
         d_tokens = torch.stack(tokens, 1)  # (S, k)
-        verify_in = torch.cat([self.pending[:, None], d_tokens], 1)  # (S, k+1)
+        verify_in = torch.cat([pending[:, None], d_tokens], 1)  # (S, k+1)
         vpos = pos0[:, None] + torch.arange(self.k + 1, device=pos0.device)
-        out = self.target(verify_in, vpos, self.cache, hidden_layers=self.draft.hidden_layers)
+        out = self.target(verify_in, vpos, cache, hidden_layers=self.draft.hidden_layers)
         n_acc, next_tok = _accept(d_tokens, qs, out.logits, sampled)
         self.draft.observe(verify_in, vpos, out)
         return n_acc, next_tok, output_tokens(d_tokens, n_acc, next_tok)
