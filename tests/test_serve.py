@@ -103,6 +103,11 @@ def test_completions_greedy_equal_ad_streamed_equal_non_streamed(parts, running)
         chunks = list(c.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0, stream=True))
         assert "".join(ch.choices[0].text for ch in chunks) == got.choices[0].text
         assert chunks[-1].choices[0].finish_reason == got.choices[0].finish_reason
+    chunks = list(c.completions.create(model="tiny", prompt="Hi", max_tokens=5, temperature=0, stream=True,
+                                       stream_options={"include_usage": True}))
+    plain = c.completions.create(model="tiny", prompt="Hi", max_tokens=5, temperature=0)
+    assert chunks[-1].choices == [] and chunks[-1].usage == plain.usage
+    assert "".join(ch.choices[0].text for ch in chunks[:-1]) == plain.choices[0].text
     ids = tok("token ids work too").input_ids
     got = c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=0)
     assert got.choices[0].text == _ad_text(parts, ids, 8)
@@ -306,3 +311,25 @@ def test_spire_serve_command_exits_0_on_sigterm_after_finishing_in_flight_reques
             proc.kill()
         err = proc.stderr.read()
     assert "draft none" in err
+
+
+def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_keeps_serving(parts):
+    r = Running(parts, max_running=2)
+    try:
+        round_, calls = r.engine._round, []
+
+        def broken(running):
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("boom")
+            return round_(running)
+
+        r.engine._round = broken
+        failed = r.post("/v1/completions", '{"prompt": "a", "max_tokens": 4}')
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
+        assert r.engine.num_running == 0
+        ok = r.client().completions.create(model="tiny", prompt="Hi", max_tokens=6, temperature=0)
+        assert ok.choices[0].text == _ad_text(parts, parts[1]("Hi").input_ids, 6)
+        assert httpx.get(r.base + "/health").status_code == 200
+    finally:
+        r.close()

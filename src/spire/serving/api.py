@@ -181,7 +181,7 @@ class Server:
             raise bad("max_tokens", f"max_tokens {asked} + the prompt's {len(ids)} tokens exceed the context: at "
                                     f"most {room} new tokens for this prompt", "context_length_exceeded")
         params = RequestParams(**{**params.__dict__, "max_tokens": asked if asked is not None else room})
-        return ids, Parsed(text, ids, params, stream)
+        return ids, Parsed(text, ids, params, stream, protocol.include_usage(body))
 
     def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
         try:
@@ -230,8 +230,9 @@ class Server:
                 "model": self.model_id}
         text = TextStream(self.decode, parsed.params.stop)
         if parsed.stream:
-            return StreamingResponse(self._events(request, rid, queue, text, meta, chat), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            usage = (lambda: protocol.usage(len(ids), len(text.tokens))) if parsed.include_usage else None
+            return StreamingResponse(self._events(request, rid, queue, text, meta, chat, usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         reason, n = await self._collect(request, rid, queue, text)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text.text()}, "logprobs": None,
@@ -271,9 +272,10 @@ class Server:
             raise
 
     async def _events(self, request: Request, rid: int, queue: asyncio.Queue, text: TextStream, meta: dict,
-                      chat: bool):
-        """The SSE stream: a chunk per engine step that brings text (and one with the finish reason), then
-        ``data: [DONE]``. The request is aborted when the client goes away."""
+                      chat: bool, usage: Callable[[], dict] | None = None):
+        """The SSE stream: a chunk per engine step that brings text (and one with the finish reason), with
+        ``usage`` a last chunk of no choices and the usage, then ``data: [DONE]``. The request is aborted when
+        the client goes away."""
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(delta: str | None, reason: str | None, role: bool = False) -> str:
@@ -301,6 +303,8 @@ class Server:
                 finished = out.finished
                 if delta or finished:
                     yield chunk(delta, out.finish_reason if finished else None)
+            if usage is not None:
+                yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [], 'usage': usage()})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             if not finished:

@@ -59,6 +59,17 @@ class Parsed:
     token_ids: list[int] | None
     params: RequestParams
     stream: bool
+    include_usage: bool = False
+
+
+def include_usage(body: dict) -> bool:
+    """``stream_options.include_usage``: a last chunk with the usage and no choices. Raises ApiError."""
+    opts = body.get("stream_options")
+    if opts is None:
+        return False
+    if not isinstance(opts, dict) or not isinstance(opts.get("include_usage", False), bool):
+        raise bad("stream_options", "stream_options must be an object with a boolean include_usage")
+    return bool(opts.get("include_usage", False))
 
 
 def _number(body: dict, name: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
