@@ -80,7 +80,7 @@ def curve(results: dict, measured: list[dict], B: int, L: int, temperatures: lis
             scale = cells["magicdec"]["delta_t"] / cells[m["kind"]]["delta_t"]
             r, lo, hi = ratio(row, magicdec, scale)
             points.append({"kind": m["kind"], "label": m["label"], "temperature": temperature, "step": m["step"],
-                           "tokens": m["tokens"], "tau": row["tau"], "tau_ci": [row["ci_low"], row["ci_high"]],
+                           "tokens": m["tokens"], "train_s": m["train_s"], "tau": row["tau"], "tau_ci": [row["ci_low"], row["ci_high"]],
                            "multiplier": row["tau"] / cells[m["kind"]]["delta_t"],
                            "vs_magicdec": r, "vs_magicdec_ci": [lo, hi]})
     return points
@@ -143,7 +143,7 @@ def main() -> None:
         label = f"{kind}-{draft.name}-step{state['step']}"
         got = measure(kind, draft, results, temperatures, a.out / "taus" / f"{label}.json", a.threads)
         measured.append({"kind": kind, "label": label, "path": str(draft), "step": state["step"],
-                         "tokens": state["tokens"], "rows": got["rows"]})
+                         "tokens": state["tokens"], "train_s": state.get("elapsed_s"), "rows": got["rows"]})
     points = curve(results, measured, B, L, temperatures)
     for p in sorted(points, key=lambda p: (p["temperature"], p["kind"], p["tokens"])):
         print(f"T={p['temperature']:g} {p['kind']:6s} {p['tokens']:>10,} tokens: tau {p['tau']:.3f} "
