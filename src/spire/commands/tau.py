@@ -39,7 +39,6 @@ from spire.loading import load_target
 from spire.paths import atomic_write, check_output_path
 from spire.sampling import SamplingParams
 
-DRAFT_CHOICES = registry.names(drafts_only=True)
 
 
 @dataclass
@@ -86,7 +85,7 @@ def _named(values: list[str], kind: str, option: str) -> list[DraftSpec]:
 
 
 def _path_takers() -> tuple[str, ...]:
-    return tuple(k for k in DRAFT_CHOICES if registry.kind(k).path != "none")
+    return tuple(k for k in registry.names(drafts_only=True) if registry.kind(k).path != "none")
 
 
 def parse_drafts(kinds: list[str], draft_path: str | None = None, spire_named: list[str] = (),
@@ -96,8 +95,8 @@ def parse_drafts(kinds: list[str], draft_path: str | None = None, spire_named: l
     specs: list[DraftSpec] = []
     plain = [item.strip() for value in kinds for item in value.split(",") if item.strip()]
     for kind in plain:
-        if kind not in DRAFT_CHOICES:
-            raise ConfigError(f"unknown draft {kind!r}; choose among {', '.join(DRAFT_CHOICES)}")
+        if kind not in registry.names(drafts_only=True):
+            raise ConfigError(f"unknown draft {kind!r}; choose among {', '.join(registry.names(drafts_only=True))}")
     if draft_path is not None:
         takers = [kind for kind in plain if registry.kind(kind).path != "none"]
         if len(takers) != 1:
