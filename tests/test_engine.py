@@ -238,3 +238,76 @@ def test_sampling_is_lossless_with_rows_joining_mid_stream(kind):
     for i in range(3):
         assert _chi2(toks[:, i], exact[i]) > 1e-3, (kind, i)
     assert engine.stats.accepted[2] > 50  # the bonus position was reached often
+
+
+class RandomK:
+    """A k policy that drafts a seeded random k in 0..k_max per round (0: an AD round), and records what it saw."""
+
+    def __init__(self, k_max: int, seed: int = 0) -> None:
+        self.k_max, self.rng, self.chosen, self.observed = k_max, np.random.default_rng(seed), [], []
+
+    def k_for(self, batch: int, context: float) -> int:
+        k = int(self.rng.integers(0, self.k_max + 1))
+        self.chosen.append(k)
+        return k
+
+    def observe(self, accepted, k: int) -> None:
+        self.observed.append((list(accepted), k))
+
+
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_greedy_equals_ad_with_k_chosen_per_round(tiny, kind):
+    """Each round drafts a random k in 0..3 (0: AD, the draft only observes): every request still gets its own AD
+    output, the policy is told each SD round's acceptances, and the stats count rounds by k."""
+    prompts = _prompts(10)
+    jobs = [(2 * i, p, RequestParams(max_tokens=6 + 3 * i)) for i, p in enumerate(prompts)]
+    policy = RandomK(3, seed=1)
+    engine = Engine(tiny, _draft(kind, tiny), k=3, max_running=3, max_len=96, k_policy=policy)
+    res = _run(engine, jobs)
+    for j, (_, p, params) in enumerate(jobs):
+        assert res[j]["tokens"] == generate(tiny, [p], params.max_tokens).tokens[0], (kind, j)
+    if kind == "none":
+        assert engine.stats.rounds_by_k[0] == engine.stats.rounds and not policy.chosen  # no draft: no policy
+        return
+    assert engine.stats.rounds_by_k == [policy.chosen.count(k) for k in range(4)]
+    assert all(c > 0 for c in engine.stats.rounds_by_k)
+    assert [k for _, k in policy.observed] == [k for k in policy.chosen if k]
+    assert all(0 <= a <= k for acc, k in policy.observed for a in acc)
+
+
+@pytest.mark.parametrize("kind", ["magicdec-full", "vanilla-clone"])
+def test_a_draft_equal_to_the_target_accepts_everything_after_ad_rounds(tiny, kind):
+    """A draft that computes the target's own distribution (MagicDec with a window past the context; a vanilla
+    draft that is a copy of the target) accepts every drafted token in every SD round, also right after AD rounds:
+    the AD rounds showed it every committed token."""
+    draft = (make_draft("magicdec", tiny, window=200) if kind == "magicdec-full"
+             else VanillaDraft(make_tiny()))
+    policy = RandomK(3, seed=2)
+    engine = Engine(tiny, draft, k=3, max_running=3, max_len=96, k_policy=policy)
+    jobs = [(i, p, RequestParams(max_tokens=20)) for i, p in enumerate(_prompts(6))]
+    res = _run(engine, jobs)
+    for j, (_, p, params) in enumerate(jobs):
+        assert res[j]["tokens"] == generate(tiny, [p], 20).tokens[0]
+    assert engine.stats.rounds_by_k[0] > 3
+    assert all(a == k for acc, k in policy.observed for a in acc), policy.observed
+    assert engine.stats.acceptance() == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("kind", ["magicdec", "spire"])
+def test_sampling_is_lossless_with_k_chosen_per_round(kind):
+    """T = 1 with a random k in 0..2 per round and rows joining mid-stream: tokens 1-3 follow the target's exact
+    marginals (the bonus position reached too)."""
+    target = make_tiny(seed=11)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(0.35)
+    prompt = [5, 17, 42, 8, 60, 5, 17, 42]
+    exact = _exact_marginals(target, prompt, RequestParams(temperature=1.0).sampling(), 3)
+    N = 1200
+    jobs = [(i // 4, prompt, RequestParams(max_tokens=3, temperature=1.0, seed=2000 + i)) for i in range(N)]
+    jobs += [(3 * i, p, RequestParams(max_tokens=7)) for i, p in enumerate(_prompts(10, seed=5) * 8)]
+    engine = Engine(target, _draft(kind, target), k=2, max_running=24, max_len=64, k_policy=RandomK(2, seed=3))
+    res = _run(engine, jobs)
+    toks = np.array([res[j]["tokens"] for j in range(N)])
+    for i in range(3):
+        assert _chi2(toks[:, i], exact[i]) > 1e-3, (kind, i)
+    assert engine.stats.accepted[2] > 50 and engine.stats.rounds_by_k[0] > 50

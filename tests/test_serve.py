@@ -333,3 +333,80 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_keeps_ser
         assert httpx.get(r.base + "/health").status_code == 200
     finally:
         r.close()
+
+
+FIELD_BAD = {  # field -> values that must be refused with a 4xx naming it (completions and chat unless noted)
+    "max_tokens": [0, -1, -10 ** 9, 10 ** 12, "5", 2.5, [], {}],
+    "temperature": [-0.1, 2.5, "hot", [], float("nan"), float("inf"), -float("inf")],
+    "top_p": [0, -0.5, 1.01, "x", float("nan"), []],
+    "top_k": [-2, 2.5, "x"],
+    "n": [2, 5, 100],
+    "seed": ["x", 1.5],
+    "stop": [[""], ["a", "b", "c", "d", "e"], 123],
+    "logprobs": [1, 5],
+    "logit_bias": [{"1": 5}],
+    "model": ["gpt-4", "", "tiny2", "TINY"],
+}
+PROMPT_BAD = ["", [], [49152], [-1], [1.5], ["a", "b"], {"a": 1}, 123, "word " * 2000, [[1, 2], [3]]]
+MESSAGES_BAD = [[], [{"role": "robot", "content": "x"}], "hello", [{"role": "user"}], [{"role": "user", "content": 5}],
+                [{"content": "x"}], [5]]
+
+
+def _malformed(rng) -> tuple[str, bytes, str | None]:
+    """One malformed request: (path, body bytes, the param the error must name, or None for a body that is not
+    a JSON object)."""
+    chat = rng.random() < 0.4
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+    body.update({"messages": [{"role": "user", "content": "Hi"}]} if chat else {"prompt": "Hi"})
+    r = rng.random()
+    if r < 0.2:  # broken bytes: truncated JSON, garbage, non-UTF-8, not an object
+        raw = json.dumps(body).encode()
+        kind = rng.integers(4)
+        if kind == 0:
+            raw = raw[: int(rng.integers(1, len(raw) - 1))]
+        elif kind == 1:
+            raw = bytes(rng.integers(0, 256, int(rng.integers(1, 40))).tolist())
+            if raw[:1] in (b"{", b"[", b" ") or raw.strip()[:1] in (b"{",):
+                raw = b"\xff" + raw
+        elif kind == 2:
+            raw = raw.replace(b'"Hi"', b'"\xff\xfeHi"')
+        else:
+            raw = json.dumps([body, body]).encode() if rng.random() < 0.5 else b'"just a string"'
+        return path, raw, None
+    if r < 0.35:
+        if chat:
+            body["messages"] = MESSAGES_BAD[int(rng.integers(len(MESSAGES_BAD)))]
+            return path, json.dumps(body).encode(), "messages"
+        body["prompt"] = PROMPT_BAD[int(rng.integers(len(PROMPT_BAD)))]
+        return path, json.dumps(body).encode(), "prompt"
+    field = list(FIELD_BAD)[int(rng.integers(len(FIELD_BAD)))]
+    values = FIELD_BAD[field]
+    body[field] = values[int(rng.integers(len(values)))]
+    return path, json.dumps(body).encode(), field  # NaN and Infinity go out as the JSON literals
+
+
+def test_a_thousand_malformed_requests_get_4xx_naming_the_field(parts, running):
+    """1,200 seeded malformed requests (broken or non-UTF-8 JSON, a prompt too long or with ids outside the
+    vocabulary, max_tokens 0 / negative / huge / a string, temperature NaN / negative / a string, top_p outside
+    (0, 1], n > 1, an unknown model, ...) each get a 4xx OpenAI error body naming the field; then the server still
+    answers as AD and holds no request."""
+    import numpy as np
+
+    rng = np.random.default_rng(31)
+    seen: dict[str, int] = {}
+    with httpx.Client(base_url=running.base, timeout=30) as client:
+        for i in range(1200):
+            path, raw, param = _malformed(rng)
+            r = client.post(path, content=raw, headers={"content-type": "application/json"})
+            assert 400 <= r.status_code < 500, (i, raw[:200], r.status_code, r.text[:300])
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["message"], (i, raw[:200], err)
+            if param is not None:
+                assert err["param"] == param, (i, raw[:200], err)
+                assert r.status_code == (404 if param == "model" else 400), (i, raw[:200], r.status_code)
+            seen[param or "body"] = seen.get(param or "body", 0) + 1
+    assert len(seen) == len(FIELD_BAD) + 3 and min(seen.values()) >= 20, seen  # every kind, many times
+    got = running.client().completions.create(model="tiny", prompt="Hi", max_tokens=6, temperature=0)
+    assert got.choices[0].text == _ad_text(parts, parts[1]("Hi").input_ids, 6)
+    assert running.engine.num_running == 0 and running.engine.num_waiting == 0

@@ -27,6 +27,25 @@ def _check(port: int, max_running: int, max_waiting: int, k: int, max_len: int) 
             raise ConfigError(f"{flag} must be >= {lo}, got {v}")
 
 
+WEIGHTS = ("fp32", "float32", "bf16")
+WEIGHT_BYTES = {"fp32": 4.0, "float32": 4.0, "bf16": 2.0, "int8": 1.0 + 4.0 / 64}
+"""Bytes streamed per weight value (int8: the value and its share of a float32 scale per 64 inputs)."""
+
+
+def cost_model_policy(model, draft, k: int, weights: str, draft_weights: Optional[str]):
+    """The --k-policy cost-model policy: the round model of the served target and draft at their weight bytes, with
+    the operational intensity of this device's fp32 calibration (measured and saved at the first use)."""
+    from spire.commands.bench import get_calibration
+    from spire.serving.policy import CostModelPolicy, round_model
+
+    cal = get_calibration(None, model.device, "fp32", False, lambda m: typer.echo(f"spire serve: {m}", err=True))
+    own = WEIGHT_BYTES[draft_weights or weights]
+    rm = round_model(model, draft, cal.hoi("fp32"), WEIGHT_BYTES[weights], own)
+    typer.echo(f"spire serve: k per round by the cost model (HOI {rm.hoi:.1f} FLOP/byte, α prior 0.6, measured "
+               "as rounds run)", err=True)
+    return CostModelPolicy(rm, k)
+
+
 def pick_draft(draft: Optional[str], draft_path: Optional[str], model) -> tuple[str, Optional[str], str]:
     """(kind, path, why) of the draft to serve: the one named, else the newest trained SPIRe draft in the cache,
     else MagicDec."""
@@ -57,11 +76,25 @@ def serve(
     window: Annotated[int, typer.Option(help="MagicDec window (tokens).")] = defaults.WINDOW,
     ngram_min: Annotated[Optional[int], typer.Option(help="n-gram draft: shortest suffix matched.")] = None,
     ngram_max: Annotated[Optional[int], typer.Option(help="n-gram draft: longest suffix matched.")] = None,
+    k_policy: Annotated[str, typer.Option(help=(
+        "fixed: every round drafts k. cost-model: each round drafts the k in 0..k (0 = AD) that the cost model "
+        "rates best for the running requests, with this device's calibration and the draft's measured acceptance "
+        "(docs/serving.md)."))] = "fixed",
+    weights: Annotated[str, typer.Option(help="fp32, or bf16: weight-only bf16 on the CPU (as spire generate).")]
+    = "fp32",
+    draft_weights: Annotated[Optional[str], typer.Option(help=(
+        "A trained draft's own weights: fp32, bf16 or int8 (default: as --weights); the output stays the target's."))]
+    = None,
     log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "warning",
 ) -> None:
     """Serve the target with continuous batching and lossless speculative decoding (OpenAI-compatible API)."""
     _check(port, max_running, max_waiting, k, max_len)
+    for flag, value, allowed in (("--k-policy", k_policy, ("fixed", "cost-model")), ("--weights", weights, WEIGHTS),
+                                 ("--draft-weights", draft_weights or "fp32", (*WEIGHTS, "int8"))):
+        if value not in allowed:
+            raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
     options = ngram_options(draft or "", ngram_min, ngram_max)
+    from spire.commands.generate import round_weights
     from spire.drafts import make_draft
     from spire.loading import load_target
     from spire.serving.api import Server, create_app, run
@@ -70,10 +103,15 @@ def serve(
     model, tokenizer, _ = load_target(target, progress=False)
     kind, path, why = pick_draft(draft, draft_path, model)
     d = make_draft(kind, model, tokenizer, path, window=window, **options)
+    round_weights(model, d, kind, weights, draft_weights)
+    policy = None
+    if k_policy == "cost-model" and d is not None:
+        policy = cost_model_policy(model, d, k, weights, draft_weights)
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     engine = Engine(model, d, k=k, max_running=max_running, max_len=min(max_len, model.cfg.max_positions),
-                    eos_ids=sorted(eos), decode=tokenizer.decode)
+                    eos_ids=sorted(eos), decode=tokenizer.decode, k_policy=policy)
     server = Server(engine, tokenizer, target, kind, max_waiting=max_waiting, api_key=api_key)
-    typer.echo(f"spire serve: target {target}, draft {kind} ({why}), k {engine.k}, {max_running} slots x "
+    typer.echo(f"spire serve: target {target}, draft {kind} ({why}), k {engine.k}"
+               f"{' chosen per round by the cost model' if policy else ''}, {max_running} slots x "
                f"{engine.max_len} positions, at most {max_waiting} waiting; http://{host}:{port}/v1", err=True)
     run(create_app(server), host, port, log_level=log_level)

@@ -337,6 +337,12 @@ class Server:
         metric("spire_tau", "gauge", "Tokens per round per request, bonus included (tau).", [(d, round(st.tau, 6))])
         metric("spire_acceptance_rate", "gauge", "Share of request-rounds that accepted draft token j (by position).",
                [(f'{d},position="{j + 1}"', round(a, 6)) for j, a in enumerate(st.acceptance())] if eng.k else [])
+        if eng.k:
+            metric("spire_rounds_by_k_total", "counter", "Rounds by draft tokens per row (k = 0: AD rounds).",
+                   [(f'{d},k="{k}"', c) for k, c in enumerate(st.rounds_by_k)])
+        if eng.k_policy is not None and hasattr(eng.k_policy, "alpha"):
+            metric("spire_k_policy_alpha", "gauge", "The k policy's estimate of the acceptance rate alpha.",
+                   [(d, round(eng.k_policy.alpha, 6))])
         metric("spire_requests_finished_total", "counter", "Requests ended, by reason.",
                [(f'reason="{r}"', c) for r, c in sorted(st.finished.items())])
         return "\n".join(lines) + "\n"

@@ -14,6 +14,9 @@ and gives it back as soon as it finishes (or is aborted):
   tokens (cut by its budget, EOS and stop strings, :func:`spire.speculative.cut_output`);
 - :meth:`Engine.abort` ends a request at the next step and frees its slot.
 
+With a k policy (:mod:`spire.serving.policy`), each round drafts the k the policy picks for the running requests
+(0..k): k = 0 is an AD round, in which the draft still observes what the target committed.
+
 Lossless per request: a greedy request's tokens are its own single-request AD output
 (``spire.speculative.generate(target, [prompt], n)``) whatever else runs beside it, and a sampled request's
 tokens are distributed as the target's (the verification of :mod:`spire.verification`, row by row).
@@ -39,6 +42,7 @@ import torch
 from spire.drafts.base import Draft
 from spire.errors import ConfigError
 from spire.model import ForwardOutput, Transformer
+from spire.serving.policy import KPolicy
 from spire.sampling import SamplingParams, probs_from_logits, sample
 from spire.speculative import StopStrings, cut_output, prefill
 from spire.verification import output_tokens, verify, verify_greedy
@@ -85,7 +89,9 @@ class RequestOutput:
 class EngineStats:
     """Counters since start. rounds: engine rounds run; row_rounds: rounds summed over the requests that ran in
     them; prompt_tokens / generated_tokens: tokens in and out; accepted: accepted[i] counts row-rounds that
-    accepted i of the k draft tokens (i = 0..k); finished: requests ended, by reason."""
+    accepted i draft tokens (i = 0..k; AD rounds not counted); drafted[j - 1]: row-rounds that drafted a token at
+    position j (j = 1..k); rounds_by_k[i]: rounds that drafted i tokens per row (i = 0: AD); finished: requests
+    ended, by reason."""
 
     k: int
     rounds: int = 0
@@ -93,10 +99,14 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    rounds_by_k: list[int] = field(default_factory=list)
     finished: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.accepted = self.accepted or [0] * (self.k + 1)
+        self.drafted = self.drafted or [0] * self.k
+        self.rounds_by_k = self.rounds_by_k or [0] * (self.k + 1)
 
     @property
     def tau(self) -> float:
@@ -104,10 +114,9 @@ class EngineStats:
         return self.generated_tokens / max(1, self.row_rounds)
 
     def acceptance(self) -> list[float]:
-        """Acceptance by drafted position: element j-1 is the share of row-rounds that accepted draft token j
-        (j = 1..k), i.e. accepted at least j."""
-        total = max(1, sum(self.accepted))
-        return [sum(self.accepted[j:]) / total for j in range(1, self.k + 1)]
+        """Acceptance by drafted position: element j-1 is the share of the row-rounds that drafted a token at
+        position j (j = 1..k) that accepted it, i.e. accepted at least j."""
+        return [sum(self.accepted[j:]) / max(1, self.drafted[j - 1]) for j in range(1, self.k + 1)]
 
 
 class _Request:
@@ -139,16 +148,19 @@ class Engine:
             smaller of the target's positions and 2048.
         eos_ids: token ids that end a request (emitted, then finish "stop"), unless its ``ignore_eos``.
         decode: token ids -> text, needed for stop strings.
+        k_policy: picks each round's k in 0..k from the running requests (:mod:`spire.serving.policy`); None:
+            every round drafts k.
     Raises:
         ConfigError: bad k / max_running / max_len, or a draft that cannot restart single rows (it names the draft).
     """
 
     def __init__(self, target: Transformer, draft: Draft | None = None, k: int = 4, max_running: int = 8,
                  max_len: int | None = None, eos_ids: Sequence[int] = (),
-                 decode: Callable[[list[int]], str] | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, k_policy: KPolicy | None = None) -> None:
         if k < 1 or max_running < 1:
             raise ConfigError(f"k and max_running must be >= 1, got k = {k}, max_running = {max_running}")
         self.target, self.draft, self.decode = target, draft, decode
+        self.k_policy = k_policy if draft is not None else None
         self.k = k if draft is not None else 0
         self.max_len = min(target.cfg.max_positions, 2048) if max_len is None else int(max_len)
         if not self.k + 2 <= self.max_len <= target.cfg.max_positions:
@@ -231,12 +243,20 @@ class Engine:
         self._narrow(max(r.slot for r in running) + 1 if self._narrows else self.max_running)
         if joiners:
             self._prefill(joiners)
-        n_acc, next_tok, block = self._round(running)
+        k = self.k
+        if self.k_policy is not None:
+            context = sum(int(self.n[r.slot]) for r in running) / len(running)
+            k = min(max(int(self.k_policy.k_for(len(running), context)), 0), self.k)
+        n_acc, next_tok, block = self._round(running, k)
         accepted, block_l = n_acc.tolist(), block.tolist()
-        self.stats.rounds += 1
+        st = self.stats
+        st.rounds += 1
+        st.rounds_by_k[k] += 1
+        if k and self.k_policy is not None:
+            self.k_policy.observe([accepted[r.slot] for r in running], k)
         for req in running:
             b = req.slot
-            outputs.append(self._commit(req, block_l[b][: accepted[b] + 1], accepted[b]))
+            outputs.append(self._commit(req, block_l[b][: accepted[b] + 1], accepted[b] if k else None, k))
         w = self.width
         live = torch.tensor([r is not None for r in self.slots[:w]], device=self.n.device)  # the finished are freed
         self.n[:w] = torch.where(live, self.n[:w] + n_acc + 1, self.n[:w])
@@ -267,15 +287,19 @@ class Engine:
             req.slot = None
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
-    def _commit(self, req: _Request, toks: list[int], n_accepted: int) -> RequestOutput:
-        """Emit a running request's share of the round (cut) and free its slot when it finishes."""
+    def _commit(self, req: _Request, toks: list[int], n_accepted: int | None, k: int) -> RequestOutput:
+        """Emit a running request's share of the round (cut) and free its slot when it finishes. n_accepted: the
+        draft tokens it accepted of the round's k (None in an AD round)."""
         eos = set() if req.params.ignore_eos else self.eos_ids
         toks, stopped = cut_output(req.emitted, toks, req.params.max_tokens, eos, req.stop)
         req.emitted.extend(toks)
         st = self.stats
         st.row_rounds += 1
         st.generated_tokens += len(toks)
-        st.accepted[min(n_accepted, len(st.accepted) - 1)] += 1
+        if n_accepted is not None:
+            st.accepted[n_accepted] += 1
+            for j in range(k):
+                st.drafted[j] += 1
         reason = "stop" if stopped else "length" if len(req.emitted) >= req.params.max_tokens else None
         if reason is not None:
             self._free(req, reason)
@@ -337,24 +361,27 @@ class Engine:
 
     # ---- one round ----------------------------------------------------------------------------------------
 
-    def _round(self, running: list[_Request]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One round over the slots [0, width) (S of them). Returns n_accepted (S,), next_token (S,) and the
-        output block (S, k+1)."""
+    def _round(self, running: list[_Request], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One round of k draft tokens (0: AD) over the slots [0, width) (S of them). Returns n_accepted (S,),
+        next_token (S,) and the output block (S, k+1)."""
         sampled = [r for r in running if not r.sampling.greedy]
         w, cache = self.width, self._cache_w
         pending, pos0 = self.pending[:w], self.n[:w] - 1  # (S,) each slot's pending token and its position
-        if self.draft is None:
-            logits = self.target(pending[:, None], pos0[:, None], cache).logits[:, -1]  # (S, V)
-            next_tok, _ = _choose(logits, sampled)
+        if self.draft is None or k == 0:
+            hidden = self.draft.hidden_layers if self.draft is not None else ()
+            out = self.target(pending[:, None], pos0[:, None], cache, hidden_layers=hidden)
+            next_tok, _ = _choose(out.logits[:, -1], sampled)  # (S,)
+            if self.draft is not None:  # the draft sees the committed token, so SD can resume next round
+                self.draft.observe(pending[:, None], pos0[:, None], out)
             return torch.zeros_like(next_tok), next_tok, next_tok[:, None]
         tok, tokens, qs = pending, [], []
-        for j in range(self.k):
+        for j in range(k):
             tok, q = _choose(self.draft.step(tok[:, None], (pos0 + j)[:, None]), sampled)
             tokens.append(tok)
             qs.append(q)
         d_tokens = torch.stack(tokens, 1)  # (S, k)
         verify_in = torch.cat([pending[:, None], d_tokens], 1)  # (S, k+1)
-        vpos = pos0[:, None] + torch.arange(self.k + 1, device=pos0.device)
+        vpos = pos0[:, None] + torch.arange(k + 1, device=pos0.device)
         out = self.target(verify_in, vpos, cache, hidden_layers=self.draft.hidden_layers)
         n_acc, next_tok = _accept(d_tokens, qs, out.logits, sampled)
         self.draft.observe(verify_in, vpos, out)
