@@ -17,7 +17,7 @@ token (median, p90), inter-token latency ((last - first token time) / (tokens - 
 /metrics: tokens per request-round over the level). results.json holds every number, results.md a table, and the
 ratios the issue asks for (server AD against `spire generate`'s static batch are in benchmarks/serve_overhead.py).
 
---faults S: after the levels, S seconds of concurrency-16 load on the first spire server mixed with malformed
+--faults S: after the levels, S seconds of concurrency-16 load on one spire server mixed with malformed
 requests, clients that disconnect mid-stream and floods past --max-waiting; it reports the server's RSS after
 warm-up and after the load, requests that never finished, and the status codes seen.
 """
@@ -256,7 +256,8 @@ def main() -> None:
                     help="NAME=COMMAND; --port and --max-running are added to spire commands")
     ap.add_argument("--llama-server", help="llama-server binary (benchmarks/llama_server.sh)")
     ap.add_argument("--gguf", help="the F32 GGUF for llama-server")
-    ap.add_argument("--faults", type=float, default=0.0, help="seconds of fault load on the first spire server")
+    ap.add_argument("--faults", type=float, default=0.0, help="seconds of fault load on --faults-server")
+    ap.add_argument("--faults-server", help="the spire server NAME of --servers that gets the fault load [the first]")
     ap.add_argument("--static", type=int, default=8,
                     help="also time spire generate's static AD batches of this size on the level's prompts (0: no)")
     ap.add_argument("--seed", type=int, default=0)
@@ -295,7 +296,8 @@ def main() -> None:
                       f"ITL {1000 * row['itl_median_s']:.1f} ms" + (f", tau {row['tau']:.2f}" if row.get("tau") else ""),
                       flush=True)
             entry = {"command": cmd, "levels": rows, "rss_mb_after_warmup": rss_warm, "rss_mb_after_levels": srv.rss_mb()}
-            if a.faults and srv.kind == "spire" and "faults" not in json.dumps(results["servers"]):
+            if a.faults and srv.kind == "spire" and (name == a.faults_server or a.faults_server is None
+                                                     and "faults" not in json.dumps(results["servers"])):
                 entry["faults"] = asyncio.run(faults(srv, prompts, a.faults, a.max_tokens))
                 entry["faults"]["rss_mb_after"] = srv.rss_mb()
                 print(f"{name} faults: {entry['faults']}", flush=True)

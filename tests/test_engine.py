@@ -184,7 +184,7 @@ def test_eos_and_stop_inside_an_accepted_block_end_the_request_there(tiny):
 def test_bad_requests_and_drafts_are_refused(tiny):
     engine = Engine(tiny, None, max_running=1, max_len=32)
     for prompt, params, field in [([], RequestParams(), "prompt"), ([97], RequestParams(), "prompt"),
-                                  ([1] * 20, RequestParams(max_tokens=12), "prompt"),
+                                  ([1] * 21, RequestParams(max_tokens=12), "prompt"),
                                   ([1], RequestParams(stop=("x",)), "stop")]:
         with pytest.raises(ConfigError, match=field):
             engine.add_request(prompt, params)
@@ -311,3 +311,29 @@ def test_sampling_is_lossless_with_k_chosen_per_round(kind):
     for i in range(3):
         assert _chi2(toks[:, i], exact[i]) > 1e-3, (kind, i)
     assert engine.stats.accepted[2] > 50 and engine.stats.rounds_by_k[0] > 50
+
+
+@pytest.mark.parametrize("kind", ["none", "magicdec", "ngram", "spire"])
+def test_generate_batch_is_the_static_loop_on_the_engine(tiny, kind):
+    """spire generate's decode path: greedy output, finish reasons and EOS cuts equal the static loop's
+    (spire.speculative.generate) for mixed prompt lengths, with the static loop's context limit
+    (prompt + new + k = the target's positions decodes); a sampled prompt's output is its own (seed + i), whatever
+    else is in the batch."""
+    from spire.serving.engine import generate_batch
+
+    prompts = _prompts(6)
+    ref = generate(tiny, prompts, 14, draft=_draft(kind, tiny), k=3, eos_ids=[5])
+    got = generate_batch(tiny, prompts, 14, draft=_draft(kind, tiny), k=3, eos_ids=[5])
+    assert got.tokens == ref.tokens and got.finish_reasons == ref.finish_reasons
+    assert got.tokens == generate(tiny, prompts, 14, eos_ids=[5]).tokens
+    if kind != "none":
+        assert got.tau > 1.0 and all(r >= 1 for r in got.rounds)
+    edge = [list(range(1, 97)) * 10 + [3] * 14]  # 974 tokens + n new + k (0 for AD) = 1024 positions
+    n = 1024 - 974 - (3 if kind != "none" else 0)
+    assert generate_batch(tiny, edge, n, draft=_draft(kind, tiny), k=3).tokens == generate(tiny, edge, n).tokens
+    with pytest.raises(ConfigError):
+        generate_batch(tiny, edge, n + 1, draft=_draft(kind, tiny), k=3)
+    params = SamplingParams(temperature=1.0)
+    both = generate_batch(tiny, prompts[:2], 10, draft=_draft(kind, tiny), k=3, params=params, seed=5)
+    alone = generate_batch(tiny, prompts[1:2], 10, draft=_draft(kind, tiny), k=3, params=params, seed=6)
+    assert both.tokens[1] == alone.tokens[0]

@@ -318,11 +318,11 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_keeps_ser
     try:
         round_, calls = r.engine._round, []
 
-        def broken(running):
+        def broken(running, k):
             calls.append(1)
             if len(calls) == 1:
                 raise RuntimeError("boom")
-            return round_(running)
+            return round_(running, k)
 
         r.engine._round = broken
         failed = r.post("/v1/completions", '{"prompt": "a", "max_tokens": 4}')

@@ -17,6 +17,9 @@ class RepeatDraft(Draft):
     def start(self, target, target_cache, batch_size, max_len, k):
         self.vocab_size = target.cfg.vocab_size
 
+    def restart_rows(self, rows: torch.Tensor) -> None:
+        """Nothing is kept per row: a new request in a slot sees nothing of the previous one."""
+
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         logits = torch.full((tokens.shape[0], self.vocab_size), float("-inf"), device=tokens.device)
         return logits.scatter_(1, tokens[:, :1].long(), 0.0)

@@ -133,7 +133,7 @@ def generate(
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt at most.")] = 128,
     stop: Annotated[list[str], typer.Option(help="Stop string; repeatable.")] = [],
-    seed: Annotated[int, typer.Option(help="Seed for sampling.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed for sampling: prompt i samples with seed + i.")] = 0,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the model's chat template.")] = False,
     window: Annotated[int, typer.Option(help="MagicDec window (tokens).")] = defaults.WINDOW,
     ngram_min: Annotated[Optional[int], typer.Option(help="n-gram draft: shortest suffix matched [vLLM's 5, or "
@@ -153,12 +153,12 @@ def generate(
              "target's (SD is lossless whatever the draft computes).")] = None,
 ) -> None:
     """Generate with speculative decoding (lossless: greedy output equals --draft none)."""
-    import torch
 
     from spire.drafts import make_draft
     from spire.loading import load_target
     from spire.sampling import SamplingParams
-    from spire.speculative import StopStrings, generate as run
+    from spire.serving.engine import generate_batch
+    from spire.speculative import StopStrings
 
     params = SamplingParams(temperature, top_k, top_p)
     if k < 1:
@@ -176,6 +176,6 @@ def generate(
     round_weights(model, d, draft, weights, draft_weights)
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     stopper = StopStrings(stop, tokenizer.decode) if stop else None
-    res = run(model, ids, max_new_tokens, draft=d, k=k, params=params,
-              generator=torch.Generator().manual_seed(seed), eos_ids=sorted(eos), stop=stopper)
+    res = generate_batch(model, ids, max_new_tokens, draft=d, k=k, params=params, seed=seed, eos_ids=sorted(eos),
+                         stop=stop, decode=tokenizer.decode)
     print_outputs(res, tokenizer, stopper, draft, k, fmt)

@@ -44,7 +44,8 @@ from spire.errors import ConfigError
 from spire.model import ForwardOutput, Transformer
 from spire.serving.policy import KPolicy
 from spire.sampling import SamplingParams, probs_from_logits, sample
-from spire.speculative import StopStrings, cut_output, prefill
+from spire.speculative import GenerationResult, StopStrings, cache_length, cut_output, prefill
+from spire.timing import Stopwatch
 from spire.verification import output_tokens, verify, verify_greedy
 
 
@@ -144,7 +145,9 @@ class Engine:
         k: draft tokens per round (>= 1; ignored for AD).
         max_running: slots, i.e. requests decoded together (a round's batch: the rows up to the highest occupied
             slot, or all of them for a draft whose ``use_rows`` returns False).
-        max_len: positions per slot (a request needs prompt + max_tokens + k + 1 <= max_len); default the
+        max_len: positions per slot (a request needs prompt + max_tokens + k <= max_len, as
+            :func:`spire.speculative.cache_length`: its last round writes positions up to prompt + max_tokens + k - 2);
+            default the
             smaller of the target's positions and 2048.
         eos_ids: token ids that end a request (emitted, then finish "stop"), unless its ``ignore_eos``.
         decode: token ids -> text, needed for stop strings.
@@ -200,7 +203,7 @@ class Engine:
 
     def max_prompt(self, max_tokens: int) -> int:
         """The longest prompt (tokens) a request of ``max_tokens`` new tokens may have."""
-        return self.max_len - max_tokens - self.k - 1
+        return self.max_len - max_tokens - self.k
 
     def add_request(self, prompt_ids: Sequence[int], params: RequestParams = RequestParams()) -> int:
         """Queue a request; it joins at a later :meth:`step`. prompt_ids: its token ids (>= 1, each in
@@ -213,7 +216,7 @@ class Engine:
             raise ConfigError(f"prompt: token ids must be in [0, {vocab}) (the target's vocabulary)")
         if len(prompt) > self.max_prompt(params.max_tokens):
             raise ConfigError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens}"
-                              f"{f' + k {self.k}' if self.k else ''} + 1 exceeds the context of {self.max_len} "
+                              f"{f' + k {self.k}' if self.k else ''} exceeds the context of {self.max_len} "
                               "positions per slot")
         if params.stop and self.decode is None:
             raise ConfigError("stop: stop strings need the engine's decode (a tokenizer)")
@@ -417,3 +420,43 @@ def _accept(d_tokens: torch.Tensor, qs: list[torch.Tensor | None], logits: torch
             nb, xb = verify(d_tokens[b: b + 1], q[b: b + 1], p, req.generator)
             n_acc[b], next_tok[b] = nb[0], xb[0]
     return n_acc, next_tok
+
+
+@torch.no_grad()
+def generate_batch(target: Transformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   draft: Draft | None = None, k: int = 4, params: SamplingParams = SamplingParams(), seed: int = 0,
+                   eos_ids: Sequence[int] = (), stop: Sequence[str] = (),
+                   decode: Callable[[list[int]], str] | None = None) -> GenerationResult:
+    """A batch of prompts on the engine, all joining at the first step (``spire generate``'s decode path): one slot
+    per prompt of :func:`spire.speculative.cache_length` positions, each finished row freed at once.
+
+    Args as :func:`spire.speculative.generate`, except: ``seed``: request i samples with its own generator seeded
+    ``seed + i`` (so a prompt's sampled output does not depend on the others in the batch); ``stop``: stop strings
+    (``decode`` needed). Greedy output equals :func:`spire.speculative.generate`'s. Returns a
+    :class:`~spire.speculative.GenerationResult` (rounds: the rounds each request ran in; decode_s: the engine's
+    steps, prefill included). Raises ConfigError as :func:`spire.speculative.generate` and :class:`Engine`."""
+    if k < 1 or max_new_tokens < 1:
+        raise ConfigError(f"k and max_new_tokens must be >= 1, got k = {k}, max_new_tokens = {max_new_tokens}")
+    rows = [[int(t) for t in p] for p in prompts]
+    if not rows or any(not r for r in rows):
+        raise ConfigError("prompt: empty (a request needs at least one token)")
+    max_len = cache_length(target, rows, max_new_tokens, k if draft is not None else 0)
+    engine = Engine(target, draft, k=k, max_running=len(rows), max_len=max_len, eos_ids=eos_ids, decode=decode)
+    index = {}
+    for i, r in enumerate(rows):
+        rp = RequestParams(max_new_tokens, params.temperature, params.top_k, params.top_p, seed + i, tuple(stop),
+                           ignore_eos=False)
+        index[engine.add_request(r, rp)] = i
+    tokens: list[list[int]] = [[] for _ in rows]
+    finish, rounds = ["length"] * len(rows), [0] * len(rows)
+    watch = Stopwatch(target.device)
+    while engine.has_work():
+        for out in engine.step():
+            i = index[out.request_id]
+            tokens[i].extend(out.new_tokens)
+            rounds[i] += 1
+            if out.finished:
+                finish[i] = out.finish_reason
+    decode_s, decode_cpu_s = watch.stop()
+    return GenerationResult(tokens, finish, rounds, [len(t) for t in tokens], decode_s=decode_s,
+                            decode_cpu_s=decode_cpu_s)
