@@ -19,7 +19,7 @@ from spire.data import document_separator_id, prepare_data
 from spire.drafts.spire import SpireConfig, SpireDraftModel
 from spire.loading import load_target
 from spire.paths import atomic_write
-from spire.training.distill import TrainConfig, evaluate_alpha
+from spire.training.distill import TrainConfig, evaluate_heldout
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
         model = SpireDraftModel.for_training(target, cfg, data)
         model.start_training(data, cfg)  # the trainer's fit (nothing without a bridge)
         model.eval()
-        alpha = evaluate_alpha(model, target, windows, args.k)
+        alpha = evaluate_heldout(model, target, windows, TrainConfig(k=args.k, bf16=False))["alpha_per_position"]
         result["bridge" if bridge else "no_bridge"] = {"alpha_per_position": [round(a, 4) for a in alpha]}
         if bridge:
             result["bridge"].update(layer=model.bridge_layer, r2_in_sample=round(model.bridge_r2, 4))

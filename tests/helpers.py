@@ -1,12 +1,14 @@
-"""Test-only drafts, and the CLI run in-process."""
+"""Test-only drafts, the CLI run in-process, and helpers several test modules share."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from spire.cli import main
 from spire.drafts.base import Draft
 from spire.model import Transformer
+from spire.training.losses import LossTerms, mixed_loss_logp
 
 
 class NoisyTargetDraft(Draft):
@@ -58,3 +60,8 @@ def spire_rounds(target: Transformer, model, prompts: list[list[int]], new_token
     draft.observe(state.tokens, state.pos, state.out, state.valid)
     res = decode(target, state, new_tokens, draft=draft, k=k)
     return res, torch.cat(logged), torch.stack(draft._cache.k + draft._cache.v)
+
+
+def mixed_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, omega: float = 0.5) -> LossTerms:
+    """draft_logits, target_logits: (..., V). Returns MixedLoss(omega) and its parts (means over positions)."""
+    return mixed_loss_logp(draft_logits, F.log_softmax(target_logits.float(), -1), omega)

@@ -149,7 +149,7 @@ def test_spire_draft_trains(family, name):
     """Pruned initialization copies the family's extra weights (biases, q/k norms, Gemma's norms; each draft
     layer keeps its source layer's RoPE); the k-pass training forward equals drafting step by step; two
     optimizer steps on MixedLoss lower it."""
-    from spire.training.losses import mixed_loss
+    from tests.helpers import mixed_loss
     from tests.test_spire_draft import _assert_training_matches_inference
 
     _, target, _ = family(name)

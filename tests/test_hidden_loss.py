@@ -7,7 +7,7 @@ import torch
 
 from spire.drafts.spire import SpireConfig, SpireDraftModel
 from spire.errors import ConfigError
-from spire.training.distill import LOG_FILE, TrainConfig, load_state, step_loss, train_spire
+from spire.training.distill import LOG_FILE, TrainConfig, load_state, step_loss, train_draft
 from spire.training.sources import run_target
 from tests.train_worker import RepeatingData
 
@@ -60,7 +60,7 @@ def test_loss_adds_the_weighted_term_and_trains_it_down(tiny, tmp_path):
     cfg = TrainConfig(max_steps=40, batch_size=4, seq_len=32, k=4, lr=3e-3, bf16=False, hidden_weight=5.0,
                       spire=SpireConfig(layers=(0, 3), window=8))
     data = RepeatingData()
-    trained, state = train_spire(tiny, data, tmp_path, cfg, progress=False)
+    trained, state = train_draft(tiny, data, tmp_path, cfg, progress=False)
     seq = data.seqs[:2]
     tb = run_target(tiny, seq, trained.source_layers, teacher=True)
     fresh = SpireDraftModel(tiny, cfg.spire)

@@ -2,12 +2,31 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from spire.drafts.spire import SpireConfig
 from spire.errors import ConfigError
-from spire.training.distill import TrainConfig, evaluate_alpha, load_state, train_spire
-from spire.training.losses import acceptance_alpha, mixed_loss
+from spire.training.distill import TrainConfig, evaluate_heldout, load_state, train_draft
+from spire.training.losses import acceptance_alpha_logp
+from tests.helpers import mixed_loss
 from tests.train_worker import RepeatingData
+
+
+@torch.no_grad()
+def acceptance_alpha(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """sum_i min(p_i, q_i) per position: (..., V) -> (...). Expected acceptance at temperature 1."""
+    return acceptance_alpha_logp(draft_logits, F.log_softmax(target_logits.float(), -1))
+
+
+@torch.no_grad()
+def evaluate_alpha(model, target, windows: torch.Tensor, k: int, bf16: bool = False,
+                   batch_size: int = 4) -> list[float]:
+    """Expected acceptance alpha = E[sum min(p, q)] per drafted position j = 1..k on held-out windows.
+
+    windows: (N, T) token ids with T a multiple of k. Returns k floats (position 1 = first drafted token).
+    """
+    cfg = TrainConfig(k=k, bf16=bf16, seq_len=windows.shape[1] - windows.shape[1] % k or k)
+    return evaluate_heldout(model, target, windows, cfg, batch_size)["alpha_per_position"]
 
 
 def test_mixed_loss_values():
@@ -29,27 +48,27 @@ def test_training_raises_alpha_and_resumes(tmp_path, tiny):
     from spire.drafts.spire import SpireDraftModel
 
     before = evaluate_alpha(SpireDraftModel(tiny, cfg.spire), tiny, windows, 4)
-    model, state = train_spire(tiny, data, tmp_path, cfg, progress=False)
+    model, state = train_draft(tiny, data, tmp_path, cfg, progress=False)
     after = evaluate_alpha(model, tiny, windows, 4)
     assert state["finished"] and state["step"] == 30
     assert sum(after) / 4 > sum(before) / 4 + 0.05, (before, after)
     # a finished run is reused as it is
-    again, state2 = train_spire(tiny, data, tmp_path, cfg, progress=False)
+    again, state2 = train_draft(tiny, data, tmp_path, cfg, progress=False)
     assert state2["step"] == state["step"]
     # a larger budget resumes from the saved step
     cfg.max_steps = 36
-    _, state3 = train_spire(tiny, data, tmp_path, cfg, progress=False)
+    _, state3 = train_draft(tiny, data, tmp_path, cfg, progress=False)
     assert state3["step"] == 36 and load_state(tmp_path)["step"] == 36
     # other settings in the same folder are refused
     cfg.lr = 1e-4
     with pytest.raises(ConfigError, match="other settings"):
-        train_spire(tiny, data, tmp_path, cfg, progress=False)
+        train_draft(tiny, data, tmp_path, cfg, progress=False)
 
 
 def test_bad_training_settings(tiny, tmp_path):
     for bad in (dict(budget_s=0), dict(seq_len=30, k=4), dict(omega=2.0)):
         with pytest.raises(ConfigError):
-            train_spire(tiny, RepeatingData(), tmp_path, TrainConfig(**bad), progress=False)
+            train_draft(tiny, RepeatingData(), tmp_path, TrainConfig(**bad), progress=False)
 
 
 def test_learning_rate_schedule_by_hand():
@@ -77,7 +96,7 @@ def test_logged_learning_rates_follow_the_schedule(tmp_path):
     from tests.conftest import make_tiny
     from tests.train_worker import config
 
-    train_spire(make_tiny(), RepeatingData(), tmp_path, config("spire", 5, 2), progress=False)
+    train_draft(make_tiny(), RepeatingData(), tmp_path, config("spire", 5, 2), progress=False)
     logged = [json.loads(ln) for ln in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     lrs = {e["step"]: e["lr"] for e in logged if e["event"] == "train"}
     assert sorted(lrs) == [1, 2, 3, 4, 5]
@@ -160,7 +179,7 @@ def test_resume_of_a_for_loop_checkpoint_keeps_the_fused_kernel(tmp_path, monkey
 
     target, data = make_tiny(), RepeatingData()
     monkeypatch.setattr(distill, "FUSED_ADAMW", False)
-    train_spire(target, data, tmp_path, config("spire", 2, 2, checkpoint_every=0.0), progress=False)
+    train_draft(target, data, tmp_path, config("spire", 2, 2, checkpoint_every=0.0), progress=False)
     monkeypatch.setattr(distill, "FUSED_ADAMW", True)
     trainer = distill.Trainer(target, data, tmp_path, config("spire", 3, 2, checkpoint_every=0.0), None, True,
                               None, None)

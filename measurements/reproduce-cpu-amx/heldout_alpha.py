@@ -13,12 +13,13 @@ from spire.commands.train import heldout_windows
 from spire.data import document_separator_id, prepare_data
 from spire.drafts.spire import SpireDraftModel
 from spire.loading import load_target
-from spire.training.distill import evaluate_alpha, fast_bf16
+from spire.training.distill import TrainConfig, evaluate_heldout, fast_bf16
 
 target, tokenizer, _ = load_target(progress=False)
 data = prepare_data(tokenizer, eos_id=document_separator_id(tokenizer), progress=False)
 windows = heldout_windows(data, 256, 16)
 for path in sys.argv[1:]:
     model = SpireDraftModel.load(path, target)
-    alpha = evaluate_alpha(model, target, windows, 4, bf16=fast_bf16(torch.device("cpu")))
+    cfg = TrainConfig(k=4, bf16=fast_bf16(torch.device("cpu")))
+    alpha = evaluate_heldout(model, target, windows, cfg)["alpha_per_position"]
     print(path, " ".join(f"{a:.3f}" for a in alpha))

@@ -18,16 +18,12 @@ Rows: HF AD, spire AD, spire SD with MagicDec; at B = 1 with a vanilla draft als
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
 from spire import defaults
-from spire.bench.run import SMOLLM2_CONFIG, random_target
 from spire.drafts.magicdec import MagicDecDraft
 from spire.drafts.vanilla import VanillaDraft
 from spire.errors import ConfigError
@@ -60,25 +56,6 @@ def hf_generate(hf, ids: torch.Tensor, G: int, assistant=None) -> list[list[int]
     with torch.no_grad():
         out = hf.generate(ids, **kw)
     return out[:, ids.shape[1]:].tolist()
-
-
-def random_pair(dtype: torch.dtype, device: torch.device, seed: int = 0):
-    """(spire Transformer, HF LlamaForCausalLM) of SmolLM2-135M's shape sharing the same random weights, for
-    machines without the real checkpoint (timings only: the text is noise, greedy identity still holds)."""
-    from transformers import LlamaConfig, LlamaForCausalLM  # lazy: only this helper builds an HF model itself
-
-    c = SMOLLM2_CONFIG
-    target = random_target(torch.float32, "cpu", seed)
-    hf_cfg = LlamaConfig(vocab_size=c["vocab_size"], hidden_size=c["d_model"], num_hidden_layers=c["n_layers"],
-                         num_attention_heads=c["n_heads"], num_key_value_heads=c["n_kv_heads"], head_dim=c["d_head"],
-                         intermediate_size=c["d_ff"], rope_theta=c["rope_theta"], rms_norm_eps=c["rms_eps"],
-                         max_position_embeddings=c["max_positions"], tie_word_embeddings=True)
-    hf = LlamaForCausalLM(hf_cfg)
-    missing, unexpected = hf.load_state_dict(target.state_dict(), strict=False)
-    if [m for m in missing if m != "lm_head.weight"] or unexpected:
-        raise ConfigError(f"random pair: HF parameter names differ: {missing[:3]} {unexpected[:3]}")
-    hf.tie_weights()
-    return target.to(device=device, dtype=dtype), hf.to(device=device, dtype=dtype).eval()
 
 
 def compare(target, hf, contexts: torch.Tensor, cfg: HFCompareConfig, vanilla=None, hf_vanilla=None,
@@ -159,17 +136,3 @@ def compare(target, hf, contexts: torch.Tensor, cfg: HFCompareConfig, vanilla=No
                                            if r.get("decode_tokens_per_s") else None)
     return rows
 
-
-def print_rows(rows: list[dict[str, Any]], title: str) -> None:
-    """A rich table of :func:`compare`'s rows."""
-    table = Table(title=title, caption="best of the interleaved repeats; ratio = tokens/s ÷ HF generate's at the "
-                                       "same B; decode = without the prefill")
-    for col in ("B", "method", "tok/s", "ratio", "decode tok/s", "decode ratio", "τ", "identical to HF"):
-        table.add_column(col, justify="left" if col in ("method",) else "right")
-    for r in rows:
-        dec = r.get("decode_tokens_per_s")
-        table.add_row(str(r["B"]), r["method"], f"{r['tokens_per_s']:.1f}", f"{r['ratio_vs_hf']:.2f}",
-                      "-" if dec is None else f"{dec:.1f}",
-                      "-" if r.get("decode_ratio_vs_hf") is None else f"{r['decode_ratio_vs_hf']:.2f}",
-                      "-" if r["tau"] is None else f"{r['tau']:.2f}", "yes" if r["identical"] else "NO")
-    Console(width=None if sys.stdout.isatty() else 160).print(table)

@@ -47,7 +47,7 @@ from spire import defaults
 from spire.drafts.base import TrainableDraft
 import spire.drafts.registry as registry
 from spire.drafts.eagle3 import Eagle3Config
-from spire.drafts.spire import SpireConfig, SpireDraftModel
+from spire.drafts.spire import SpireConfig
 from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.model import Transformer
 from spire.paths import atomic_write, existing_dir, replace_dir
@@ -701,13 +701,6 @@ def make_source(target: Transformer, data, model: TrainableDraft, cfg: TrainConf
     return CachedTarget(cache, layers, teacher, target.device)
 
 
-def train_spire(target: Transformer, data, out_dir: Path, cfg: TrainConfig | None = None, progress: bool = True,
-                log=print, **kw) -> tuple[SpireDraftModel, dict]:
-    """:func:`train_draft` for a SPIRe draft (kept for the pipeline and the library's first users)."""
-    cfg = TrainConfig() if cfg is None else cfg
-    return train_draft(target, data, out_dir, cfg, progress=progress, log=log, **kw)
-
-
 @torch.no_grad()
 def evaluate_heldout(model: TrainableDraft, target: Transformer, windows: torch.Tensor, cfg: TrainConfig,
                      batch_size: int = 4) -> dict:
@@ -736,14 +729,3 @@ def evaluate_heldout(model: TrainableDraft, target: Transformer, windows: torch.
     per_pos = (sums / count).tolist()
     return {"loss": loss_sum / n_batches, "ce": ce_sum / n_batches, "alpha": sum(per_pos) / k,
             "alpha_per_position": per_pos}
-
-
-@torch.no_grad()
-def evaluate_alpha(model: TrainableDraft, target: Transformer, windows: torch.Tensor, k: int,
-                   bf16: bool = False, batch_size: int = 4) -> list[float]:
-    """Expected acceptance alpha = E[sum min(p, q)] per drafted position j = 1..k on held-out windows.
-
-    windows: (N, T) token ids with T a multiple of k. Returns k floats (position 1 = first drafted token).
-    """
-    cfg = TrainConfig(k=k, bf16=bf16, seq_len=windows.shape[1] - windows.shape[1] % k or k)
-    return evaluate_heldout(model, target, windows, cfg, batch_size)["alpha_per_position"]

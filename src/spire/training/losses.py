@@ -35,11 +35,6 @@ class LossTerms:
     alpha: float
 
 
-def mixed_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, omega: float = 0.5) -> LossTerms:
-    """draft_logits, target_logits: (..., V). Returns MixedLoss(omega) and its parts (means over positions)."""
-    return mixed_loss_logp(draft_logits, F.log_softmax(target_logits.float(), -1), omega)
-
-
 class _MixedLoss(torch.autograd.Function):
     """MixedLoss(omega) over rows of draft logits z (n, N) against target log-probabilities (n, N), with the
     gradient worked by hand (a few passes over the (n, N) arrays instead of autograd's dozen; with the native
@@ -145,12 +140,6 @@ def hard_target_loss(draft_logits: torch.Tensor, tokens: torch.Tensor) -> torch.
         if fused is not None:
             return _HardTargetLoss.apply(z, y, *fused)
     return F.cross_entropy(z, y)
-
-
-@torch.no_grad()
-def acceptance_alpha(draft_logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """sum_i min(p_i, q_i) per position: (..., V) -> (...). Expected acceptance at temperature 1."""
-    return acceptance_alpha_logp(draft_logits, F.log_softmax(target_logits.float(), -1))
 
 
 @torch.no_grad()
