@@ -41,10 +41,11 @@ def _draft(kind: str, target):
         return SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=2, window=window)))
     if kind == "vanilla":
         return VanillaDraft(make_tiny(seed=4, n_layers=1))
-    if kind == "eagle3":
+    if kind in ("eagle3", "eagle3-full-vocab"):
         from tests.test_eagle3 import _draft as eagle3_model
 
-        return Eagle3Draft(eagle3_model(target, Eagle3Config(layers=(1, 2, 4), draft_vocab=60)))
+        vocab = 60 if kind == "eagle3" else target.cfg.vocab_size
+        return Eagle3Draft(eagle3_model(target, Eagle3Config(layers=(1, 2, 4), draft_vocab=vocab)))
     if kind == "magicdec":
         return make_draft("magicdec", target, window=4)
     if kind == "ngram":
@@ -218,7 +219,7 @@ def _exact_marginals(target, prompt, params, depth: int) -> list[np.ndarray]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["magicdec", "ngram", "spire", "vanilla"])
+@pytest.mark.parametrize("kind", ["magicdec", "ngram", "spire", "vanilla", "eagle3-full-vocab"])
 def test_sampling_is_lossless_with_rows_joining_mid_stream(kind):
     """T = 1, k = 2: tokens 1, 2 and 3 (3 is the bonus token when both drafts are accepted) of 1200 requests of one
     prompt, 4 joining per step beside greedy fillers of other lengths, follow the target's exact marginals."""
@@ -337,3 +338,26 @@ def test_generate_batch_is_the_static_loop_on_the_engine(tiny, kind):
     both = generate_batch(tiny, prompts[:2], 10, draft=_draft(kind, tiny), k=3, params=params, seed=5)
     alone = generate_batch(tiny, prompts[1:2], 10, draft=_draft(kind, tiny), k=3, params=params, seed=6)
     assert both.tokens[1] == alone.tokens[0]
+
+
+@pytest.fixture(scope="module")
+def sixty_four(tiny):
+    """64 requests of mixed lengths (1-60 tokens, budgets 4-24) arriving at random steps, with their own AD."""
+    g = np.random.default_rng(64)
+    jobs = []
+    for i in range(64):
+        prompt = g.integers(0, 97, int(g.integers(1, 61))).tolist()
+        jobs.append((int(g.integers(0, 120)), prompt, RequestParams(max_tokens=int(g.integers(4, 25)))))
+    ad = [generate(tiny, [p], params.max_tokens).tokens[0] for _, p, params in jobs]
+    return jobs, ad
+
+
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_sixty_four_requests_at_random_times_at_concurrency_16(tiny, kind, sixty_four):
+    """Issue 31's goal 1 at the engine: 64 requests of mixed lengths arrive at random steps into 16 slots; each
+    greedy output is its own single-request AD output, with every draft."""
+    jobs, ad = sixty_four
+    engine = Engine(tiny, _draft(kind, tiny), k=3, max_running=16, max_len=96)
+    res = _run(engine, jobs)
+    assert [res[j]["tokens"] for j in range(64)] == ad
+    assert engine.stats.finished == {"length": 64} and engine.num_running == 0
