@@ -361,3 +361,16 @@ def test_sixty_four_requests_at_random_times_at_concurrency_16(tiny, kind, sixty
     res = _run(engine, jobs)
     assert [res[j]["tokens"] for j in range(64)] == ad
     assert engine.stats.finished == {"length": 64} and engine.num_running == 0
+
+
+def test_prefill_groups_bound_the_padding():
+    from spire.serving.engine import prefill_groups
+
+    assert prefill_groups([2000, 130, 140, 1900, 150]) == [[0, 3], [4, 2, 1]]
+    assert prefill_groups([5, 5, 5]) == [[0, 1, 2]]
+    assert prefill_groups([0, 0, 7]) == [[2], [0, 1]]
+    for spans in ([2000, 130, 140, 1900, 150], [1, 2, 3, 4, 5, 6, 7, 8], [1000, 10]):
+        groups = prefill_groups(spans)
+        assert sorted(i for g in groups for i in g) == list(range(len(spans)))
+        for g in groups:
+            assert len(g) * max(spans[i] for i in g) <= 1.25 * sum(spans[i] for i in g) + 1

@@ -320,26 +320,29 @@ class Engine:
         return joiners
 
     def _prefill(self, joiners: list[_Request]) -> None:
-        """Prefill the requests that just took slots, together: the prompts but their last token run through the
-        target in one right-padded batch, whose keys / values are copied into the slots' rows; the draft restarts
-        those rows and observes the prefill (the other rows of [0, width) masked out)."""
+        """Prefill the requests that just took slots: the prompts but their last token run through the target in
+        right-padded batches of similar lengths (:func:`prefill_groups`: the padding stays within 25 % of the real
+        tokens, so a 2,000-token prompt is not padded onto seven short ones), whose keys / values are copied into
+        the slots' rows; the draft restarts those rows and observes each batch (the other rows masked out)."""
         dev = self.n.device
-        slots = torch.tensor([r.slot for r in joiners], device=dev)
         if self.draft is not None:
-            self.draft.restart_rows(slots)
-        rows = [r.prompt for r in joiners]
-        span = max(len(r) for r in rows) - 1
-        if span > 0:
-            hidden = self.draft.hidden_layers if self.draft is not None else ()
-            state = prefill(self.target, rows, span, hidden)
-            for layer in range(len(self.cache.k)):
-                self.cache.k[layer][slots, :, :span] = state.cache.k[layer][:, :, :span]
-                self.cache.v[layer][slots, :, :span] = state.cache.v[layer][:, :, :span]
-            if self.draft is not None:
-                self._observe_prefill(slots, state)
-        self.n[slots] = torch.tensor([len(r) for r in rows], device=dev)
-        self.pending[slots] = torch.tensor([r[-1] for r in rows], device=dev)
-        self.stats.prompt_tokens += sum(len(r) for r in rows)
+            self.draft.restart_rows(torch.tensor([r.slot for r in joiners], device=dev))
+        for group in prefill_groups([len(r.prompt) - 1 for r in joiners]):
+            reqs = [joiners[i] for i in group]
+            slots = torch.tensor([r.slot for r in reqs], device=dev)
+            rows = [r.prompt for r in reqs]
+            span = max(len(r) for r in rows) - 1
+            if span > 0:
+                hidden = self.draft.hidden_layers if self.draft is not None else ()
+                state = prefill(self.target, rows, span, hidden)
+                for layer in range(len(self.cache.k)):
+                    self.cache.k[layer][slots, :, :span] = state.cache.k[layer][:, :, :span]
+                    self.cache.v[layer][slots, :, :span] = state.cache.v[layer][:, :, :span]
+                if self.draft is not None:
+                    self._observe_prefill(slots, state)
+            self.n[slots] = torch.tensor([len(r) for r in rows], device=dev)
+            self.pending[slots] = torch.tensor([r[-1] for r in rows], device=dev)
+        self.stats.prompt_tokens += sum(len(r.prompt) for r in joiners)
 
     def _observe_prefill(self, slots: torch.Tensor, state) -> None:
         """:meth:`Draft.observe` of the joiners' prefill as full-batch (S, W) tensors, other rows invalid."""
@@ -389,6 +392,21 @@ class Engine:
         n_acc, next_tok = _accept(d_tokens, qs, out.logits, sampled)
         self.draft.observe(verify_in, vpos, out)
         return n_acc, next_tok, output_tokens(d_tokens, n_acc, next_tok)
+
+
+def prefill_groups(spans: Sequence[int], slack: float = 1.25) -> list[list[int]]:
+    """Indices of prefill spans (tokens) grouped for right-padded batches: sorted by length, a group grows while
+    its padded size (members x longest) stays within ``slack`` x its real tokens (spans of 0 join any group).
+    Returns the groups, each a list of indices into ``spans``, longest first."""
+    order = sorted(range(len(spans)), key=lambda i: -spans[i])
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None and (len(g) + 1) * spans[g[0]] <= slack * (sum(spans[j] for j in g) + spans[i]) + 1:
+            g.append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _choose(logits: torch.Tensor, sampled: list[_Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
