@@ -7,8 +7,8 @@ anchor, on the same prompts (held-out text, mixed lengths), at several concurren
         [--threads 2] [--faults SECONDS]
 
 Each server is started by this script (one at a time, on a free port, with OMP_NUM_THREADS / -t set to
---threads), warmed up, then at each concurrency c it runs ``max(--requests, 2c)`` requests from c closed-loop clients
-(each sends its next request when the previous one ends). Prompts are token ids (the SmolLM2 tokenizer, which both
+--threads), warmed up, then at each concurrency c it runs requests from c closed-loop clients
+(each sends its next request when the previous one ends); ``max(--requests, c)`` requests per level. Prompts are token ids (the SmolLM2 tokenizer, which both
 servers share), log-uniform 128-2048 tokens, cut from held-out documents of spire's text (never trained on); every
 request is greedy with ``ignore_eos`` and streams, so it generates exactly --max-tokens tokens.
 
@@ -246,7 +246,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--concurrency", default="1,2,4,8,16")
-    ap.add_argument("--requests", type=int, default=16, help="requests per level at least (2x concurrency at least)")
+    ap.add_argument("--requests", type=int, default=16, help="requests per level at least (the concurrency at least)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-prompt", type=int, default=128)
     ap.add_argument("--max-prompt", type=int, default=2048)
@@ -264,7 +264,7 @@ def main() -> None:
     a = ap.parse_args()
     levels = [int(c) for c in a.concurrency.split(",")]
     a.out.mkdir(parents=True, exist_ok=True)
-    n_prompts = max(max(a.requests, 2 * c) for c in levels)
+    n_prompts = max(max(a.requests, c) for c in levels)
     prompts = heldout_prompts(n_prompts, a.min_prompt, a.max_prompt, a.seed)
     slots = max(levels)
     max_len = a.max_prompt + a.max_tokens + 16
@@ -290,7 +290,7 @@ def main() -> None:
             rss_warm = srv.rss_mb()
             rows = []
             for c in levels:
-                row = asyncio.run(level(srv, prompts, c, max(a.requests, 2 * c), a.max_tokens))
+                row = asyncio.run(level(srv, prompts, c, max(a.requests, c), a.max_tokens))
                 rows.append(row)
                 print(f"{name} c={c}: {row['output_tokens_per_s']:.1f} tok/s, TTFT {row['ttft_median_s']:.2f} s, "
                       f"ITL {1000 * row['itl_median_s']:.1f} ms" + (f", tau {row['tau']:.2f}" if row.get("tau") else ""),
@@ -306,7 +306,7 @@ def main() -> None:
             srv.stop()
         (a.out / "results.json").write_text(json.dumps(results, indent=1))
     if a.static and a.static in levels:
-        n = max(a.requests, 2 * a.static)
+        n = max(a.requests, a.static)
         results["static"] = static_batches(prompts, a.static, n, a.max_tokens, a.threads)
         print(f"spire generate, static AD batches of {a.static}: {results['static']['output_tokens_per_s']:.1f} tok/s",
               flush=True)
