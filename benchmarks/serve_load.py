@@ -119,7 +119,10 @@ async def one_request(client: httpx.AsyncClient, server: Launched, prompt: list[
         body.update({"n_predict": max_tokens, "cache_prompt": False})
     t0 = time.perf_counter()
     times, chunks = [], 0
-    async with client.stream("POST", server.base + "/v1/completions", json=body) as r:
+    # a fresh connection per request: llama-server closes a kept-alive connection after a few requests, and a
+    # POST sent on it as it closes fails; the same for every server
+    async with client.stream("POST", server.base + "/v1/completions", json=body,
+                             headers={"Connection": "close"}) as r:
         if r.status_code != 200:
             await r.aread()
             return {"ok": False, "status": r.status_code}
@@ -261,6 +264,7 @@ def main() -> None:
     ap.add_argument("--static", type=int, default=8,
                     help="also time spire generate's static AD batches of this size on the level's prompts (0: no)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--resume", action="store_true", help="keep the servers already in OUT/results.json")
     a = ap.parse_args()
     levels = [int(c) for c in a.concurrency.split(",")]
     a.out.mkdir(parents=True, exist_ok=True)
@@ -278,7 +282,9 @@ def main() -> None:
         servers.append(("llama-server", [a.llama_server, "-m", a.gguf, "-t", str(a.threads), "-tb", str(a.threads),
                                          "-np", str(slots), "-c", str(slots * max_len), "-ngl", "0",
                                          "--no-warmup"]))
-    results = {"config": {**{k: str(v) for k, v in vars(a).items()}, "prompt_lengths": [len(p) for p in prompts],
+    results = json.loads((a.out / "results.json").read_text()) if a.resume and (a.out / "results.json").is_file() \
+        else None
+    results = results or {"config": {**{k: str(v) for k, v in vars(a).items()}, "prompt_lengths": [len(p) for p in prompts],
                           "host": os.uname().nodename, "cpus": os.cpu_count()}, "servers": {}}
     for name, cmd in servers:
         port = free_port()
