@@ -266,7 +266,22 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--resume", action="store_true", help="keep the servers already in OUT/results.json")
     a = ap.parse_args()
-    levels = [int(c) for c in a.concurrency.split(",")]
+    try:
+        levels = [int(c) for c in a.concurrency.split(",")]
+    except ValueError:
+        ap.error(f"--concurrency must be a comma-separated list of integers, got {a.concurrency!r}")
+    for flag, v in (("--concurrency", min(levels)), ("--requests", a.requests), ("--max-tokens", a.max_tokens),
+                    ("--min-prompt", a.min_prompt), ("--threads", a.threads)):
+        if v < 1:
+            ap.error(f"{flag} must be >= 1, got {v}")
+    if a.max_prompt < a.min_prompt:
+        ap.error(f"--max-prompt ({a.max_prompt}) must be >= --min-prompt ({a.min_prompt})")
+    if a.faults < 0 or a.static < 0:
+        ap.error("--faults and --static must be >= 0")
+    if any("=" not in spec for spec in a.servers):
+        ap.error("each of --servers must be NAME=COMMAND")
+    if a.faults_server and a.faults_server not in [spec.split("=", 1)[0] for spec in a.servers]:
+        ap.error(f"--faults-server {a.faults_server!r} is not a NAME of --servers")
     a.out.mkdir(parents=True, exist_ok=True)
     n_prompts = max(max(a.requests, c) for c in levels)
     prompts = heldout_prompts(n_prompts, a.min_prompt, a.max_prompt, a.seed)

@@ -272,13 +272,15 @@ def test_a_client_that_disconnects_frees_its_slot(parts):
 
 
 def test_spire_serve_command_exits_0_on_sigterm_after_finishing_in_flight_requests():
-    """The real command on the embedded target (float32): /health, one streamed request in flight while SIGTERM
-    arrives; it finishes and the process exits 0."""
+    """The real command on the embedded target (float32): /health, two requests in flight while SIGTERM arrives
+    with an 8 s grace: the short streamed one finishes ("length"); the long one (1,500 tokens, ~30 s here) is
+    answered with what it has so far and finish_reason "abort" before the grace ends; the process exits 0."""
     port = _port()
     spire = Path(sys.executable).with_name("spire")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen([str(spire), "serve", "--draft", "none", "--port", str(port), "--max-running", "2",
-                             "--max-len", "256"], env=env, stderr=subprocess.PIPE, text=True)
+                             "--max-len", "1600", "--shutdown-grace", "8"], env=env, stderr=subprocess.PIPE,
+                            text=True)
     try:
         base = f"http://127.0.0.1:{port}"
         for _ in range(300):
@@ -298,14 +300,26 @@ def test_spire_serve_command_exits_0_on_sigterm_after_finishing_in_flight_reques
                               headers={"content-type": "application/json"}, timeout=120) as resp:
                 got.extend(resp.iter_lines())
 
-        t = threading.Thread(target=stream)
-        t.start()
+        long: list[httpx.Response] = []
+
+        def long_request():
+            long.append(httpx.post(base + "/v1/completions", timeout=120, json={
+                "prompt": "Once upon a time", "max_tokens": 1500, "temperature": 0, "ignore_eos": True}))
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=long_request)]
+        for t in threads:
+            t.start()
         time.sleep(1.0)
         proc.send_signal(signal.SIGTERM)
-        t.join(120)
+        for t in threads:
+            t.join(120)
         assert proc.wait(60) == 0
         assert "data: [DONE]" in got
         assert '"finish_reason": "length"' in "".join(got)
+        assert long[0].status_code == 200, long[0].text[:300]
+        body = long[0].json()
+        assert body["choices"][0]["finish_reason"] == "abort"
+        assert 0 < body["usage"]["completion_tokens"] < 1500 and body["choices"][0]["text"]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -346,10 +360,16 @@ FIELD_BAD = {  # field -> values that must be refused with a 4xx naming it (comp
     "logprobs": [1, 5],
     "logit_bias": [{"1": 5}],
     "model": ["gpt-4", "", "tiny2", "TINY"],
+    "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}, "text"],
+    "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}],
+    "parallel_tool_calls": [True, False],
+    "modalities": [["audio"], ["text", "audio"]],
 }
 PROMPT_BAD = ["", [], [49152], [-1], [1.5], ["a", "b"], {"a": 1}, 123, "word " * 2000, [[1, 2], [3]]]
 MESSAGES_BAD = [[], [{"role": "robot", "content": "x"}], "hello", [{"role": "user"}], [{"role": "user", "content": 5}],
-                [{"content": "x"}], [5]]
+                [{"content": "x"}], [5], [{"role": "tool", "content": "4", "tool_call_id": "c"}],
+                [{"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+                                                                         "function": {"name": "f", "arguments": "{}"}}]}]]
 
 
 def _malformed(rng) -> tuple[str, bytes, str | None]:
@@ -409,4 +429,34 @@ def test_a_thousand_malformed_requests_get_4xx_naming_the_field(parts, running):
     assert len(seen) == len(FIELD_BAD) + 3 and min(seen.values()) >= 20, seen  # every kind, many times
     got = running.client().completions.create(model="tiny", prompt="Hi", max_tokens=6, temperature=0)
     assert got.choices[0].text == _ad_text(parts, parts[1]("Hi").input_ids, 6)
+    plain = running.client().chat.completions.create(  # these fields at the value that changes nothing pass
+        model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0,
+        response_format={"type": "text"}, tool_choice="none", modalities=["text"])
+    assert plain.choices[0].finish_reason == "length"
     assert running.engine.num_running == 0 and running.engine.num_waiting == 0
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--log-level", "bogus"], "--log-level must be one of"),
+    (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid': cannot resolve it"),
+    (["--max-len", "5", "-k", "4"], "--max-len must be >= 6"),
+    (["--window", "0"], "--window must be >= 1"),
+    (["--shutdown-grace", "-1"], "--shutdown-grace must be"),
+    (["--port", "PORT_IN_USE"], "cannot listen on 127.0.0.1:"),
+])
+def test_serve_refuses_bad_options_before_loading_the_target(tmp_path, capsys, args, words):
+    """Each bad option is one ``error:`` line and exit 2, before the target loads (the target named here does
+    not exist, so an error about it would mean the check came too late)."""
+    import socket
+
+    from spire.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        args = [str(busy.getsockname()[1]) if a == "PORT_IN_USE" else a for a in args]
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--target", str(tmp_path / "missing"), "--draft", "none", *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and words in err[0], err

@@ -18,13 +18,40 @@ from spire.commands.options import kinds
 from spire.errors import ConfigError
 
 
-def _check(port: int, max_running: int, max_waiting: int, k: int, max_len: int) -> None:
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _check(port: int, max_running: int, max_waiting: int, k: int, max_len: int, window: int, log_level: str,
+           shutdown_grace: float) -> None:
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port must be in [0, 65535], got {port}")
     for flag, v, lo in (("--max-running", max_running, 1), ("--max-waiting", max_waiting, 0), ("-k", k, 1),
-                        ("--max-len", max_len, 2)):
+                        ("--max-len", max_len, k + 2), ("--window", window, 1)):
         if v < lo:
-            raise ConfigError(f"{flag} must be >= {lo}, got {v}")
+            why = " (a prompt token, a new token and k drafted ones)" if flag == "--max-len" else ""
+            raise ConfigError(f"{flag} must be >= {lo}{why}, got {v}")
+    if not shutdown_grace >= 0 or shutdown_grace == float("inf"):
+        raise ConfigError(f"--shutdown-grace must be a finite number of seconds >= 0, got {shutdown_grace}")
+    if log_level not in LOG_LEVELS:
+        raise ConfigError(f"--log-level must be one of {', '.join(LOG_LEVELS)}, got {log_level!r}")
+
+
+def check_bind(host: str, port: int) -> None:
+    """Refuse, before the model loads, an address this process cannot listen on (a port in use, a host that is
+    not one of this machine's). Raises ConfigError naming it."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror}") from None
 
 
 WEIGHTS = ("fp32", "float32", "bf16")
@@ -72,7 +99,9 @@ def serve(
     = None,
     max_running: Annotated[int, typer.Option(help="Slots: requests decoded together in every round.")] = 8,
     max_waiting: Annotated[int, typer.Option(help="Requests queued for a slot at most; past it a 503.")] = 64,
-    max_len: Annotated[int, typer.Option(help="Positions per slot (prompt + max_tokens + k + 1 at most).")] = 2048,
+    max_len: Annotated[int, typer.Option(help=(
+        "Positions per slot: a request needs prompt + max_tokens + k <= max-len (at most the target's positions)."
+    ))] = 2048,
     window: Annotated[int, typer.Option(help="MagicDec window (tokens).")] = defaults.WINDOW,
     ngram_min: Annotated[Optional[int], typer.Option(help="n-gram draft: shortest suffix matched.")] = None,
     ngram_max: Annotated[Optional[int], typer.Option(help="n-gram draft: longest suffix matched.")] = None,
@@ -85,15 +114,19 @@ def serve(
     draft_weights: Annotated[Optional[str], typer.Option(help=(
         "A trained draft's own weights: fp32, bf16 or int8 (default: as --weights); the output stays the target's."))]
     = None,
-    log_level: Annotated[str, typer.Option(help="uvicorn's log level.")] = "warning",
+    log_level: Annotated[str, typer.Option(help=f"uvicorn's log level: {', '.join(LOG_LEVELS)}.")] = "warning",
+    shutdown_grace: Annotated[float, typer.Option(help=(
+        "Seconds in-flight requests get to finish after SIGTERM; those still running are then answered with "
+        "finish_reason abort."))] = 30.0,
 ) -> None:
     """Serve the target with continuous batching and lossless speculative decoding (OpenAI-compatible API)."""
-    _check(port, max_running, max_waiting, k, max_len)
+    _check(port, max_running, max_waiting, k, max_len, window, log_level, shutdown_grace)
     for flag, value, allowed in (("--k-policy", k_policy, ("fixed", "cost-model")), ("--weights", weights, WEIGHTS),
                                  ("--draft-weights", draft_weights or "fp32", (*WEIGHTS, "int8"))):
         if value not in allowed:
             raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
     options = ngram_options(draft or "", ngram_min, ngram_max)
+    check_bind(host, port)
     from spire.commands.generate import round_weights
     from spire.drafts import make_draft
     from spire.loading import load_target
@@ -101,6 +134,9 @@ def serve(
     from spire.serving.engine import Engine
 
     model, tokenizer, _ = load_target(target, progress=False)
+    if max_len > model.cfg.max_positions:
+        typer.echo(f"warning: --max-len {max_len} is more than the target's {model.cfg.max_positions} positions; "
+                   f"using {model.cfg.max_positions}", err=True)
     kind, path, why = pick_draft(draft, draft_path, model)
     d = make_draft(kind, model, tokenizer, path, window=window, **options)
     round_weights(model, d, kind, weights, draft_weights)
@@ -114,4 +150,5 @@ def serve(
     typer.echo(f"spire serve: target {target}, draft {kind} ({why}), k {engine.k}"
                f"{' chosen per round by the cost model' if policy else ''}, {max_running} slots x "
                f"{engine.max_len} positions, at most {max_waiting} waiting; http://{host}:{port}/v1", err=True)
-    run(create_app(server), host, port, log_level=log_level)
+    run(create_app(server), host, port, graceful_s=shutdown_grace, log_level=log_level,
+        abort_all=server.loop.abort_all)

@@ -63,11 +63,16 @@ class EngineLoop:
         self.engine.abort(rid)
         self._wake.set()
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Abort every request, end the thread (within ``timeout`` seconds)."""
+    def abort_all(self) -> None:
+        """Abort every submitted request; each finishes at the next step with finish_reason "abort"."""
         with self._lock:
             for rid in list(self._subs):
                 self.engine.abort(rid)
+        self._wake.set()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort every request, end the thread (within ``timeout`` seconds)."""
+        self.abort_all()
         self._stop = True
         self._wake.set()
         if self.thread.is_alive():
@@ -400,19 +405,30 @@ def create_app(server: Server) -> FastAPI:
     return app
 
 
-def run(app: FastAPI, host: str, port: int, graceful_s: float = 30.0, log_level: str = "info") -> None:
+ABORT_MARGIN_S = 2.0
+"""Seconds of the shutdown grace kept for aborted requests to send their last response."""
+
+
+def run(app: FastAPI, host: str, port: int, graceful_s: float = 30.0, log_level: str = "info",
+        abort_all: Callable[[], None] | None = None) -> None:
     """Serve ``app`` with uvicorn until SIGINT / SIGTERM. On SIGTERM in-flight requests get ``graceful_s`` seconds
-    to finish (then they are aborted), the engine stops and the process exits with status 0 (uvicorn itself would
-    re-raise the signal)."""
+    to finish; those still running ``ABORT_MARGIN_S`` before the end are aborted through ``abort_all`` (each client
+    gets its answer so far, finish_reason "abort", not a cut connection); then the engine stops and the process
+    exits with status 0 (uvicorn itself would re-raise the signal)."""
     import signal
 
     import uvicorn
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame) -> None:
+            first = not self.should_exit
             super().handle_exit(sig, frame)
             if sig == signal.SIGTERM and sig in self._captured_signals:
                 self._captured_signals.remove(sig)
+            if first and abort_all is not None:
+                timer = threading.Timer(max(graceful_s - ABORT_MARGIN_S, 0.0), abort_all)
+                timer.daemon = True
+                timer.start()
 
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=graceful_s)
     _Server(config).run()

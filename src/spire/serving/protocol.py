@@ -104,6 +104,20 @@ def _stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
+ACCEPTED_AS_DEFAULT: dict[str, tuple] = {
+    "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none"),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None,),
+    "modalities": (None, ["text"]),
+    "audio": (None,),
+    "prediction": (None,),
+    "reasoning_effort": (None,),
+}
+"""Fields of OpenAI's request that spire serve takes only at the value that changes nothing; any other value is a
+400 naming the field (it would otherwise be silently ignored)."""
+
+
 def _unsupported(body: dict) -> None:
     """Refuse, by name, what the engine does not do yet (rather than silently ignore it)."""
     n = body.get("n", 1)
@@ -118,6 +132,10 @@ def _unsupported(body: dict) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if body.get(name) not in (None, 0, 0.0):
             raise bad(name, f"{name} is not supported by spire serve (only 0)", "unsupported")
+    for name, allowed in ACCEPTED_AS_DEFAULT.items():
+        if name in body and body[name] not in allowed:
+            what = " or ".join(json.dumps(a) for a in allowed if a is not None)
+            raise bad(name, f"{name} is not supported by spire serve (only {what or 'null'})", "unsupported")
 
 
 def sampling_fields(body: dict, max_tokens_default: int | None) -> tuple[RequestParams, bool, int | None]:
@@ -175,6 +193,10 @@ def chat_messages(body: dict) -> list[dict[str, str]]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer"):
             raise bad("messages", f"messages[{i}] must be an object with role system, user, assistant or developer")
+        for name in ("tool_calls", "function_call", "audio"):
+            if m.get(name) not in (None, []):
+                raise bad("messages", f"messages[{i}].{name}: not supported by spire serve (no tool calling)",
+                          "unsupported")
         content = m.get("content")
         if isinstance(content, list):
             parts = [c.get("text") for c in content if isinstance(c, dict) and c.get("type") == "text"]
