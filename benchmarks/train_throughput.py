@@ -22,10 +22,8 @@ from pathlib import Path
 
 import torch
 
-from spire import fastpath
-from spire import model as model_mod
+from spire import backend
 from spire.data import document_separator_id, prepare_data
-from spire.drafts import spire as spire_draft
 from spire.drafts.spire import SpireConfig, SpireDraft
 from spire.drafts.vanilla import VanillaDraft
 from spire.evaluation.tau import measure_tau
@@ -36,6 +34,11 @@ from spire.timing import Stopwatch
 from spire.training.distill import TrainConfig, train_draft
 from spire.training.losses import mixed_loss_logp_reference
 from spire.training.sources import CachedTarget, LiveTarget, TargetCache
+
+
+OLD_PATH = backend.DEFAULT.replace(chunked_kpass=False, grouped_attention=False, autocast_copies=False)
+"""The trainer's execution choices before the levers (the fused AdamW and loss kernel are set apart: the old
+optimizer and loss are the for-loop AdamW and the autograd MixedLoss)."""
 
 
 def step_rate(target, data, cfg: TrainConfig, steps: int) -> float:
@@ -64,8 +67,8 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
     before these levers) and each lever alone and together (the MixedLoss row kernel with the fused AdamW and the
     chunked k-pass attention, draft vocabulary, target cache), steps timed in turn (old, new, old, new, ...) so that load on the machine hits every path
     alike. bf16: every path under bf16 autocast (the trainer's default where bf16 is fast); the old path then also
-    runs attention through SDPA and casts frozen weights anew on every call (model.GROUPED_ATTENTION,
-    fastpath.AUTOCAST_COPIES off). The old path shares the draft's forward otherwise (one head matmul over the k
+    runs attention through SDPA and casts frozen weights anew on every call (OLD_PATH: Backend.grouped_attention,
+    .autocast_copies and .chunked_kpass off). The old path shares the draft's forward otherwise (one head matmul over the k
     passes), so it is a little faster than the trainer of the issue's time was. compiled: one more path, the new
     one with the draft's training forward and backward through torch.compile (``spire train --compile``; the
     compile happens in its untimed first step, so its row is the compiled step's rate, compile time excluded)."""
@@ -102,12 +105,12 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
         opt = distill.make_optimizer(params, cfg) if fused else torch.optim.AdamW(
             params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         runs[name] = (cfg, model, src, opt, fused, [], [])
-    fused_loss = distill.mixed_loss_logp
+    fused_loss, before = distill.mixed_loss_logp, backend.of(target)
     try:
         _time_steps(runs, target, steps, fused_loss)
-    finally:  # the module switches back as they were, whatever happened
+    finally:  # the trainer's loss and the target's backend back as they were, whatever happened
         distill.mixed_loss_logp = fused_loss
-        spire_draft.CHUNKED_KPASS = model_mod.GROUPED_ATTENTION = fastpath.AUTOCAST_COPIES = True
+        backend.use(target, before)
     rows = []
     for name, (cfg, _, _, _, _, wall, cpu) in runs.items():
         tok = cfg.batch_size * cfg.seq_len
@@ -124,11 +127,12 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
 def _time_steps(runs: dict, target, steps: int, fused_loss) -> None:
     """Steps 0..steps of every path in turn (old, new, old, ...), each with its implementations in place; the
     times of steps 1.. appended to the path's wall and CPU lists."""
+    new = backend.of(target)
     for s in range(steps + 1):
         for name, (cfg, model, src, opt, fused, wall, cpu) in runs.items():
             distill.mixed_loss_logp = fused_loss if fused else mixed_loss_logp_reference
-            spire_draft.CHUNKED_KPASS = fused  # the old path: every k-pass block reads every position
-            model_mod.GROUPED_ATTENTION = fastpath.AUTOCAST_COPIES = fused
+            for m in (target, model):  # the old path: dense k-pass layout, SDPA, frozen weights cast anew
+                backend.use(m, new if fused else OLD_PATH)
             watch = Stopwatch(target.device)
             loss, _ = distill.step_loss(model, target, src.batch(s), cfg)
             opt.zero_grad()
@@ -166,14 +170,16 @@ def whole_machine_rates(target, data, folder, steps: int, vocab_size: int, cache
                                   target_cache=dtype, spire=SpireConfig(vocab_size=n, **spire_cfg))
                 old = dtype is None
                 out = Path(tmp) / f"{rep}-{'old' if old else 'new'}"  # one folder per run (procs may be 1 for both)
-                fused_loss, fused_adamw = distill.mixed_loss_logp, distill.FUSED_ADAMW
+                fused_loss, before = distill.mixed_loss_logp, backend.of(target)
                 if old:  # one process: it runs here, so the old implementations can be put in place
-                    distill.mixed_loss_logp, distill.FUSED_ADAMW = mixed_loss_logp_reference, False
+                    distill.mixed_loss_logp = mixed_loss_logp_reference
+                    backend.use(target, before.replace(fused_adamw=False))
                 try:
                     train_in_processes(target, data, out, cfg, procs, 1 if procs > 1 else torch.get_num_threads(),
                                        target_folder=folder, progress=False, log=None)
                 finally:
-                    distill.mixed_loss_logp, distill.FUSED_ADAMW = fused_loss, fused_adamw
+                    distill.mixed_loss_logp = fused_loss
+                    backend.use(target, before)
                 log = [json.loads(ln) for ln in (out / distill.LOG_FILE).read_text().splitlines() if ln.strip()]
                 rates[name].append(statistics.median(r["tokens_per_s"] for r in log
                                                      if r.get("event") == "train" and r["step"] > 2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from spire.backend import Backend
 from spire.cli import main
 from spire.drafts.base import Draft
 from spire.model import Transformer
@@ -65,3 +66,13 @@ def spire_rounds(target: Transformer, model, prompts: list[list[int]], new_token
 def mixed_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, omega: float = 0.5) -> LossTerms:
     """draft_logits, target_logits: (..., V). Returns MixedLoss(omega) and its parts (means over positions)."""
     return mixed_loss_logp(draft_logits, F.log_softmax(target_logits.float(), -1), omega)
+
+
+def with_backend(monkeypatch, *modules, **choices: bool) -> Backend:
+    """Run ``modules`` (and every submodule) with a :class:`spire.backend.Backend` of ``choices`` (the rest at
+    their defaults) until the test ends; returns it. The tests' way to pick a path (no module switches)."""
+    backend = Backend(**choices)
+    for module in modules:
+        for m in module.modules():
+            monkeypatch.setitem(m.__dict__, "backend", backend)
+    return backend

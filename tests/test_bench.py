@@ -526,10 +526,10 @@ def test_bf16_weights_model_is_the_rounded_model(tiny):
             steps.append(m(ids[:, 33:38], pos, cache).logits.detach())
         outs.append(torch.cat(steps, 1))
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
-    from spire import fastpath, kernels
+    from spire import backend, fastpath, kernels
 
     if kernels.available():  # the decode matmuls really streamed the bf16 copies
-        layout = "PB" if fastpath.PANEL_KERNEL else "B"  # the packed bf16 copy, or the row-major one
+        layout = "PB" if backend.of(model).panel_kernel else "B"  # the packed bf16 copy, or the row-major one
         assert fastpath.weight_copies(model.layers[0].mlp)["gu"]._store[layout][1].dtype == torch.bfloat16
     prompts = ids[:, :20].tolist()
     ad = generate(model, prompts, 24)

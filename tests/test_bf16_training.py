@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from spire import fastpath
+from spire.backend import DEFAULT
 from spire import model as model_mod
 from spire.model import grouped_attention
 from spire.training.sources import LiveTarget, TargetCache, autocast
@@ -75,16 +76,17 @@ def test_autocast_weight_is_kept_and_refreshed():
     """Under CPU bf16 autocast a frozen float32 weight's bf16 copy is made once and reused until the weight
     changes in place; outside autocast, or for a trainable weight, the weight itself."""
     w = torch.randn(8, 4)
-    assert fastpath.autocast_weight(w) is w
+    assert fastpath.autocast_weight(w, DEFAULT) is w
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        a = fastpath.autocast_weight(w)
+        a = fastpath.autocast_weight(w, DEFAULT)
         assert a.dtype == torch.bfloat16 and torch.equal(a, w.to(torch.bfloat16))
-        assert fastpath.autocast_weight(w) is a
+        assert fastpath.autocast_weight(w, DEFAULT) is a
         w.mul_(2.0)  # an in-place change (a load, a rounding) makes a new copy
-        b = fastpath.autocast_weight(w)
+        b = fastpath.autocast_weight(w, DEFAULT)
         assert b is not a and torch.equal(b, w.to(torch.bfloat16))
         p = torch.nn.Parameter(torch.randn(3, 3))
-        assert fastpath.autocast_weight(p) is p  # autocast itself caches trainable weights' casts
+        assert fastpath.autocast_weight(p, DEFAULT) is p  # autocast itself caches trainable weights' casts
+        assert fastpath.autocast_weight(w, DEFAULT.replace(autocast_copies=False)) is w  # autocast casts anew
 
 
 def test_a_bf16_cache_stores_what_a_live_bf16_run_computes(tmp_path, tiny):
@@ -157,6 +159,6 @@ def test_autocast_weight_sees_new_storage_under_the_same_tensor():
     """``w.data = ...`` keeps the tensor and its version counter: the copy follows the storage."""
     w = torch.randn(4, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        a = fastpath.autocast_weight(w)
+        a = fastpath.autocast_weight(w, DEFAULT)
         w.data = torch.randn(4, 4)
-        assert torch.equal(fastpath.autocast_weight(w), w.to(torch.bfloat16)) and fastpath.autocast_weight(w) is not a
+        assert torch.equal(fastpath.autocast_weight(w, DEFAULT), w.to(torch.bfloat16)) and fastpath.autocast_weight(w, DEFAULT) is not a

@@ -1,4 +1,4 @@
-"""The fused decoder block (spire.kernels.DecodeBlock, spire.fastpath.FUSED_BLOCK) computes what the per-op path
+"""The fused decoder block (spire.kernels.DecodeBlock, spire.backend.Backend.fused_block) computes what the per-op path
 and the autograd reference path compute, in float32, for every way decoding calls it."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from spire import fastpath, kernels
 from spire.errors import ConfigError
 from spire.kv_cache import SinkWindow
 from tests.conftest import make_tiny
-from tests.helpers import spire_rounds
+from tests.helpers import spire_rounds, with_backend
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels.unavailable_reason()}")
 
@@ -26,7 +26,7 @@ def tiny16():
 def _run(model, ids, lens, view, fused: bool, grad: bool, monkeypatch):
     """Prefill 47 tokens, 4 single-token steps at per-row positions, a 5-token verify block: the logits of
     every step, the hidden states entering layers 0 and 2, and the final cache."""
-    monkeypatch.setattr(fastpath, "FUSED_BLOCK", fused)
+    with_backend(monkeypatch, model, fused_block=fused)
     B = ids.shape[0]
     cache = model.new_cache(B, 64)
     logits, hidden = [], []
@@ -79,23 +79,23 @@ def test_fused_block_bf16_weights(tiny16, monkeypatch):
 def test_fused_block_scope_and_errors(tiny16, monkeypatch):
     """Too many query rows per KV head falls back to the per-op path (same logits); a position past the cache
     is a ConfigError; a deepcopy does not read the original's weights."""
-    monkeypatch.setattr(fastpath, "FUSED_BLOCK", True)
     model = copy.deepcopy(tiny16)
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(6))
     cache = model.new_cache(1, 48)
     pos = torch.arange(12)[None]  # g × T = 3 × 12 = 36 rows per KV head: beyond the kernel's 32
     x = model.model.embed_tokens(ids[:, :12])
-    assert fastpath.decode_step(model, model.layers, model.cfg, x, pos, *model.rope(pos, x.dtype), cache) is None
+    assert not fastpath.decode_step(model, model.layers, model.cfg, x, pos, *model.rope(pos, x.dtype), cache,
+                                    lambda: ([], [], None)).native
     with torch.no_grad():
         model(ids[:, :30], torch.arange(30)[None], cache)
         step = model(ids[:, 30:31], torch.tensor([[30]]), cache).logits
         with pytest.raises(ConfigError, match="beyond the cache length"):
             model(ids[:, :1], torch.tensor([[48]]), cache)
         for fused in (True, False):  # both paths refuse a negative position (the per-op path used to wrap)
-            monkeypatch.setattr(fastpath, "FUSED_BLOCK", fused)
+            with_backend(monkeypatch, model, fused_block=fused)
             with pytest.raises(ConfigError, match="negative position"):
                 model(ids[:, :1], torch.tensor([[-1]]), cache)
-        monkeypatch.setattr(fastpath, "FUSED_BLOCK", True)
+        with_backend(monkeypatch, model, fused_block=True)
         twin = copy.deepcopy(model)
         assert not fastpath.native_blocks(twin)
         model.layers[1].mlp.down_proj.weight.mul_(3.0)  # changes the original only
@@ -138,7 +138,7 @@ def test_spire_draft_step_through_the_fused_block(tiny16, self_attend, monkeypat
     prompts[0] = prompts[0][:13]
     runs = []
     for fused in (True, False):
-        monkeypatch.setattr(fastpath, "FUSED_BLOCK", fused)
+        with_backend(monkeypatch, tiny16, model, fused_block=fused)
         res, logits, cache = spire_rounds(tiny16, model, prompts)
         runs.append((res.tokens, logits, cache))
     assert fastpath.native_blocks(model), "the fused path did not run"

@@ -12,7 +12,7 @@ import torch
 from spire import fastpath, kernels
 from spire.errors import ConfigError
 from tests.conftest import make_tiny
-from tests.helpers import spire_rounds
+from tests.helpers import spire_rounds, with_backend
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels.unavailable_reason()}")
 
@@ -109,7 +109,6 @@ def _tiny():
 def test_use_int8_weights_rounds_linears_and_streams_int8(monkeypatch):
     """Every linear weight holds its int8 value (the tiny model's embedding is its tied head's); decode steps and a verify pass stream
     the packed int8 copies and give the float32 path's logits over the same rounded weights."""
-    monkeypatch.setattr(fastpath, "PANEL_KERNEL", True)
     model, plain = _tiny(), _tiny()
     emb = model.model.embed_tokens.weight.clone()
     w0 = model.layers[0].mlp.down_proj.weight.clone()
@@ -152,7 +151,6 @@ def test_int8_spire_draft_is_lossless_and_matches_the_float32_path(vocab, monkey
     prompts[0] = prompts[0][:13]
     runs = []
     for panel in (True, False):
-        monkeypatch.setattr(fastpath, "PANEL_KERNEL", panel)
         target = _tiny()
         torch.manual_seed(11)
         ids = torch.arange(0, 97, 2) if vocab else None
@@ -162,6 +160,7 @@ def test_int8_spire_draft_is_lossless_and_matches_the_float32_path(vocab, monkey
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))
         fastpath.use_int8_weights(model)
+        with_backend(monkeypatch, target, model, panel_kernel=panel)
         if vocab:
             rows = target.lm_head.weight[ids]
             assert torch.equal(model.head().weight, kernels.dequantize_int8(*kernels.quantize_int8(rows)))

@@ -13,6 +13,7 @@ import spire.model as model_mod
 from spire import fastpath, kernels
 from spire.kv_cache import SinkWindow
 from spire.model import ModelConfig, Transformer
+from tests.helpers import with_backend
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels.unavailable_reason()}")
 
@@ -24,7 +25,7 @@ def _steps(model, cache, ids, lens, view, fused: bool, monkeypatch):
     """From a cache holding each row's first lens[b] tokens: one decode step at position lens, then a verify
     pass over positions lens + 1 .. lens + 5 (per row, ragged). Returns logits (B, 6, V) and the keys and
     values written at those positions, all layers."""
-    monkeypatch.setattr(fastpath, "FUSED_BLOCK", fused)
+    with_backend(monkeypatch, model, fused_block=fused)
     lens = torch.tensor(lens)
     with torch.no_grad():
         pos = lens[:, None]

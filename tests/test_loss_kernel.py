@@ -26,14 +26,10 @@ def _both(z, logp, omega):
     assert kernels.mixed_loss_rows(z, logp, omega) is not None  # the kernel applies to these inputs
     out = {}
     for flag in (True, False):
-        losses.LOSS_KERNEL = flag
-        try:
-            zz = z.clone().requires_grad_(True)
-            terms = losses.mixed_loss_logp(zz, logp, omega)
-            (terms.loss * 3.0).backward()  # an upstream gradient other than 1
-            out[flag] = (terms, zz.grad)
-        finally:
-            losses.LOSS_KERNEL = True
+        zz = z.clone().requires_grad_(True)
+        terms = losses.mixed_loss_logp(zz, logp, omega, kernel=flag)
+        (terms.loss * 3.0).backward()  # an upstream gradient other than 1
+        out[flag] = (terms, zz.grad)
     return out
 
 

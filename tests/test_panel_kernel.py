@@ -9,7 +9,7 @@ import torch
 
 from spire import fastpath, kernels
 from tests.conftest import make_tiny
-from tests.helpers import spire_rounds
+from tests.helpers import spire_rounds, with_backend
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels.unavailable_reason()}")
 
@@ -88,8 +88,8 @@ def test_decode_path_with_panels_equals_row_major(heads, bf16, monkeypatch):
     ids = torch.tensor([prompts[0][:12], prompts[2][:12]])
     runs = []
     for panel in (True, False):
-        monkeypatch.setattr(fastpath, "PANEL_KERNEL", panel)
         model = _target(heads, bf16)
+        with_backend(monkeypatch, model, panel_kernel=panel)
         res = generate(model, prompts, 20)
         cache = model.new_cache(2, 40)
         with torch.no_grad():
@@ -117,10 +117,10 @@ def test_spire_draft_memory_writes_with_panels_equal_row_major(heads, monkeypatc
     prompts[0] = prompts[0][:13]
     runs = []
     for panel in (True, False):
-        monkeypatch.setattr(fastpath, "PANEL_KERNEL", panel)
         target = _target(heads, False)
         torch.manual_seed(11)
         model = SpireDraftModel(target, SpireConfig(n_draft_layers=2, sink=1, window=5))
+        with_backend(monkeypatch, target, model, panel_kernel=panel)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(0.05 * torch.randn_like(p))

@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from spire.drafts import draft_file
-from spire.drafts import spire as spire_module
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.model import ForwardOutput
 from tests.conftest import make_tiny
+from tests.helpers import with_backend
 
 
 def _draft(target, n=2, window=6, sink=1, mix_init=1.0, seed=1):
@@ -51,7 +51,7 @@ def test_chunked_k_pass_equals_dense(tiny, monkeypatch, k, window, sink, extra):
     results = []
     for dense in (False, True):
         if dense:  # the switch benchmarks/train_throughput.py --levers times the old path with
-            monkeypatch.setattr(spire_module, "CHUNKED_KPASS", False)
+            with_backend(monkeypatch, m, chunked_kpass=False)
             assert m._chunks(T, k, tokens.device)[1] == 1
         m.zero_grad()
         logits = m.forward_train(tokens, hidden, k)

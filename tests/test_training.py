@@ -1,5 +1,7 @@
 """Distillation of a SPIRe draft: losses, learning, resumable runs."""
 
+from functools import partial
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,7 +10,7 @@ from spire.drafts.spire import SpireConfig
 from spire.errors import ConfigError
 from spire.training.distill import TrainConfig, evaluate_heldout, load_state, train_draft
 from spire.training.losses import acceptance_alpha_logp
-from tests.helpers import mixed_loss
+from tests.helpers import mixed_loss, with_backend
 from tests.train_worker import RepeatingData
 
 
@@ -112,17 +114,14 @@ def test_fused_mixed_loss_equals_autograd(omega, monkeypatch):
     kernel computes q with its own exp, so a tie is not exact there (tests/test_loss_kernel.py)."""
     import torch.nn.functional as F
 
-    from spire.training import losses
     from spire.training.losses import mixed_loss_logp, mixed_loss_logp_reference
-
-    monkeypatch.setattr(losses, "LOSS_KERNEL", False)
 
     g = torch.Generator().manual_seed(0)
     z = torch.randn(3, 5, 40, generator=g, dtype=torch.float64) * 2
     logp = F.log_softmax(torch.randn(3, 5, 50, generator=g, dtype=torch.float64) * 2, -1)[..., :40]
     logp[0, 0] = F.log_softmax(z[0, 0], -1)  # a row where p = q everywhere: every entry a tie
     grads, terms = [], []
-    for fn in (mixed_loss_logp, mixed_loss_logp_reference):
+    for fn in (partial(mixed_loss_logp, kernel=False), mixed_loss_logp_reference):
         zz = z.clone().float().double().requires_grad_()
         t = fn(zz.float(), logp.float(), omega)
         t.loss.backward()
@@ -178,9 +177,9 @@ def test_resume_of_a_for_loop_checkpoint_keeps_the_fused_kernel(tmp_path, monkey
     from tests.train_worker import config
 
     target, data = make_tiny(), RepeatingData()
-    monkeypatch.setattr(distill, "FUSED_ADAMW", False)
+    with_backend(monkeypatch, target, fused_adamw=False)
     train_draft(target, data, tmp_path, config("spire", 2, 2, checkpoint_every=0.0), progress=False)
-    monkeypatch.setattr(distill, "FUSED_ADAMW", True)
+    with_backend(monkeypatch, target, fused_adamw=True)
     trainer = distill.Trainer(target, data, tmp_path, config("spire", 3, 2, checkpoint_every=0.0), None, True,
                               None, None)
     assert trainer.state["step"] == 2

@@ -40,6 +40,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from spire import kernels
+from spire.backend import Backend
+from spire.backend import of as backend_of
 from spire.errors import ConfigError
 from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
 
@@ -47,29 +49,19 @@ KERNEL_MAX_M = 32
 """On CPU in float32, matmuls with 2 ≤ M ≤ KERNEL_MAX_M rows use :func:`spire.kernels.skinny_linear` when it
 is available (one pass over each weight for all rows, no weight copy); more rows use F.linear (BLAS)."""
 
-TRANSPOSED_GEMV = True
-"""On CPU in float32, M = 1 multiplies by a transposed (in, out) copy of the weights: MKL streams that GEMV
-about 1.2-1.4x faster than F.linear's (one extra copy of the weights in memory)."""
-
-FUSED_BLOCK = True
-"""Whether :func:`decode_step` may run blocks as :class:`spire.kernels.DecodeBlock` calls (the ~40 torch ops per
-block and their dispatch saved). Set False to compare with the per-op path."""
-
-ATTENTION_KERNEL = True
 ATTENTION_KERNEL_ROWS = 4
 """On CPU in float32, attention with at most ATTENTION_KERNEL_ROWS query rows per key/value head (a decode
 step: the query heads sharing a KV head) uses :func:`spire.kernels.decode_attention` (each key and value row
-read once for all of them); verify passes and prefills use torch's SDPA."""
+read once for all of them; :attr:`Backend.attention_kernel`); verify passes and prefills use torch's SDPA.
 
-PANEL_KERNEL = True
-"""On CPU in float32, decode matmuls (M ≤ KERNEL_MAX_M rows in :func:`linear`, every native block) multiply by a
-copy of the weights packed once for :func:`spire.kernels.panel_linear` (float32, or bf16 after
-:func:`use_bf16_weights`): on a Zen 2 core 1.4-1.8x faster than the row-major kernel in float32 at M = 1..8 and
-1.3-1.8x faster than MKL; with bf16 weights 1.1-1.4x at M = 1..5 and 0.92x at M = 8 (docs/bench.md). Set False for
-the row-major paths (A/B timing)."""
-
-RMSNORM_KERNEL = True
-"""On CPU in float32 inference, RMSNorm is one call of :func:`spire.kernels.rms_norm` (~7 small torch ops)."""
+Which paths run is the module's :class:`spire.backend.Backend` (``owner.backend``): ``transposed_gemv`` (M = 1 by
+a transposed (in, out) copy: MKL streams that GEMV about 1.2-1.4x faster than F.linear's, one extra copy of the
+weights in memory), ``panel_kernel`` (decode matmuls, M ≤ KERNEL_MAX_M rows and every native block, by a copy packed
+once for :func:`spire.kernels.panel_linear`: on a Zen 2 core 1.4-1.8x faster than the row-major kernel in float32
+at M = 1..8 and 1.3-1.8x faster than MKL; with bf16 weights 1.1-1.4x at M = 1..5 and 0.92x at M = 8, docs/bench.md),
+``fused_block`` (:func:`decode_step` runs blocks as :class:`spire.kernels.DecodeBlock` calls: the ~40 torch ops per
+block and their dispatch saved), ``rmsnorm_kernel`` (RMSNorm in one native call, ~7 small torch ops saved) and
+``autocast_copies`` (:func:`autocast_weight`)."""
 
 # A KV source: given a block's new keys/values (B, KV, T, D), return the keys/values to attend over
 # (B, KV, S, D). The dense cache writes then reads; the SPIRe draft prepends its memory.
@@ -208,20 +200,22 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
     product as ``F.linear``; the float32 summation order may differ (differences ~1e-7 relative).
     """
     cache = _copies(owner, role)
+    bk = backend_of(owner)
     lead, d_in = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, d_in)
     M = x2.shape[0]
     y = None
     if x.device.type == "cpu" and x2.dtype == torch.float32:
-        if PANEL_KERNEL and M <= KERNEL_MAX_M and kernels.available():
+        native = bk.native()
+        if bk.panel_kernel and M <= KERNEL_MAX_M and native:
             xc = x2 if x2.stride(-1) == 1 else x2.contiguous()
             y = kernels.panel_linear(xc, cache.get(linears, _PANEL_LAYOUT.get(cache.weight_dtype, "P")),
                                      sum(lin.out_features for lin in linears))
-        elif cache.weight_dtype == torch.bfloat16 and M <= KERNEL_MAX_M:
+        elif cache.weight_dtype == torch.bfloat16 and M <= KERNEL_MAX_M and native:
             y = kernels.skinny_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), [cache.get(linears, "B")])
-        elif M == 1 and TRANSPOSED_GEMV:
+        elif M == 1 and bk.transposed_gemv:
             y = x2 @ cache.get(linears, "T")
-        elif M <= KERNEL_MAX_M:
+        elif M <= KERNEL_MAX_M and native:
             y = kernels.skinny_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), [lin.weight for lin in linears])
     b = cache.bias(linears)
     if y is None:
@@ -234,18 +228,16 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
 _PANEL_LAYOUT = {torch.bfloat16: "PB", torch.int8: "PQ"}  # packed copy by weight dtype (float32: "P")
 
 
-AUTOCAST_COPIES = True
-"""Keep frozen weights' bf16 casts from call to call under CPU autocast (:func:`autocast_weight`); False: autocast
-casts them anew on every call (what training did before)."""
 _AUTOCAST_COPIES: dict[int, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
 
 
-def autocast_weight(w: torch.Tensor) -> torch.Tensor:
+def autocast_weight(w: torch.Tensor, backend: Backend) -> torch.Tensor:
     """``w`` as CPU bf16 autocast would cast it, kept from one call to the next while ``w`` lives unchanged.
     Autocast caches the casts of trainable weights within one autocast region only, and never those of frozen
     ones (the target's, a SPIRe draft's head): training cast the 16 K x 576 head once per k-pass pass and the
-    teacher's rows once per step. Outside CPU bf16 autocast, or for a weight that requires grad, ``w`` itself."""
-    if (not AUTOCAST_COPIES or w.requires_grad or w.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
+    teacher's rows once per step. Outside CPU bf16 autocast, for a weight that requires grad, or with
+    ``backend.autocast_copies`` off (autocast then casts anew on every call), ``w`` itself."""
+    if (not backend.autocast_copies or w.requires_grad or w.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
             or torch.get_autocast_dtype("cpu") != torch.bfloat16 or w.dtype != torch.float32):
         return w
     c = _AUTOCAST_COPIES.get(id(w))
@@ -261,7 +253,7 @@ def unembed(h: torch.Tensor, head: nn.Linear, owner: nn.Module) -> torch.Tensor:
     """Normed (B, T, d_model) -> float32 logits (B, T, V) through ``head``: the fast path with the head copies
     kept for ``owner`` unless autograd must see it."""
     if needs_autograd((head,), h):
-        return F.linear(h, autocast_weight(head.weight), head.bias).float()
+        return F.linear(h, autocast_weight(head.weight, backend_of(owner)), head.bias).float()
     return linear(h, (head,), owner, "head").float()
 
 
@@ -349,10 +341,12 @@ def use_int8_weights(*modules: nn.Module | None) -> int:
 
 # ------------------------------------------------------------------------------------- per-op pieces
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight: torch.Tensor) -> torch.Tensor | None:
-    """x / sqrt(mean(x²) + eps) · w in one native call (float32 CPU inference), or None (the caller computes
-    it with torch). ``weight``: the norm's parameter (autograd through it keeps the torch ops)."""
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and RMSNORM_KERNEL
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight: torch.Tensor, backend: Backend
+             ) -> torch.Tensor | None:
+    """x / sqrt(mean(x²) + eps) · w in one native call (float32 CPU inference, ``backend.rmsnorm_kernel``), or None
+    (the caller computes it with torch). ``weight``: the norm's parameter (autograd through it keeps the torch
+    ops)."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and backend.rmsnorm_kernel and backend.native()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return kernels.rms_norm(x, w, eps)
     return None
@@ -384,7 +378,9 @@ def attention(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
         if mask is not None:
             mask = mask.expand(mask.shape[0], 1, T, mask.shape[-1]).repeat(1, 1, g, 1)
     a = None
-    if ATTENTION_KERNEL and q.device.type == "cpu" and q.dtype == torch.float32 and g * T <= ATTENTION_KERNEL_ROWS:
+    bk = backend_of(attn)
+    if (bk.attention_kernel and q.device.type == "cpu" and q.dtype == torch.float32 and g * T <= ATTENTION_KERNEL_ROWS
+            and bk.native()):
         a = kernels.decode_attention(q, k, v, mask, attn.scale)
     if a is None:
         a = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=attn.scale)
@@ -518,7 +514,7 @@ def native_block(block: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor,
     attn, m = block.self_attn, block.mlp
     qkv = _copies(attn, "qkv")
     bf16 = qkv.weight_dtype == torch.bfloat16
-    layout = _PANEL_LAYOUT.get(qkv.weight_dtype, "P") if PANEL_KERNEL else ("B" if bf16 else "N")
+    layout = _PANEL_LAYOUT.get(qkv.weight_dtype, "P") if backend_of(block).panel_kernel else ("B" if bf16 else "N")
     ws = (qkv.get((attn.q_proj, attn.k_proj, attn.v_proj), layout), _copies(attn, "o").get((attn.o_proj,), layout),
           _copies(m, "gu").get((m.gate_proj, m.up_proj), layout), _copies(m, "down").get((m.down_proj,), layout))
     ln1, ln2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
@@ -554,19 +550,47 @@ def _layer_views(cfg, pos: torch.Tensor, view: SinkWindow | None) -> list[SinkWi
     return views
 
 
-def _native_applies(cfg, layers: nn.ModuleList, x: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def _native_applies(cfg, layers: nn.ModuleList, x: torch.Tensor, pos: torch.Tensor, k_cache: torch.Tensor,
+                    backend: Backend) -> bool:
     """Whether :class:`spire.kernels.DecodeBlock` takes B × T new tokens x of a model shaped by ``cfg`` over a
-    cache layer like ``k_cache``: :data:`FUSED_BLOCK` on, plain Llama blocks (:attr:`ModelConfig.plain_blocks`:
+    cache layer like ``k_cache``: ``backend.fused_block`` on, plain Llama blocks (:attr:`ModelConfig.plain_blocks`:
     a family with biases, q/k norms or Gemma's norms runs per op), float32 on the CPU, few rows, kernels built,
     no autograd through the layers (the kernel computes no gradients)."""
     B, T = pos.shape
-    if (not FUSED_BLOCK or not cfg.plain_blocks or x.device.type != "cpu" or x.dtype != torch.float32
+    if (not backend.fused_block or not cfg.plain_blocks or x.device.type != "cpu" or x.dtype != torch.float32
             or B * T > min(KERNEL_MAX_M, kernels.MAX_ROWS) or cfg.d_head % 8 or cfg.d_head > 256
             or cfg.n_heads % cfg.n_kv_heads or cfg.n_heads // cfg.n_kv_heads * T > kernels.BLOCK_MAX_ROWS
             or k_cache.dtype != torch.float32 or k_cache.device.type != "cpu" or k_cache.stride(-1) != 1
-            or not kernels.available()):
+            or not backend.native()):
         return False
     return not (torch.is_grad_enabled() and any(p.requires_grad for p in layers.parameters()))
+
+
+class PerOpStep:
+    """One forward's decoder blocks per torch op, the twin of :class:`DecodeStep` behind the same two calls
+    (made by :func:`decode_step` from the caller's plan): ``block(i, x)`` runs ``layers[i](x, cos, sin,
+    sources[i], masks[i])``; ``write_kv(i, m)`` calls the caller's memory write."""
+
+    native = False
+
+    def __init__(self, layers: nn.ModuleList, cos: torch.Tensor, sin: torch.Tensor, sources: Sequence[KVSource],
+                 masks: Sequence[torch.Tensor | None], write_kv: Callable[[int, torch.Tensor], None] | None) -> None:
+        self.layers, self.cos, self.sin, self.sources, self.masks = layers, cos, sin, sources, masks
+        self._write = write_kv
+
+    def block(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[i](x, self.cos, self.sin, self.sources[i], self.masks[i])
+
+    def write_kv(self, i: int, m: torch.Tensor) -> None:
+        if self._write is None:
+            raise TypeError("this forward writes no memory keys/values")
+        self._write(i, m)
+
+
+Plan = Callable[[], tuple[Sequence[KVSource], Sequence["torch.Tensor | None"],
+                          "Callable[[int, torch.Tensor], None] | None"]]
+"""The per-op path of a forward, built only when the native one does not apply: () -> (each layer's KV source,
+each layer's mask, the memory write or None)."""
 
 
 class DecodeStep:
@@ -574,6 +598,8 @@ class DecodeStep:
     :func:`decode_step`). What the calls share is prepared once: positions (B, T) int64, RoPE tables
     (R, B·T, D) (each block reads its ``rope_id``), the scratch buffer, and the cache rule: per-layer
     (sink, window) views over a dense cache, or the slots to write and the (B, T, S) mask over a ring."""
+
+    native = True
 
     def __init__(self, owner: nn.Module, layers: nn.ModuleList, n_heads: int, cache: KVCache | RingKVCache,
                  pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, views: list[SinkWindow | None] | None,
@@ -616,27 +642,27 @@ class DecodeStep:
 
 
 def decode_step(owner: nn.Module, layers: nn.ModuleList, cfg, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, cache: KVCache | RingKVCache | None, view: SinkWindow | None = None,
-                mask: torch.Tensor | None = None, slots: torch.Tensor | None = None) -> DecodeStep | None:
-    """The native decode step of ``layers`` (a model's blocks, shaped by ``cfg``; ``owner`` keeps their
-    native blocks) for new tokens x: (B, T, d) at positions pos: (B, T), with RoPE tables cos, sin
-    (R, B, 1, T, D), or None when it does not apply: the caller then runs its blocks per op.
+                sin: torch.Tensor, cache: KVCache | RingKVCache | None, plan: Plan, view: SinkWindow | None = None,
+                mask: torch.Tensor | None = None, slots: torch.Tensor | None = None, allow_native: bool = True
+                ) -> DecodeStep | PerOpStep:
+    """The blocks of one forward of ``layers`` (a model's blocks, shaped by ``cfg``; ``owner`` keeps their native
+    blocks and carries the :class:`spire.backend.Backend`) for new tokens x: (B, T, d) at positions pos: (B, T),
+    with RoPE tables cos, sin (R, B, 1, T, D): the native :class:`DecodeStep` where it applies (and
+    ``allow_native``), else the :class:`PerOpStep` of the caller's ``plan``. The caller runs either the same way.
 
     Over a dense :class:`KVCache` (no ``mask``) keys live at their positions and each layer reads through
     ``view`` and its own sliding window; raises ConfigError for a position outside the cache. Over a
     :class:`RingKVCache` (T ≤ its ring; the slots of pos already claimed, given as ``slots`` (B, T) or computed
     here) keys go to the slots of pos and every block reads the entries ``mask`` (B, 1, T, S) bool allows (None:
     memory writes only)."""
-    if cache is None or not _native_applies(cfg, layers, x, pos, cache.k[0]):
-        return None
-    if type(cache) is KVCache and mask is None:
-        views = _layer_views(cfg, pos, view)
-        if views is None:
-            return None
-        check_positions(pos, cache.max_len)
-        return DecodeStep(owner, layers, cfg.n_heads, cache, pos, cos, sin, views, None, None)
-    if isinstance(cache, RingKVCache) and pos.shape[1] <= cache.ring:
-        mask8 = None if mask is None else mask[:, 0].contiguous().view(torch.uint8)  # (B, T, S), no copy
-        return DecodeStep(owner, layers, cfg.n_heads, cache, pos, cos, sin, None,
-                          cache.slot(pos) if slots is None else slots, mask8)
-    return None
+    if allow_native and cache is not None and _native_applies(cfg, layers, x, pos, cache.k[0], backend_of(owner)):
+        if type(cache) is KVCache and mask is None:
+            views = _layer_views(cfg, pos, view)
+            if views is not None:
+                check_positions(pos, cache.max_len)
+                return DecodeStep(owner, layers, cfg.n_heads, cache, pos, cos, sin, views, None, None)
+        elif isinstance(cache, RingKVCache) and pos.shape[1] <= cache.ring:
+            mask8 = None if mask is None else mask[:, 0].contiguous().view(torch.uint8)  # (B, T, S), no copy
+            return DecodeStep(owner, layers, cfg.n_heads, cache, pos, cos, sin, None,
+                              cache.slot(pos) if slots is None else slots, mask8)
+    return PerOpStep(layers, cos, sin, *plan())

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from spire.backend import Backend
+from spire.backend import use as use_backend
 from spire.errors import CheckpointError
 from spire.families import FAMILIES, require_hf_keys
 from spire.model import ModelConfig, Transformer
@@ -195,8 +197,10 @@ def check_finite(state: dict[str, torch.Tensor], what: str) -> None:
                                   "corrupted file?)")
 
 
-def load_model(folder: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
-    """The :class:`Transformer` of an HF folder (config.json + safetensors), in eval mode with frozen weights.
+def load_model(folder: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               backend: Backend | None = None) -> Transformer:
+    """The :class:`Transformer` of an HF folder (config.json + safetensors), in eval mode with frozen weights,
+    running the way ``backend`` says (:mod:`spire.backend`; None: :meth:`Backend.from_env`, the process's choice).
 
     Raises:
         CheckpointError: unreadable config or weights, unsupported family or feature (named), weights that do
@@ -222,12 +226,13 @@ def load_model(folder: str | os.PathLike, dtype: torch.dtype = torch.float32, de
         model.lm_head.weight = model.model.embed_tokens.weight
     model = model.to(device=device, dtype=dtype).eval()
     model.requires_grad_(False)
-    return model
+    return use_backend(model, Backend.from_env() if backend is None else backend)
 
 
 def load_target(spec: str | os.PathLike = DEFAULT_TARGET, dtype: torch.dtype = torch.float32,
-                device: str = "cpu", cache_dir: Path | None = None, progress: bool = True):
-    """Load a target (:func:`load_model`) and its tokenizer.
+                device: str = "cpu", cache_dir: Path | None = None, progress: bool = True,
+                backend: Backend | None = None):
+    """Load a target (:func:`load_model`, with ``backend``) and its tokenizer.
 
     Returns:
         (model, tokenizer, folder): a :class:`Transformer` in eval mode, an HF fast tokenizer, the folder.
@@ -238,7 +243,7 @@ def load_target(spec: str | os.PathLike = DEFAULT_TARGET, dtype: torch.dtype = t
     from transformers import AutoTokenizer
 
     folder = resolve_checkpoint(spec, cache_dir, progress)
-    model = load_model(folder, dtype, device)
+    model = load_model(folder, dtype, device, backend)
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as e:

@@ -33,6 +33,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from spire import fastpath
+from spire.backend import of as backend_of
 from spire.errors import ConfigError
 from spire.families import ACTIVATION_NAMES, FAMILIES, hf_fields  # noqa: F401 (FAMILIES: part of this API)
 from spire.fastpath import KVSource, needs_autograd
@@ -131,7 +132,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.scale()
-        y = fastpath.rms_norm(x, w, self.eps, self.weight)
+        y = fastpath.rms_norm(x, w, self.eps, self.weight, backend_of(self))
         if y is not None:
             return y
         dtype = x.dtype
@@ -159,12 +160,6 @@ class ScaledEmbedding(nn.Embedding):
         if self.scale != 1.0:  # as HF: the scale rounded to the weights' dtype, then one multiply
             x = x * torch.tensor(self.scale, dtype=torch.float32).to(x.dtype)
         return x
-
-
-GROUPED_ATTENTION = True
-"""Training on the CPU (autograd on): :func:`grouped_attention` instead of torch's SDPA, whose flash backward
-took ~14 ms a call inside the SPIRe k-pass step (16 blocks x 9 heads x 16 queries x 140-188 keys), ~0.2 s of a
-~1.8 s step on one core (`benchmarks/train_throughput.py --levers`). False: SDPA everywhere."""
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
@@ -238,7 +233,10 @@ class Attention(nn.Module):
         """q: (B, H, T, D); k, v: (B, KV, S, D); mask: (B|1, 1, T, S) bool -> (B, T, d_model) (a query that sees
         no key reads 0)."""
         k, v = k.to(q.dtype), v.to(q.dtype)
-        if GROUPED_ATTENTION and q.device.type == "cpu" and torch.is_grad_enabled() and q.requires_grad:  # training
+        # training on the CPU: grouped attention (Backend.grouped_attention) instead of SDPA, whose flash backward
+        # took ~14 ms a call inside the SPIRe k-pass step, ~0.2 s of a ~1.8 s step on one core
+        if (backend_of(self).grouped_attention and q.device.type == "cpu" and torch.is_grad_enabled()
+                and q.requires_grad):
             y = grouped_attention(q, k, v, mask, self.scale)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv,
@@ -406,19 +404,21 @@ class Transformer(nn.Module):
         want = set(hidden_layers)
         x = self.model.embed_tokens(tokens)  # (B, T, d_model)
         cos, sin = self.rope(pos, x.dtype)
-        step = fastpath.decode_step(self, self.layers, self.cfg, x, pos, cos, sin, cache, view=view)
-        if step is None:  # per op: plan each layer's mask and cache reads once
+
+        def plan():  # per op: each layer's mask and cache reads, planned once
             windows = self.cfg.layer_windows or [None] * len(self.layers)
             if cache is None:  # keys are the T tokens themselves
                 masks = self._layer_masks(attention_mask(pos, pos, view), pos, windows)
-                sources: list[KVSource] = [lambda k, v: (k, v)] * len(self.layers)
-            else:
-                masks, sources = fastpath.CacheAccess(cache, pos, view).plan(windows)
+                return [lambda k, v: (k, v)] * len(self.layers), masks, None
+            masks, sources = fastpath.CacheAccess(cache, pos, view).plan(windows)
+            return sources, masks, None
+
+        step = fastpath.decode_step(self, self.layers, self.cfg, x, pos, cos, sin, cache, plan, view=view)
         hidden: dict[int, torch.Tensor] = {}
-        for i, block in enumerate(self.layers):
+        for i in range(len(self.layers)):
             if i in want:
                 hidden[i] = x
-            x = block(x, cos, sin, sources[i], masks[i]) if step is None else step.block(i, x)
+            x = step.block(i, x)
         if len(self.layers) in want:  # the final residual stream, before the final norm
             hidden[len(self.layers)] = x
         grad = torch.is_grad_enabled()  # the lazy logits see the autograd mode of this call

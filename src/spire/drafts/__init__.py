@@ -42,5 +42,13 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
         raise ConfigError(f"a draft path is for the {takers} drafts; --draft {kind} takes none")
     if not path and entry.path == "required":
         raise ConfigError(f"--draft {kind} needs --draft-path ({entry.summary})")
-    return registry.impl(kind).load(target, tokenizer=tokenizer, path=path, sink=sink, window=window, dtype=dtype,
-                                    **options)
+    draft = registry.impl(kind).load(target, tokenizer=tokenizer, path=path, sink=sink, window=window, dtype=dtype,
+                                     **options)
+    import torch.nn as nn
+
+    from spire import backend
+
+    model = getattr(draft, "model", None)
+    if isinstance(model, nn.Module):  # the draft's layers run the way the target does (spire.backend)
+        backend.use(model, backend.of(target))
+    return draft

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import json
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from spire import defaults, fastpath, kernels
+from spire.backend import of as backend_of
 from spire.drafts.base import Draft
 from spire.drafts.draft_file import (check_export, fingerprint, fingerprint_matches, read_draft_file, resolve_draft_path,
                                      run_finished, warn_if_unfinished, write_draft_file)
@@ -50,11 +52,6 @@ INIT_KINDS = ("pruned", "random")
 BRIDGE_FIT_ROWS = 32
 """Training windows the bridge is fitted on (:meth:`SpireDraftModel.fit_bridge`): 32 x 256 tokens through the
 target (its forward only), for d² + d = 332 K numbers on SmolLM2 (a ridge fit)."""
-
-CHUNKED_KPASS = True
-"""Whether k-pass training groups its blocks in chunks that read only the target keys a window can reach
-(:meth:`SpireDraftModel._chunks`); False: every block reads every position (the dense layout, same logits to
-float32 rounding; benchmarks/train_throughput.py --levers times the old path with it)."""
 
 
 @dataclass
@@ -474,7 +471,7 @@ class SpireDraftModel(nn.Module):
         keys weigh exactly 0, so the logits are the same either way (to float32 rounding; tests/test_spire_draft.py)."""
         nb = T // k
         G = nb
-        if self.view is not None and CHUNKED_KPASS:
+        if self.view is not None and backend_of(self).chunked_kpass:  # off: the dense layout (A/B timing)
             g = max(1, self.view.window // k)
             G = max(d for d in range(1, min(g, nb) + 1) if nb % d == 0)
         C = nb // G
@@ -710,16 +707,17 @@ class SpireDraft(Draft):
         hidden = [target_out.hidden[j] for j in self.model.source_layers]
         if self._feature is not None:
             self._keep_features(pos, hidden[self.model.feature_from], valid)
-        m = self.model
-        run = (fastpath.decode_step(m, m.layers, m.target.cfg, hidden[0], pos, cos, sin, self._cache)
-               if valid is None or bool(valid.all()) else None)
-        if run is not None:
-            self._cache.claim(pos)  # the slot tags the per-op path's layer-0 write sets
-            for i, h in enumerate(hidden):
-                run.write_kv(i, h)
-            return
+        m, cache = self.model, self._cache
+
+        def plan():  # per op: each layer's memory keys/values written with the rows' validity
+            return [], [], lambda i, h: cache.write(i, pos, *m.memory_kv(i, h, cos, sin), valid=valid)
+
+        run = fastpath.decode_step(m, m.layers, m.target.cfg, hidden[0], pos, cos, sin, cache, plan,
+                                   allow_native=valid is None or bool(valid.all()))
+        if run.native:
+            cache.claim(pos)  # the slot tags the per-op path's layer-0 write sets
         for i, h in enumerate(hidden):
-            self._cache.write(i, pos, *self.model.memory_kv(i, h, cos, sin), valid=valid)
+            run.write_kv(i, h)
 
     def _run(self, tokens: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Ordinary transformer forward over (B, T) tokens at contiguous positions per row, reading the cache
@@ -763,32 +761,27 @@ class SpireDraft(Draft):
             if not m.cfg.self_attend:
                 mask = mask & m.self_mask(pos, kp)[:, None]
         xs = [x]
-        run = fastpath.decode_step(m, m.layers, m.target.cfg, x, pos, cos, sin, cache, mask=mask, slots=slots)
-        if run is not None:  # each layer one native call: the token's key/value into its slot, attention over slots
-            for i in range(len(m.layers)):
-                if m.enters(i):
-                    x = xs[i] = m.layer_input(i, x, feature)
-                x = run.block(i, x)
-                xs.append(x)
-        else:
-            for i, layer in enumerate(m.layers):
-                if m.enters(i):
-                    x = xs[i] = m.layer_input(i, x, feature)
 
-                def kv_source(k_self, v_self, i=i):  # the token's own key/value, then everything up to it
-                    cache.write(i, pos, k_self, v_self)
-                    return cache.read(i)
-                x = layer(x, cos, sin, kv_source, mask)
-                xs.append(x)
+        def plan():  # per op: the token's own key/value into the cache, then attention over everything up to it
+            def kv_source(i, k_self, v_self):
+                cache.write(i, pos, k_self, v_self)
+                return cache.read(i)
+            return ([partial(kv_source, i) for i in range(len(m.layers))], [mask] * len(m.layers),
+                    lambda i, mem: cache.write(i, pos, *m.memory_kv(i, mem, cos, sin)))
+
+        # natively, each layer is one call: the token's key/value into its slot, attention over the slots
+        run = fastpath.decode_step(m, m.layers, m.target.cfg, x, pos, cos, sin, cache, plan, mask=mask, slots=slots)
+        for i in range(len(m.layers)):
+            if m.enters(i):
+                x = xs[i] = m.layer_input(i, x, feature)
+            x = run.block(i, x)
+            xs.append(x)
         if self._feature is not None:
             self._keep_features(pos, xs[m.feature_from], None)
         if m.cfg.feedback_memory:  # later tokens read this token as memory, not as its self key/value
             mem = m.memory(xs)
             for i in range(len(m.layers)):
-                if run is not None:
-                    run.write_kv(i, mem[i])
-                else:
-                    cache.write(i, pos, *m.memory_kv(i, mem[i], cos, sin))
+                run.write_kv(i, mem[i])
         return m.to_target_vocab(m.logits(x)[:, -1])
 
 

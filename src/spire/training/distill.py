@@ -44,6 +44,10 @@ from torch.autograd.graph import increment_version
 from tqdm.auto import tqdm
 
 from spire import defaults
+from spire.backend import DEFAULT as DEFAULT_BACKEND
+from spire.backend import Backend
+from spire.backend import of as backend_of
+from spire.backend import use as use_backend
 from spire.drafts.base import TrainableDraft
 import spire.drafts.registry as registry
 from spire.drafts.eagle3 import Eagle3Config
@@ -208,20 +212,23 @@ def fast_bf16(device: torch.device) -> bool:
 
 def _build_model(target: Transformer, cfg: TrainConfig, data=None) -> TrainableDraft:
     """A fresh draft of the class registered for ``cfg.draft`` (:mod:`spire.drafts.registry`). Raises ConfigError."""
-    return registry.trainable_class(cfg.draft).for_training(target, cfg, data)
+    return use_backend(registry.trainable_class(cfg.draft).for_training(target, cfg, data), backend_of(target))
 
 
-FUSED_ADAMW = True
-"""Use torch's fused AdamW kernel (one pass over each parameter instead of a dozen elementwise ops; 0.02 s against
-0.09-0.11 s a step for SPIRe's 28 M parameters on one CPU thread). False: the for-loop implementation (what the
-trainer used before; `benchmarks/train_throughput.py` times its old path with it)."""
+def loss_kernel(model: TrainableDraft) -> bool:
+    """Whether the losses run through the native row kernels: the draft's backend has them on."""
+    bk = backend_of(model)
+    return bk.loss_kernel and bk.kernels
 
 
-def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig) -> torch.optim.Optimizer:
-    """AdamW(β = 0.9, 0.95) at cfg.lr and cfg.weight_decay; fused where torch has the kernel (:data:`FUSED_ADAMW`).
-    The optimizer state has the same form either way, so a checkpoint of one resumes in the other."""
+def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, backend: Backend = DEFAULT_BACKEND
+                   ) -> torch.optim.Optimizer:
+    """AdamW(β = 0.9, 0.95) at cfg.lr and cfg.weight_decay; with ``backend.fused_adamw`` torch's fused kernel where
+    it has one (one pass over each parameter instead of a dozen elementwise ops; 0.02 s against 0.09-0.11 s a step
+    for SPIRe's 28 M parameters on one CPU thread), else the for-loop implementation. The optimizer state has the
+    same form either way, so a checkpoint of one resumes in the other."""
     kw = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    if FUSED_ADAMW and all(p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params):
+    if backend.fused_adamw and all(p.dtype in (torch.float32, torch.float16, torch.bfloat16) for p in params):
         try:
             opt = torch.optim.AdamW(params, fused=True, **kw)
         except (RuntimeError, ValueError):  # a device without the fused kernel
@@ -286,10 +293,12 @@ def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg:
     if kind in ("mixed", "kl") or tb.final is not None:
         with autocast(bool(cfg.bf16), tb.tokens.device):  # the teacher's head as the live target computes it
             logp = tb.target_logp(target, model.vocab)
+    kernel = loss_kernel(model)
     if kind in ("mixed", "kl"):
-        terms = mixed_loss_logp(q_logits, logp, cfg.omega) if kind == "mixed" else kl_loss_logp(q_logits, logp)
+        terms = (mixed_loss_logp(q_logits, logp, cfg.omega, kernel) if kind == "mixed"
+                 else kl_loss_logp(q_logits, logp, kernel))
         return terms.loss + extra, terms.alpha
-    loss = hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tb.tokens[:, 1:])) + extra
+    loss = hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tb.tokens[:, 1:]), kernel) + extra
     if tb.final is None:
         return loss, float("nan")
     return loss, float(acceptance_alpha_logp(q_logits, logp).mean())
@@ -383,7 +392,7 @@ class Trainer:
         self.model = self._setup_model(resume)
         self.meta = {"ablation": cfg.ablation, "loss": cfg.resolved_loss(), "omega": cfg.omega, "k": cfg.k}
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = make_optimizer(self.params, cfg)
+        self.opt = make_optimizer(self.params, cfg, backend_of(self.model))
         ckpt = existing_dir(self.out_dir / CHECKPOINT_DIR)
         if ckpt is not None and self.state["step"] > 0:
             if not (ckpt / OPTIM_FILE).is_file():
@@ -718,10 +727,11 @@ def evaluate_heldout(model: TrainableDraft, target: Transformer, windows: torch.
         with autocast(bool(cfg.bf16), target.device):
             q_logits = model.train_logits(tokens, tb.hidden, k)
             logp = tb.target_logp(target, vocab)  # the teacher's head as training computes it
-        ce = float(hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tokens[:, 1:])))
+        kernel = loss_kernel(model)
+        ce = float(hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tokens[:, 1:]), kernel))
         kind = cfg.resolved_loss()
-        loss = (ce if kind == "hard" else float(kl_loss_logp(q_logits, logp).loss) if kind == "kl"
-                else float(mixed_loss_logp(q_logits, logp, cfg.omega).loss))
+        loss = (ce if kind == "hard" else float(kl_loss_logp(q_logits, logp, kernel).loss) if kind == "kl"
+                else float(mixed_loss_logp(q_logits, logp, cfg.omega, kernel).loss))
         a = acceptance_alpha_logp(q_logits, logp)  # (B, T)
         sums += a.view(a.shape[0], -1, k).sum((0, 1)).cpu()
         count += a.shape[0] * (a.shape[1] // k)

@@ -22,10 +22,9 @@ import torch.nn.functional as F
 
 from spire import kernels
 
-LOSS_KERNEL = True
-"""MixedLoss and HardTargetLoss through the native row kernels (:func:`spire.kernels.mixed_loss_rows`,
-:func:`spire.kernels.cross_entropy_rows`) where they apply (float32 CPU); False: the torch implementations below
-(the same formulas)."""
+# MixedLoss and HardTargetLoss run through the native row kernels (:func:`spire.kernels.mixed_loss_rows`,
+# :func:`spire.kernels.cross_entropy_rows`) where they apply (float32 CPU) when called with kernel=True (the
+# trainer passes its Backend.loss_kernel); kernel=False: the torch implementations below (the same formulas).
 
 
 @dataclass
@@ -45,9 +44,9 @@ class _MixedLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, logp: torch.Tensor, omega: float, need_grad: bool = True):
+    def forward(ctx, z: torch.Tensor, logp: torch.Tensor, omega: float, need_grad: bool = True, kernel: bool = True):
         n = z.numel() // z.shape[-1]
-        fused = kernels.mixed_loss_rows(z, logp, omega, need_grad) if LOSS_KERNEL and z.dim() == 2 else None
+        fused = kernels.mixed_loss_rows(z, logp, omega, need_grad) if kernel and z.dim() == 2 else None
         if fused is not None:  # the row gradient is computed here (unless not needed), the backward only scales it
             grad, d_rows, a_rows = fused
             distill, alpha = (d_rows.sum() / n).float(), (a_rows.sum() / n).float()
@@ -71,28 +70,29 @@ class _MixedLoss(torch.autograd.Function):
             (grad,) = ctx.saved_tensors
             if grad.numel() == 0:
                 raise RuntimeError("MixedLoss was computed without its gradient (need_grad=False)")
-            return grad * (g / ctx.n), None, None, None
+            return grad * (g / ctx.n), None, None, None, None
         q, p = ctx.saved_tensors
         w = ctx.omega
         mq = (q < p).to(q.dtype).add_((q == p).to(q.dtype), alpha=0.5).mul_(q)
         grad = q * (w * p.sum(-1, keepdim=True) + (1 - w) * mq.sum(-1, keepdim=True))
         grad.sub_(p, alpha=w).sub_(mq, alpha=1 - w).mul_(g / ctx.n)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
-def mixed_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor, omega: float = 0.5) -> LossTerms:
+def mixed_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor, omega: float = 0.5,
+                    kernel: bool = True) -> LossTerms:
     """MixedLoss(omega) of draft logits (..., N) against the target's log-probabilities (..., N) of the same N
     tokens (N = V, or a draft vocabulary; the target's p normalized over its full vocabulary, so that p sums
     to at most 1 over the N tokens). Returns the loss and its parts (means over positions). The gradient flows
     to draft_logits only (the target is the teacher); it equals :func:`mixed_loss_logp_reference`'s to float32
-    rounding. On float32 CPU tensors it runs through the native row kernel (:data:`LOSS_KERNEL`; one pass per
+    rounding. On float32 CPU tensors with ``kernel`` it runs through the native row kernel (one pass per
     row for the loss and its gradient: 0.1 s against 0.4 s for the torch formulas over 1,024 × 16,384 logits
     on one Zen 2 core), else through the torch formulas of :class:`_MixedLoss` (about 0.8× the reference's
     time)."""
     N = draft_logits.shape[-1]
     need_grad = torch.is_grad_enabled() and draft_logits.requires_grad
     loss, distill, alpha = _MixedLoss.apply(draft_logits.float().reshape(-1, N),
-                                            target_logp.detach().float().reshape(-1, N), omega, need_grad)
+                                            target_logp.detach().float().reshape(-1, N), omega, need_grad, kernel)
     return LossTerms(loss, distill.item(), alpha.item())
 
 
@@ -127,14 +127,14 @@ class _HardTargetLoss(torch.autograd.Function):
         return grad * (g / ctx.n) if ctx.n else torch.zeros_like(grad), None, None, None
 
 
-def hard_target_loss(draft_logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def hard_target_loss(draft_logits: torch.Tensor, tokens: torch.Tensor, kernel: bool = True) -> torch.Tensor:
     """Cross-entropy of draft_logits (..., N) against the data tokens (...) as indices into the N columns
     (a draft vocabulary maps tokens outside it to -100, which is ignored): the mean over the rows not ignored,
-    as ``F.cross_entropy``. On float32 CPU rows it runs through the native row kernel (:data:`LOSS_KERNEL`,
+    as ``F.cross_entropy``. On float32 CPU rows with ``kernel`` it runs through the native row kernel (
     :func:`spire.kernels.cross_entropy_rows`; equal to torch's to float32 rounding)."""
     z = draft_logits.float().flatten(0, -2)
     y = tokens.flatten()
-    if LOSS_KERNEL and bool((y != -100).eq(y >= 0).all()):  # only -100 is ignored, as F.cross_entropy
+    if kernel and bool((y != -100).eq(y >= 0).all()):  # only -100 is ignored, as F.cross_entropy
         need_grad = torch.is_grad_enabled() and z.requires_grad
         fused = kernels.cross_entropy_rows(z.detach().contiguous(), y, need_grad)
         if fused is not None:
@@ -149,7 +149,7 @@ def acceptance_alpha_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor)
     return torch.minimum(target_logp.float().exp(), F.softmax(draft_logits.float(), -1)).sum(-1)
 
 
-def kl_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor) -> LossTerms:
+def kl_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor, kernel: bool = True) -> LossTerms:
     """speculators' Eagle3 loss (``losses.eager.kl_div_loss``): the forward KL(p' || q) per position, averaged,
     where p' is the target's distribution renormalized over the draft's N tokens (speculators' targets are the
     verifier's head rows t2d, softmaxed over N) and q the draft's.
@@ -161,7 +161,7 @@ def kl_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor) -> LossT
     true p (not renormalized)."""
     logp = target_logp.detach().float()
     logp_r = logp - logp.logsumexp(-1, keepdim=True)  # p' over the N tokens
-    terms = mixed_loss_logp(draft_logits, logp_r, 1.0)  # -Σ p' log q (mean over positions)
+    terms = mixed_loss_logp(draft_logits, logp_r, 1.0, kernel)  # -Σ p' log q (mean over positions)
     entropy = float(-(logp_r.exp() * logp_r).sum(-1).mean())  # H(p'), a constant
     kl = terms.loss - entropy
     alpha = float(acceptance_alpha_logp(draft_logits.detach(), logp).mean())

@@ -37,6 +37,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from spire import fastpath
+from spire.backend import Backend
+from spire.backend import of as backend_of
 from spire.errors import ConfigError, DataError
 from spire.model import Transformer
 from spire.paths import atomic_write, spire_cache_dir
@@ -81,7 +83,7 @@ class TeacherBatch:
         if vocab is None and self.logits is not None:
             return self.logits - self.logz[..., None]
         w = target.lm_head.weight if vocab is None else vocab_rows(target.lm_head.weight, vocab)
-        return head_logits(self.final, w).sub_(self.logz[..., None])
+        return head_logits(self.final, w, backend_of(target)).sub_(self.logz[..., None])
 
 
 _ROWS: tuple | None = None  # (weakref to weight, its version, weakref to ids, their version, rows)
@@ -98,12 +100,12 @@ def vocab_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return c[4]
 
 
-def head_logits(final: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def head_logits(final: torch.Tensor, weight: torch.Tensor, backend: Backend) -> torch.Tensor:
     """(B, T, d) normed hidden states x (N, d) head rows -> (B, T, N) float32 logits, one matmul over B·T rows
     (the same call on both sources, so a float32 cache reproduces the live logits bit for bit; under CPU bf16
     autocast a bf16 matmul, with the rows' bf16 copy kept from step to step)."""
     B, T, d = final.shape
-    w = fastpath.autocast_weight(weight)
+    w = fastpath.autocast_weight(weight, backend)
     return F.linear(final.reshape(B * T, d).to(weight.dtype), w).float().view(B, T, -1)
 
 
@@ -121,7 +123,7 @@ def run_target(target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...
         if not teacher:
             return TeacherBatch(tokens, hidden)
         final = target.model.norm(out.hidden[n]).float()
-        logits = head_logits(final, target.lm_head.weight)
+        logits = head_logits(final, target.lm_head.weight, backend_of(target))
     return TeacherBatch(tokens, hidden, final, torch.logsumexp(logits, -1), logits)
 
 
