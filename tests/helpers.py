@@ -52,7 +52,7 @@ def spire_rounds(target: Transformer, model, prompts: list[list[int]], new_token
     from spire.drafts.spire import SpireDraft
     from spire.speculative import decode, prefill
 
-    draft = SpireDraft(model)
+    draft = SpireDraft(model.requires_grad_(False))  # decoded frozen, as a loaded draft: kept copies, native blocks
     logged = []
     step = draft.step
     draft.step = lambda tokens, pos: logged.append(step(tokens, pos)) or logged[-1]

@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from spire import fastpath
-from spire.backend import DEFAULT
 from spire import model as model_mod
 from spire.model import grouped_attention
 from spire.training.sources import LiveTarget, TargetCache, autocast
+from tests.helpers import with_backend
 from tests.test_target_cache import TokenLikeData
 
 
@@ -72,21 +72,24 @@ def test_attention_module_uses_the_grouped_path_only_with_autograd(monkeypatch, 
     torch.testing.assert_close(y_train, y_infer, rtol=0, atol=1e-5)
 
 
-def test_autocast_weight_is_kept_and_refreshed():
-    """Under CPU bf16 autocast a frozen float32 weight's bf16 copy is made once and reused until the weight
-    changes in place; outside autocast, or for a trainable weight, the weight itself."""
-    w = torch.randn(8, 4)
-    assert fastpath.autocast_weight(w, DEFAULT) is w
+def test_autocast_weight_is_kept_and_refreshed(monkeypatch):
+    """Under CPU bf16 autocast a frozen float32 weight's bf16 copy is made once (kept on its owner, by role) and
+    reused until the weight changes in place; outside autocast, for a trainable weight, or with the owner's
+    backend.autocast_copies off, the weight itself."""
+    owner, w = torch.nn.Module(), torch.randn(8, 4)
+    assert fastpath.autocast_weight(w, owner, "w") is w
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        a = fastpath.autocast_weight(w, DEFAULT)
+        a = fastpath.autocast_weight(w, owner, "w")
         assert a.dtype == torch.bfloat16 and torch.equal(a, w.to(torch.bfloat16))
-        assert fastpath.autocast_weight(w, DEFAULT) is a
+        assert fastpath.autocast_weight(w, owner, "w") is a
+        assert fastpath.autocast_weight(w, torch.nn.Module(), "w") is not a  # kept per owner
         w.mul_(2.0)  # an in-place change (a load, a rounding) makes a new copy
-        b = fastpath.autocast_weight(w, DEFAULT)
+        b = fastpath.autocast_weight(w, owner, "w")
         assert b is not a and torch.equal(b, w.to(torch.bfloat16))
         p = torch.nn.Parameter(torch.randn(3, 3))
-        assert fastpath.autocast_weight(p, DEFAULT) is p  # autocast itself caches trainable weights' casts
-        assert fastpath.autocast_weight(w, DEFAULT.replace(autocast_copies=False)) is w  # autocast casts anew
+        assert fastpath.autocast_weight(p, owner, "p") is p  # autocast itself caches trainable weights' casts
+        with_backend(monkeypatch, owner, autocast_copies=False)
+        assert fastpath.autocast_weight(w, owner, "w") is w  # autocast casts anew
 
 
 def test_a_bf16_cache_stores_what_a_live_bf16_run_computes(tmp_path, tiny):
@@ -159,6 +162,8 @@ def test_autocast_weight_sees_new_storage_under_the_same_tensor():
     """``w.data = ...`` keeps the tensor and its version counter: the copy follows the storage."""
     w = torch.randn(4, 4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        a = fastpath.autocast_weight(w, DEFAULT)
+        owner = torch.nn.Module()
+        a = fastpath.autocast_weight(w, owner, "w")
         w.data = torch.randn(4, 4)
-        assert torch.equal(fastpath.autocast_weight(w, DEFAULT), w.to(torch.bfloat16)) and fastpath.autocast_weight(w, DEFAULT) is not a
+        again = fastpath.autocast_weight(w, owner, "w")
+        assert torch.equal(again, w.to(torch.bfloat16)) and again is not a

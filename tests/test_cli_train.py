@@ -286,11 +286,35 @@ def test_compile_option_and_a_resume_that_changes_it(tiny_folder, text_file, tmp
     state = json.loads((run_dir / "checkpoint" / "train_state.json").read_text())
     assert state["config"]["compile"] is True and compiled == [{"dynamic": False}]
     log = [json.loads(ln) for ln in (run_dir / "train_log.jsonl").read_text().splitlines()]
-    assert log[0]["event"] == "compile" and log[0]["compiled"] is True and log[1]["step"] == 1
+    assert [e["event"] for e in log[:3]] == ["backend", "compile", "train"] and log[2]["step"] == 1
+    assert log[1]["compiled"] is True and log[0]["fused_block"] is True  # every fast path by default
     _main(["train", "--resume", "--target", str(tiny_folder), "--data", str(text_file), "--out", str(run_dir),
            "--device", "cpu", "--max-steps", "4", "--no-compile"])
     state = json.loads((run_dir / "checkpoint" / "train_state.json").read_text())
     assert state["step"] == 4 and state["config"]["compile"] is False and len(compiled) == 1
+
+
+def test_backend_option_reaches_the_run_log_and_a_resume_may_change_it(tiny_folder, text_file, tmp_path,
+                                                                       monkeypatch):
+    """`spire --backend no-loss-kernel,no-fused-adamw train ...` trains that way and says so in the run log; the
+    resume, with every fast path, logs its own choice (the results are the same to rounding, so a resume may
+    change it)."""
+    from spire.backend import ENV
+
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv(ENV, raising=False)
+    run_dir = tmp_path / "b"
+    _main(["--backend", "no-loss-kernel,no-fused-adamw", *_train_args(tiny_folder, text_file, run_dir)])
+    import os
+    monkeypatch.setenv(ENV, os.environ[ENV])  # the option set it for this process: undone at the test's end
+    assert os.environ[ENV] == "no-fused-adamw,no-loss-kernel"
+    monkeypatch.setenv(ENV, "")
+    _main(["train", "--resume", "--target", str(tiny_folder), "--data", str(text_file), "--out", str(run_dir),
+           "--device", "cpu", "--max-steps", "4"])
+    log = [json.loads(ln) for ln in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    chosen = [(e["step"], e["loss_kernel"], e["fused_adamw"], e["fused_block"]) for e in log
+              if e["event"] == "backend"]
+    assert chosen == [(0, False, False, True), (3, True, True, True)]
 
 
 def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp_path, capsys, monkeypatch):

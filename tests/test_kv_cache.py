@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
+from spire.kv_cache import EMPTY, KVCache, RingKVCache, SinkWindow, attention_mask
 
 
 def _visible(cache, layer, q):
@@ -92,7 +92,7 @@ def test_ring_claim_mask_native_equals_torch(sink, window, slack, B, T, start, s
                 r.tags[b, r.slot(keep[0])] = keep[0]
     lens = torch.tensor([int(r) for r in torch.randint(0, start + 1, (B,), generator=g)])
     pos = lens[:, None] + torch.arange(T)
-    native = rings[0].claim_mask(pos, self_attend)
+    native = rings[0].claim_mask(pos, self_attend=self_attend)
     rings[1].claim(pos)
     ref = attention_mask(pos, rings[1].tags, rings[1].view)
     if not self_attend:
@@ -104,3 +104,36 @@ def test_ring_claim_mask_native_equals_torch(sink, window, slack, B, T, start, s
     tags = rings[0].tags.clone()
     assert kernels.ring_claim_mask(tags, -pos - 1, sink, rings[0].ring, window, True) is None  # refused ...
     assert torch.equal(tags, rings[0].tags)  # ... with nothing written
+
+
+def test_both_caches_are_one_base_type():
+    """KVCache and RingKVCache are BaseKVCache: claim_mask of the dense cache is attention_mask over its
+    positions under the given view (its entry of p is p); the ring's, under its own view, equals the torch
+    reference; restart_rows makes a ring row's slots invisible and leaves a dense row as it is; a ring refuses
+    another view."""
+    import pytest
+
+    from spire.errors import ConfigError
+    from spire.kv_cache import BaseKVCache, KVCache
+
+    view = SinkWindow(2, 5)
+    dense, ring = KVCache(1, 2, 1, 32, 8), RingKVCache(1, 2, 1, view, 3, 8)
+    assert isinstance(dense, BaseKVCache) and isinstance(ring, BaseKVCache) and dense.positional and not ring.positional
+    pos = torch.tensor([[9, 10], [4, 5]])
+    slots, mask = dense.claim_mask(pos, view, self_attend=False)
+    kp = torch.arange(32)[None].expand(2, -1)
+    ref = attention_mask(pos, kp, view) & ((kp[:, None, :] != pos[:, :, None]) | (pos[:, :, None] == 0))[:, None]
+    assert torch.equal(slots, pos) and torch.equal(mask, ref)
+    for p in range(12):  # positions 0..11 in both rows
+        ring.claim(torch.tensor([[p], [p]]))
+    slots, mask = ring.claim_mask(torch.tensor([[12], [12]]))
+    assert torch.equal(mask, attention_mask(torch.tensor([[12], [12]]), ring.tags, view))
+    ring.restart_rows(torch.tensor([1]))
+    assert (ring.tags[1] == EMPTY).all() and (ring.tags[0] != EMPTY).sum() == ring.tags.shape[1]
+    assert not ring.claim_mask(torch.tensor([[0], [0]]))[1][1, 0, 0, 1:].any()  # row 1 sees only its new key
+    dense.k[0][1].fill_(1.0)
+    dense.restart_rows(torch.tensor([1]))
+    assert bool((dense.k[0][1] == 1.0).all())
+    with pytest.raises(ConfigError, match="its own view"):
+        ring.claim_mask(pos, SinkWindow(1, 5))
+

@@ -104,11 +104,15 @@ def test_mixed_loss_kernel_sums_hold_at_a_full_vocabulary():
 def test_teacher_head_rows_are_gathered_once_per_weight_version():
     from spire.training.sources import vocab_rows
 
-    w, ids = torch.randn(50, 8), torch.tensor([3, 1, 4, 9])
-    first = vocab_rows(w, ids)
-    assert torch.equal(first, w[ids]) and vocab_rows(w, ids) is first
+    from tests.conftest import make_tiny
+
+    target, ids = make_tiny(), torch.tensor([3, 1, 4, 9])
+    w = target.lm_head.weight
+    first = vocab_rows(target, ids)
+    assert torch.equal(first, w[ids]) and vocab_rows(target, ids) is first
     with torch.no_grad():
         w.mul_(2.0)  # an in-place change (a load, bf16 rounding) bumps the version: gathered anew
-    assert torch.equal(vocab_rows(w, ids), w[ids])
+    assert torch.equal(vocab_rows(target, ids), w[ids])
     other = torch.tensor([0, 2])
-    assert torch.equal(vocab_rows(w, other), w[other])
+    assert torch.equal(vocab_rows(target, other), w[other])
+    assert vocab_rows(make_tiny(seed=1), other) is not vocab_rows(target, other)  # kept per target

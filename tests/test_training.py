@@ -186,11 +186,12 @@ def test_resume_of_a_for_loop_checkpoint_keeps_the_fused_kernel(tmp_path, monkey
     assert all(g["fused"] is True for g in trainer.opt.param_groups)
 
 
-def test_an_optimizer_step_refreshes_the_kept_inference_copies(tiny):
-    """The fused AdamW kernel does not bump version counters: the packed / fused weight copies that inference
-    keeps (spire.fastpath, keyed by version) went stale after the first no-grad forward, so held-out α during
-    training, and a draft used in the process that trained it, measured the weights of the first evaluation.
-    After make_optimizer's steps the kept copies must follow: a no-grad forward equals that of a fresh copy."""
+def test_an_optimizer_step_never_meets_a_kept_inference_copy(tiny):
+    """The fused AdamW kernel does not bump version counters: weight copies keyed by version went stale after the
+    first no-grad forward (held-out α during training, and a draft used in the process that trained it, measured
+    the weights of the first evaluation). Copies are now kept for frozen weights only: after make_optimizer's
+    steps a no-grad forward equals that of a fresh copy, nothing was kept while training, and once frozen the
+    kept copies give the same logits."""
     import copy
 
     from spire.drafts.spire import SpireConfig, SpireDraftModel
@@ -213,3 +214,12 @@ def test_an_optimizer_step_refreshes_the_kept_inference_copies(tiny):
         fresh = copy.deepcopy(model).train_logits(tokens, tb.hidden, 4)
     assert not torch.allclose(after, before, atol=1e-3)  # the steps moved the draft
     torch.testing.assert_close(after, fresh, rtol=0, atol=1e-5)
+    from spire import fastpath
+
+    kept = [wc._store for m in model.modules() for wc in fastpath.weight_copies(m).values() if wc._store]
+    assert not kept  # nothing kept for weights in training: the trainer has no inference cache to refresh
+    model.requires_grad_(False)  # finished: frozen, its copies are kept from the first use
+    with torch.no_grad():
+        frozen = model.train_logits(tokens, tb.hidden, 4)
+    assert any(wc._store for m in model.modules() for wc in fastpath.weight_copies(m).values())
+    torch.testing.assert_close(frozen, fresh, rtol=0, atol=1e-5)

@@ -20,11 +20,12 @@ import dataclasses
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
-
-import torch.nn as nn
+from typing import TYPE_CHECKING, Iterator
 
 from spire.errors import ConfigError
+
+if TYPE_CHECKING:  # light on purpose: the CLI parses --backend before torch is imported
+    import torch.nn as nn
 
 ENV = "SPIRE_BACKEND"
 """Environment variable holding the user's backend flags (``no-<field>`` or ``<field>``, comma-separated)."""
@@ -113,12 +114,18 @@ class Backend:
 
     def summary(self) -> str:
         """One line for REPORT.md and the console: the default, or what was turned off, and the kernels' state."""
-        from spire import kernels
+        return summary_of(self.describe())
 
-        off = self.spec()
-        built = "native kernels built" if kernels.available() else f"native kernels unavailable " \
-                                                                   f"({kernels.unavailable_reason()})"
-        return f"{'every fast path on' if not off else 'off: ' + off}; {built}"
+
+def summary_of(described: dict | None) -> str:
+    """:meth:`Backend.summary` of a recorded :meth:`Backend.describe` (None: a results.json from before spire
+    recorded it)."""
+    if described is None:
+        return "not recorded"
+    off = [f"no-{f.name.replace('_', '-')}" for f in dataclasses.fields(Backend) if described.get(f.name) is False]
+    built = ("native kernels built" if described.get("native_kernels_built")
+             else f"native kernels unavailable ({described.get('native_kernels_missing_because')})")
+    return f"{'every fast path on' if not off else 'off: ' + ','.join(off)}; {built}"
 
 
 DEFAULT = Backend()

@@ -28,6 +28,7 @@ from spire.commands.options import GRID_HELP, given, kinds
 from spire.commands.reproduce import reproduce
 from spire.commands.serve import serve
 from spire.commands.throughput_figures import throughput_figures
+from spire.commands.options import set_process_backend
 from spire.errors import SpireError
 
 app = typer.Typer(
@@ -44,8 +45,14 @@ _OPT = typer.Option
 
 
 @app.callback()
-def _root() -> None:
+def _root(backend: Annotated[Optional[str], _OPT(help=(
+        "Execution choices, comma-separated: no-kernels, no-fused-block, no-panel-kernel, no-attention-kernel, "
+        "no-rmsnorm-kernel, no-transposed-gemv, no-grouped-attention, no-chunked-kpass, no-autocast-copies, "
+        "no-fused-adamw, no-loss-kernel (every fast path by default; the same results to float32 rounding). "
+        "Recorded in run logs, results.json and REPORT.md."))] = None) -> None:
     """Throughput-oriented speculative decoding (SPIRe, arXiv 2504.06419)."""
+    if backend is not None:
+        set_process_backend(backend)
 
 
 def _err(message: str) -> None:

@@ -43,7 +43,7 @@ from spire import kernels
 from spire.backend import Backend
 from spire.backend import of as backend_of
 from spire.errors import ConfigError
-from spire.kv_cache import KVCache, RingKVCache, SinkWindow, attention_mask
+from spire.kv_cache import BaseKVCache, KVCache, SinkWindow, attention_mask
 
 KERNEL_MAX_M = 32
 """On CPU in float32, matmuls with 2 ≤ M ≤ KERNEL_MAX_M rows use :func:`spire.kernels.skinny_linear` when it
@@ -76,9 +76,11 @@ class WeightCache:
     for the panel matmul (:func:`spire.kernels.pack_panels`) in float32 ("P") or bf16 ("PB"), or as group-wise
     int8 (:func:`spire.kernels.pack_panels_int8`, "PQ").
 
-    A copy is rebuilt whenever a source parameter changes: its key holds each weight's data pointer,
-    version counter (bumped by every in-place update, e.g. an optimizer step or ``load_state_dict``), dtype
-    and device. ``copy.deepcopy`` gives an empty cache.
+    Copies are kept for frozen weights only (``requires_grad`` False: a loaded target, a loaded or finished draft);
+    a weight in training gets a fresh product every call (:func:`linear`), so an optimizer step never meets a
+    kept copy. A copy is rebuilt whenever a source weight changes: its key holds each weight's data pointer,
+    version counter (bumped by every in-place update, e.g. ``load_state_dict`` or a rounding), dtype and device.
+    ``copy.deepcopy`` gives an empty cache.
     """
 
     def __init__(self, weight_dtype: torch.dtype | None = None) -> None:
@@ -97,22 +99,27 @@ class WeightCache:
         ws = [lin.weight for lin in linears]
         if layout == "N" and len(ws) == 1:
             return ws[0]
+        if any(w.requires_grad for w in ws):  # a weight in training changes every step: never kept
+            return self._build([w.detach() for w in ws], layout)
         key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in ws)
         hit = self._store.get(layout)
         if hit is not None and hit[0] == key:
             return hit[1]
         self._store.pop(layout, None)  # free the stale copy before building the new one
-        with torch.no_grad():
-            w = ws[0].detach() if len(ws) == 1 else torch.cat([w.detach() for w in ws])
-            if layout == "PQ":
-                w = kernels.pack_panels_int8(w)
-            elif layout in ("P", "PB"):
-                w = kernels.pack_panels(w.to(torch.bfloat16) if layout == "PB" else w)
-            else:
-                w = (w.t().contiguous() if layout == "T" else w.to(torch.bfloat16).contiguous() if layout == "B"
-                     else w.contiguous())
+        w = self._build([w.detach() for w in ws], layout)
         self._store[layout] = (key, w)
         return w
+
+    @staticmethod
+    @torch.no_grad()
+    def _build(ws: list[torch.Tensor], layout: str) -> torch.Tensor:
+        w = ws[0] if len(ws) == 1 else torch.cat(ws)
+        if layout == "PQ":
+            return kernels.pack_panels_int8(w)
+        if layout in ("P", "PB"):
+            return kernels.pack_panels(w.to(torch.bfloat16) if layout == "PB" else w)
+        return (w.t().contiguous() if layout == "T" else w.to(torch.bfloat16).contiguous() if layout == "B"
+                else w.contiguous())
 
     def bias(self, linears: Sequence[nn.Linear]) -> torch.Tensor | None:
         """The (out_total,) biases of ``linears`` concatenated (zeros for one without), None when none has one."""
@@ -130,7 +137,8 @@ class WeightCache:
             w = linears[0].weight
             b = torch.cat([torch.zeros(lin.out_features, dtype=w.dtype, device=w.device) if b is None else b.detach()
                            for lin, b in zip(linears, bs)])
-        self._store["bias"] = (key, b)
+        if not any(b is not None and b.requires_grad for b in bs):  # as weights: only frozen biases are kept
+            self._store["bias"] = (key, b)
         return b
 
 
@@ -138,12 +146,13 @@ class _State:
     """What the fast path keeps on one module: weight copies by role, native blocks by layer, and the weight
     dtype new copies take. Never saved; a deepcopy or pickle keeps the weight dtype only."""
 
-    __slots__ = ("weights", "blocks", "weight_dtype")
+    __slots__ = ("weights", "blocks", "weight_dtype", "derived")
 
     def __init__(self, weight_dtype: torch.dtype | None = None) -> None:
         self.weights: dict[str, WeightCache] = {}
         self.blocks: dict[int, tuple[tuple, kernels.DecodeBlock]] = {}
         self.weight_dtype = weight_dtype
+        self.derived: dict[str, tuple[tuple, list[weakref.ref], torch.Tensor]] = {}
 
     def __deepcopy__(self, memo) -> "_State":
         return _State(self.weight_dtype)
@@ -173,8 +182,25 @@ def native_blocks(owner: nn.Module) -> dict[int, tuple[tuple, kernels.DecodeBloc
 def forget(module: nn.Module) -> None:
     """Drop the weight copies kept for ``module`` (rebuilt on next use; e.g. its weights were replaced by
     new tensors that may reuse a freed address)."""
-    for wc in _state(module).weights.values():
+    state = _state(module)
+    for wc in state.weights.values():
         wc.clear()
+    state.derived.clear()
+
+
+def kept(owner: nn.Module, role: str, sources: Sequence[torch.Tensor], build: Callable[[], torch.Tensor]
+         ) -> torch.Tensor:
+    """``build()`` (a tensor derived from the frozen ``sources``: a bf16 cast, a gather of head rows), kept on
+    ``owner`` under ``role`` and rebuilt when a source is another tensor, or its storage or version changed."""
+    store = _state(owner).derived
+    key = tuple((t.data_ptr(), t._version, t.dtype, tuple(t.shape)) for t in sources)
+    hit = store.get(role)
+    if hit is not None and hit[0] == key and all(r() is t for r, t in zip(hit[1], sources)):
+        return hit[2]
+    store.pop(role, None)
+    value = build()
+    store[role] = (key, [weakref.ref(t) for t in sources], value)
+    return value
 
 
 def _copies(module: nn.Module, role: str) -> WeightCache:
@@ -199,6 +225,14 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
     The layout is picked by the row count M = x.numel() / in (module docstring). Mathematically the same
     product as ``F.linear``; the float32 summation order may differ (differences ~1e-7 relative).
     """
+    if any(lin.weight.requires_grad for lin in linears):  # in training: the weights as they are now, no kept copy
+        ws = [lin.weight for lin in linears]
+        w = ws[0] if len(ws) == 1 else torch.cat(ws)
+        bs = [lin.bias for lin in linears]
+        b = None if all(b is None for b in bs) else torch.cat(
+            [torch.zeros(lin.out_features, dtype=w.dtype, device=w.device) if b is None else b
+             for lin, b in zip(linears, bs)])
+        return F.linear(x, w, b)
     cache = _copies(owner, role)
     bk = backend_of(owner)
     lead, d_in = x.shape[:-1], x.shape[-1]
@@ -228,32 +262,26 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
 _PANEL_LAYOUT = {torch.bfloat16: "PB", torch.int8: "PQ"}  # packed copy by weight dtype (float32: "P")
 
 
-_AUTOCAST_COPIES: dict[int, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
-
-
-def autocast_weight(w: torch.Tensor, backend: Backend) -> torch.Tensor:
+def autocast_weight(w: torch.Tensor, owner: nn.Module, role: str) -> torch.Tensor:
     """``w`` as CPU bf16 autocast would cast it, kept from one call to the next while ``w`` lives unchanged.
     Autocast caches the casts of trainable weights within one autocast region only, and never those of frozen
     ones (the target's, a SPIRe draft's head): training cast the 16 K x 576 head once per k-pass pass and the
     teacher's rows once per step. Outside CPU bf16 autocast, for a weight that requires grad, or with
-    ``backend.autocast_copies`` off (autocast then casts anew on every call), ``w`` itself."""
-    if (not backend.autocast_copies or w.requires_grad or w.device.type != "cpu" or not torch.is_autocast_enabled("cpu")
-            or torch.get_autocast_dtype("cpu") != torch.bfloat16 or w.dtype != torch.float32):
+    ``owner``'s backend has ``autocast_copies`` off (autocast then casts anew on every call), ``w`` itself. The copy is
+    kept on ``owner`` under ``role`` (:func:`kept`: an in-place change or new storage under the same tensor makes a
+    new one)."""
+    if (not backend_of(owner).autocast_copies or w.requires_grad or w.device.type != "cpu"
+            or not torch.is_autocast_enabled("cpu") or torch.get_autocast_dtype("cpu") != torch.bfloat16
+            or w.dtype != torch.float32):
         return w
-    c = _AUTOCAST_COPIES.get(id(w))
-    key = (w._version, w.data_ptr())  # an in-place change, or new storage under the same tensor (.data =)
-    if c is None or c[0]() is not w or c[1] != key:
-        for i in [i for i, (ref, _, _) in _AUTOCAST_COPIES.items() if ref() is None]:
-            del _AUTOCAST_COPIES[i]
-        c = _AUTOCAST_COPIES[id(w)] = (weakref.ref(w), key, w.detach().to(torch.bfloat16))
-    return c[2]
+    return kept(owner, f"autocast:{role}", (w,), lambda: w.detach().to(torch.bfloat16))
 
 
 def unembed(h: torch.Tensor, head: nn.Linear, owner: nn.Module) -> torch.Tensor:
     """Normed (B, T, d_model) -> float32 logits (B, T, V) through ``head``: the fast path with the head copies
     kept for ``owner`` unless autograd must see it."""
     if needs_autograd((head,), h):
-        return F.linear(h, autocast_weight(head.weight, backend_of(owner)), head.bias).float()
+        return F.linear(h, autocast_weight(head.weight, owner, "head"), head.bias).float()
     return linear(h, (head,), owner, "head").float()
 
 
@@ -555,7 +583,7 @@ def _native_applies(cfg, layers: nn.ModuleList, x: torch.Tensor, pos: torch.Tens
     """Whether :class:`spire.kernels.DecodeBlock` takes B × T new tokens x of a model shaped by ``cfg`` over a
     cache layer like ``k_cache``: ``backend.fused_block`` on, plain Llama blocks (:attr:`ModelConfig.plain_blocks`:
     a family with biases, q/k norms or Gemma's norms runs per op), float32 on the CPU, few rows, kernels built,
-    no autograd through the layers (the kernel computes no gradients)."""
+    frozen layers (the kernel computes no gradients, and the native block reads kept weight copies)."""
     B, T = pos.shape
     if (not backend.fused_block or not cfg.plain_blocks or x.device.type != "cpu" or x.dtype != torch.float32
             or B * T > min(KERNEL_MAX_M, kernels.MAX_ROWS) or cfg.d_head % 8 or cfg.d_head > 256
@@ -563,7 +591,7 @@ def _native_applies(cfg, layers: nn.ModuleList, x: torch.Tensor, pos: torch.Tens
             or k_cache.dtype != torch.float32 or k_cache.device.type != "cpu" or k_cache.stride(-1) != 1
             or not backend.native()):
         return False
-    return not (torch.is_grad_enabled() and any(p.requires_grad for p in layers.parameters()))
+    return not any(p.requires_grad for p in layers.parameters())  # weights in training: per op, no kept copies
 
 
 class PerOpStep:
@@ -601,7 +629,7 @@ class DecodeStep:
 
     native = True
 
-    def __init__(self, owner: nn.Module, layers: nn.ModuleList, n_heads: int, cache: KVCache | RingKVCache,
+    def __init__(self, owner: nn.Module, layers: nn.ModuleList, n_heads: int, cache: BaseKVCache,
                  pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, views: list[SinkWindow | None] | None,
                  slots: torch.Tensor | None, mask: torch.Tensor | None) -> None:
         B, T = pos.shape
@@ -642,7 +670,7 @@ class DecodeStep:
 
 
 def decode_step(owner: nn.Module, layers: nn.ModuleList, cfg, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
-                sin: torch.Tensor, cache: KVCache | RingKVCache | None, plan: Plan, view: SinkWindow | None = None,
+                sin: torch.Tensor, cache: BaseKVCache | None, plan: Plan, view: SinkWindow | None = None,
                 mask: torch.Tensor | None = None, slots: torch.Tensor | None = None, allow_native: bool = True
                 ) -> DecodeStep | PerOpStep:
     """The blocks of one forward of ``layers`` (a model's blocks, shaped by ``cfg``; ``owner`` keeps their native
@@ -656,12 +684,12 @@ def decode_step(owner: nn.Module, layers: nn.ModuleList, cfg, x: torch.Tensor, p
     here) keys go to the slots of pos and every block reads the entries ``mask`` (B, 1, T, S) bool allows (None:
     memory writes only)."""
     if allow_native and cache is not None and _native_applies(cfg, layers, x, pos, cache.k[0], backend_of(owner)):
-        if type(cache) is KVCache and mask is None:
+        if cache.positional and mask is None:
             views = _layer_views(cfg, pos, view)
             if views is not None:
                 check_positions(pos, cache.max_len)
                 return DecodeStep(owner, layers, cfg.n_heads, cache, pos, cos, sin, views, None, None)
-        elif isinstance(cache, RingKVCache) and pos.shape[1] <= cache.ring:
+        elif not cache.positional and pos.shape[1] <= cache.ring:
             mask8 = None if mask is None else mask[:, 0].contiguous().view(torch.uint8)  # (B, T, S), no copy
             return DecodeStep(owner, layers, cfg.n_heads, cache, pos, cos, sin, None,
                               cache.slot(pos) if slots is None else slots, mask8)

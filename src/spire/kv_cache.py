@@ -8,10 +8,13 @@ positions <= its own and (2) a round writes a position before any query at or af
 
 The same storage serves a dense (full-history) view and a StreamingLLM view (Xiao et al. 2023,
 "Efficient Streaming Language Models with Attention Sinks"): the view is a mask, see :func:`attention_mask`.
+A :class:`RingKVCache` keeps only a sink + window of slots (the SPIRe draft's cache). Both are
+:class:`BaseKVCache`: the operations the round loop, the drafts and the serving engine use.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +67,71 @@ def attention_mask(
     return mask[:, None]
 
 
-class KVCache:
+class BaseKVCache(ABC):
+    """What every KV cache gives the round loop, the drafts and the serving engine: per-layer key/value tensors
+    ``k[l], v[l]`` of shape (B, n_kv, S, d_head) over S entries (positions or slots), and the operations below.
+
+    ``positional`` says how entries are addressed: True (:class:`KVCache`) entry p holds position p, and a
+    forward reads through a (sink, window) view of positions; False (:class:`RingKVCache`) entries are slots
+    that carry the position they hold, and a forward reads every slot under a mask built from the tags.
+    """
+
+    positional: bool
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    @property
+    def batch_size(self) -> int:
+        return self.k[0].shape[0]
+
+    @abstractmethod
+    def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              valid: torch.Tensor | None = None) -> None:
+        """Store keys/values k, v: (B, n_kv, T, d_head) of positions pos: (B, T); ``valid`` (B, T) bool: False
+        entries are not written. Raises ConfigError for a position the cache cannot hold."""
+
+    @abstractmethod
+    def read(self, layer: int, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values (B, n_kv, S, d_head) of layer ``layer`` (a dense cache: positions 0..upto-1)."""
+
+    @abstractmethod
+    def key_positions(self, upto: int | None = None) -> torch.Tensor:
+        """The absolute position of each entry :meth:`read` returns: (S,) or (B, S)."""
+
+    @abstractmethod
+    def claim(self, pos: torch.Tensor) -> None:
+        """Make the entries of positions pos: (B, T) hold them before their keys/values are written layer by
+        layer, so that a mask built now sees them."""
+
+    @abstractmethod
+    def narrow(self, n: int) -> "BaseKVCache":
+        """A view of rows [0, n) (the same storage: writes through it land here); ``self`` when n is every row."""
+
+    @abstractmethod
+    def restart_rows(self, rows: torch.Tensor) -> None:
+        """Forget rows ``rows`` (R,) int64 (a continuous batch gives their slots to new requests): nothing they
+        held may be read by a later query of those rows."""
+
+    def slot(self, pos: torch.Tensor) -> torch.Tensor:
+        """The entry index of absolute positions (any shape): the position itself in a positional cache."""
+        return pos
+
+    def claim_mask(self, pos: torch.Tensor, view: SinkWindow | None = None, self_attend: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`claim` the entries of positions pos (B, T), then the mask of those queries over every entry:
+        (entries (B, T) int64, mask (B, 1, T, S) bool) = (:meth:`slot`, :func:`attention_mask` of the entries'
+        positions under ``view``; without ``self_attend`` no query reads its own key except at position 0)."""
+        self.claim(pos)
+        kp = self.key_positions()
+        kp = kp if kp.dim() == 2 else kp[None].expand(pos.shape[0], -1)
+        mask = attention_mask(pos, kp, view)
+        if not self_attend:
+            qp, k_ = pos[:, :, None], kp[:, None, :]
+            mask = mask & ((k_ != qp) | (qp == 0))[:, None]
+        return self.slot(pos), mask
+
+
+class KVCache(BaseKVCache):
     """Dense per-row KV cache addressed by absolute position.
 
     Shapes: keys and values of layer ``l`` are ``k[l], v[l]``: (B, n_kv, max_len, d_head).
@@ -77,6 +144,8 @@ class KVCache:
         d_head: head dimension.
     """
 
+    positional = True
+
     def __init__(self, n_layers: int, batch_size: int, n_kv: int, max_len: int, d_head: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         shape = (batch_size, n_kv, max_len, d_head)
@@ -84,10 +153,6 @@ class KVCache:
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.max_len = max_len
         self.positions = torch.arange(max_len, device=device)  # (S,)
-
-    @property
-    def batch_size(self) -> int:
-        return self.k[0].shape[0]
 
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               valid: torch.Tensor | None = None) -> None:
@@ -115,7 +180,10 @@ class KVCache:
         return self.k[layer][:, :, :upto], self.v[layer][:, :, :upto]
 
     def claim(self, pos: torch.Tensor) -> None:
-        """Nothing to do: a dense cache's slot of position p is p (interface parity with :class:`RingKVCache`)."""
+        """Nothing to do: a dense cache's entry of position p is p."""
+
+    def restart_rows(self, rows: torch.Tensor) -> None:
+        """Nothing to do: a new request writes every position of its row before any of its queries reads it."""
 
     def key_positions(self, upto: int | None = None) -> torch.Tensor:
         """(S,) absolute positions of the entries :meth:`read` returns."""
@@ -154,7 +222,7 @@ class KVCache:
 EMPTY = 1 << 40  # position tag of a never-written ring slot: larger than any query position, so never visible
 
 
-class RingKVCache:
+class RingKVCache(BaseKVCache):
     """Constant-size sink + window KV cache (StreamingLLM layout; the SPIRe draft's sparse KV cache).
 
     Slots: ``sink`` fixed slots for positions < sink, then a ring of ``window + slack`` slots; position p
@@ -171,6 +239,8 @@ class RingKVCache:
     Shapes: keys/values of layer l: (B, n_kv, sink + window + slack, d_head); tags: (B, slots) int64.
     """
 
+    positional = False
+
     def __init__(self, n_layers: int, batch_size: int, n_kv: int, view: SinkWindow, slack: int, d_head: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         if slack < 1:
@@ -181,10 +251,6 @@ class RingKVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.tags = torch.full((batch_size, n_slots), EMPTY, dtype=torch.long, device=device)
-
-    @property
-    def batch_size(self) -> int:
-        return self.k[0].shape[0]
 
     def narrow(self, n: int) -> "RingKVCache":
         """A view of rows [0, n) (the same storage and tags); ``self`` when n is every row."""
@@ -222,23 +288,22 @@ class RingKVCache:
         rows = torch.arange(pos.shape[0], device=pos.device)[:, None].expand_as(pos)
         self.tags[rows, self.slot(pos)] = pos
 
-    def claim_mask(self, pos: torch.Tensor, self_attend: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`claim` the slots of positions pos (B, T), then the mask of those queries over every slot:
-        (slots (B, T) int64, mask (B, 1, T, S) bool) = (:meth:`slot`, :func:`attention_mask` of the tags under the
-        view, and without ``self_attend`` no query reads its own key except at position 0). One native call on
-        the CPU (spire.kernels.ring_claim_mask), else the torch ops."""
+    def restart_rows(self, rows: torch.Tensor) -> None:
+        """Tag the rows' slots empty: never visible again."""
+        self.tags[rows.to(self.tags.device)] = EMPTY
+
+    def claim_mask(self, pos: torch.Tensor, view: SinkWindow | None = None, self_attend: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`BaseKVCache.claim_mask` under the ring's own view (``view``, when given, must be it): one native
+        call on the CPU (spire.kernels.ring_claim_mask), else the torch ops."""
+        if view is not None and view != self.view:
+            raise ConfigError(f"a ring cache of {self.view} masks under its own view, not {view}")
         if pos.device.type == "cpu" and kernels.available():
             done = kernels.ring_claim_mask(self.tags, pos.to(torch.int64), self.view.sink, self.ring,
                                            self.view.window, self_attend)
             if done is not None:
                 return done
-        self.claim(pos)
-        kp = self.tags
-        mask = attention_mask(pos, kp, self.view)
-        if not self_attend:
-            qp, k_ = pos[:, :, None], kp[:, None, :]
-            mask = mask & ((k_ != qp) | (qp == 0))[:, None]
-        return self.slot(pos), mask
+        return super().claim_mask(pos, self.view, self_attend)
 
     def read(self, layer: int, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """All slots of a layer: (B, n_kv, slots, d_head) each (``upto`` is ignored)."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from spire import defaults
+from spire.backend import of as backend_of
 from spire.data import document_separator_id, prepare_data
 import spire.drafts.registry as registry
 from spire.drafts import make_draft
@@ -497,7 +498,8 @@ def _results(cfg: ReproduceConfig, target, folder: Path, data, training: dict, t
                    for k, v in asdict(cfg).items()},
         "environment": {"torch": torch.__version__, "python": platform.python_version(),
                         "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-                        "threads": torch.get_num_threads(), "device": str(target.device)},
+                        "threads": torch.get_num_threads(), "device": str(target.device),
+                        "backend": backend_of(target).describe()},
         "target": {"name": cfg.target or cfg.preset, "checkpoint": str(folder), "config": target.cfg.to_dict(),
                    "layers": target.cfg.n_layers, "d_model": target.cfg.d_model,
                    "body_params": target.num_body_params()},

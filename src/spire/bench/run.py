@@ -41,6 +41,7 @@ import torch
 
 from spire import defaults
 import spire.drafts.registry as registry
+from spire.backend import of as backend_of
 from spire.drafts.base import Draft
 from spire.errors import ConfigError, DataError
 from spire.model import ModelConfig, Transformer
@@ -289,7 +290,7 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
             state = None  # free the prefill
     return {"config": asdict(cfg), "hoi": hoi_used, "flops_per_s": flops_per_s, "dtype": dtype_name,
             "weight_bytes": weight_bytes or bytes_per, "draft_weight_bytes": own_bytes,
-            "device": str(dev), "rows": rows, "ad": ad_rows}
+            "device": str(dev), "backend": backend_of(target).describe(), "rows": rows, "ad": ad_rows}
 
 
 def _measure_cell(target: Transformer, state: Prefilled, drafts: dict[str, Draft], cfg: BenchConfig, B: int,

@@ -195,7 +195,8 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
         check_positions(cfg, target)
         n_draft = max(1, round(target.cfg.n_layers * 8 / 30))  # SmolLM2: its last 8 of 30 layers
         drafts, sources, skipped = untrained_drafts(args, target)
-        drafts["spire"] = SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=n_draft)))
+        model = SpireDraftModel(target, SpireConfig(n_draft_layers=n_draft)).requires_grad_(False)  # decodes frozen
+        drafts["spire"] = SpireDraft(model)
         sources["spire"] = f"untrained pruned copy of the last {n_draft} layers"
         skipped += ["random weights: τ and tokens/s of SD are meaningless (timings and Δt are real); the SPIRe "
                     "draft is an untrained pruned copy", "vanilla: not with --random-weights"]

@@ -69,3 +69,15 @@ def kinds(allowed: tuple[str, ...]) -> dict:
             raise typer.BadParameter(f"{value!r} is not one of {', '.join(allowed)}")
         return value
     return {"callback": check, "metavar": "[" + "|".join(allowed) + "]"}
+
+
+def set_process_backend(spec: str) -> None:
+    """``spire --backend SPEC``: check SPEC (:meth:`spire.backend.Backend.parse`; ConfigError naming an unknown
+    choice) and make it this process's backend, and its children's (training workers), through
+    :data:`spire.backend.ENV`."""
+    import os
+
+    from spire.backend import ENV, Backend
+
+    os.environ[ENV] = Backend.parse(spec).spec()
+

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from spire import defaults
+from spire.backend import of as backend_of
 from spire.commands.options import ints
 from spire.data import document_separator_id, prepare_data
 import spire.drafts.registry as registry
@@ -253,7 +254,8 @@ def run_tau(a: TauArgs, progress: bool = True, log: Callable[[str], None] | None
                                      "bootstrap CI over contexts"},
             "data": data_info,
             "environment": {"torch": torch.__version__, "python": platform.python_version(),
-                            "threads": torch.get_num_threads(), "device": str(target.device)},
+                            "threads": torch.get_num_threads(), "device": str(target.device),
+                            "backend": backend_of(target).describe()},
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "wall_s": time.time() - t0,
         }  # fmt: skip

@@ -1039,7 +1039,7 @@ def load_draft(target: Transformer, path: str | Path | None = None, **_) -> Eagl
     run = Path(path).expanduser()
     if run.is_dir() and (run / "checkpoint").exists():  # a `spire train` run folder
         warn_if_unfinished(run)
-    return Eagle3Draft(load_eagle3(run, target))
+    return Eagle3Draft(load_eagle3(run, target).requires_grad_(False))  # frozen: decodes with kept copies
 
 
 def _export(src: Path, target: Transformer, name_or_path: str, k: int):

@@ -42,7 +42,7 @@ from spire.drafts.draft_file import (check_export, fingerprint, fingerprint_matc
                                      run_finished, warn_if_unfinished, write_draft_file)
 from spire.drafts.registry import DraftImpl
 from spire.errors import CheckpointError, ConfigError
-from spire.kv_cache import EMPTY, KVCache, RingKVCache, SinkWindow, attention_mask
+from spire.kv_cache import BaseKVCache, KVCache, RingKVCache, SinkWindow, attention_mask
 from spire.model import ForwardOutput, RMSNorm, Transformer
 from spire.paths import spire_cache_dir
 
@@ -351,10 +351,10 @@ class SpireDraftModel(nn.Module):
         if not self.cfg.feedback_memory:
             return torch.stack(xs[:-1])
         x = torch.stack(xs)  # (n_d + 1, B, T, d)
-        if torch.is_grad_enabled() and self.mix_logits.requires_grad:
+        if self.mix_logits.requires_grad:  # in training (its held-out evaluation too): the logits as they are now
             w = self.mix_logits.softmax(-1).to(x.dtype)  # (n_d, n_d + 1), rows sum to 1
             return torch.einsum("il,lbtd->ibtd", w, x)
-        # inference (a draft step): the softmax kept while the logits are unchanged, one small matmul
+        # frozen (a draft step): the softmax kept while the logits are unchanged, one small matmul
         p = self.mix_logits
         key = (p.data_ptr(), p._version, x.dtype)
         if self._mix is None or self._mix[0] != key:
@@ -635,7 +635,7 @@ class SpireDraft(Draft):
     def __init__(self, model: SpireDraftModel) -> None:
         self.model = model
         self.hidden_layers = model.source_layers if model.cfg.target_activations else ()
-        self._cache: RingKVCache | KVCache | None = None
+        self._cache: BaseKVCache | None = None
         self._feature: torch.Tensor | None = None  # (B, R, d) recent positions' features (feature_input)
         self._feature_pos: torch.Tensor | None = None  # (B, R) the position each slot holds
 
@@ -670,8 +670,7 @@ class SpireDraft(Draft):
         """Forget rows ``rows`` (R,): their ring slots are tagged empty (never visible again) and their kept features
         dropped. A dense draft cache (the no-window ablation) needs nothing: a new request writes every position of
         its row before any query reads it."""
-        if isinstance(self._cache, RingKVCache):
-            self._cache.tags[rows.to(self._cache.tags.device)] = EMPTY
+        self._cache.restart_rows(rows)
         if self._feature_pos is not None:
             self._feature_pos[rows.to(self._feature_pos.device)] = -1 << 40
 
@@ -751,15 +750,8 @@ class SpireDraft(Draft):
         x = m.target.model.embed_tokens(tokens)  # (B, 1, d)
         feature = None if self._feature is None else self._previous_feature(pos)  # (B, 1, d)
         cos, sin = m.rope(pos, x.dtype)
-        slots = None
-        if isinstance(cache, RingKVCache):  # claim the new position's slots and mask every slot, in one call
-            slots, mask = cache.claim_mask(pos, m.cfg.self_attend)  # (B, 1), (B, 1, 1, S)
-        else:
-            cache.claim(pos)  # the slots of the new position now hold it (its keys/values follow, per layer)
-            kp = self._key_positions(tokens.shape[0])
-            mask = attention_mask(pos, kp, m.view)  # (B, 1, 1, S)
-            if not m.cfg.self_attend:
-                mask = mask & m.self_mask(pos, kp)[:, None]
+        # the new position's entries claimed (its keys/values follow, per layer) and the mask over every entry
+        slots, mask = cache.claim_mask(pos, m.view, m.cfg.self_attend)  # (B, 1), (B, 1, 1, S)
         xs = [x]
 
         def plan():  # per op: the token's own key/value into the cache, then attention over everything up to it
@@ -821,10 +813,10 @@ def load_draft(target: Transformer, path: str | Path | None = None, **_) -> Spir
         raise CheckpointError("no trained SPIRe draft for this target in the cache: run `spire reproduce` "
                               "(or pass --draft-path)")
     if file.is_dir():
-        return SpireDraft(load_exported_spire(file, target))
+        return SpireDraft(load_exported_spire(file, target).requires_grad_(False))
     if path:
         warn_if_unfinished(file.parent)
-    return SpireDraft(SpireDraftModel.load(file, target))
+    return SpireDraft(SpireDraftModel.load(file, target).requires_grad_(False))  # frozen: decodes with kept copies
 
 
 def _export(src: Path, target: Transformer, name_or_path: str, k: int):

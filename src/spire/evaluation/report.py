@@ -10,6 +10,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 import spire.drafts.registry as registry
+from spire.backend import summary_of as backend_line
 from spire.evaluation.tau import paired_ratio_ci
 from spire.paths import atomic_write, spire_cache_dir
 from spire.throughput import RowOptions, get_preset, throughput_rows
@@ -490,6 +491,8 @@ def _markdown(results: dict, cfg) -> str:
         f"Wall time {tm['total_s'] / 60:.1f} min on {env['processor']} ({env['threads']} "
         f"thread{'s' if env['threads'] != 1 else ''}, torch {env['torch']}, {env['device']})."
         + _reuse_note(results),
+        "",
+        f"Execution path (`spire --backend`): {backend_line(env.get('backend'))}.",
         "",
         "## τ (average tokens per round, bonus included)",
         "",

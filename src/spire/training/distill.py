@@ -40,7 +40,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.autograd.graph import increment_version
 from tqdm.auto import tqdm
 
 from spire import defaults
@@ -234,7 +233,6 @@ def make_optimizer(params: list[torch.nn.Parameter], cfg: TrainConfig, backend: 
         except (RuntimeError, ValueError):  # a device without the fused kernel
             pass
         else:
-            opt.register_step_post_hook(_mark_updated)
             return opt
     return torch.optim.AdamW(params, **kw)
 
@@ -264,14 +262,6 @@ def _inductor_cache() -> str:
 def uncompile_draft(model: TrainableDraft) -> None:
     """Undo :func:`compile_draft` (nothing when the model was not compiled)."""
     model.__dict__.pop("train_logits", None)
-
-
-def _mark_updated(opt: torch.optim.Optimizer, args, kwargs) -> None:
-    """The fused AdamW kernel writes the parameters without bumping their version counters (torch 2.13), so
-    every copy keyed by a weight's version (:mod:`spire.fastpath`'s packed and fused weights, which the held-out
-    evaluation and an in-process draft decode through) went stale after the first use: held-out α during
-    training and a draft trained in this process measured the weights of their first evaluation."""
-    increment_version([p for group in opt.param_groups for p in group["params"]])
 
 
 def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg: TrainConfig,
@@ -432,7 +422,18 @@ class Trainer:
         state["config"] = cfg_dict
         state["heldout_windows"] = 0 if self.heldout is None else int(self.heldout.shape[0])  # for a resume
         self.state = state
+        # which path runs: at the start, and at a resume that runs another way (the same results to rounding)
+        backend = backend_of(model).describe()
+        if state["step"] == 0 or backend != self._logged_backend():
+            self.write_log({"event": "backend", "step": state["step"], **backend})
         return model.train()
+
+    def _logged_backend(self) -> dict | None:
+        """The last backend the run's log records (without its event and step), or None."""
+        path = self.out_dir / LOG_FILE
+        rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+        last = next((r for r in reversed(rows) if r.get("event") == "backend"), None)
+        return None if last is None else {k: v for k, v in last.items() if k not in ("event", "step")}
 
     def done(self) -> bool:
         cfg, state = self.cfg, self.state

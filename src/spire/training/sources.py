@@ -27,18 +27,16 @@ import hashlib
 import json
 import os
 import shutil
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from spire import fastpath
-from spire.backend import Backend
-from spire.backend import of as backend_of
 from spire.errors import ConfigError, DataError
 from spire.model import Transformer
 from spire.paths import atomic_write, spire_cache_dir
@@ -82,30 +80,25 @@ class TeacherBatch:
             raise ConfigError("this batch carries no teacher distribution (the loss did not ask for one)")
         if vocab is None and self.logits is not None:
             return self.logits - self.logz[..., None]
-        w = target.lm_head.weight if vocab is None else vocab_rows(target.lm_head.weight, vocab)
-        return head_logits(self.final, w, backend_of(target)).sub_(self.logz[..., None])
+        if vocab is None:
+            return head_logits(self.final, target.lm_head.weight, target, "head").sub_(self.logz[..., None])
+        return head_logits(self.final, vocab_rows(target, vocab), target, "vocab_rows").sub_(self.logz[..., None])
 
 
-_ROWS: tuple | None = None  # (weakref to weight, its version, weakref to ids, their version, rows)
+def vocab_rows(target: Transformer, ids: torch.Tensor) -> torch.Tensor:
+    """``target.lm_head.weight[ids]`` (N, d) for a draft vocabulary's ids (N,), kept on the target from one call to
+    the next while the head and the ids live unchanged (the same rows were gathered anew on every training
+    step)."""
+    weight = target.lm_head.weight
+    return fastpath.kept(target, "vocab_rows", (weight, ids), lambda: weight[ids].detach())
 
 
-def vocab_rows(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``weight[ids]`` (N, d) for a frozen head (V, d) and a draft vocabulary's ids (N,), kept from one call to
-    the next while both tensors live unchanged (the same rows were gathered anew on every training step)."""
-    global _ROWS
-    c = _ROWS
-    if (c is None or c[0]() is not weight or c[1] != weight._version or c[2]() is not ids
-            or c[3] != ids._version):
-        c = _ROWS = (weakref.ref(weight), weight._version, weakref.ref(ids), ids._version, weight[ids].detach())
-    return c[4]
-
-
-def head_logits(final: torch.Tensor, weight: torch.Tensor, backend: Backend) -> torch.Tensor:
+def head_logits(final: torch.Tensor, weight: torch.Tensor, owner: nn.Module, role: str) -> torch.Tensor:
     """(B, T, d) normed hidden states x (N, d) head rows -> (B, T, N) float32 logits, one matmul over B·T rows
     (the same call on both sources, so a float32 cache reproduces the live logits bit for bit; under CPU bf16
     autocast a bf16 matmul, with the rows' bf16 copy kept from step to step)."""
     B, T, d = final.shape
-    w = fastpath.autocast_weight(weight, backend)
+    w = fastpath.autocast_weight(weight, owner, role)
     return F.linear(final.reshape(B * T, d).to(weight.dtype), w).float().view(B, T, -1)
 
 
@@ -123,7 +116,7 @@ def run_target(target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...
         if not teacher:
             return TeacherBatch(tokens, hidden)
         final = target.model.norm(out.hidden[n]).float()
-        logits = head_logits(final, target.lm_head.weight, backend_of(target))
+        logits = head_logits(final, target.lm_head.weight, target, "head")
     return TeacherBatch(tokens, hidden, final, torch.logsumexp(logits, -1), logits)
 
 
