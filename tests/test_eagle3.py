@@ -109,7 +109,7 @@ CASES = [
 def test_train_logits_equal_step_by_step_inference(target8, k, extra):
     """Every position t of train_logits equals what the drafting loop gives at t: a chain started at the chunk
     start s = t - t mod k from the target's features (the prefix < s observed), its own features afterwards."""
-    m = _draft(target8, Eagle3Config(**{"draft_vocab": 60, **extra}))
+    m = _draft(target8, Eagle3Config(**{"draft_vocab": 60, **extra})).requires_grad_(False)  # as a loaded draft
     B, T = 2, 4 * k
     tokens = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(k))
     pos = _positions(tokens)

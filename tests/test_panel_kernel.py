@@ -1,5 +1,5 @@
 """The panel matmul (spire.kernels.pack_panels / panel_linear, cpu_decode.c "Panel matmul") and its use by the
-decode path (spire.fastpath.PANEL_KERNEL): the product against float64, the packed layout, bit-identical rows
+decode path (spire.backend.Backend.panel_kernel): the product against float64, the packed layout, bit-identical rows
 whatever else shares the call, and the same logits, caches and greedy tokens as the row-major kernels."""
 
 from __future__ import annotations

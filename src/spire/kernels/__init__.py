@@ -24,7 +24,7 @@ matmuls of 3 to 8 rows take an AVX-512 path that multiplies a tile of 3-6 weight
 (:func:`set_avx512`, ``SPIRE_AVX512=0`` to keep the AVX2 path).
 
 :func:`pack_panels` / :func:`panel_linear` are the panel matmul (cpu_decode.c, "Panel matmul") over a weight
-packed once, which the decode path uses by default (spire.fastpath.PANEL_KERNEL; DecodeBlock takes packed
+packed once, which the decode path uses by default (spire.backend.Backend.panel_kernel; DecodeBlock takes packed
 weights too): AVX2 code on every CPU, rows bit-identical whatever M.
 
 Anything else (no compiler, another CPU, float16, ``SPIRE_KERNELS=0``) returns None and the caller falls
