@@ -375,13 +375,27 @@ def bench_calibrate(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point: run the app; a SpireError becomes one ``error:`` line on stderr, exit 2."""
+    """Console entry point: run the app. A SpireError, or an option value the parser refuses (not an integer, an
+    unknown option), becomes one ``error:`` line on stderr, exit 2; success exits 0."""
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError  # typer's own click (0.29)
+
     try:
-        app(args=argv, prog_name="spire")
+        rv = app(args=argv, prog_name="spire", standalone_mode=False)
+    except NoArgsIsHelpError as e:  # `spire` or a group without a command: the help, as before
+        e.show()
+        sys.exit(e.exit_code)
+    except ClickException as e:
+        where = f" (see {e.ctx.command_path} --help)" if getattr(e, "ctx", None) is not None else ""
+        print(f"error: {' '.join(e.format_message().splitlines())}{where}", file=sys.stderr)
+        sys.exit(2)
+    except typer.Abort:
+        print("error: aborted", file=sys.stderr)
+        sys.exit(1)
     except (SpireError, OSError) as e:  # OSError: a path the checks up front could not foresee (permissions, disk)
         message = " ".join(str(e).splitlines())
         print(f"error: {message}", file=sys.stderr)
         sys.exit(2)
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 if __name__ == "__main__":

@@ -240,7 +240,7 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
     M = x2.shape[0]
     y = None
     if x.device.type == "cpu" and x2.dtype == torch.float32:
-        native = bk.native()
+        native = bk.kernels and kernels.available()
         if bk.panel_kernel and M <= KERNEL_MAX_M and native:
             xc = x2 if x2.stride(-1) == 1 else x2.contiguous()
             y = kernels.panel_linear(xc, cache.get(linears, _PANEL_LAYOUT.get(cache.weight_dtype, "P")),
@@ -374,7 +374,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, weight: torch.Tensor,
     """x / sqrt(mean(x²) + eps) · w in one native call (float32 CPU inference, ``backend.rmsnorm_kernel``), or None
     (the caller computes it with torch). ``weight``: the norm's parameter (autograd through it keeps the torch
     ops)."""
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and backend.rmsnorm_kernel and backend.native()
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and backend.rmsnorm_kernel and backend.kernels
+            and kernels.available()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return kernels.rms_norm(x, w, eps)
     return None
@@ -408,7 +409,7 @@ def attention(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     a = None
     bk = backend_of(attn)
     if (bk.attention_kernel and q.device.type == "cpu" and q.dtype == torch.float32 and g * T <= ATTENTION_KERNEL_ROWS
-            and bk.native()):
+            and bk.kernels and kernels.available()):
         a = kernels.decode_attention(q, k, v, mask, attn.scale)
     if a is None:
         a = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=attn.scale)
@@ -589,7 +590,7 @@ def _native_applies(cfg, layers: nn.ModuleList, x: torch.Tensor, pos: torch.Tens
             or B * T > min(KERNEL_MAX_M, kernels.MAX_ROWS) or cfg.d_head % 8 or cfg.d_head > 256
             or cfg.n_heads % cfg.n_kv_heads or cfg.n_heads // cfg.n_kv_heads * T > kernels.BLOCK_MAX_ROWS
             or k_cache.dtype != torch.float32 or k_cache.device.type != "cpu" or k_cache.stride(-1) != 1
-            or not backend.native()):
+            or not backend.kernels or not kernels.available()):
         return False
     return not any(p.requires_grad for p in layers.parameters())  # weights in training: per op, no kept copies
 

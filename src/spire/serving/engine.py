@@ -462,8 +462,7 @@ def generate_batch(target: Transformer, prompts: Sequence[Sequence[int]], max_ne
     engine = Engine(target, draft, k=k, max_running=len(rows), max_len=max_len, eos_ids=eos_ids, decode=decode)
     index = {}
     for i, r in enumerate(rows):
-        rp = RequestParams(max_new_tokens, params.temperature, params.top_k, params.top_p, seed + i, tuple(stop),
-                           ignore_eos=False)
+        rp = RequestParams(max_new_tokens, params.temperature, params.top_k, params.top_p, seed + i, tuple(stop))
         index[engine.add_request(r, rp)] = i
     tokens: list[list[int]] = [[] for _ in rows]
     finish, rounds = ["length"] * len(rows), [0] * len(rows)

@@ -146,14 +146,10 @@ def round_model(target, draft, hoi: float, weight_bytes: float = 4.0, draft_weig
     from spire.bench.run import draft_bytes, draft_kind_and_shape, shape_of
 
     kind, d_shape, sink, window = draft_kind_and_shape(draft, target)
-    kv_bytes = torch_bytes(target)
+    kv_bytes = float(target.dtype.itemsize)  # activations and KV cache at the target's dtype
     options = CostOptions(weight_bytes=weight_bytes, kv_bytes=kv_bytes, attention_flops=True, embeddings=True,
                           sink=sink, window=window)
     own = weight_bytes if draft_weight_bytes is None else draft_weight_bytes
     d_bytes = draft_bytes(draft, kind, d_shape, own, weight_bytes)
     return RoundModel(shape_of(target), d_shape, kind, hoi, options, replace(options, weight_bytes=d_bytes))
 
-
-def torch_bytes(target) -> float:
-    """Bytes per value of the target's activations and KV cache (its dtype)."""
-    return float(target.dtype.itemsize)
