@@ -41,6 +41,11 @@ OLD_PATH = backend.DEFAULT.replace(chunked_kpass=False, grouped_attention=False,
 optimizer and loss are the for-loop AdamW and the autograd MixedLoss)."""
 
 
+def old_mixed_loss(draft_logits, target_logp, omega=0.5, kernel=True):
+    """The trainer's MixedLoss before the levers: the autograd reference (no row kernel, whatever ``kernel``)."""
+    return mixed_loss_logp_reference(draft_logits, target_logp, omega)
+
+
 def step_rate(target, data, cfg: TrainConfig, steps: int) -> float:
     """Median training tokens/s over ``steps`` timed steps (after one warm-up step), the trainer's own step."""
     model = distill._build_model(target, cfg, data)
@@ -130,7 +135,7 @@ def _time_steps(runs: dict, target, steps: int, fused_loss) -> None:
     new = backend.of(target)
     for s in range(steps + 1):
         for name, (cfg, model, src, opt, fused, wall, cpu) in runs.items():
-            distill.mixed_loss_logp = fused_loss if fused else mixed_loss_logp_reference
+            distill.mixed_loss_logp = fused_loss if fused else old_mixed_loss
             for m in (target, model):  # the old path: dense k-pass layout, SDPA, frozen weights cast anew
                 backend.use(m, new if fused else OLD_PATH)
             watch = Stopwatch(target.device)
@@ -172,7 +177,7 @@ def whole_machine_rates(target, data, folder, steps: int, vocab_size: int, cache
                 out = Path(tmp) / f"{rep}-{'old' if old else 'new'}"  # one folder per run (procs may be 1 for both)
                 fused_loss, before = distill.mixed_loss_logp, backend.of(target)
                 if old:  # one process: it runs here, so the old implementations can be put in place
-                    distill.mixed_loss_logp = mixed_loss_logp_reference
+                    distill.mixed_loss_logp = old_mixed_loss
                     backend.use(target, before.replace(fused_adamw=False))
                 try:
                     train_in_processes(target, data, out, cfg, procs, 1 if procs > 1 else torch.get_num_threads(),

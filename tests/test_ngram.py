@@ -72,6 +72,11 @@ def test_config_follows_vllm_defaults_and_refuses_bad_bounds():
         load_draft(None, path="some/file")
     d = load_draft(None, n_max=3)
     assert d.name == "ngram" and d.hidden_layers == () and (d.cfg.n_min, d.cfg.n_max) == (3, 3)
+    from spire.drafts import make_draft
+
+    assert make_draft("ngram", None, n_min=2, n_max=None).cfg.n_max == 2  # None: not given
+    with pytest.raises(ConfigError, match="--draft magicdec takes no option n_min"):  # not dropped silently
+        make_draft("magicdec", None, n_min=2)
 
 
 # --- proposals on hand-made sequences ------------------------------------------------------------------------

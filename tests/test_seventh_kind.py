@@ -28,7 +28,8 @@ main(sys.argv[1:])
 
 def _spire(*args: str) -> dict:
     out = subprocess.run([sys.executable, "-c", ADD_THE_LINE, *args], capture_output=True, text=True, cwd=ROOT,
-                         env={**__import__("os").environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+                         env={**__import__("os").environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}",
+                              "OMP_NUM_THREADS": "1"},
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)

@@ -34,7 +34,8 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
 
     path: the --draft-path (a kind with ``path == "none"`` refuses one; "required" kinds need one; the SPIRe
     draft defaults to the newest finished one in the cache). sink / window: MagicDec's view; options: the kind's
-    own settings (e.g. n_min / n_max for ngram). Raises ConfigError / CheckpointError / TokenizerMismatchError.
+    own settings (e.g. n_min / n_max for ngram), those its ``KIND.options`` declares (another is a ConfigError). Raises
+    ConfigError / CheckpointError / TokenizerMismatchError.
     """
     entry = registry.kind(kind)
     if path and entry.path == "none":
@@ -42,7 +43,12 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
         raise ConfigError(f"a draft path is for the {takers} drafts; --draft {kind} takes none")
     if not path and entry.path == "required":
         raise ConfigError(f"--draft {kind} needs --draft-path ({entry.summary})")
-    draft = registry.impl(kind).load(target, tokenizer=tokenizer, path=path, sink=sink, window=window, dtype=dtype,
+    impl = registry.impl(kind)
+    foreign = sorted(name for name, value in options.items() if value is not None and name not in impl.options)
+    if foreign:  # an option of another kind would be dropped silently by this kind's load
+        raise ConfigError(f"--draft {kind} takes no option {', '.join(foreign)} (its options: "
+                          f"{', '.join(impl.options) or 'none'})")
+    draft = impl.load(target, tokenizer=tokenizer, path=path, sink=sink, window=window, dtype=dtype,
                                      **options)
     import torch.nn as nn
 
