@@ -980,8 +980,8 @@ static void attend_block(const float *q, const int64_t *q_off, const int64_t *qp
         for (int64_t d0 = 0; d0 < D; d0 += 32) {
             int nd = D - d0 < 32 ? (int)((D - d0) / 8) : 4;
             __m256 a1[4], a2[4];
-            for (int c = 0; c < 4; c++) {
-                a1[c] = c < nd ? _mm256_loadu_ps(o1 + d0 + 8 * c) : _mm256_setzero_ps();
+            for (int c = 0; c < 4; c++) {  /* the block's p V summed apart, then added to the running output: */
+                a1[c] = _mm256_setzero_ps(); /* two-level sums (64 keys, then blocks), not one over every key */
                 a2[c] = _mm256_setzero_ps();
             }
             for (int64_t j = 0; j < n; j++) {
@@ -995,7 +995,8 @@ static void attend_block(const float *q, const int64_t *q_off, const int64_t *qp
                         a2[c] = _mm256_fmadd_ps(b2, vv, a2[c]);
                     }
             }
-            for (int c = 0; c < nd; c++) _mm256_storeu_ps(o1 + d0 + 8 * c, a1[c]);
+            for (int c = 0; c < nd; c++)
+                _mm256_storeu_ps(o1 + d0 + 8 * c, _mm256_add_ps(_mm256_loadu_ps(o1 + d0 + 8 * c), a1[c]));
             if (r2 != r)
                 for (int c = 0; c < nd; c++)
                     _mm256_storeu_ps(o2 + d0 + 8 * c, _mm256_add_ps(_mm256_loadu_ps(o2 + d0 + 8 * c), a2[c]));
