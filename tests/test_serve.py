@@ -217,23 +217,36 @@ def _gate(engine: Engine, delay: float = 0.0) -> threading.Event:
 
 
 def test_503_past_max_waiting(parts):
+    """With the engine held (no step runs), 1 slot and --max-waiting 1: the first request takes the free slot, the
+    second waits, the third gets 503 with Retry-After; once the engine runs, both are answered. --max-waiting 0
+    still serves one request per free slot."""
     r = Running(parts, max_running=1, max_waiting=1)
     try:
         gate = _gate(r.engine)
-        first: list[httpx.Response] = []
-        t = threading.Thread(target=lambda: first.append(r.post("/v1/completions", '{"prompt": "a", "max_tokens": 3}')))
-        t.start()
-        for _ in range(100):
-            if r.engine.num_waiting == 1:
-                break
-            time.sleep(0.05)
-        busy = r.post("/v1/completions", '{"prompt": "b", "max_tokens": 3}')
+        answered: list[httpx.Response] = []
+        threads = []
+        for i, prompt in enumerate("ab"):
+            threads.append(threading.Thread(target=lambda p=prompt: answered.append(
+                r.post("/v1/completions", f'{{"prompt": "{p}", "max_tokens": 3}}'))))
+            threads[-1].start()
+            for _ in range(100):
+                if r.engine.num_waiting == i + 1:
+                    break
+                time.sleep(0.05)
+        assert r.engine.num_waiting == 2
+        busy = r.post("/v1/completions", '{"prompt": "c", "max_tokens": 3}')
         assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
         assert busy.json()["error"]["code"] == "server_overloaded"
         gate.set()
-        t.join(30)
-        assert first[0].status_code == 200
+        for t in threads:
+            t.join(30)
+        assert [a.status_code for a in answered] == [200, 200]
         assert r.post("/v1/completions", '{"prompt": "c", "max_tokens": 3}').status_code == 200
+    finally:
+        r.close()
+    r = Running(parts, max_running=2, max_waiting=0)
+    try:
+        assert r.post("/v1/completions", '{"prompt": "a", "max_tokens": 3}').status_code == 200
     finally:
         r.close()
 
@@ -357,12 +370,12 @@ FIELD_BAD = {  # field -> values that must be refused with a 4xx naming it (comp
     "n": [2, 5, 100],
     "seed": ["x", 1.5],
     "stop": [[""], ["a", "b", "c", "d", "e"], 123],
-    "logprobs": [1, 5],
+    "logprobs": [0, 1, 5],
     "logit_bias": [{"1": 5}],
     "model": ["gpt-4", "", "tiny2", "TINY"],
     "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}, "text"],
     "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}],
-    "parallel_tool_calls": [True, False],
+    "parallel_tool_calls": [True, 1],
     "modalities": [["audio"], ["text", "audio"]],
 }
 PROMPT_BAD = ["", [], [49152], [-1], [1.5], ["a", "b"], {"a": 1}, 123, "word " * 2000, [[1, 2], [3]]]
@@ -443,6 +456,7 @@ def test_a_thousand_malformed_requests_get_4xx_naming_the_field(parts, running):
     (["--window", "0"], "--window must be >= 1"),
     (["--shutdown-grace", "-1"], "--shutdown-grace must be"),
     (["--port", "PORT_IN_USE"], "cannot listen on 127.0.0.1:"),
+    (["--port", "0"], "--port must be in [1, 65535]"),
 ])
 def test_serve_refuses_bad_options_before_loading_the_target(tmp_path, capsys, args, words):
     """Each bad option is one ``error:`` line and exit 2, before the target loads (the target named here does

@@ -88,6 +88,8 @@ class Backend:
                 raise ConfigError(f"backend: unknown choice {item!r}; the choices are "
                                   f"{', '.join(sorted(n.replace('_', '-') for n in names))} (each with no- to turn "
                                   "it off)")
+            if changes.get(name, on) != on:
+                raise ConfigError(f"backend: {name.replace('_', '-')} is both on and off in {spec!r}")
             changes[name] = on
         return cls(**changes)
 

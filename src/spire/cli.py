@@ -51,8 +51,7 @@ def _root(backend: Annotated[Optional[str], _OPT(help=(
         "no-fused-adamw, no-loss-kernel (every fast path by default; the same results to float32 rounding). "
         "Recorded in run logs, results.json and REPORT.md."))] = None) -> None:
     """Throughput-oriented speculative decoding (SPIRe, arXiv 2504.06419)."""
-    if backend is not None:
-        set_process_backend(backend)
+    set_process_backend(backend)
 
 
 def _err(message: str) -> None:

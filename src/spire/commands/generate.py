@@ -163,6 +163,8 @@ def generate(
     params = SamplingParams(temperature, top_k, top_p)
     if k < 1:
         raise ConfigError(f"k must be >= 1, got {k}")
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     warn_unused_sampling(temperature, top_k, top_p)
     texts = read_prompts(prompts or [], file)
     if window < 1:

@@ -71,13 +71,19 @@ def kinds(allowed: tuple[str, ...]) -> dict:
     return {"callback": check, "metavar": "[" + "|".join(allowed) + "]"}
 
 
-def set_process_backend(spec: str) -> None:
-    """``spire --backend SPEC``: check SPEC (:meth:`spire.backend.Backend.parse`; ConfigError naming an unknown
-    choice) and make it this process's backend, and its children's (training workers), through
-    :data:`spire.backend.ENV`."""
+def set_process_backend(spec: str | None) -> None:
+    """``spire --backend SPEC``: check SPEC (:meth:`spire.backend.Backend.parse`; ConfigError naming an unknown or
+    contradictory choice) and make it this process's backend, and its children's (training workers), through
+    :data:`spire.backend.ENV`. Without the option, a SPIRE_BACKEND already set is checked the same way."""
     import os
 
     from spire.backend import ENV, Backend
 
+    if spec is None:
+        try:
+            Backend.parse(os.environ.get(ENV, ""))
+        except ConfigError as e:
+            raise ConfigError(f"{ENV}={os.environ[ENV]!r}: {e}") from None
+        return
     os.environ[ENV] = Backend.parse(spec).spec()
 

@@ -23,8 +23,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 def _check(port: int, max_running: int, max_waiting: int, k: int, max_len: int, window: int, log_level: str,
            shutdown_grace: float) -> None:
-    if not 0 <= port <= 65535:
-        raise ConfigError(f"--port must be in [0, 65535], got {port}")
+    if not 1 <= port <= 65535:  # 0 (any free port) would serve on a port no line names
+        raise ConfigError(f"--port must be in [1, 65535], got {port}")
     for flag, v, lo in (("--max-running", max_running, 1), ("--max-waiting", max_waiting, 0), ("-k", k, 1),
                         ("--max-len", max_len, k + 2), ("--window", window, 1)):
         if v < lo:

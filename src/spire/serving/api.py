@@ -198,8 +198,10 @@ class Server:
 
     def submit(self, ids: list[int], params: RequestParams) -> tuple[int, asyncio.Queue]:
         """Queue into the engine; its outputs arrive on the returned asyncio queue. Raises ApiError 503 past
-        max_waiting, 400 for what the engine refuses."""
-        if self.engine.num_waiting >= self.max_waiting:
+        max_waiting, 400 for what the engine refuses. A request counts as waiting only beyond the free slots (a new
+        request waits for the engine's next step even when a slot is free: that is not a queue)."""
+        free = self.engine.max_running - self.engine.num_running
+        if self.engine.num_waiting - free >= self.max_waiting:
             raise ApiError(503, f"the server is busy: {self.engine.num_waiting} requests are waiting "
                                 f"(--max-waiting {self.max_waiting}); retry later", None, "server_overloaded",
                            "server_error", {"Retry-After": "1"})

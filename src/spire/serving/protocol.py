@@ -108,7 +108,7 @@ ACCEPTED_AS_DEFAULT: dict[str, tuple] = {
     "response_format": (None, {"type": "text"}),
     "tool_choice": (None, "none"),
     "function_call": (None, "none"),
-    "parallel_tool_calls": (None,),
+    "parallel_tool_calls": (None, False),
     "modalities": (None, ["text"]),
     "audio": (None,),
     "prediction": (None,),
@@ -126,6 +126,8 @@ def _unsupported(body: dict) -> None:
     best_of = body.get("best_of")
     if best_of not in (None, 1):
         raise bad("best_of", f"only best_of = 1 is supported, got {best_of!r}", "unsupported")
+    if isinstance(body.get("logprobs"), int) and not isinstance(body.get("logprobs"), bool):  # 0 asks for one
+        raise bad("logprobs", "logprobs is not supported by spire serve", "unsupported")
     for name in ("echo", "logprobs", "top_logprobs", "tools", "functions", "logit_bias", "suffix"):
         if body.get(name) not in (None, False, 0, [], {}, ""):
             raise bad(name, f"{name} is not supported by spire serve", "unsupported")
