@@ -225,15 +225,9 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
     The layout is picked by the row count M = x.numel() / in (module docstring). Mathematically the same
     product as ``F.linear``; the float32 summation order may differ (differences ~1e-7 relative).
     """
-    if any(lin.weight.requires_grad for lin in linears):  # in training: the weights as they are now, no kept copy
-        ws = [lin.weight for lin in linears]
-        w = ws[0] if len(ws) == 1 else torch.cat(ws)
-        bs = [lin.bias for lin in linears]
-        b = None if all(b is None for b in bs) else torch.cat(
-            [torch.zeros(lin.out_features, dtype=w.dtype, device=w.device) if b is None else b
-             for lin, b in zip(linears, bs)])
-        return F.linear(x, w, b)
     cache = _copies(owner, role)
+    if any(lin.weight.requires_grad for lin in linears):  # in training: the weights as they are now (never kept)
+        return F.linear(x, cache.get(linears, "N"), cache.bias(linears))
     bk = backend_of(owner)
     lead, d_in = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, d_in)

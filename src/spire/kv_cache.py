@@ -67,6 +67,13 @@ def attention_mask(
     return mask[:, None]
 
 
+def self_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+    """q_pos (..., T), k_pos (..., S) -> (..., T, S) bool: False where a query at p > 0 meets its own key at p (a SPIRe
+    draft without self-attention; a query at position 0 has nothing else to read)."""
+    qp, kp = q_pos[..., :, None], k_pos[..., None, :]
+    return (kp != qp) | (qp == 0)
+
+
 class BaseKVCache(ABC):
     """What every KV cache gives the round loop, the drafts and the serving engine: per-layer key/value tensors
     ``k[l], v[l]`` of shape (B, n_kv, S, d_head) over S entries (positions or slots), and the operations below.
@@ -126,8 +133,7 @@ class BaseKVCache(ABC):
         kp = kp if kp.dim() == 2 else kp[None].expand(pos.shape[0], -1)
         mask = attention_mask(pos, kp, view)
         if not self_attend:
-            qp, k_ = pos[:, :, None], kp[:, None, :]
-            mask = mask & ((k_ != qp) | (qp == 0))[:, None]
+            mask = mask & self_mask(pos, kp)[:, None]
         return self.slot(pos), mask
 
 

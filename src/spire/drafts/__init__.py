@@ -48,8 +48,7 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
     if foreign:  # an option of another kind would be dropped silently by this kind's load
         raise ConfigError(f"--draft {kind} takes no option {', '.join(foreign)} (its options: "
                           f"{', '.join(impl.options) or 'none'})")
-    draft = impl.load(target, tokenizer=tokenizer, path=path, sink=sink, window=window, dtype=dtype,
-                                     **options)
+    draft = impl.load(target, tokenizer=tokenizer, path=path, sink=sink, window=window, dtype=dtype, **options)
     import torch.nn as nn
 
     from spire import backend

@@ -42,7 +42,7 @@ from spire.drafts.draft_file import (check_export, fingerprint, fingerprint_matc
                                      run_finished, warn_if_unfinished, write_draft_file)
 from spire.drafts.registry import DraftImpl
 from spire.errors import CheckpointError, ConfigError
-from spire.kv_cache import BaseKVCache, KVCache, RingKVCache, SinkWindow, attention_mask
+from spire.kv_cache import BaseKVCache, KVCache, RingKVCache, SinkWindow, attention_mask, self_mask
 from spire.model import ForwardOutput, RMSNorm, Transformer
 from spire.paths import spire_cache_dir
 
@@ -362,12 +362,6 @@ class SpireDraftModel(nn.Module):
                 self._mix = (key, p.detach().softmax(-1).to(x.dtype))
         return (self._mix[1] @ x.reshape(x.shape[0], -1)).view(-1, *x.shape[1:])
 
-    def self_mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """q_pos (..., T), k_pos (..., S) -> (..., T, S) bool: False where a query at p > 0 meets its own key
-        at p (used when self_attend=False; a query at position 0 has nothing else to read)."""
-        qp, kp = q_pos[..., :, None], k_pos[..., None, :]
-        return (kp != qp) | (qp == 0)
-
     def memory_kv(self, i: int, m: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Layer i's keys/values (B, KV, T, D) of memory vectors m: (B, T, d)."""
         return self.layers[i].memory_kv(m, cos, sin)
@@ -511,7 +505,7 @@ class SpireDraftModel(nn.Module):
         m_draft = (blocks.repeat(1, j + 1)[:, None, :] == blocks[:, :, None]) & attention_mask(q_pos, d_pos,
                                                                                               self.view)[:, 0]
         if not self.cfg.self_attend:
-            m_draft = m_draft & self.self_mask(q_pos, d_pos)
+            m_draft = m_draft & self_mask(q_pos, d_pos)
         return torch.cat([m_target, m_draft], -1)[:, None]
 
     @staticmethod

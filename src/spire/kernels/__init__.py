@@ -371,7 +371,7 @@ def ring_claim_mask(tags: torch.Tensor, pos: torch.Tensor, sink: int, ring: int,
     """A ring cache's step bookkeeping in one call (cpu_decode.c, spire_ring_claim_mask): tags (B, S) int64
     contiguous CPU, updated in place with the slots of pos (B, T) int64 -> (slots (B, T) int64, mask (B, 1, T, S)
     bool: which slots each query reads under the sink + window rule, without its own key when not
-    ``self_attend``), exactly as RingKVCache.claim, attention_mask and SpireDraftModel.self_mask. None when the
+    ``self_attend``), exactly as RingKVCache.claim, attention_mask and spire.kv_cache.self_mask. None when the
     kernel does not apply (the caller runs those)."""
     if (tags.dtype != torch.int64 or pos.dtype != torch.int64 or tags.device.type != "cpu"
             or pos.device.type != "cpu" or not tags.is_contiguous() or pos.dim() != 2 or tags.dim() != 2

@@ -1178,7 +1178,7 @@ int spire_scatter_columns(const float *src, int64_t M, int64_t N, const int64_t 
  * The SPIRe draft's ring cache bookkeeping for one step (spire.kv_cache.RingKVCache.claim_mask): claim the slots
  * of the B x T new positions (tags[b, slot] = pos; slot = pos below the sink, else sink + (pos - sink) % ring)
  * and build the attention mask over every slot from the tags, as spire.kv_cache.attention_mask with a sink +
- * window view (and SpireDraftModel.self_mask when self_attend is 0): key position kp visible from query qp when
+ * window view (and spire.kv_cache.self_mask when self_attend is 0): key position kp visible from query qp when
  * kp <= qp and (kp < sink or kp > qp - window), and, without self-attention, kp != qp unless qp = 0. Positions of
  * one row must map to distinct slots (at most ring new positions a row). slots: (B, T) out; mask: (B, T, S). */
 int spire_ring_claim_mask(int64_t *tags, int64_t B, int64_t S, const int64_t *pos, int64_t T, int64_t sink,
