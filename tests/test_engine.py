@@ -45,6 +45,7 @@ def _draft(kind: str, target):
         from tests.test_eagle3 import _draft as eagle3_model
 
         vocab = 60 if kind == "eagle3" else target.cfg.vocab_size
+        torch.manual_seed(3)  # the model's own initialization, before the helper's seeded noise
         return Eagle3Draft(eagle3_model(target, Eagle3Config(layers=(1, 2, 4), draft_vocab=vocab)))
     if kind == "magicdec":
         return make_draft("magicdec", target, window=4)
@@ -101,6 +102,47 @@ def test_greedy_equals_per_request_ad_with_staggered_joins(tiny, kind):
     assert set(widths) == ({3} if kind == "magicdec-all-rows" else {1, 2, 3})  # rounds run on the occupied rows
     if kind not in ("none", "eagle3"):  # the random EAGLE-3 draft (60-token vocabulary) never hits
         assert engine.stats.tau > 1.0
+
+
+@pytest.mark.parametrize("kind", DRAFTS)
+def test_chunked_prefill_is_exact_and_leaves_the_draft_as_a_whole_prefill(tiny, kind):
+    """With prefill_chunk 5 (and 1), prompts of up to 40 tokens are prefilled over several steps while the other
+    requests keep running rounds (in which a prefilling row runs as a dummy): every request's tokens are its own
+    single-request AD output, and it accepts round by round exactly as with its prompt prefilled whole, so the
+    draft's state after a chunked prefill is the whole prefill's. No step prefills more than the chunk."""
+    prompts = _prompts(10)
+    jobs = [(2 * i, p, RequestParams(max_tokens=6 + 3 * i)) for i, p in enumerate(prompts)]
+    whole = _run(Engine(tiny, _draft(kind, tiny), k=3, max_running=3, max_len=96), jobs)
+    for chunk in (5, 1):
+        engine = Engine(tiny, _draft(kind, tiny), k=3, max_running=3, max_len=96, prefill_chunk=chunk)
+        per_step, overlapped = [], []
+        start, cont, step = engine._prefill_start, engine._prefill_continue, engine.step
+
+        def counted_start(pieces):
+            per_step[-1] += sum(n for _, n in pieces)
+            return start(pieces)
+
+        def counted_continue(req, n):
+            per_step[-1] += n
+            return cont(req, n)
+
+        def counted_step():
+            per_step.append(0)
+            rounds = engine.stats.rounds
+            out = step()
+            overlapped.append(engine.stats.rounds > rounds and any(r is not None and r.prefilling
+                                                                   for r in engine.slots))
+            return out
+
+        engine._prefill_start, engine._prefill_continue, engine.step = counted_start, counted_continue, counted_step
+        res = _run(engine, jobs)
+        for j, (_, p, params) in enumerate(jobs):
+            assert res[j]["tokens"] == generate(tiny, [p], params.max_tokens).tokens[0], (kind, chunk, j)
+            assert res[j]["accepted"] == whole[j]["accepted"], (kind, chunk, j)
+        assert max(per_step) == chunk and sum(per_step) == sum(len(p) - 1 for p in prompts)
+        assert sum(overlapped) >= 5  # rounds ran while a prompt was still being prefilled
+    with pytest.raises(ConfigError, match="prefill_chunk"):
+        Engine(tiny, _draft(kind, tiny), k=3, max_running=3, max_len=96, prefill_chunk=0)
 
 
 @pytest.mark.parametrize("kind", DRAFTS)
@@ -296,8 +338,9 @@ def test_a_draft_equal_to_the_target_accepts_everything_after_ad_rounds(tiny, ki
 
 @pytest.mark.parametrize("kind", ["magicdec", "spire"])
 def test_sampling_is_lossless_with_k_chosen_per_round(kind):
-    """T = 1 with a random k in 0..2 per round and rows joining mid-stream: tokens 1-3 follow the target's exact
-    marginals (the bonus position reached too)."""
+    """T = 1 with a random k in 0..2 per round and rows joining mid-stream, their prompts prefilled in chunks of at
+    most 40 tokens a step (so some are split across steps): tokens 1-3 follow the target's exact marginals (the
+    bonus position reached too)."""
     target = make_tiny(seed=11)
     with torch.no_grad():
         target.lm_head.weight.mul_(0.35)
@@ -306,7 +349,8 @@ def test_sampling_is_lossless_with_k_chosen_per_round(kind):
     N = 1200
     jobs = [(i // 4, prompt, RequestParams(max_tokens=3, temperature=1.0, seed=2000 + i)) for i in range(N)]
     jobs += [(3 * i, p, RequestParams(max_tokens=7)) for i, p in enumerate(_prompts(10, seed=5) * 8)]
-    engine = Engine(target, _draft(kind, target), k=2, max_running=24, max_len=64, k_policy=RandomK(2, seed=3))
+    engine = Engine(target, _draft(kind, target), k=2, max_running=24, max_len=64, k_policy=RandomK(2, seed=3),
+                    prefill_chunk=40)
     res = _run(engine, jobs)
     toks = np.array([res[j]["tokens"] for j in range(N)])
     for i in range(3):

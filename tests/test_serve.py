@@ -137,7 +137,8 @@ def test_models_health_metrics(running):
     assert httpx.get(running.base + "/health").status_code == 200
     running.client().completions.create(model="tiny", prompt="Hi", max_tokens=5, temperature=0)
     text = httpx.get(running.base + "/metrics").text
-    for line in ["spire_requests_running 0", "spire_requests_waiting 0", 'spire_tau{draft="magicdec"}',
+    for line in ["spire_requests_running 0", "spire_requests_waiting 0", "spire_requests_prefilling 0",
+                 'spire_tau{draft="magicdec"}',
                  'spire_acceptance_rate{draft="magicdec",position="3"}', "spire_rounds_total",
                  "spire_generation_tokens_total", 'spire_accepted_tokens_total{draft="magicdec"}']:
         assert line in text, line
@@ -455,6 +456,7 @@ def test_a_thousand_malformed_requests_get_4xx_naming_the_field(parts, running):
     (["--max-len", "5", "-k", "4"], "--max-len must be >= 6"),
     (["--window", "0"], "--window must be >= 1"),
     (["--shutdown-grace", "-1"], "--shutdown-grace must be"),
+    (["--prefill-chunk", "-1"], "--prefill-chunk must be >= 0"),
     (["--port", "PORT_IN_USE"], "cannot listen on 127.0.0.1:"),
     (["--port", "0"], "--port must be in [1, 65535]"),
 ])

@@ -204,6 +204,16 @@ class KVCache(BaseKVCache):
         new.max_len, new.positions = self.max_len, self.positions
         return new
 
+    def row(self, b: int) -> "KVCache":
+        """A view of row ``b`` alone, as a batch of one (the same storage: a forward through it writes row b here;
+        the serving engine prefills a prompt chunk on it)."""
+        if not 0 <= b < self.batch_size:
+            raise ConfigError(f"row {b} is outside the cache's {self.batch_size} rows")
+        new = KVCache.__new__(KVCache)
+        new.k, new.v = [t[b: b + 1] for t in self.k], [t[b: b + 1] for t in self.v]
+        new.max_len, new.positions = self.max_len, self.positions
+        return new
+
     def take_rows(self, rows: torch.Tensor) -> "KVCache":
         """A copy holding only rows ``rows`` ((R,) int64), in that order: a sub-batch to run on, written back with
         :meth:`put_rows`."""

@@ -22,11 +22,11 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def _check(port: int, max_running: int, max_waiting: int, k: int, max_len: int, window: int, log_level: str,
-           shutdown_grace: float) -> None:
+           shutdown_grace: float, prefill_chunk: int = 0) -> None:
     if not 1 <= port <= 65535:  # 0 (any free port) would serve on a port no line names
         raise ConfigError(f"--port must be in [1, 65535], got {port}")
     for flag, v, lo in (("--max-running", max_running, 1), ("--max-waiting", max_waiting, 0), ("-k", k, 1),
-                        ("--max-len", max_len, k + 2), ("--window", window, 1)):
+                        ("--max-len", max_len, k + 2), ("--window", window, 1), ("--prefill-chunk", prefill_chunk, 0)):
         if v < lo:
             why = " (a prompt token, a new token and k drafted ones)" if flag == "--max-len" else ""
             raise ConfigError(f"{flag} must be >= {lo}{why}, got {v}")
@@ -118,9 +118,12 @@ def serve(
     shutdown_grace: Annotated[float, typer.Option(help=(
         "Seconds in-flight requests get to finish after SIGTERM; those still running are then answered with "
         "finish_reason abort."))] = 30.0,
+    prefill_chunk: Annotated[int, typer.Option(help=(
+        "Prompt tokens prefilled per engine step at most (chunked prefill): a long prompt is prefilled over several "
+        "steps while the running requests keep decoding. 0: each prompt whole when it joins."))] = 512,
 ) -> None:
     """Serve the target with continuous batching and lossless speculative decoding (OpenAI-compatible API)."""
-    _check(port, max_running, max_waiting, k, max_len, window, log_level, shutdown_grace)
+    _check(port, max_running, max_waiting, k, max_len, window, log_level, shutdown_grace, prefill_chunk)
     for flag, value, allowed in (("--k-policy", k_policy, ("fixed", "cost-model")), ("--weights", weights, WEIGHTS),
                                  ("--draft-weights", draft_weights or "fp32", (*WEIGHTS, "int8"))):
         if value not in allowed:
@@ -145,10 +148,12 @@ def serve(
         policy = cost_model_policy(model, d, k, weights, draft_weights)
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     engine = Engine(model, d, k=k, max_running=max_running, max_len=min(max_len, model.cfg.max_positions),
-                    eos_ids=sorted(eos), decode=tokenizer.decode, k_policy=policy)
+                    eos_ids=sorted(eos), decode=tokenizer.decode, k_policy=policy, prefill_chunk=prefill_chunk or None)
     server = Server(engine, tokenizer, target, kind, max_waiting=max_waiting, api_key=api_key)
     typer.echo(f"spire serve: target {target}, draft {kind} ({why}), k {engine.k}"
                f"{' chosen per round by the cost model' if policy else ''}, {max_running} slots x "
-               f"{engine.max_len} positions, at most {max_waiting} waiting; http://{host}:{port}/v1", err=True)
+               f"{engine.max_len} positions, at most {max_waiting} waiting, prefill "
+               f"{f'in chunks of {prefill_chunk} tokens' if prefill_chunk else 'whole'}; http://{host}:{port}/v1",
+               err=True)
     run(create_app(server), host, port, graceful_s=shutdown_grace, log_level=log_level,
         abort_all=server.loop.abort_all)

@@ -333,6 +333,8 @@ class Server:
 
         metric("spire_requests_running", "gauge", "Requests holding a slot.", [("", eng.num_running)])
         metric("spire_requests_waiting", "gauge", "Requests queued for a slot.", [("", eng.num_waiting)])
+        metric("spire_requests_prefilling", "gauge", "Requests holding a slot whose prompt is still being prefilled "
+               "(chunked prefill; counted in running too).", [("", eng.num_prefilling)])
         metric("spire_slots", "gauge", "Slots (max running requests).", [("", eng.max_running)])
         metric("spire_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", st.prompt_tokens)])
         metric("spire_generation_tokens_total", "counter", "Tokens generated.", [("", st.generated_tokens)])

@@ -6,9 +6,11 @@ started once on that batch (:meth:`~spire.drafts.base.Draft.start`). A request t
 and gives it back as soon as it finishes (or is aborted):
 
 - :meth:`Engine.add_request` queues a request (its own sampling settings, generator, budget, stop strings);
-- :meth:`Engine.step` admits waiting requests into free slots (their prompts prefilled together, the draft's
-  rows restarted with :meth:`~spire.drafts.base.Draft.restart_rows` so a slot's new request never sees the
-  previous one's KV, memory or n-gram context), then runs **one round** over the batch: draft k tokens per row,
+- :meth:`Engine.step` admits waiting requests into free slots (the draft's rows restarted with
+  :meth:`~spire.drafts.base.Draft.restart_rows` so a slot's new request never sees the previous one's KV, memory
+  or n-gram context), prefills their prompts (together; with ``prefill_chunk``, at most that many prompt tokens
+  per step, so a long prompt is prefilled over several steps while the other requests keep decoding), then runs
+  **one round** over the batch: draft k tokens per row,
   verify them in one target forward over k + 1 positions, accept a prefix per row (greedy rows by argmax,
   sampled rows by rejection sampling with their own transform and generator), commit each running row's output
   tokens (cut by its budget, EOS and stop strings, :func:`spire.speculative.cut_output`);
@@ -24,7 +26,10 @@ tokens are distributed as the target's (the verification of :mod:`spire.verifica
 A round computes the rows [0, w) where w is one past the highest occupied slot (requests take the lowest free
 slot; the target cache is narrowed to a view, the draft with :meth:`~spire.drafts.base.Draft.use_rows`, or all
 rows for a draft that cannot): a free slot below w runs a dummy token at positions 0..k, which the next request
-in that slot overwrites (its prefill, then its rounds) before anything reads it.
+in that slot overwrites (its prefill, then its rounds) before anything reads it. A slot whose prompt is being
+prefilled in chunks runs the round too, as a dummy at its next unprefilled position (its pending token is the
+next prompt token): the round writes only positions its next chunk (or, past the prompt, its first round)
+overwrites before any query of the row reads them, as a rejected draft token's entries are.
 The cache invariant of :mod:`spire.speculative` holds per slot: a row's committed tokens are at positions < n - 1,
 its pending token is the next round's first input.
 """
@@ -134,6 +139,12 @@ class _Request:
             self.generator.manual_seed(int(params.seed))
         self.emitted: list[int] = []
         self.slot: int | None = None
+        self.prefilled = 0  # prompt tokens in the slot's cache (the prompt but its last token, once prefilled)
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether it holds a slot whose prompt is not yet prefilled (it runs no round of its own yet)."""
+        return self.slot is not None and self.prefilled < len(self.prompt) - 1
 
 
 class Engine:
@@ -153,15 +164,24 @@ class Engine:
         decode: token ids -> text, needed for stop strings.
         k_policy: picks each round's k in 0..k from the running requests (:mod:`spire.serving.policy`); None:
             every round drafts k.
+        prefill_chunk: prompt tokens prefilled per step at most, over all joining requests (chunked prefill, as
+            vLLM's ``max_num_batched_tokens``): a longer prompt is prefilled over several steps, each followed by
+            the running requests' round, so a long prompt no longer stalls them for its whole prefill. None: every
+            joining prompt is prefilled whole at the step it joins.
     Raises:
-        ConfigError: bad k / max_running / max_len, or a draft that cannot restart single rows (it names the draft).
+        ConfigError: bad k / max_running / max_len / prefill_chunk, or a draft that cannot restart single rows (it
+            names the draft).
     """
 
     def __init__(self, target: Transformer, draft: Draft | None = None, k: int = 4, max_running: int = 8,
                  max_len: int | None = None, eos_ids: Sequence[int] = (),
-                 decode: Callable[[list[int]], str] | None = None, k_policy: KPolicy | None = None) -> None:
+                 decode: Callable[[list[int]], str] | None = None, k_policy: KPolicy | None = None,
+                 prefill_chunk: int | None = None) -> None:
         if k < 1 or max_running < 1:
             raise ConfigError(f"k and max_running must be >= 1, got k = {k}, max_running = {max_running}")
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
+            raise ConfigError(f"prefill_chunk must be >= 1 tokens (or None: whole prompts), got {prefill_chunk!r}")
+        self.prefill_chunk = None if prefill_chunk is None else int(prefill_chunk)
         self.target, self.draft, self.decode = target, draft, decode
         self.k_policy = k_policy if draft is not None else None
         self.k = k if draft is not None else 0
@@ -192,6 +212,11 @@ class Engine:
     @property
     def num_running(self) -> int:
         return sum(r is not None for r in self.slots)
+
+    @property
+    def num_prefilling(self) -> int:
+        """Requests holding a slot whose prompt is not yet fully prefilled (counted in :attr:`num_running`)."""
+        return sum(r is not None and r.prefilling for r in self.slots)
 
     @property
     def num_waiting(self) -> int:
@@ -236,16 +261,21 @@ class Engine:
 
     @torch.no_grad()
     def step(self) -> list[RequestOutput]:
-        """Apply aborts, admit waiting requests into free slots (batched prefill), then one round for every
-        running request. Returns one :class:`RequestOutput` per request that got tokens or finished."""
+        """Apply aborts, admit waiting requests into free slots, prefill (all joining prompts, or up to
+        ``prefill_chunk`` of their tokens), then one round for every running request whose prompt is prefilled.
+        Returns one :class:`RequestOutput` per request that got tokens or finished."""
         outputs = self._apply_aborts()
         joiners = self._assign()
-        running = [r for r in self.slots if r is not None]
+        occupied = [r for r in self.slots if r is not None]
+        if not occupied:
+            return outputs
+        self._narrow(max(r.slot for r in occupied) + 1 if self._narrows else self.max_running)
+        if joiners:
+            self._join(joiners)
+        self._prefill([r for r in occupied if r.prefilling])
+        running = [r for r in occupied if not r.prefilling]
         if not running:
             return outputs
-        self._narrow(max(r.slot for r in running) + 1 if self._narrows else self.max_running)
-        if joiners:
-            self._prefill(joiners)
         k = self.k
         if self.k_policy is not None:
             context = sum(int(self.n[r.slot]) for r in running) / len(running)
@@ -261,7 +291,9 @@ class Engine:
             b = req.slot
             outputs.append(self._commit(req, block_l[b][: accepted[b] + 1], accepted[b] if k else None, k))
         w = self.width
-        live = torch.tensor([r is not None for r in self.slots[:w]], device=self.n.device)  # the finished are freed
+        live = torch.zeros(w, dtype=torch.bool)  # the finished are freed; a row still prefilling keeps its place
+        live[[r.slot for r in running if r.slot is not None]] = True
+        live = live.to(self.n.device)
         self.n[:w] = torch.where(live, self.n[:w] + n_acc + 1, self.n[:w])
         self.pending[:w] = torch.where(live, next_tok, self.pending[:w])
         return outputs
@@ -319,51 +351,100 @@ class Engine:
                     joiners.append(req)
         return joiners
 
-    def _prefill(self, joiners: list[_Request]) -> None:
-        """Prefill the requests that just took slots: the prompts but their last token run through the target in
-        right-padded batches of similar lengths (:func:`prefill_groups`: the padding stays within 25 % of the real
-        tokens, so a 2,000-token prompt is not padded onto seven short ones), whose keys / values are copied into
-        the slots' rows; the draft restarts those rows and observes each batch (the other rows masked out)."""
+    def _join(self, joiners: list[_Request]) -> None:
+        """The requests that just took slots: the draft forgets those rows, and each slot's pending token is its
+        prompt's first (its dummy rounds, while it prefills, write only positions its prefill overwrites)."""
         dev = self.n.device
         if self.draft is not None:
             self.draft.restart_rows(torch.tensor([r.slot for r in joiners], device=dev))
-        for group in prefill_groups([len(r.prompt) - 1 for r in joiners]):
-            reqs = [joiners[i] for i in group]
-            slots = torch.tensor([r.slot for r in reqs], device=dev)
-            rows = [r.prompt for r in reqs]
-            span = max(len(r) for r in rows) - 1
-            if span > 0:
-                hidden = self.draft.hidden_layers if self.draft is not None else ()
-                state = prefill(self.target, rows, span, hidden)
-                for layer in range(len(self.cache.k)):
-                    self.cache.k[layer][slots, :, :span] = state.cache.k[layer][:, :, :span]
-                    self.cache.v[layer][slots, :, :span] = state.cache.v[layer][:, :, :span]
-                if self.draft is not None:
-                    self._observe_prefill(slots, state)
-            self.n[slots] = torch.tensor([len(r) for r in rows], device=dev)
-            self.pending[slots] = torch.tensor([r[-1] for r in rows], device=dev)
+        slots = torch.tensor([r.slot for r in joiners], device=dev)
+        self.n[slots] = 1
+        self.pending[slots] = torch.tensor([r.prompt[0] for r in joiners], device=dev)
+        for r in joiners:
+            if not r.prefilling:  # a one-token prompt has nothing to prefill
+                self._prefilled(r, 0)
         self.stats.prompt_tokens += sum(len(r.prompt) for r in joiners)
 
-    def _observe_prefill(self, slots: torch.Tensor, state) -> None:
-        """:meth:`Draft.observe` of the joiners' prefill as full-batch (S, W) tensors, other rows invalid."""
-        S, (J, W) = self.width, state.tokens.shape
-        dev = state.tokens.device
-        tokens = torch.zeros(S, W, dtype=torch.long, device=dev)
-        valid = torch.zeros(S, W, dtype=torch.bool, device=dev)
-        tokens[slots], valid[slots] = state.tokens, state.valid
+    def _prefilled(self, req: _Request, upto: int) -> None:
+        """Positions < upto of the request's prompt are in its slot's caches: its pending token is the next."""
+        req.prefilled = upto
+        self.n[req.slot] = upto + 1
+        self.pending[req.slot] = req.prompt[upto]
+
+    def _prefill(self, todo: list[_Request]) -> None:
+        """Prefill the prompts (all but their last token) of the slots still prefilling, oldest request first: each
+        takes at most what is left of ``prefill_chunk`` tokens this step (all of its prompt without a chunk).
+        Pieces that start a prompt run in right-padded batches of similar lengths (:func:`prefill_groups`: the
+        padding stays within 25 % of the real tokens, so a 2,000-token prompt is not padded onto seven short ones)
+        on a cache of their own, whose keys / values are copied into the slots' rows; a piece that continues a
+        prompt runs on its slot's row of the engine's cache. The draft observes each batch (the other rows
+        masked out)."""
+        budget = self.prefill_chunk
+        starts, later = [], []
+        for req in sorted(todo, key=lambda r: r.id):
+            n = len(req.prompt) - 1 - req.prefilled
+            if budget is not None:
+                if budget <= 0:
+                    break
+                n = min(n, budget)
+                budget -= n
+            (later if req.prefilled else starts).append((req, n))
+        for group in prefill_groups([n for _, n in starts]):
+            self._prefill_start([starts[i] for i in group])
+        for req, n in later:
+            self._prefill_continue(req, n)
+
+    def _prefill_start(self, pieces: list[tuple[_Request, int]]) -> None:
+        """Prompt tokens 0..n-1 of each (request, n), as one right-padded batch on a fresh cache."""
+        dev = self.n.device
+        slots = torch.tensor([r.slot for r, _ in pieces], device=dev)
+        rows = [r.prompt[: n + 1] for r, n in pieces]
+        span = max(n for _, n in pieces)
+        hidden = self.draft.hidden_layers if self.draft is not None else ()
+        state = prefill(self.target, rows, span, hidden)
+        for layer in range(len(self.cache.k)):
+            self.cache.k[layer][slots, :, :span] = state.cache.k[layer][:, :, :span]
+            self.cache.v[layer][slots, :, :span] = state.cache.v[layer][:, :, :span]
+        if self.draft is not None:
+            self._observe_prefill(slots, state.tokens, state.pos, state.valid, state.out)
+        for req, n in pieces:
+            self._prefilled(req, n)
+
+    def _prefill_continue(self, req: _Request, n: int) -> None:
+        """Prompt tokens prefilled .. prefilled + n - 1 of ``req``, on its slot's row of the engine's cache."""
+        dev, s0 = self.n.device, req.prefilled
+        tokens = torch.tensor([req.prompt[s0: s0 + n]], device=dev)
+        pos = torch.arange(s0, s0 + n, device=dev)[None]
+        hidden = self.draft.hidden_layers if self.draft is not None else ()
+        out = self.target(tokens, pos, self.cache.row(req.slot), hidden_layers=hidden)
+        if self.draft is not None:
+            self._observe_prefill(torch.tensor([req.slot], device=dev), tokens, pos, None, out)
+        self._prefilled(req, s0 + n)
+
+    def _observe_prefill(self, slots: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
+                         valid: torch.Tensor | None, out: ForwardOutput) -> None:
+        """:meth:`Draft.observe` of a prefill batch (J rows for ``slots``: tokens, positions, valid (J, W), the
+        target's output) as full-batch (S, W) tensors, the other rows invalid."""
+        S, (J, W) = self.width, tokens.shape
+        dev = tokens.device
+        full_tokens = torch.zeros(S, W, dtype=torch.long, device=dev)
+        full_valid = torch.zeros(S, W, dtype=torch.bool, device=dev)
+        full_pos = torch.arange(W, device=dev)[None].repeat(S, 1)
+        full_tokens[slots], full_pos[slots] = tokens, pos
+        full_valid[slots] = True if valid is None else valid
         hidden = {}
-        for j, h in state.out.hidden.items():
+        for j, h in out.hidden.items():
             hidden[j] = torch.zeros(S, *h.shape[1:], dtype=h.dtype, device=h.device)
             hidden[j][slots] = h
 
         def logits() -> torch.Tensor:
-            lg = state.out.logits
+            lg = out.logits
             full = torch.zeros(S, *lg.shape[1:], dtype=lg.dtype, device=lg.device)
             full[slots] = lg
             return full
 
-        pos = torch.arange(W, device=dev)[None].expand(S, W)
-        self.draft.observe(tokens, pos, ForwardOutput(hidden=hidden, compute_logits=logits), valid=valid)
+        self.draft.observe(full_tokens, full_pos, ForwardOutput(hidden=hidden, compute_logits=logits),
+                           valid=full_valid)
 
     # ---- one round ----------------------------------------------------------------------------------------
 
