@@ -15,7 +15,7 @@ request is greedy with ``ignore_eos`` and streams, so it generates exactly --max
 Per server and concurrency it reports: output tokens/s (completion tokens / wall time of the level), time to first
 token (median, p90), inter-token latency ((last - first token time) / (tokens - 1), median), and for spire τ (from
 /metrics: tokens per request-round over the level). results.json holds every number, results.md a table, and the
-ratios the issue asks for (server AD against `spire generate`'s static batch are in benchmarks/serve_overhead.py).
+ratios the issue asks for (server AD against `spire generate`'s static batch of --static prompts, timed here).
 
 --faults S: after the levels, S seconds of concurrency-16 load on one spire server mixed with malformed
 requests, clients that disconnect mid-stream and floods past --max-waiting; it reports the server's RSS after

@@ -49,6 +49,11 @@ class Backend:
     autocast_copies: frozen weights' bf16 casts are kept from call to call under CPU bf16 autocast.
     fused_adamw: torch's fused AdamW where it has the kernel.
     loss_kernel: the distillation and hard-label losses by the native row kernel (float32 CPU rows).
+    causal_attention: a forward over positions 0..T-1 (a prefill from the start, a teacher forward) attends with
+        SDPA's ``is_causal``, which skips the masked half, instead of an explicit (T, T) mask.
+    onednn_linear: inference float32 CPU matmuls the native kernels do not take (more than 32 rows: prefill, the
+        verify of a large batch, target caches) by oneDNN instead of torch's BLAS (MKL), which runs its AVX2 code
+        on AMD CPUs: 2.2x on a 2-core AMD EPYC with AVX-512 (benchmarks/prefill.py).
     """
 
     kernels: bool = True
@@ -62,6 +67,8 @@ class Backend:
     autocast_copies: bool = True
     fused_adamw: bool = True
     loss_kernel: bool = True
+    causal_attention: bool = True
+    onednn_linear: bool = True
 
     def native(self) -> bool:
         """Whether native kernels run: :attr:`kernels` on and the library built on this machine."""

@@ -43,7 +43,7 @@ from spire import kernels
 from spire.backend import Backend
 from spire.backend import of as backend_of
 from spire.errors import ConfigError
-from spire.kv_cache import BaseKVCache, KVCache, SinkWindow, attention_mask
+from spire.kv_cache import BaseKVCache, KVCache, SinkWindow, attention_mask, is_causal, prefix_mask
 
 KERNEL_MAX_M = 32
 """On CPU in float32, matmuls with 2 ≤ M ≤ KERNEL_MAX_M rows use :func:`spire.kernels.skinny_linear` when it
@@ -247,10 +247,34 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
             y = kernels.skinny_linear(x2 if x2.stride(-1) == 1 else x2.contiguous(), [lin.weight for lin in linears])
     b = cache.bias(linears)
     if y is None:
-        y = F.linear(x2, cache.get(linears, "N"), b)
+        w = cache.get(linears, "N")
+        if bk.onednn_linear and x2.device.type == "cpu" and x2.dtype == w.dtype == torch.float32 and onednn():
+            y = torch.ops.mkldnn._linear_pointwise(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, b, "none", [], "")
+        else:
+            y = F.linear(x2, w, b)
     elif b is not None:
         y = y + b
     return y.reshape(*lead, y.shape[-1])
+
+
+_ONEDNN: list[bool] = []
+
+
+def onednn() -> bool:
+    """Whether this torch build runs float32 matmuls through oneDNN (``torch.ops.mkldnn._linear_pointwise``,
+    what torch.compile's CPU backend emits for a frozen linear): checked once, by one small product against
+    F.linear's."""
+    if not _ONEDNN:
+        ok = False
+        try:
+            if torch.backends.mkldnn.is_available():
+                x, w, b = torch.randn(40, 24), torch.randn(16, 24), torch.randn(16)
+                y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+                ok = bool(torch.allclose(y, F.linear(x, w, b), atol=1e-4, rtol=1e-4))
+        except (RuntimeError, AttributeError):
+            ok = False
+        _ONEDNN.append(ok)
+    return _ONEDNN[0]
 
 
 _PANEL_LAYOUT = {torch.bfloat16: "PB", torch.int8: "PQ"}  # packed copy by weight dtype (float32: "P")
@@ -396,12 +420,16 @@ def attention(attn: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     q = qk[:, :H]
     k, v = kv_source(qk[:, H:], y[:, H + KV:])  # (B, KV, S, D)
     g = H // KV
+    bk = backend_of(attn)
+    if bk.causal_attention and is_causal(mask) and k.shape[2] == T:  # a prefill from 0: the masked half is skipped
+        a = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), is_causal=True, scale=attn.scale,
+                                           enable_gqa=g > 1)
+        return linear(a.transpose(1, 2).reshape(B * T, H * D), (attn.o_proj,), attn, "o").view(B, T, -1)
     if g > 1:
         q = q.reshape(B, KV, g * T, D)
         if mask is not None:
             mask = mask.expand(mask.shape[0], 1, T, mask.shape[-1]).repeat(1, 1, g, 1)
     a = None
-    bk = backend_of(attn)
     if (bk.attention_kernel and q.device.type == "cpu" and q.dtype == torch.float32 and g * T <= ATTENTION_KERNEL_ROWS
             and bk.kernels and kernels.available()):
         a = kernels.decode_attention(q, k, v, mask, attn.scale)
@@ -468,7 +496,7 @@ class CacheAccess:
                 self.rows_g = torch.arange(B, device=dev)[:, None]
                 return
         self.key_pos = cache.positions[: self.upto]  # (S,)
-        self.mask = None if view is None and T == 1 and lo == hi else attention_mask(pos, self.key_pos, view)
+        self.mask = None if view is None and T == 1 and lo == hi else prefix_mask(pos, self.key_pos, view)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         c = self.cache

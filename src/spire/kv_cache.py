@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -65,6 +66,33 @@ def attention_mask(
     if view is not None:
         mask = mask & ((kp < view.sink) | (kp > qp - view.window))
     return mask[:, None]
+
+
+@lru_cache(maxsize=4)
+def causal_mask(T: int, device: torch.device) -> torch.Tensor:
+    """The (1, 1, T, T) bool mask of T queries at positions 0..T-1 over keys at 0..T-1 (key j visible to query i
+    when j <= i), one tensor per (T, device) while it stays among the few last asked for: attention recognises
+    it by identity (:func:`is_causal`) and runs SDPA's ``is_causal``, which skips the masked half."""
+    pos = torch.arange(T, device=device)
+    return (pos[None, :] <= pos[:, None])[None, None]
+
+
+def is_causal(mask: torch.Tensor | None) -> bool:
+    """Whether ``mask`` is the :func:`causal_mask` tensor of its size (a mask equal to it but built otherwise
+    answers False: it is then applied as a mask, with the same result)."""
+    return (mask is not None and mask.dim() == 4 and mask.shape[0] == 1 and mask.shape[-1] == mask.shape[-2]
+            and mask is causal_mask(mask.shape[-1], mask.device))
+
+
+def prefix_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, view: SinkWindow | None = None) -> torch.Tensor:
+    """:func:`attention_mask`, as the shared :func:`causal_mask` when it is one: no view, and every row's queries
+    and keys at 0..T-1 (a prefill from the start, padded rows included). k_pos: (S,) or (B, S)."""
+    T = q_pos.shape[-1]
+    if view is None and T > 1 and k_pos.shape[-1] == T:
+        ar = torch.arange(T, device=q_pos.device)
+        if bool((k_pos == ar).all()) and bool((q_pos == ar).all()):
+            return causal_mask(T, q_pos.device)
+    return attention_mask(q_pos, k_pos, view)
 
 
 def self_mask(q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from spire.backend import of as backend_of
 from spire.errors import ConfigError
 from spire.families import ACTIVATION_NAMES, FAMILIES, hf_fields  # noqa: F401 (FAMILIES: part of this API)
 from spire.fastpath import KVSource, needs_autograd
-from spire.kv_cache import KVCache, SinkWindow, attention_mask
+from spire.kv_cache import KVCache, SinkWindow, attention_mask, prefix_mask
 from spire.rope import apply_rope, rope_tables
 
 
@@ -408,7 +408,7 @@ class Transformer(nn.Module):
         def plan():  # per op: each layer's mask and cache reads, planned once
             windows = self.cfg.layer_windows or [None] * len(self.layers)
             if cache is None:  # keys are the T tokens themselves
-                masks = self._layer_masks(attention_mask(pos, pos, view), pos, windows)
+                masks = self._layer_masks(prefix_mask(pos, pos, view), pos, windows)
                 return [lambda k, v: (k, v)] * len(self.layers), masks, None
             masks, sources = fastpath.CacheAccess(cache, pos, view).plan(windows)
             return sources, masks, None
