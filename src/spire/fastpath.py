@@ -248,7 +248,8 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
     b = cache.bias(linears)
     if y is None:
         w = cache.get(linears, "N")
-        if bk.onednn_linear and x2.device.type == "cpu" and x2.dtype == w.dtype == torch.float32 and onednn():
+        if (bk.onednn_linear and x2.device.type == "cpu" and x2.dtype == w.dtype == torch.float32 and onednn()
+                and not torch.is_autocast_enabled("cpu")):  # under autocast F.linear runs bf16 (not this op)
             y = torch.ops.mkldnn._linear_pointwise(x2 if x2.stride(-1) == 1 else x2.contiguous(), w, b, "none", [], "")
         else:
             y = F.linear(x2, w, b)

@@ -133,23 +133,29 @@ def serve(
     from spire.commands.generate import round_weights
     from spire.drafts import make_draft
     from spire.loading import load_target
-    from spire.serving.api import Server, create_app, run
+    from spire.serving.api import Server, create_app, run, torch_thread
     from spire.serving.engine import Engine
 
-    model, tokenizer, _ = load_target(target, progress=False)
-    if max_len > model.cfg.max_positions:
-        typer.echo(f"warning: --max-len {max_len} is more than the target's {model.cfg.max_positions} positions; "
-                   f"using {model.cfg.max_positions}", err=True)
-    kind, path, why = pick_draft(draft, draft_path, model)
-    d = make_draft(kind, model, tokenizer, path, window=window, **options)
-    round_weights(model, d, kind, weights, draft_weights)
-    policy = None
-    if k_policy == "cost-model" and d is not None:
-        policy = cost_model_policy(model, d, k, weights, draft_weights)
-    eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-    engine = Engine(model, d, k=k, max_running=max_running, max_len=min(max_len, model.cfg.max_positions),
-                    eos_ids=sorted(eos), decode=tokenizer.decode, k_policy=policy, prefill_chunk=prefill_chunk or None)
-    server = Server(engine, tokenizer, target, kind, max_waiting=max_waiting, api_key=api_key)
+    def build():
+        model, tokenizer, _ = load_target(target, progress=False)
+        if max_len > model.cfg.max_positions:
+            typer.echo(f"warning: --max-len {max_len} is more than the target's {model.cfg.max_positions} positions; "
+                       f"using {model.cfg.max_positions}", err=True)
+        kind, path, why = pick_draft(draft, draft_path, model)
+        d = make_draft(kind, model, tokenizer, path, window=window, **options)
+        round_weights(model, d, kind, weights, draft_weights)
+        policy = None
+        if k_policy == "cost-model" and d is not None:
+            policy = cost_model_policy(model, d, k, weights, draft_weights)
+        eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
+        engine = Engine(model, d, k=k, max_running=max_running, max_len=min(max_len, model.cfg.max_positions),
+                        eos_ids=sorted(eos), decode=tokenizer.decode, k_policy=policy,
+                        prefill_chunk=prefill_chunk or None)
+        return engine, tokenizer, kind, why, policy
+
+    runner = torch_thread()  # every torch call of the server on one thread (api.torch_thread says why)
+    engine, tokenizer, kind, why, policy = runner.submit(build).result()
+    server = Server(engine, tokenizer, target, kind, max_waiting=max_waiting, api_key=api_key, runner=runner)
     typer.echo(f"spire serve: target {target}, draft {kind} ({why}), k {engine.k}"
                f"{' chosen per round by the cost model' if policy else ''}, {max_running} slots x "
                f"{engine.max_len} positions, at most {max_waiting} waiting, prefill "
