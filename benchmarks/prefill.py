@@ -41,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     from spire import backend
     from spire.loading import load_target
 
-    old, new = backend.Backend.parse(args.old), backend.Backend.parse(args.new)
+    from spire.errors import ConfigError
+
+    try:
+        old, new = backend.Backend.parse(args.old), backend.Backend.parse(args.new)
+    except ConfigError as e:
+        ap.error(str(e))
     torch.set_num_threads(args.threads)
     target = load_target(progress=False)[0]
     if max(lengths) > target.cfg.max_positions:

@@ -13,6 +13,7 @@ seconds). Defaults shared with the library come from :mod:`spire.defaults`.
 from __future__ import annotations
 
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -20,6 +21,7 @@ import typer
 
 import spire.drafts.registry as registry
 from spire import defaults
+from spire.backend import Backend
 from spire.commands.compare import compare
 from spire.commands.data import data
 from spire.commands.export import export
@@ -46,10 +48,9 @@ _OPT = typer.Option
 
 @app.callback()
 def _root(backend: Annotated[Optional[str], _OPT(help=(
-        "Execution choices, comma-separated: no-kernels, no-fused-block, no-panel-kernel, no-attention-kernel, "
-        "no-rmsnorm-kernel, no-transposed-gemv, no-grouped-attention, no-chunked-kpass, no-autocast-copies, "
-        "no-fused-adamw, no-loss-kernel (every fast path by default; the same results to float32 rounding). "
-        "Recorded in run logs, results.json and REPORT.md."))] = None) -> None:
+        f"Execution choices, comma-separated: {', '.join('no-' + f.name.replace('_', '-') for f in fields(Backend))} "
+        "(every fast path by default; the same results to float32 rounding). Recorded in run logs, results.json "
+        "and REPORT.md."))] = None) -> None:
     """Throughput-oriented speculative decoding (SPIRe, arXiv 2504.06419)."""
     set_process_backend(backend)
 

@@ -88,7 +88,7 @@ def prefix_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, view: SinkWindow | Non
     """:func:`attention_mask`, as the shared :func:`causal_mask` when it is one: no view, and every row's queries
     and keys at 0..T-1 (a prefill from the start, padded rows included). k_pos: (S,) or (B, S)."""
     T = q_pos.shape[-1]
-    if view is None and T > 1 and k_pos.shape[-1] == T:
+    if view is None and T > 1 and k_pos.shape[-1] == T and not torch.compiler.is_compiling():  # no graph break
         ar = torch.arange(T, device=q_pos.device)
         if bool((k_pos == ar).all()) and bool((q_pos == ar).all()):
             return causal_mask(T, q_pos.device)
