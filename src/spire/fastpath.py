@@ -32,6 +32,7 @@ two extra copies of the weights in all.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable, Sequence
 
@@ -258,7 +259,6 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
     return y.reshape(*lead, y.shape[-1])
 
 
-_ONEDNN: list[bool] = []
 ONEDNN_ROWS = 64
 """oneDNN builds (and keeps, up to its cache's 1,024) one primitive per matmul shape, about 0.6 MB each here: rows
 are padded to a multiple of this, so a server meeting every prompt length keeps a few dozen shapes, not hundreds
@@ -274,21 +274,19 @@ def onednn_linear(x2: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> 
     return y[:M] if pad else y
 
 
+@functools.cache
 def onednn() -> bool:
     """Whether this torch build runs float32 matmuls through oneDNN (``torch.ops.mkldnn._linear_pointwise``,
     what torch.compile's CPU backend emits for a frozen linear): checked once, by one small product against
     F.linear's."""
-    if not _ONEDNN:
-        ok = False
-        try:
-            if torch.backends.mkldnn.is_available():
-                x, w, b = torch.randn(40, 24), torch.randn(16, 24), torch.randn(16)
-                y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-                ok = bool(torch.allclose(y, F.linear(x, w, b), atol=1e-4, rtol=1e-4))
-        except (RuntimeError, AttributeError):
-            ok = False
-        _ONEDNN.append(ok)
-    return _ONEDNN[0]
+    try:
+        if not torch.backends.mkldnn.is_available():
+            return False
+        x, w, b = torch.randn(40, 24), torch.randn(16, 24), torch.randn(16)
+        y = torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        return bool(torch.allclose(y, F.linear(x, w, b), atol=1e-4, rtol=1e-4))
+    except (RuntimeError, AttributeError):
+        return False
 
 
 _PANEL_LAYOUT = {torch.bfloat16: "PB", torch.int8: "PQ"}  # packed copy by weight dtype (float32: "P")

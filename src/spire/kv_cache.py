@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -68,20 +67,26 @@ def attention_mask(
     return mask[:, None]
 
 
-@lru_cache(maxsize=4)
+_CAUSAL: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
 def causal_mask(T: int, device: torch.device) -> torch.Tensor:
     """The (1, 1, T, T) bool mask of T queries at positions 0..T-1 over keys at 0..T-1 (key j visible to query i
-    when j <= i), one tensor per (T, device) while it stays among the few last asked for: attention recognises
-    it by identity (:func:`is_causal`) and runs SDPA's ``is_causal``, which skips the masked half."""
-    pos = torch.arange(T, device=device)
-    return (pos[None, :] <= pos[:, None])[None, None]
+    when j <= i), one tensor per (T, device) while it stays among the last 4 built: attention recognises it by
+    identity (:func:`is_causal`) and runs SDPA's ``is_causal``, which skips the masked half."""
+    key = (T, torch.device(device))
+    if key not in _CAUSAL:
+        if len(_CAUSAL) >= 4:
+            _CAUSAL.pop(next(iter(_CAUSAL)))
+        pos = torch.arange(T, device=device)
+        _CAUSAL[key] = (pos[None, :] <= pos[:, None])[None, None]
+    return _CAUSAL[key]
 
 
 def is_causal(mask: torch.Tensor | None) -> bool:
-    """Whether ``mask`` is the :func:`causal_mask` tensor of its size (a mask equal to it but built otherwise
-    answers False: it is then applied as a mask, with the same result)."""
-    return (mask is not None and mask.dim() == 4 and mask.shape[0] == 1 and mask.shape[-1] == mask.shape[-2]
-            and mask is causal_mask(mask.shape[-1], mask.device))
+    """Whether ``mask`` is a kept :func:`causal_mask` tensor (a mask equal to it but built otherwise answers False:
+    it is then applied as a mask, with the same result). Builds nothing."""
+    return mask is not None and mask.dim() == 4 and _CAUSAL.get((mask.shape[-1], mask.device)) is mask
 
 
 def prefix_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, view: SinkWindow | None = None) -> torch.Tensor:

@@ -358,11 +358,8 @@ class Engine:
         if self.draft is not None:
             self.draft.restart_rows(torch.tensor([r.slot for r in joiners], device=dev))
         slots = torch.tensor([r.slot for r in joiners], device=dev)
-        self.n[slots] = 1
+        self.n[slots] = 1  # a one-token prompt has nothing to prefill: this is its state after the prefill too
         self.pending[slots] = torch.tensor([r.prompt[0] for r in joiners], device=dev)
-        for r in joiners:
-            if not r.prefilling:  # a one-token prompt has nothing to prefill
-                self._prefilled(r, 0)
         self.stats.prompt_tokens += sum(len(r.prompt) for r in joiners)
 
     def _prefilled(self, req: _Request, upto: int) -> None:
