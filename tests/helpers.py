@@ -29,6 +29,10 @@ class NoisyTargetDraft(Draft):
     def observe(self, tokens, pos, target_out, valid=None) -> None:
         self.target(tokens, pos, self.cache)  # re-sync this draft's cache on everything the target saw
 
+    def restart_rows(self, rows) -> None:
+        """Nothing to forget for rows that all start together (``spire tau``'s batches on the engine); its observe
+        writes every row, so it is not fit for requests joining a running batch."""
+
     def step(self, tokens, pos):
         logits = self.target(tokens, pos, self.cache).logits[:, -1]
         return logits + self.noise * logits.std() * torch.randn(logits.shape, generator=self.gen)

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from spire.bench.calibrate import Calibration, calibrate, load_calibration
 import spire.bench.run as bench_run
 from spire.bench.report import write_outputs
-from spire.bench.run import BenchConfig, predict, run_bench, shape_of, summarize
+from spire.bench import pricing
+from spire.bench.pricing import shape_of
+from spire.bench.run import BenchConfig, predict, run_bench, summarize
 from spire.cli import main
 from spire.drafts.magicdec import MagicDecDraft
 from spire.errors import ConfigError
@@ -390,15 +392,15 @@ def test_bench_cli_bf16_draft_weights(tmp_path, monkeypatch, capsys, tiny):
     assert outs["bf16"]["weight_bytes"] == 4
     assert all(r["identical_to_ad"] for r in outs["bf16"]["rows"])
     rows = {(dw, r["draft"]): r for dw, o in outs.items() for r in o["rows"]}
-    full = bench_run.draft_kind_and_shape(real_draft(drafts[-1]), tiny)[1]  # full vocabulary: the target's head
+    full = pricing.draft_kind_and_shape(real_draft(drafts[-1]), tiny)[1]  # full vocabulary: the target's head
     body, head = full.body_params(), full.unembedding_params()
     assert rows["bf16", "spire"]["draft_weight_bytes"] == pytest.approx((2 * body + 4 * head) / (body + head))
     assert rows["bf16", "magicdec"]["draft_weight_bytes"] == 4
     # the prediction: only the draft forward of a draft with its own weights is costed at 2 bytes
-    from spire.bench.run import predict, predict_split, shape_of
+    from spire.bench.run import predict, predict_split
     from spire.throughput.cost_model import CostOptions
     shape = shape_of(tiny)
-    d_shape = bench_run.draft_kind_and_shape(real_draft(drafts[0]), tiny)[1]
+    d_shape = pricing.draft_kind_and_shape(real_draft(drafts[0]), tiny)[1]
     opts = CostOptions(weight_bytes=4, kv_bytes=4, attention_flops=True, embeddings=True, window=4)
     same = predict(shape, d_shape, "spire", 1, 64, 4, 5.0, 1e10, opts)
     assert predict_split(shape, d_shape, "spire", 1, 64, 4, 5.0, 1e10, opts, opts) == same
@@ -445,7 +447,7 @@ def test_bench_cli_int8_draft_weights(tmp_path, monkeypatch, capsys, tiny):
     assert all(r["identical_to_ad"] for r in out["rows"])
     rows = {r["draft"]: r for r in out["rows"]}
     assert rows["magicdec"]["draft_weight_bytes"] == 4
-    shape = bench_run.draft_kind_and_shape(real_draft(drafts[-1]), tiny)[1]
+    shape = pricing.draft_kind_and_shape(real_draft(drafts[-1]), tiny)[1]
     up = drafts[-1].layers[0].mlp.up_proj.weight
     assert torch.equal(up, kernels.dequantize_int8(*kernels.quantize_int8(up)))
     assert not torch.equal(up, tiny.layers[drafts[-1].source_layers[0]].mlp.up_proj.weight)
@@ -453,7 +455,7 @@ def test_bench_cli_int8_draft_weights(tmp_path, monkeypatch, capsys, tiny):
     assert "draft's own weights at 1.0625 bytes per value (int8)" in (tmp_path / "int8" / "BENCH.md").read_text()
     from spire.drafts.spire import SpireConfig, SpireDraftModel
     small = SpireDraftModel(tiny, SpireConfig(n_draft_layers=1, vocab_size=20), vocab=torch.arange(20) * 3)
-    kind, small_shape, _, _ = bench_run.draft_kind_and_shape(real_draft(small), tiny)
+    kind, small_shape, _, _ = pricing.draft_kind_and_shape(real_draft(small), tiny)
     assert (kind, small_shape.vocab_size, small_shape.n_layers) == ("spire", 20, 1)
     with pytest.raises(SystemExit) as e:
         main(["bench", "--random-weights", "--quick", "--dtype", "bf16", "--draft-weights", "int8"])

@@ -261,8 +261,9 @@ def test_show_merges_files_and_prints_markdown(tmp_path, capsys):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_shared_prefill_equals_separate_runs(temperature):
     """measure_tau_shared (one prefill per batch, every draft from a copy) gives each draft exactly the
-    rounds and tokens of its own measure_tau run and of plain `generate` runs batch by batch, greedy and
-    sampled."""
+    rounds and tokens of its own measure_tau run and of `spire generate`'s engine runs batch by batch, greedy and
+    sampled; greedy, also of the static loop of `speculative.generate`."""
+    from spire.serving.engine import generate_batch
     from spire.speculative import generate
 
     from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
@@ -281,11 +282,31 @@ def test_shared_prefill_equals_separate_runs(temperature):
         alone = measure_tau(target, d, ctx, G=12, k=3, params=params, batch_size=2, seed=3, progress=False)
         assert (shared[name].rounds, shared[name].emitted) == (alone.rounds, alone.emitted), name
         assert shared[name].tau == alone.tau and 1.0 <= alone.tau <= 4.0
-        gen, rounds, emitted = torch.Generator().manual_seed(3), [], []
-        for i in range(0, 5, 2):  # what measure_tau did before it shared its code with measure_tau_shared
-            res = generate(target, ctx[i: i + 2], 12, draft=d, k=3, params=params, generator=gen)
+        rounds, emitted, static = [], [], []
+        for i in range(0, 5, 2):  # context i samples with a generator seeded 3 + i
+            res = generate_batch(target, ctx[i: i + 2].tolist(), 12, draft=d, k=3, params=params, seed=3 + i)
             rounds, emitted = rounds + res.rounds, emitted + res.emitted
+            if temperature == 0:
+                static += generate(target, ctx[i: i + 2], 12, draft=d, k=3).rounds
         assert (shared[name].rounds, shared[name].emitted) == (rounds, emitted), name
+        assert temperature or static == rounds, name
+
+
+def test_sampled_tau_of_a_context_does_not_depend_on_its_batch():
+    """On the engine each context samples with its own generator (seed + its index), so at T = 1 a context's rounds
+    and tokens are the same whether it ran in batches of 2 or of 5 (with one generator per batch, as before, they
+    were not)."""
+    from spire.evaluation.tau import measure_tau
+    from spire.sampling import SamplingParams
+
+    target = make_tiny(seed=4)
+    ctx = torch.randint(0, 97, (5, 30), generator=torch.Generator().manual_seed(8))
+    runs = [measure_tau(target, MagicDecDraft(1, 6), ctx, G=16, k=3, params=SamplingParams(1.0), batch_size=b,
+                        seed=5, progress=False) for b in (2, 5)]
+    assert runs[0].rounds == runs[1].rounds and runs[0].emitted == runs[1].emitted == [16] * 5
+    other = measure_tau(target, MagicDecDraft(1, 6), ctx, G=16, k=3, params=SamplingParams(1.0), batch_size=5,
+                        seed=6, progress=False)
+    assert other.rounds != runs[0].rounds  # the seed does reach the sampling
 
 
 def test_bootstrap_ratio_ci_known_answers():

@@ -234,7 +234,8 @@ def _tau_batch(cfg: ReproduceConfig, L: int) -> int:
     return max(1, min(cfg.batch_size, 8192 // L))
 
 
-TAU_CACHE_VERSION = 1  # bump when a change to decoding or sampling changes what a τ measurement returns
+TAU_CACHE_VERSION = 2  # bump when a change to decoding or sampling changes what a τ measurement returns (2: on the
+# engine, context i sampling with its own generator)
 
 
 def _tau_key(target_folder: Path, draft: dict, contexts: torch.Tensor, cfg: ReproduceConfig, temperature: float,

@@ -1,7 +1,8 @@
 """``spire bench``: measured speculative-decoding throughput against the cost model, cell by cell.
 
 For every (B, L) of a grid, on B real held-out contexts of L tokens (spire.data.TokenData.heldout_contexts),
-one prefill is shared by every decoder (:func:`spire.speculative.prefill`, cache cloned per decoder) and:
+one prefill is shared by every decoder (:func:`spire.speculative.prefill`; the AD and SD runs decode it on the
+serving engine, :func:`spire.serving.engine.decode_prefilled`, each on a copy) and:
 
 - t_AD: one target forward over 1 new token per row at position L - 1 (an AD step), seconds;
 - t_verify: one target forward over k + 1 new tokens per row (a verify pass), seconds;
@@ -42,10 +43,12 @@ import torch
 from spire import defaults
 import spire.drafts.registry as registry
 from spire.backend import of as backend_of
+from spire.bench.pricing import draft_bytes, draft_kind_and_shape, shape_of
 from spire.drafts.base import Draft
 from spire.errors import ConfigError, DataError
 from spire.model import ModelConfig, Transformer
-from spire.speculative import Prefilled, cache_length, decode, prefill, start_draft
+from spire.serving.engine import decode_prefilled
+from spire.speculative import Prefilled, cache_length, prefill, start_draft
 from spire.throughput.cost_model import CostOptions, forward_time, round_costs
 from spire.throughput.hardware import DTYPE_BYTES
 from spire.throughput.shapes import ModelShape
@@ -118,24 +121,6 @@ def random_target(dtype: torch.dtype = torch.float32, device: str | torch.device
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
-def shape_of(model: Transformer) -> ModelShape:
-    """The cost model's :class:`ModelShape` of a spire :class:`Transformer`."""
-    c = model.cfg
-    return ModelShape(c.n_layers, c.d_model, c.n_heads // c.n_kv_heads, c.n_kv_heads, c.d_head, c.d_ff,
-                      c.vocab_size, c.tie_embeddings)
-
-
-def draft_kind_and_shape(draft: Draft, target: Transformer) -> tuple[str, ModelShape, int, int]:
-    """(cost-model kind, draft shape, sink, window) of a draft instance: its registered kind (``draft.name``) and
-    :meth:`Draft.cost_shape`. Raises ConfigError for a draft the cost model has no formula for."""
-    entry = registry.kind(getattr(draft, "name", None))
-    if entry.pricing is None:
-        raise ConfigError(f"no cost-model formula for draft {type(draft).__name__}")
-    view = getattr(draft, "view", None) or getattr(getattr(draft, "model", None), "view", None)
-    sink, window = (view.sink, view.window) if view is not None else (defaults.SINK, defaults.WINDOW)
-    return entry.name, draft.cost_shape(shape_of(target)), sink, window
-
-
 def predict(target: ModelShape, draft: ModelShape, kind: str, B: int, L: int, k: int, hoi: float,
             flops_per_s: float | None, options: CostOptions, combine: str = "max") -> dict[str, Any]:
     """The cost model for one cell: predicted Δt, the three forward times (seconds when flops_per_s is given,
@@ -152,18 +137,6 @@ def predict(target: ModelShape, draft: ModelShape, kind: str, B: int, L: int, k:
             "t_draft_s": t_d * scale,
             "verify_memory_bound": (c.verify.N + c.verify.KV) * hoi >= c.verify.C,
             "ad_memory_bound": (c.target.N + c.target.KV) * hoi >= c.target.C}
-
-
-def draft_bytes(draft: Draft, kind: str, shape: ModelShape, own_bytes: float, target_bytes: float) -> float:
-    """Bytes per weight value a draft's forward streams: the target's for MagicDec (its weights), ``own_bytes``
-    for a draft with weights of its own, and for a full-vocabulary SPIRe draft whose own bytes differ from the
-    target's the mean over its body (own bytes) and its head (the target's unembedding, at the target's bytes)."""
-    if registry.kind(kind).pricing.weights == "target":
-        return target_bytes
-    if kind == "spire" and own_bytes != target_bytes and draft.model.vocab is None:
-        body, head = shape.body_params(), shape.unembedding_params()
-        return (body * own_bytes + head * target_bytes) / (body + head)
-    return own_bytes
 
 
 def predict_split(target: ModelShape, draft: ModelShape, kind: str, B: int, L: int, k: int, hoi: float,
@@ -210,7 +183,7 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
             :func:`spire.fastpath.use_bf16_weights`); the KV cache keeps the dtype's.
         draft_weight_bytes: bytes per weight value of the drafts with weights of their own (SPIRe, vanilla)
             when they differ from the target's (e.g. 2: a float32 target with bf16 draft weights); None: the
-            target's. Per draft: :func:`draft_bytes`.
+            target's. Per draft: :func:`spire.bench.pricing.draft_bytes`.
     Returns:
         {"config", "rows": one dict per (B, L, draft) (see the module docstring for the fields),
          "ad": one dict per (B, L) with the AD run's tokens/s}.
@@ -323,9 +296,7 @@ def _measure_cell(target: Transformer, state: Prefilled, drafts: dict[str, Draft
         return prev[0] + sum(res.emitted), prev[1] + sum(res.rounds), prev[2] + seconds(res)
 
     say(f"B={B} L={L}: AD run, {cfg.G} tokens per row")
-    cache = state.clone_cache()
-    ad = decode(target, state, cfg.G, None, k, cache=cache)
-    cache = None  # free the copy
+    ad = decode_prefilled(target, state, cfg.G, None, k)
     ad_tot = totals(None, ad)
     out: dict[str, Any] = {"t_ad": t_ad, "t_verify": t_verify, "ad_tps": ad_tot[0] / ad_tot[2], "totals": ad_tot,
                            "drafts": {}}
@@ -338,11 +309,8 @@ def _measure_cell(target: Transformer, state: Prefilled, drafts: dict[str, Draft
             cache = None  # free the copy
         else:
             t_draft = before["drafts"][name]["t_draft"]
-        cache = state.clone_cache()  # fresh: the timed steps wrote draft entries (harmless, but start clean)
-        start_draft(draft, target, state, k, cache)
         say(f"B={B} L={L}: {name} SD run, {cfg.G} tokens per row")
-        sd = decode(target, state, cfg.G, draft, k, cache=cache)
-        cache = None  # free the copy
+        sd = decode_prefilled(target, state, cfg.G, draft, k)  # on a copy of the prefill, not the timed steps' one
         tot = totals(name, sd)
         out["drafts"][name] = {"t_draft": t_draft, "tau": tot[0] / max(1, tot[1]), "sd_tps": tot[0] / tot[2],
                                "totals": tot, "identical": sd.tokens == ad.tokens

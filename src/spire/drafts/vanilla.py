@@ -71,8 +71,8 @@ class VanillaDraft(Draft):
 
     @torch.no_grad()
     def cost_shape(self, target):
-        """Its own model's shape (:func:`spire.bench.run.shape_of`)."""
-        from spire.bench.run import shape_of
+        """Its own model's shape (:func:`spire.bench.pricing.shape_of`)."""
+        from spire.bench.pricing import shape_of
 
         return shape_of(self.model)
 

@@ -13,7 +13,7 @@ import torch
 
 from spire.drafts.base import Draft
 from spire.model import Transformer
-from spire.speculative import generate
+from spire.serving.engine import generate_batch
 
 
 @dataclass
@@ -30,9 +30,10 @@ class Divergence:
 @torch.no_grad()
 def compare_greedy(target: Transformer, draft: Draft, prompts: list[list[int]], max_new_tokens: int,
                    k: int = 4) -> list[Divergence]:
-    """Run greedy AD and greedy SD on the same prompts and report the first divergence of each row."""
-    ad = generate(target, prompts, max_new_tokens).tokens
-    sd = generate(target, prompts, max_new_tokens, draft=draft, k=k).tokens
+    """Run greedy AD and greedy SD on the same prompts (on the serving engine, as ``spire generate``) and report
+    the first divergence of each row."""
+    ad = generate_batch(target, prompts, max_new_tokens).tokens
+    sd = generate_batch(target, prompts, max_new_tokens, draft=draft, k=k).tokens
     out = []
     for b, (x, y) in enumerate(zip(ad, sd)):
         i = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)

@@ -17,7 +17,8 @@ from spire.drafts.base import Draft
 from spire.errors import ConfigError
 from spire.model import Transformer
 from spire.sampling import SamplingParams
-from spire.speculative import cache_length, decode, prefill, start_draft
+from spire.serving.engine import decode_prefilled
+from spire.speculative import cache_length, prefill
 from spire.timing import Stopwatch
 
 
@@ -92,9 +93,11 @@ def measure_tau_shared(target: Transformer, drafts: dict[str, Draft], contexts: 
                        progress: bool = True) -> dict[str, TauResult]:
     """:func:`measure_tau` for several drafts on the same contexts, prefilling each batch once: every draft
     decodes from its own copy of the target's prefilled cache (at long L the prefill is most of the cost, so
-    n drafts cost about one prefill instead of n). Each draft's tokens, rounds and τ equal those of
-    :func:`spire.speculative.generate` run batch by batch with that draft alone and one generator seeded with
-    ``seed``; wall_s counts the shared prefill once per draft, as a separate run would.
+    n drafts cost about one prefill instead of n). The rows decode on the serving engine
+    (:func:`spire.serving.engine.decode_prefilled`), each finished row freed at once; context i samples with its
+    own generator seeded ``seed + i``, so its tokens do not depend on the batch it ran in. Each draft's tokens,
+    rounds and τ equal those of :func:`spire.serving.engine.generate_batch` (``spire generate``) run batch by
+    batch with that draft alone; wall_s counts the shared prefill once per draft, as a separate run would.
 
     Args:
         drafts: result name -> draft.
@@ -112,7 +115,6 @@ def measure_tau_shared(target: Transformer, drafts: dict[str, Draft], contexts: 
     if not drafts:
         raise ConfigError("no drafts to measure")
     n, L = contexts.shape
-    gens = {name: torch.Generator(device=target.device).manual_seed(seed) for name in drafts}
     rounds = {name: [] for name in drafts}
     emitted = {name: [] for name in drafts}
     wall = dict.fromkeys(drafts, 0.0)
@@ -128,10 +130,8 @@ def measure_tau_shared(target: Transformer, drafts: dict[str, Draft], contexts: 
         t_prefill = watch.seconds()
         for name, draft in drafts.items():
             watch = Stopwatch(target.device)
-            cache = state.clone_cache() if len(drafts) > 1 else state.cache  # one draft: no copy needed
-            start_draft(draft, target, state, k, cache)
-            res = decode(target, state, G, draft, k, params, gens[name], cache=cache,
-                         progress=bar.update if bar is not None else None)
+            res = decode_prefilled(target, state, G, draft, k, params, seed + i,
+                                   progress=bar.update if bar is not None else None)
             wall[name] += t_prefill + watch.seconds()
             rounds[name] += res.rounds
             emitted[name] += res.emitted

@@ -46,10 +46,11 @@ import torch
 
 from spire.drafts.base import Draft
 from spire.errors import ConfigError
+from spire.kv_cache import KVCache
 from spire.model import ForwardOutput, Transformer
 from spire.serving.policy import KPolicy
 from spire.sampling import SamplingParams, probs_from_logits, sample
-from spire.speculative import GenerationResult, StopStrings, cache_length, cut_output, prefill
+from spire.speculative import GenerationResult, Prefilled, StopStrings, cache_length, cut_output, prefill
 from spire.timing import Stopwatch
 from spire.verification import output_tokens, verify, verify_greedy
 
@@ -233,6 +234,49 @@ class Engine:
     def add_request(self, prompt_ids: Sequence[int], params: RequestParams = RequestParams()) -> int:
         """Queue a request; it joins at a later :meth:`step`. prompt_ids: its token ids (>= 1, each in
         [0, vocab)). Returns its id. Raises ConfigError (the message names the field: prompt, max_tokens, stop)."""
+        req = self._new_request(prompt_ids, params)
+        with self._lock:
+            self.waiting.append(req)
+        return req.id
+
+    def add_prefilled(self, state: Prefilled, params: Sequence[RequestParams]) -> list[int]:
+        """Admit the rows of a batch that :func:`spire.speculative.prefill` already ran (all but each prompt's last
+        token in ``state.cache``) as running requests in the lowest free slots: their keys and values are copied
+        into the slots, the draft observes the prefill (``hidden_layers`` of the prefill must include the draft's),
+        and their first round runs at the next :meth:`step`. So several drafts decode from one prefill
+        (``spire tau``, ``spire bench``: :func:`decode_prefilled`). Call it between steps, on the thread that steps.
+
+        Args:
+            state: the prefilled batch (B rows); its cache is read, not kept.
+            params: one :class:`RequestParams` per row.
+        Returns:
+            the request ids, in row order.
+        Raises:
+            ConfigError: params not one per row, fewer than B free slots, or a row that does not fit a slot (as
+                :meth:`add_request`).
+        """
+        rows = state.rows
+        if len(params) != len(rows):
+            raise ConfigError(f"add_prefilled: {len(params)} request settings for {len(rows)} prefilled rows")
+        reqs = [self._new_request(r, p) for r, p in zip(rows, params)]
+        free = [s for s in range(self.max_running) if self.slots[s] is None]
+        if len(free) < len(reqs):
+            raise ConfigError(f"add_prefilled: {len(reqs)} rows, {len(free)} free slots")
+        for req, s in zip(reqs, free):
+            req.slot, self.slots[s] = s, req
+        self._narrow(max(r.slot for r in self.slots if r is not None) + 1 if self._narrows else self.max_running)
+        self._join(reqs)
+        slots = torch.tensor(free[: len(reqs)], device=self.n.device)
+        if state.out is not None:
+            self._copy_kv(slots, state.cache, state.tokens.shape[1])
+            if self.draft is not None:
+                self._observe_prefill(slots, state.tokens, state.pos, state.valid, state.out)
+        for req in reqs:
+            self._prefilled(req, len(req.prompt) - 1)
+        return [r.id for r in reqs]
+
+    def _new_request(self, prompt_ids: Sequence[int], params: RequestParams) -> _Request:
+        """A validated request with the next id (see :meth:`add_request`)."""
         prompt = [int(t) for t in prompt_ids]
         vocab = self.target.cfg.vocab_size
         if not prompt:
@@ -247,9 +291,7 @@ class Engine:
             raise ConfigError("stop: stop strings need the engine's decode (a tokenizer)")
         stop = StopStrings(list(params.stop), self.decode) if params.stop else None
         with self._lock:
-            req = _Request(next(self._ids), prompt, params, stop)
-            self.waiting.append(req)
-        return req.id
+            return _Request(next(self._ids), prompt, params, stop)
 
     def abort(self, request_id: int) -> None:
         """End a waiting or running request at the next :meth:`step` (its slot is freed there, finish "abort");
@@ -399,13 +441,17 @@ class Engine:
         span = max(n for _, n in pieces)
         hidden = self.draft.hidden_layers if self.draft is not None else ()
         state = prefill(self.target, rows, span, hidden)
-        for layer in range(len(self.cache.k)):
-            self.cache.k[layer][slots, :, :span] = state.cache.k[layer][:, :, :span]
-            self.cache.v[layer][slots, :, :span] = state.cache.v[layer][:, :, :span]
+        self._copy_kv(slots, state.cache, span)
         if self.draft is not None:
             self._observe_prefill(slots, state.tokens, state.pos, state.valid, state.out)
         for req, n in pieces:
             self._prefilled(req, n)
+
+    def _copy_kv(self, slots: torch.Tensor, cache: KVCache, span: int) -> None:
+        """Positions [0, span) of every row of ``cache`` (a prefill's) into the engine cache's rows ``slots``."""
+        for layer in range(len(self.cache.k)):
+            self.cache.k[layer][slots, :, :span] = cache.k[layer][:, :, :span]
+            self.cache.v[layer][slots, :, :span] = cache.v[layer][:, :, :span]
 
     def _prefill_continue(self, req: _Request, n: int) -> None:
         """Prompt tokens prefilled .. prefilled + n - 1 of ``req``, on its slot's row of the engine's cache."""
@@ -538,20 +584,64 @@ def generate_batch(target: Transformer, prompts: Sequence[Sequence[int]], max_ne
         raise ConfigError("prompt: empty (a request needs at least one token)")
     max_len = cache_length(target, rows, max_new_tokens, k if draft is not None else 0)
     engine = Engine(target, draft, k=k, max_running=len(rows), max_len=max_len, eos_ids=eos_ids, decode=decode)
-    index = {}
-    for i, r in enumerate(rows):
-        rp = RequestParams(max_new_tokens, params.temperature, params.top_k, params.top_p, seed + i, tuple(stop))
-        index[engine.add_request(r, rp)] = i
-    tokens: list[list[int]] = [[] for _ in rows]
-    finish, rounds = ["length"] * len(rows), [0] * len(rows)
+    ids = [engine.add_request(r, RequestParams(max_new_tokens, params.temperature, params.top_k, params.top_p,
+                                               seed + i, tuple(stop))) for i, r in enumerate(rows)]
     watch = Stopwatch(target.device)
+    tokens, finish, rounds = drain(engine, ids)
+    decode_s, decode_cpu_s = watch.stop()
+    return GenerationResult(tokens, finish, rounds, [len(t) for t in tokens], decode_s=decode_s,
+                            decode_cpu_s=decode_cpu_s)
+
+
+@torch.no_grad()
+def decode_prefilled(target: Transformer, state: Prefilled, max_new_tokens: int, draft: Draft | None = None,
+                     k: int = 4, params: SamplingParams = SamplingParams(), seed: int = 0,
+                     progress: Callable[[int], object] | None = None) -> GenerationResult:
+    """A prefilled batch decoded on the engine (``spire tau`` and ``spire bench``: several drafts from one
+    prefill): one slot per row of ``state.max_len`` positions, the rows admitted with :meth:`Engine.add_prefilled`,
+    ``max_new_tokens`` tokens each (no EOS), each finished row freed at once.
+
+    Args:
+        state: the batch after :func:`spire.speculative.prefill` with the draft's ``hidden_layers``; its cache is
+            copied, not changed, so the next draft can start from it again.
+        draft: an unstarted draft (the engine starts it), or None for AD.
+        params: sampling of every row; ``seed``: row i samples with its own generator seeded ``seed + i`` (so a
+            row's sampled output does not depend on the batch it ran in).
+        progress: called with the number of tokens each step emitted.
+    Returns:
+        a :class:`~spire.speculative.GenerationResult`; rounds: the rounds each row ran; prefill_s: the state's;
+        decode_s and decode_cpu_s: the steps only (not the copy of the prefill into the engine's cache).
+    Raises:
+        ConfigError: k or max_new_tokens < 1, or rows that do not fit ``state.max_len`` with k (as :class:`Engine`).
+    """
+    if k < 1 or max_new_tokens < 1:
+        raise ConfigError(f"k and max_new_tokens must be >= 1, got k = {k}, max_new_tokens = {max_new_tokens}")
+    engine = Engine(target, draft, k=k, max_running=len(state.rows), max_len=state.max_len)
+    ids = engine.add_prefilled(state, [RequestParams(max_new_tokens, params.temperature, params.top_k, params.top_p,
+                                                     seed + i) for i in range(len(state.rows))])
+    watch = Stopwatch(target.device)
+    tokens, finish, rounds = drain(engine, ids, progress)
+    decode_s, decode_cpu_s = watch.stop()
+    return GenerationResult(tokens, finish, rounds, [len(t) for t in tokens], prefill_s=state.prefill_s,
+                            decode_s=decode_s, decode_cpu_s=decode_cpu_s)
+
+
+def drain(engine: Engine, ids: Sequence[int], progress: Callable[[int], object] | None = None
+          ) -> tuple[list[list[int]], list[str], list[int]]:
+    """Step ``engine`` until it has no work, collecting the requests ``ids`` (its only requests). progress: called
+    with the tokens each step emitted. Returns per request, in the order of ``ids``: its tokens, its finish reason
+    and the rounds it ran in."""
+    index = {rid: i for i, rid in enumerate(ids)}
+    tokens: list[list[int]] = [[] for _ in ids]
+    finish, rounds = ["length"] * len(ids), [0] * len(ids)
     while engine.has_work():
-        for out in engine.step():
+        outputs = engine.step()
+        for out in outputs:
             i = index[out.request_id]
             tokens[i].extend(out.new_tokens)
             rounds[i] += 1
             if out.finished:
                 finish[i] = out.finish_reason
-    decode_s, decode_cpu_s = watch.stop()
-    return GenerationResult(tokens, finish, rounds, [len(t) for t in tokens], decode_s=decode_s,
-                            decode_cpu_s=decode_cpu_s)
+        if progress is not None:
+            progress(sum(len(o.new_tokens) for o in outputs))
+    return tokens, finish, rounds
