@@ -146,6 +146,70 @@ def test_chunked_prefill_is_exact_and_leaves_the_draft_as_a_whole_prefill(tiny, 
 
 
 @pytest.mark.parametrize("kind", DRAFTS)
+def test_prefilled_rows_join_a_running_batch_as_requests_would(tiny, kind):
+    """Engine.add_prefilled (spire tau and bench: several drafts from one prefill): two rows prefilled outside the
+    engine join slots 1 and 3 of a batch whose other requests are mid-stream (slot 1 left by a finished request);
+    every request's tokens are its own single-request AD output, and the prefilled rows accept round by round
+    exactly as when the same prompts join through add_request at that step (so the slots' KV and the draft's state
+    are a normal join's)."""
+    from spire.speculative import prefill
+
+    prompts = _prompts(10)
+    early = [(prompts[4], 20), (prompts[1], 3), (prompts[7], 25)]  # slots 0, 1, 2; the second ends first
+    late = [prompts[2], prompts[9]]
+
+    def run(prefilled: bool) -> dict:
+        engine = Engine(tiny, _draft(kind, tiny), k=3, max_running=4, max_len=96)
+        ids = {engine.add_request(p, RequestParams(max_tokens=n)): j for j, (p, n) in enumerate(early)}
+        res = {j: {"tokens": [], "accepted": []} for j in range(5)}
+
+        def collect(outs):
+            for o in outs:
+                r = res[ids[o.request_id]]
+                r["tokens"] += o.new_tokens
+                if o.accepted is not None:
+                    r["accepted"].append(o.accepted)
+
+        for _ in range(4):  # 3 tokens take at most 3 rounds, 20 at least 5
+            collect(engine.step())
+        assert [r is not None for r in engine.slots] == [True, False, True, False]
+        params = [RequestParams(max_tokens=12), RequestParams(max_tokens=9)]
+        if prefilled:
+            hidden = engine.draft.hidden_layers if engine.draft is not None else ()
+            state = prefill(tiny, late, 96, hidden)
+            for j, rid in zip((3, 4), engine.add_prefilled(state, params)):
+                ids[rid] = j
+            assert [r.slot for r in engine.slots if r is not None] == [0, 1, 2, 3]
+        else:
+            for j, p, rp in zip((3, 4), late, params):
+                ids[engine.add_request(p, rp)] = j
+        while engine.has_work():
+            collect(engine.step())
+        return res
+
+    got, ref = run(True), run(False)
+    rows, budgets = [p for p, _ in early] + late, [20, 3, 25, 12, 9]
+    for j in range(5):
+        assert got[j]["tokens"] == generate(tiny, [rows[j]], budgets[j]).tokens[0], (kind, j)
+        assert got[j]["accepted"] == ref[j]["accepted"], (kind, j)
+
+
+def test_add_prefilled_refuses_what_does_not_fit(tiny):
+    from spire.speculative import prefill
+
+    engine = Engine(tiny, None, k=3, max_running=2, max_len=40)
+    state = prefill(tiny, _prompts(10)[1:3], 40)
+    with pytest.raises(ConfigError, match="2 prefilled rows"):
+        engine.add_prefilled(state, [RequestParams(max_tokens=4)])
+    engine.add_request([1, 2, 3], RequestParams(max_tokens=4))
+    engine.step()
+    with pytest.raises(ConfigError, match="2 rows, 1 free slots"):
+        engine.add_prefilled(state, [RequestParams(max_tokens=4)] * 2)
+    with pytest.raises(ConfigError, match="exceeds the context"):
+        engine.add_prefilled(prefill(tiny, [_prompts(10)[4]], 40), [RequestParams(max_tokens=4)])
+
+
+@pytest.mark.parametrize("kind", DRAFTS)
 def test_reused_slot_sees_nothing_of_the_previous_request(tiny, kind):
     """Request B in the slot request A just left accepts exactly as B alone in a fresh engine, round by round
     (its KV, draft state and n-gram context are its own; CASES.md 16)."""
