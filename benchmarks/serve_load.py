@@ -85,10 +85,15 @@ class Launched:
             time.sleep(1)
         raise RuntimeError(f"{name} did not become healthy in 600 s; see {log}")
 
-    def rss_mb(self) -> float:
+    def rss_mb(self, field: str = "VmRSS") -> float:
+        """The server's resident set (VmRSS), or with field="VmHWM" its peak so far, MB; read a second after the
+        last response, when the server is idle (spire's engine gives its heap's free pages back when it falls
+        idle)."""
+        if field == "VmRSS":
+            time.sleep(1)
         with open(f"/proc/{self.proc.pid}/status") as f:
             for line in f:
-                if line.startswith("VmRSS:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) / 1024
         return float("nan")
 
@@ -316,11 +321,13 @@ def main() -> None:
                 print(f"{name} c={c}: {row['output_tokens_per_s']:.1f} tok/s, TTFT {row['ttft_median_s']:.2f} s, "
                       f"ITL {1000 * row['itl_median_s']:.1f} ms" + (f", tau {row['tau']:.2f}" if row.get("tau") else ""),
                       flush=True)
-            entry = {"command": cmd, "levels": rows, "rss_mb_after_warmup": rss_warm, "rss_mb_after_levels": srv.rss_mb()}
+            entry = {"command": cmd, "levels": rows, "rss_mb_after_warmup": rss_warm, "rss_mb_after_levels": srv.rss_mb(),
+                     "rss_peak_mb_after_levels": srv.rss_mb("VmHWM")}
             if a.faults and srv.kind == "spire" and (name == a.faults_server or a.faults_server is None
                                                      and "faults" not in json.dumps(results["servers"])):
                 entry["faults"] = asyncio.run(faults(srv, prompts, a.faults, a.max_tokens))
                 entry["faults"]["rss_mb_after"] = srv.rss_mb()
+                entry["faults"]["rss_peak_mb"] = srv.rss_mb("VmHWM")
                 print(f"{name} faults: {entry['faults']}", flush=True)
             results["servers"][name] = entry
         finally:

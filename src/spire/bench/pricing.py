@@ -1,7 +1,7 @@
 """The cost model's view of spire's model instances: a :class:`~spire.model.Transformer`'s
 :class:`~spire.throughput.shapes.ModelShape`, a draft's cost-model kind, shape, sink and window, and the bytes per
 weight value its forward streams. Shared by ``spire bench`` (:mod:`spire.bench.run`) and the serving k policy
-(:mod:`spire.serving.policy`); it imports no torch."""
+(:mod:`spire.serving.policy`)."""
 
 from __future__ import annotations
 

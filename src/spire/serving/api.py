@@ -13,6 +13,8 @@ engine's next step).
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import json
 import logging
 import threading
@@ -42,6 +44,27 @@ def torch_thread() -> ThreadPoolExecutor:
     between regions, and a decode step, hundreds of short regions, pays a wake-up for each: SmolLM2 AD on 2
     cores took 27 ms a step on a second thread against 21 ms on the thread that loaded it."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="spire-engine")
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def trim_heap() -> bool:
+    """Give the C heap's free pages back to the system (glibc's ``malloc_trim(0)``; nothing where libc is not
+    glibc). Returns whether it ran. The engine loop calls it each time the engine falls idle: freed prefill
+    activations and oneDNN's scratch leave free holes in glibc's heap that it keeps resident (a load of 150 requests
+    of 128-1,710 tokens at concurrency 16 left ~330 MB of them, which this returned; the calls cost milliseconds and
+    run only when no request is running)."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
 
 
 class EngineLoop:
@@ -113,6 +136,8 @@ class EngineLoop:
                     cb = self._subs.pop(out.request_id, None) if out.finished else self._subs.get(out.request_id)
                     if cb is not None:
                         cb(out)
+            if not self.engine.has_work():
+                trim_heap()  # idle: no request waits on this
 
     def _fail_all(self) -> list[RequestOutput]:
         eng = self.engine
