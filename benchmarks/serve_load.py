@@ -86,11 +86,11 @@ class Launched:
         raise RuntimeError(f"{name} did not become healthy in 600 s; see {log}")
 
     def rss_mb(self, field: str = "VmRSS") -> float:
-        """The server's resident set (VmRSS), or with field="VmHWM" its peak so far, MB; read a second after the
-        last response, when the server is idle (spire's engine gives its heap's free pages back when it falls
-        idle)."""
+        """The server's resident set (VmRSS), or with field="VmHWM" its peak so far, MB; read two seconds after the
+        last response, when the server is idle (spire's engine gives its heap's free pages back after half a
+        second idle)."""
         if field == "VmRSS":
-            time.sleep(1)
+            time.sleep(2)
         with open(f"/proc/{self.proc.pid}/status") as f:
             for line in f:
                 if line.startswith(field + ":"):

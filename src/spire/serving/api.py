@@ -56,10 +56,10 @@ def _malloc_trim() -> Callable[[int], int] | None:
 
 def trim_heap() -> bool:
     """Give the C heap's free pages back to the system (glibc's ``malloc_trim(0)``; nothing where libc is not
-    glibc). Returns whether it ran. The engine loop calls it each time the engine falls idle: freed prefill
+    glibc). Returns whether it ran. The engine loop calls it once the engine has been idle for half a second (so
+    never under sustained load, where the pages would be faulted back in at once): freed prefill
     activations and oneDNN's scratch leave free holes in glibc's heap that it keeps resident (a load of 150 requests
-    of 128-1,710 tokens at concurrency 16 left ~330 MB of them, which this returned; the calls cost milliseconds and
-    run only when no request is running)."""
+    of 128-1,710 tokens at concurrency 16 left ~330 MB of them, which this returned; a call costs milliseconds)."""
     trim = _malloc_trim()
     if trim is None:
         return False
@@ -119,13 +119,18 @@ class EngineLoop:
                 pass
 
     def _run(self) -> None:
+        trimmed = True
         while True:
             if self._stop and not self.engine.has_work():
                 return
             if not self.engine.has_work():
-                self._wake.wait(0.5)
+                woke = self._wake.wait(0.5)
                 self._wake.clear()
+                if not woke and not trimmed:  # idle for half a second: no request waits on this
+                    trim_heap()
+                    trimmed = True
                 continue
+            trimmed = False
             try:
                 outputs = self.engine.step()
             except Exception:  # a bug must not hang every client: fail the requests, keep serving
@@ -136,8 +141,6 @@ class EngineLoop:
                     cb = self._subs.pop(out.request_id, None) if out.finished else self._subs.get(out.request_id)
                     if cb is not None:
                         cb(out)
-            if not self.engine.has_work():
-                trim_heap()  # idle: no request waits on this
 
     def _fail_all(self) -> list[RequestOutput]:
         eng = self.engine
