@@ -207,6 +207,12 @@ def test_add_prefilled_refuses_what_does_not_fit(tiny):
         engine.add_prefilled(state, [RequestParams(max_tokens=4)] * 2)
     with pytest.raises(ConfigError, match="exceeds the context"):
         engine.add_prefilled(prefill(tiny, [_prompts(10)[4]], 40), [RequestParams(max_tokens=4)])
+    other = make_tiny(seed=1, n_kv_heads=1)
+    with pytest.raises(ConfigError, match="not one of this engine's target"):
+        engine.add_prefilled(prefill(other, [[1, 2, 3]], 40), [RequestParams(max_tokens=4)])
+    spire = Engine(tiny, _draft("spire", tiny), k=3, max_running=2, max_len=40)
+    with pytest.raises(ConfigError, match="the spire draft reads"):
+        spire.add_prefilled(prefill(tiny, [[1, 2, 3]], 40), [RequestParams(max_tokens=4)])
 
 
 @pytest.mark.parametrize("kind", DRAFTS)

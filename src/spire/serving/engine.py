@@ -252,12 +252,19 @@ class Engine:
         Returns:
             the request ids, in row order.
         Raises:
-            ConfigError: params not one per row, fewer than B free slots, or a row that does not fit a slot (as
-                :meth:`add_request`).
+            ConfigError: params not one per row, a prefill of another target's shape or without the hidden layers
+                the draft reads, fewer than B free slots, or a row that does not fit a slot (as :meth:`add_request`).
         """
         rows = state.rows
         if len(params) != len(rows):
             raise ConfigError(f"add_prefilled: {len(params)} request settings for {len(rows)} prefilled rows")
+        ours, theirs = self.cache.k, state.cache.k
+        if len(theirs) != len(ours) or theirs[0].shape[1::2] != ours[0].shape[1::2] or theirs[0].dtype != ours[0].dtype:
+            raise ConfigError("add_prefilled: the prefill's cache (layers, KV heads, head size, dtype) is not one of "
+                              "this engine's target")
+        if state.out is not None and self.draft is not None and not set(self.draft.hidden_layers) <= set(state.out.hidden):
+            raise ConfigError(f"add_prefilled: the prefill kept target layers {sorted(state.out.hidden)}, the "
+                              f"{self.draft.name} draft reads {sorted(self.draft.hidden_layers)}")
         reqs = [self._new_request(r, p) for r, p in zip(rows, params)]
         free = [s for s in range(self.max_running) if self.slots[s] is None]
         if len(free) < len(reqs):
