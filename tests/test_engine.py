@@ -208,7 +208,7 @@ def test_add_prefilled_refuses_what_does_not_fit(tiny):
     with pytest.raises(ConfigError, match="exceeds the context"):
         engine.add_prefilled(prefill(tiny, [_prompts(10)[4]], 40), [RequestParams(max_tokens=4)])
     other = make_tiny(seed=1, n_kv_heads=1)
-    with pytest.raises(ConfigError, match="not one of this engine's target"):
+    with pytest.raises(ConfigError, match=r"dtype\) \(4, 1, 12, 'float32'\), this engine's target \(4, 2, 12, "):
         engine.add_prefilled(prefill(other, [[1, 2, 3]], 40), [RequestParams(max_tokens=4)])
     spire = Engine(tiny, _draft("spire", tiny), k=3, max_running=2, max_len=40)
     with pytest.raises(ConfigError, match="the spire draft reads"):

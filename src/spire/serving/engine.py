@@ -258,11 +258,15 @@ class Engine:
         rows = state.rows
         if len(params) != len(rows):
             raise ConfigError(f"add_prefilled: {len(params)} request settings for {len(rows)} prefilled rows")
-        ours, theirs = self.cache.k, state.cache.k
-        if len(theirs) != len(ours) or theirs[0].shape[1::2] != ours[0].shape[1::2] or theirs[0].dtype != ours[0].dtype:
-            raise ConfigError("add_prefilled: the prefill's cache (layers, KV heads, head size, dtype) is not one of "
-                              "this engine's target")
-        if state.out is not None and self.draft is not None and not set(self.draft.hidden_layers) <= set(state.out.hidden):
+        def layout(cache: KVCache) -> tuple:
+            k = cache.k[0]
+            return len(cache.k), k.shape[1], k.shape[3], str(k.dtype).removeprefix("torch.")
+
+        if layout(state.cache) != layout(self.cache):
+            raise ConfigError("add_prefilled: the prefill's cache has (layers, KV heads, head size, dtype) "
+                              f"{layout(state.cache)}, this engine's target {layout(self.cache)}")
+        reads = set(self.draft.hidden_layers) if self.draft is not None else set()
+        if state.out is not None and not reads <= set(state.out.hidden):
             raise ConfigError(f"add_prefilled: the prefill kept target layers {sorted(state.out.hidden)}, the "
                               f"{self.draft.name} draft reads {sorted(self.draft.hidden_layers)}")
         reqs = [self._new_request(r, p) for r, p in zip(rows, params)]
