@@ -254,6 +254,14 @@ def test_show_merges_files_and_prints_markdown(tmp_path, capsys):
     assert code == 0 and err.strip() == ("warning: the rows were measured with different settings (G 16, 64; k 2, 4; "
                                          "n_contexts 2, 16): compare τ only between rows measured alike (the JSON's "
                                          "merged_from keeps each file's settings)")
+    d = tmp_path / "d.json"  # a cut-short run that measured magicdec at L = 256 again
+    d.write_text(json.dumps({"format": "spire-tau", "version": 1, "complete": False,
+                             "rows": [_row("magicdec", 256, 3.4)]}))
+    code, out, err = run(capsys, "tau", "--show", str(a), "--show", str(d), "--format", "markdown")
+    assert code == 0 and "| magicdec | 0 | 3.400 [3.300, 3.500] | 2.900 [2.800, 3.000] |" in out
+    assert err.splitlines() == ["warning: several files measure magicdec T=0 L=256: the table shows the last file's "
+                                "row, the JSON keeps every row",
+                                'warning: a --show file is incomplete (its run was cut short: "complete": false)']
     code, _, err = run(capsys, "tau", "--show", str(tmp_path / "none.json"))
     assert code == 2 and err.startswith("error: --show: no such file")
 

@@ -18,6 +18,7 @@ import json
 import platform
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -371,6 +372,13 @@ def command(p: dict[str, Any], log: Callable[[str], None]) -> None:
         if unlike:
             log(f"warning: the rows were measured with different settings ({unlike}): compare τ only between rows "
                 "measured alike (the JSON's merged_from keeps each file's settings)")
+        cells = Counter((r["name"], r["temperature"], r["L"]) for r in result["rows"])
+        twice = sorted(f"{n} T={t:g} L={L}" for (n, t, L), c in cells.items() if c > 1)
+        if twice:
+            log(f"warning: several files measure {', '.join(twice)}: the table shows the last file's row, the JSON "
+                "keeps every row")
+        if not result["complete"]:
+            log("warning: a --show file is incomplete (its run was cut short: \"complete\": false)")
         if out is not None:
             log(f"wrote {write_json(out, result)}")
     else:
