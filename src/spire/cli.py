@@ -169,6 +169,10 @@ def tau(
     = "table",
     show: Annotated[list[Path], _OPT(metavar="FILE", help="Measure nothing: print (and with --out merge) the rows "
                                                           "of earlier --out files; repeatable.")] = [],
+    diagnose: Annotated[bool, _OPT("--diagnose", help="Per drafted position: acceptance, TV to the target with "
+                                                      "earlier tokens drafted / verified, mass outside the draft "
+                                                      "vocabulary, entropies (docs/tau.md).")] = False,
+    figure: Annotated[Optional[Path], _OPT(help="With --diagnose: the figure's PNG [--out with .png].")] = None,
     threads: Annotated[Optional[int], _OPT(help="CPU threads for torch (1 is fastest on a busy machine).")]
     = None,
     no_progress: Annotated[bool, _OPT("--no-progress", help="No progress bars or log lines.")] = False,

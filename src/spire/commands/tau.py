@@ -35,7 +35,8 @@ from spire.data import document_separator_id, prepare_data
 import spire.drafts.registry as registry
 from spire.drafts import find_trained_spire, make_draft, resolve_draft_path
 from spire.errors import CheckpointError, ConfigError, DataError
-from spire.evaluation.tau import measure_tau
+from spire.evaluation.diagnose import diagnose_shared, diagnosis_markdown, plot_diagnosis
+from spire.evaluation.tau import TauResult, measure_tau
 from spire.evaluation.tau_file import FORMAT, VERSION, read_tau_file
 from spire.loading import load_target
 from spire.paths import atomic_write, check_output_path
@@ -73,6 +74,7 @@ class TauArgs:
     nested: bool = False
     nested_length: int | None = None  # with nested: cut the windows for this L (default the largest -L)
     threads: int | None = None  # torch CPU threads (None: torch's default)
+    diagnose: bool = False  # each row also gets "diagnosis" (spire.evaluation.diagnose): per drafted position
 
 
 def _named(values: list[str], kind: str, option: str) -> list[DraftSpec]:
@@ -212,11 +214,23 @@ def measure(target, data, drafts: list[tuple[DraftSpec, Any]], a: TauArgs, progr
     rows = []
     for i, (L, temperature, spec, draft) in enumerate(jobs):
         bs = max(1, min(a.batch_size, a.max_batch_tokens // L))
-        r = measure_tau(target, draft, contexts[L], G=a.G, k=a.k, params=SamplingParams(temperature),
-                        batch_size=bs, seed=a.seed, progress=progress)
+        t0 = time.time()
+        diagnosis = None
+        if a.diagnose:  # the same rounds as measure_tau, read by a hook, then the verified-prefix pass
+            d = diagnose_shared(target, {spec.name: draft}, contexts[L], G=a.G, k=a.k,
+                                params=SamplingParams(temperature), batch_size=bs, seed=a.seed,
+                                progress=progress)[spec.name]
+            r = TauResult(draft.name, temperature, L, a.G, a.k, len(contexts[L]), d.tau, *d.ci, time.time() - t0,
+                          d.rounds, d.emitted)
+            diagnosis = d.to_dict()
+        else:
+            r = measure_tau(target, draft, contexts[L], G=a.G, k=a.k, params=SamplingParams(temperature),
+                            batch_size=bs, seed=a.seed, progress=progress)
         sink, window = _draft_window(draft)
         row = {"draft": spec.kind, "name": spec.name, **r.to_dict(per_context=True), "batch_size": bs,
                "seed": a.seed, "path": spec.path, "sink": sink, "window": window, "nested": a.nested}
+        if diagnosis is not None:
+            row["diagnosis"] = diagnosis
         row["draft"] = spec.kind  # TauResult's draft is the class name: keep the kind
         rows.append(row)
         if on_row is not None:
@@ -354,7 +368,7 @@ def args_from_options(p: dict[str, Any]) -> TauArgs:
                    Ls=ints("-L", p["L"]), G=p["G"], k=p["k"], temperatures=temperatures(p["temperature"]),
                    n_contexts=p["n_contexts"], batch_size=p["batch_size"], max_batch_tokens=p["max_batch_tokens"],
                    seed=p["seed"], target=p["target"], sink=p["sink"], window=p["window"], nested=p["nested"],
-                   nested_length=p["nested_length"], threads=p["threads"])
+                   nested_length=p["nested_length"], threads=p["threads"], diagnose=p["diagnose"])
     validate(args)
     return args
 
@@ -386,9 +400,16 @@ def command(p: dict[str, Any], log: Callable[[str], None]) -> None:
         result = run_tau(args, progress=not p["no_progress"], log=None if p["no_progress"] else log, out=out)
         if out is not None:
             log(f"wrote {out}")
+    diagnosed = [r for r in result["rows"] if r.get("diagnosis")]
+    figure = p["figure"] if p["figure"] is not None else (Path(out).with_suffix(".png") if out and diagnosed else None)
+    if diagnosed and figure is not None:
+        plot_diagnosis(diagnosed, figure)
+        log(f"wrote {figure}")
     if p["fmt"] == "json":
         typer.echo(json.dumps(result))
     elif p["fmt"] == "markdown":
         typer.echo(table_markdown(result["rows"]))
     else:
         print_table(result)
+    if diagnosed and p["fmt"] != "json":
+        typer.echo(diagnosis_markdown(diagnosed))

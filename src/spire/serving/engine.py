@@ -126,6 +126,21 @@ class EngineStats:
         return [sum(self.accepted[j:]) / max(1, self.drafted[j - 1]) for j in range(1, self.k + 1)]
 
 
+@dataclass
+class RoundTrace:
+    """What :attr:`Engine.round_hook` sees of one SD round over slots [0, S): rows: (slot, sampling) of each running
+    request (other rows are dummies); pos0 (S,): each slot's pending position (the first drafted token is at
+    pos0 + 1); draft_tokens (S, k); draft_logits (S, k, V) float32 (the draft's raw logits, before any sampling
+    transform); target_logits (S, k + 1, V); n_accepted (S,)."""
+
+    rows: list[tuple[int, SamplingParams]]
+    pos0: torch.Tensor
+    draft_tokens: torch.Tensor
+    draft_logits: torch.Tensor
+    target_logits: torch.Tensor
+    n_accepted: torch.Tensor
+
+
 class _Request:
     """A request's state: its prompt, settings, generator, stop strings, emitted tokens and slot (None while it
     waits)."""
@@ -207,6 +222,7 @@ class Engine:
         self._ids = itertools.count()
         self._aborts: set[int] = set()
         self._lock = threading.Lock()
+        self.round_hook: Callable[[RoundTrace], object] | None = None  # sees every SD round (spire tau --diagnose)
 
     # ---- requests (thread-safe) ----------------------------------------------------------------------------
 
@@ -515,16 +531,22 @@ class Engine:
             if self.draft is not None:  # the draft sees the committed token, so SD can resume next round
                 self.draft.observe(pending[:, None], pos0[:, None], out)
             return torch.zeros_like(next_tok), next_tok, next_tok[:, None]
-        tok, tokens, qs = pending, [], []
+        tok, tokens, qs, zs = pending, [], [], []
         for j in range(k):
-            tok, q = _choose(self.draft.step(tok[:, None], (pos0 + j)[:, None]), sampled)
+            z = self.draft.step(tok[:, None], (pos0 + j)[:, None])
+            tok, q = _choose(z, sampled)
             tokens.append(tok)
             qs.append(q)
+            if self.round_hook is not None:
+                zs.append(z)
         d_tokens = torch.stack(tokens, 1)  # (S, k)
         verify_in = torch.cat([pending[:, None], d_tokens], 1)  # (S, k+1)
         vpos = pos0[:, None] + torch.arange(k + 1, device=pos0.device)
         out = self.target(verify_in, vpos, cache, hidden_layers=self.draft.hidden_layers)
         n_acc, next_tok = _accept(d_tokens, qs, out.logits, sampled)
+        if self.round_hook is not None:
+            self.round_hook(RoundTrace([(r.slot, r.sampling) for r in running], pos0, d_tokens, torch.stack(zs, 1),
+                                       out.logits, n_acc))
         self.draft.observe(verify_in, vpos, out)
         return n_acc, next_tok, output_tokens(d_tokens, n_acc, next_tok)
 
@@ -607,7 +629,8 @@ def generate_batch(target: Transformer, prompts: Sequence[Sequence[int]], max_ne
 @torch.no_grad()
 def decode_prefilled(target: Transformer, state: Prefilled, max_new_tokens: int, draft: Draft | None = None,
                      k: int = 4, params: SamplingParams = SamplingParams(), seed: int = 0,
-                     progress: Callable[[int], object] | None = None) -> GenerationResult:
+                     progress: Callable[[int], object] | None = None,
+                     round_hook: Callable[[RoundTrace], object] | None = None) -> GenerationResult:
     """A prefilled batch decoded on the engine (``spire tau`` and ``spire bench``: several drafts from one
     prefill): one slot per row of ``state.max_len`` positions, the rows admitted with :meth:`Engine.add_prefilled`,
     ``max_new_tokens`` tokens each (no EOS), each finished row freed at once.
@@ -619,6 +642,7 @@ def decode_prefilled(target: Transformer, state: Prefilled, max_new_tokens: int,
         params: sampling of every row; ``seed``: row i samples with its own generator seeded ``seed + i`` (so a
             row's sampled output does not depend on the batch it ran in).
         progress: called with the number of tokens each step emitted.
+        round_hook: the engine's :attr:`Engine.round_hook` (row i is slot i).
     Returns:
         a :class:`~spire.speculative.GenerationResult`; rounds: the rounds each row ran; prefill_s: the state's;
         decode_s and decode_cpu_s: the steps only (not the copy of the prefill into the engine's cache).
@@ -628,6 +652,7 @@ def decode_prefilled(target: Transformer, state: Prefilled, max_new_tokens: int,
     if k < 1 or max_new_tokens < 1:
         raise ConfigError(f"k and max_new_tokens must be >= 1, got k = {k}, max_new_tokens = {max_new_tokens}")
     engine = Engine(target, draft, k=k, max_running=len(state.rows), max_len=state.max_len)
+    engine.round_hook = round_hook
     ids = engine.add_prefilled(state, [RequestParams(max_new_tokens, params.temperature, params.top_k, params.top_p,
                                                      seed + i) for i in range(len(state.rows))])
     watch = Stopwatch(target.device)

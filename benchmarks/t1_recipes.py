@@ -1,0 +1,140 @@
+"""Paired SPIRe recipe runs: the main job's recipe against variants, same batches, same token budget.
+
+Every variant trains from the main job's shared target cache (SPIRe's and EAGLE-3's layers, 500 bfloat16 batches,
+seed 0: the same batches in the same order) for the same number of optimizer steps, in the main job's training
+processes; then τ of MagicDec, the base recipe and every variant is measured on the main job's held-out contexts
+(48 at L = 512, G = 64, k = 4) at T = 0 and T = 1, decoding every draft from one prefill per batch, with each
+variant's τ ratio to the base and to MagicDec as paired 95 % bootstrap CIs over contexts.
+
+    python benchmarks/t1_recipes.py --steps 600 --variant omega1:omega=1 --variant fullvocab:vocab=0 --out t1/
+    python benchmarks/t1_recipes.py --steps 600 --train-only ...   # train (resumable), measure later
+    python benchmarks/t1_recipes.py --steps 600 --variant ... --draft-temperature 0.8  # + a draft-side temperature
+
+A variant is NAME:KEY=VALUE[,KEY=VALUE]: keys omega, loss, lr, vocab (0 = the whole vocabulary; a draft vocabulary
+other than the base's changes only the draft's head), target_cache (float32 / bfloat16), eagle3 (1: train the main
+job's EAGLE-3 draft at the same steps, for the diagnosis). Trained runs are cached as the main job caches its drafts
+(a rerun measures only). Writes OUT/recipes.json and prints one line per (draft, T).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from spire.drafts import make_draft
+from spire.evaluation.tau import measure_tau_shared, paired_ratio_ci
+from spire.paths import atomic_write
+from spire.pipeline import (ReproduceConfig, _draft_dir, _load, shared_target_cache, spire_architecture,
+                            training_processes, training_runs)
+from spire.sampling import SamplingParams
+from spire.training.parallel import train_in_processes
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    name, _, rest = text.partition(":")
+    kw = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        kw[key.strip()] = value.strip()
+    unknown = set(kw) - {"omega", "loss", "lr", "vocab", "target_cache", "eagle3"}
+    if not name or unknown:
+        raise SystemExit(f"error: bad --variant {text!r} (NAME:KEY=VALUE,...; keys omega, loss, lr, vocab, "
+                         "target_cache, eagle3)")
+    return name, kw
+
+
+def variant_config(base, kw: dict, eagle3_cfg):
+    if kw.get("eagle3") == "1":
+        return replace(eagle3_cfg, max_steps=base.max_steps, budget_s=base.budget_s)
+    cfg = replace(base, spire=replace(base.spire))
+    if "omega" in kw:
+        cfg.omega = float(kw["omega"])
+    if "loss" in kw:
+        cfg.loss = kw["loss"]
+    if "lr" in kw:
+        cfg.lr = float(kw["lr"])
+    if "vocab" in kw:
+        cfg.spire.vocab_size = int(kw["vocab"]) or None
+    if "target_cache" in kw:
+        cfg.target_cache = kw["target_cache"]
+    return cfg
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=600, help="optimizer steps of every run (1,024 tokens each)")
+    ap.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE[,KEY=VALUE]")
+    ap.add_argument("--n-contexts", type=int, default=48)
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--train-only", action="store_true")
+    ap.add_argument("--draft-temperature", type=float, default=None,
+                    help="also measure every SPIRe run with this draft-side temperature factor at T > 0")
+    ap.add_argument("--out", type=Path, default=Path("t1-recipes"))
+    args = ap.parse_args()
+    variants = [parse_variant(v) for v in args.variant]
+
+    cfg = ReproduceConfig(steps=args.steps, n_contexts=args.n_contexts, tau_Ls=(512,))
+    target, folder, data, contexts, _, windows = _load(cfg, True, print, {})
+    arch = spire_architecture(cfg, target.cfg.n_layers, target.cfg.vocab_size)
+    runs = dict(training_runs(cfg, arch))
+    base, eagle3_cfg = runs["spire"], runs["eagle3"]
+    configs = {"base": base} | {name: variant_config(base, kw, eagle3_cfg) for name, kw in variants}
+    shared_target_cache([("spire", base), ("eagle3", eagle3_cfg)], target, data, folder, True, print)
+    n_procs, threads = training_processes(cfg, target.device)
+    models, training = {}, {}
+    for name, tc in configs.items():
+        label = "eagle3" if tc.draft == "eagle3" else "spire"
+        run_dir = _draft_dir(cfg, tc, folder, label)
+        t = time.time()
+        model, state = train_in_processes(target, data, run_dir, tc, n_procs, threads, heldout=windows,
+                                          target_folder=folder, progress=True, log=print)
+        models[name] = model
+        training[name] = {"run_dir": str(run_dir), "steps": state["step"], "tokens": state["tokens"],
+                          "elapsed_s": state["elapsed_s"], "wall_s": time.time() - t,
+                          "heldout_alpha": state["heldout"]["alpha_per_position"],
+                          "config": tc.to_dict()}
+        print(f"{name}: {state['step']} steps, {state['tokens']:,} tokens, held-out alpha "
+              f"{', '.join(f'{a:.3f}' for a in state['heldout']['alpha_per_position'])}", flush=True)
+    if args.train_only:
+        return
+
+    rows = []
+    for T in (float(t) for t in args.temperatures.split(",")):
+        drafts = {"magicdec": make_draft("magicdec", target, sink=cfg.sink, window=cfg.window)}
+        drafts |= {name: m.as_draft() for name, m in models.items()}
+        if args.draft_temperature is not None and T > 0:
+            for name, m in models.items():
+                if configs[name].draft == "spire":
+                    d = m.as_draft()
+                    d.temperature_factor = args.draft_temperature
+                    drafts[f"{name}@dt{args.draft_temperature:g}"] = d
+        res = measure_tau_shared(target, drafts, contexts, G=cfg.G, k=cfg.k, params=SamplingParams(T),
+                                 batch_size=cfg.batch_size, seed=cfg.seed)
+        ref, mdc = res["base"], res["magicdec"]
+        for name, r in res.items():
+            e, n = np.array(r.emitted, float), np.array(r.rounds, float)
+            row = {"recipe": name, "T": T, "tau": r.tau, "ci": [r.ci_low, r.ci_high],
+                   "emitted": r.emitted, "rounds": r.rounds}
+            for other, o in (("base", ref), ("magicdec", mdc)):
+                if other != name:
+                    lo, hi = paired_ratio_ci(e, n, np.array(o.emitted, float), np.array(o.rounds, float))
+                    row[f"ratio_to_{other}"] = [r.tau / o.tau, lo, hi]
+            rows.append(row)
+            extra = "".join(f"  /{o} {row[f'ratio_to_{o}'][0]:.3f} [{row[f'ratio_to_{o}'][1]:.3f}, "
+                            f"{row[f'ratio_to_{o}'][2]:.3f}]" for o in ("base", "magicdec") if f"ratio_to_{o}" in row)
+            print(f"T={T:g} {name:24s} tau {r.tau:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}]{extra}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write(args.out / "recipes.json", None, text=json.dumps(
+        {"command": " ".join(sys.argv), "steps": args.steps, "n_contexts": args.n_contexts, "L": cfg.L, "G": cfg.G,
+         "k": cfg.k, "training": training, "tau": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

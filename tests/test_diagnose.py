@@ -1,0 +1,116 @@
+"""spire tau --diagnose (spire.evaluation.diagnose): the diagnosis reads the same rounds as τ and measures what it
+says it measures."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
+from spire.evaluation.diagnose import Diagnosis, diagnose_shared, tau_from_alpha, verified_tv
+from spire.evaluation.tau import measure_tau_shared
+from spire.sampling import SamplingParams
+from tests.test_engine import _draft
+
+KINDS = ["magicdec", "spire", "spire-vocab", "eagle3-full-vocab"]
+
+
+def _make(kind, target):
+    if kind == "spire-vocab":  # a draft vocabulary of 60 of the 97 tokens: q = 0 elsewhere
+        torch.manual_seed(3)
+        return SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=2, window=4, vocab_size=60),
+                                          vocab=torch.arange(20, 80)))
+    return _draft(kind, target)
+
+
+def _contexts(n=6, L=24, seed=1):
+    return torch.randint(0, 97, (n, L), generator=torch.Generator().manual_seed(seed))
+
+
+def test_tau_from_alpha_is_the_closed_form():
+    assert tau_from_alpha([0.5] * 4) == pytest.approx(1 + 0.5 + 0.25 + 0.125 + 0.0625)
+    assert tau_from_alpha([1.0, 1.0, 0.0]) == 3.0
+    a = 0.7  # i.i.d. positions: (1 - a^(k+1)) / (1 - a) (Leviathan et al. 2023, eq. 1)
+    assert tau_from_alpha([a] * 4) == pytest.approx((1 - a ** 5) / (1 - a))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("T", [0.0, 1.0])
+def test_diagnosis_reads_the_rounds_tau_measures(tiny, kind, T):
+    """The hook changes nothing: the rounds and emitted tokens per context equal measure_tau_shared's. At T = 0 the
+    acceptance per position equals Σ min(p, q) of the greedy transform (1 when the argmaxes agree); the counts of
+    reached positions are the rounds' (position 1 every round, position j+1 when j were accepted). At the first
+    drafted position every earlier token is verified in the rounds too, so the verified-prefix pass gives the same
+    TV there (the pass reproduces the draft's distribution): a draft fed the wrong memory, features or KV in that
+    pass would differ."""
+    ctx = _contexts()
+    params = SamplingParams(T)
+    diag = diagnose_shared(tiny, {"d": _make(kind, tiny)}, ctx, G=12, k=3, params=params, batch_size=4,
+                           progress=False)["d"]
+    ref = measure_tau_shared(tiny, {"d": _make(kind, tiny)}, ctx, G=12, k=3, params=params, batch_size=4,
+                             progress=False)["d"]
+    assert diag.rounds == ref.rounds and diag.emitted == ref.emitted and diag.tau == ref.tau
+    d = diag.to_dict()
+    pos = d["positions"]
+    assert pos[0]["reached"] == sum(ref.rounds)  # every round (no AD rounds here) drafts position 1
+    assert all(a["reached"] >= b["reached"] for a, b in zip(pos, pos[1:]))
+    if T == 0:
+        for p in pos:
+            if p["reached"]:
+                assert p["acceptance"] == pytest.approx(p["expected_acceptance"], abs=1e-9)
+    assert pos[0]["verified"] > 0.8 * pos[0]["reached"]
+    assert pos[0]["tv_verified"] == pytest.approx(pos[0]["tv"], abs=2e-5)
+    if kind == "spire-vocab":
+        assert all(p["outside_mass"] > 0.05 for p in pos if p["reached"])  # 37 of 97 tokens have q = 0
+    else:
+        assert all(p["outside_mass"] == 0 for p in pos if p["reached"])
+    json.dumps(d)  # the JSON form is plain
+
+
+def test_verified_pass_equals_a_teacher_forced_recomputation(tiny):
+    """verified_tv at each position equals TV(p, q) recomputed from scratch: the target's softmax over the whole
+    sequence and a fresh draft prefilled up to that position, stepping the token before it."""
+    from spire.speculative import cache_length, prefill, start_draft
+
+    ctx = _contexts(n=2, L=10).tolist()
+    gen = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(7)).tolist()
+    kind = "spire-vocab"
+    got = verified_tv(tiny, _make(kind, tiny), ctx, gen, (0, 1, 2, 3))
+    seqs = [c + g for c, g in zip(ctx, gen)]
+    for t in range(5):
+        pos = 10 + t  # the position predicted, by the token at pos - 1
+        draft = _make(kind, tiny)
+        state = prefill(tiny, [s[:pos] for s in seqs], cache_length(tiny, seqs, 1, 1), tuple(range(4)))
+        start_draft(draft, tiny, state, k=1)
+        z = draft.step(torch.tensor([[s[pos - 1]] for s in seqs]), torch.full((2, 1), pos - 1))
+        full = tiny(torch.tensor(seqs), torch.arange(15)[None].expand(2, 15), tiny.new_cache(2, 32))
+        p = F.softmax(full.logits[:, pos - 1].float(), -1)
+        tv = 0.5 * (p - F.softmax(z.float(), -1)).abs().sum(-1)
+        for b in range(2):
+            assert got[(b, pos)] == pytest.approx(float(tv[b]), abs=2e-5), (b, pos)
+
+
+def test_sampled_expected_acceptance_estimates_the_acceptance(tiny):
+    """At T = 1 the share of accepted tokens at a position and the mean of Σ min(p, q) there estimate the same
+    probability (the acceptance coin is fair): over ~400 drafted first positions they agree within 4 standard
+    errors; the draft temperature factor 1 row is that same Σ min(p, q)."""
+    ctx = _contexts(n=16, L=16, seed=5)
+    diag = diagnose_shared(tiny, {"d": _draft("spire", tiny)}, ctx, G=40, k=2, params=SamplingParams(1.0),
+                           batch_size=8, progress=False)["d"]
+    d = diag.to_dict()
+    p1 = d["positions"][0]
+    n, a = p1["reached"], p1["expected_acceptance"]
+    assert n > 300
+    assert abs(p1["acceptance"] - a) < 4 * (a * (1 - a) / n) ** 0.5
+    assert d["draft_temperature"]["1"]["alpha"][0] == pytest.approx(a, abs=1e-6)
+    assert 0 <= d["draft_temperature"]["0"]["alpha"][0] <= 1
+
+
+def test_diagnosis_sums_roll_up(tiny):
+    d = Diagnosis("x", 1.0, 2)
+    d.reached, d.sums["tv"] = [4, 2], [2.0, 0.5]
+    assert d.mean("tv") == [0.5, 0.25]
+    assert d.mean("tv_verified") == [None, None]
