@@ -258,6 +258,7 @@ def plot_diagnosis(rows: list[dict], path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     temps = sorted({r["diagnosis"]["temperature"] for r in rows})
     fig, axes = plt.subplots(len(temps), 2, figsize=(11, 3.6 * len(temps)), squeeze=False)
@@ -280,6 +281,8 @@ def plot_diagnosis(rows: list[dict], path) -> None:
             ax.plot(js, series("tv_verified", lambda v: 1 - v), ":", color=c, alpha=0.8)
             ax2.plot(js, [None if p["entropy_draft"] is None else p["entropy_draft"] - p["entropy_target"]
                           for p in d["positions"]], "-o", color=c, label=r["name"])
+        for a in (ax, ax2):
+            a.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set(title=f"T = {T:g}: acceptance (solid), 1 − TV drafted (dashed) / verified (dotted)",
                xlabel="drafted position j", ylabel="rate", ylim=(0, 1))
         ax.legend(fontsize=8)
