@@ -8,12 +8,12 @@ variant's τ ratio to the base and to MagicDec as paired 95 % bootstrap CIs over
 
     python benchmarks/t1_recipes.py --steps 600 --variant omega1:omega=1 --variant fullvocab:vocab=0 --out t1/
     python benchmarks/t1_recipes.py --steps 600 --train-only ...   # train (resumable), measure later
-    python benchmarks/t1_recipes.py --steps 600 --variant ... --draft-temperature 0.8  # + a draft-side temperature
 
 A variant is NAME:KEY=VALUE[,KEY=VALUE]: keys omega, loss, lr, vocab (0 = the whole vocabulary; a draft vocabulary
 other than the base's changes only the draft's head), target_cache (float32 / bfloat16), eagle3 (1: train the main
-job's EAGLE-3 draft at the same steps, for the diagnosis). Trained runs are cached as the main job caches its drafts
-(a rerun measures only). Writes OUT/recipes.json and prints one line per (draft, T).
+job's EAGLE-3 draft at the same steps). Trained runs are cached as the main job caches its drafts, and each draft's
+per-context τ is kept in OUT (a rerun with one more variant measures only that one). Writes OUT/recipes.json and
+prints one line per (draft, T).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from spire.drafts import make_draft
-from spire.evaluation.tau import measure_tau_shared, paired_ratio_ci
+from spire.evaluation.tau import TauResult, measure_tau_shared, paired_ratio_ci
 from spire.paths import atomic_write
 from spire.pipeline import (ReproduceConfig, _draft_dir, _load, shared_target_cache, spire_architecture,
                             training_processes, training_runs)
@@ -74,8 +74,6 @@ def main() -> None:
     ap.add_argument("--n-contexts", type=int, default=48)
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--train-only", action="store_true")
-    ap.add_argument("--draft-temperature", type=float, default=None,
-                    help="also measure every SPIRe run with this draft-side temperature factor at T > 0")
     ap.add_argument("--out", type=Path, default=Path("t1-recipes"))
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant]
@@ -106,17 +104,23 @@ def main() -> None:
         return
 
     rows = []
+    args.out.mkdir(parents=True, exist_ok=True)
     for T in (float(t) for t in args.temperatures.split(",")):
         drafts = {"magicdec": make_draft("magicdec", target, sink=cfg.sink, window=cfg.window)}
         drafts |= {name: m.as_draft() for name, m in models.items()}
-        if args.draft_temperature is not None and T > 0:
-            for name, m in models.items():
-                if configs[name].draft == "spire":
-                    d = m.as_draft()
-                    d.temperature_factor = args.draft_temperature
-                    drafts[f"{name}@dt{args.draft_temperature:g}"] = d
-        res = measure_tau_shared(target, drafts, contexts, G=cfg.G, k=cfg.k, params=SamplingParams(T),
-                                 batch_size=cfg.batch_size, seed=cfg.seed)
+        res = {}
+        for name in list(drafts):  # measured before (same contexts, seed, G, k): per-context rounds kept in OUT
+            kept = args.out / f"tau-{name}-T{T:g}.json"
+            if kept.is_file() and json.loads(kept.read_text())["run"] == training.get(name, {}).get("run_dir"):
+                res[name] = TauResult(**json.loads(kept.read_text())["result"])
+                del drafts[name]
+        if drafts:
+            measured = measure_tau_shared(target, drafts, contexts, G=cfg.G, k=cfg.k, params=SamplingParams(T),
+                                          batch_size=cfg.batch_size, seed=cfg.seed)
+            for name, r in measured.items():
+                atomic_write(args.out / f"tau-{name}-T{T:g}.json", None, text=json.dumps(
+                    {"run": training.get(name, {}).get("run_dir"), "result": r.to_dict(per_context=True)}))
+            res |= measured
         ref, mdc = res["base"], res["magicdec"]
         for name, r in res.items():
             e, n = np.array(r.emitted, float), np.array(r.rounds, float)

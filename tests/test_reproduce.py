@@ -89,7 +89,15 @@ def test_reproduce_end_to_end_tiny_budget(tmp_path, env, smollm2):
     assert goal["spire_vs_magicdec"] == pytest.approx(at["spire"] / at["magicdec"])
     variants = {r["variant"] for r in results["throughput"]["ablations"]["T=0"]}
     assert variants == {"SPIRe", "no feedback memory", "full KV cache (no sparse KV)"}
+    # the T = 1 diagnosis of every draft but n-gram, on the first contexts, with the same τ as the τ table there
+    diag = {r["name"]: r["diagnosis"] for r in results["diagnosis"]}
+    assert list(diag) == ["vanilla", "magicdec", "spire", "eagle3"]
+    for d in diag.values():
+        assert d["temperature"] == 1.0 and len(d["positions"]) == 4 and d["positions"][0]["reached"] >= 2
+        assert d["positions"][0]["tv_verified"] == pytest.approx(d["positions"][0]["tv"], abs=1e-4)
+    assert diag["spire"]["positions"][0]["outside_mass"] > 0 == diag["magicdec"]["positions"][0]["outside_mass"]
     report = (out / "REPORT.md").read_text()
+    assert "Why each draft accepts what it does (T = 1)" in report and "diagnosis_T1.png" in report
     assert "τ (average tokens per round" in report and "2.78 / 1.36 / 2.05" in report
     assert "τ against context length" in report and "Order of importance" in report and "Goal check" in report
     assert "τ against k (greedy)" in report and "SPIRe against EAGLE-3" in report

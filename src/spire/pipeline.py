@@ -22,6 +22,7 @@ import spire.drafts.registry as registry
 from spire.drafts import make_draft
 from spire.drafts.spire import SpireConfig
 from spire.errors import ConfigError
+from spire.evaluation.diagnose import diagnose_shared
 from spire.evaluation.report import write_report
 from spire.evaluation.tau import measure_tau_shared
 from spire.loading import load_target
@@ -84,6 +85,7 @@ class ReproduceConfig:
     tau_L_contexts: int = 8
     tau_ks: tuple[int, ...] = (1, 2, 4, 8)
     tau_k_contexts: int = 8
+    diagnose_contexts: int = 8  # contexts of the T = 1 diagnosis of every draft but n-gram (0 skips it)
     batch_size: int = 8
     n_draft_layers: int = defaults.N_DRAFT_LAYERS
     first_layers: int = 2
@@ -109,7 +111,7 @@ class ReproduceConfig:
         """Smoke-test settings: finishes in a few minutes on 2 CPU cores."""
         base = dict(budget_s=60.0, vanilla_budget_s=30.0, ablation_budget_s=20.0, n_contexts=8, L=256, G=32,
                     tau_Ls=(128, 256), tau_L_contexts=4, alpha_windows=4, cache_steps=8, quick=True, tau_ks=(1, 4),
-                    tau_k_contexts=4,
+                    tau_k_contexts=4, diagnose_contexts=2,
                     compile=False)
         base.update(kw)
         return cls(**base)
@@ -145,6 +147,8 @@ class ReproduceConfig:
             raise ConfigError("step counts must be >= 1")
         if any(not t >= 0 for t in self.temperatures):
             raise ConfigError("temperatures must be >= 0")
+        if self.diagnose_contexts < 0:
+            raise ConfigError(f"diagnose_contexts must be >= 0, got {self.diagnose_contexts}")
         if any(x < 1 for x in self.tau_ks) or self.tau_k_contexts < 1:
             raise ConfigError(f"--tau-k takes positive k, got {list(self.tau_ks)}")
         if self.eagle3_budget_s is not None and not self.eagle3_budget_s > 0:
@@ -490,6 +494,36 @@ def _measure_taus(cfg: ReproduceConfig, meter: _TauMeter, names: list[str], cont
     return taus, tau_vs_L, tau_vs_k
 
 
+def _diagnose(cfg: ReproduceConfig, meter: _TauMeter, names: list[str], contexts, log, timings: dict) -> list[dict]:
+    """Step 5b: the T = 1 diagnosis (:mod:`spire.evaluation.diagnose`) of every draft but n-gram (its q is one-hot:
+    nothing to diagnose) on the first ``diagnose_contexts`` contexts at L; cached as τ rows are."""
+    if not cfg.diagnose_contexts:
+        return []
+    ctx = contexts[: cfg.diagnose_contexts]
+    names = [n for n in names if n != "ngram" and "-" not in n]  # the five kinds' drafts, no ablation
+    log(f"      diagnosis at T = 1: {', '.join(names)} on {len(ctx)} contexts of L={cfg.L}")
+    t = time.time()
+    rows, todo = [], {}
+    for name in names:
+        key = "diagnosis-" + _tau_key(meter.folder, meter.identity(name), ctx, cfg, 1.0, _tau_batch(cfg, cfg.L))
+        cached = _tau_cache_get(key)
+        if cached is not None:
+            rows.append({"name": name, "diagnosis": cached})
+        else:
+            todo[name] = key
+    if todo:
+        found = diagnose_shared(meter.target, {n: meter.draft(n) for n in todo}, ctx, G=cfg.G, k=cfg.k,
+                                params=SamplingParams(1.0), batch_size=_tau_batch(cfg, cfg.L), seed=cfg.seed,
+                                progress=meter.progress)
+        for name, key in todo.items():
+            d = found[name].to_dict()
+            _tau_cache_put(key, d)
+            rows.append({"name": name, "diagnosis": d})
+    rows.sort(key=lambda r: names.index(r["name"]))
+    timings["diagnosis_s"] = time.time() - t
+    return rows
+
+
 def _results(cfg: ReproduceConfig, target, folder: Path, data, training: dict, taus: list, tau_vs_L: list,
              tau_vs_k: list, timings: dict) -> dict:
     """The results dict (results.json)."""
@@ -547,8 +581,10 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     names = [n for n in registry.names(drafts_only=True) if n in trained or not registry.kind(n).trains]
     names += [label for label, _ in runs if label not in names]
     taus, tau_vs_L, tau_vs_k = _measure_taus(cfg, meter, names, contexts, sweep, log, timings)
+    diagnosis = _diagnose(cfg, meter, names, contexts, log, timings)
 
     log("[6/6] throughput model and report")
     results = _results(cfg, target, folder, data, training, taus, tau_vs_L, tau_vs_k, timings)
+    results["diagnosis"] = diagnosis
     write_report(results, cfg, t_start)
     return results

@@ -21,7 +21,7 @@ from spire.paths import check_output_path
 REPRODUCE_OPTIONS = ("budget", "n_contexts", "L", "G", "vanilla_budget", "ablation_budget", "tau_L_contexts", "steps",
                      "vanilla_steps", "ablation_steps", "first_layers", "cache_steps", "preset", "target", "out", "k",
                      "n_draft_layers", "seed", "train_processes", "hidden_loss", "compile_step", "bridge", "eagle3",
-                     "eagle3_budget", "eagle3_steps", "tau_k_contexts")
+                     "eagle3_budget", "eagle3_steps", "tau_k_contexts", "diagnose_contexts")
 """`spire reproduce` options passed to ReproduceConfig as given (budget -> budget_s, and the other budgets alike)."""
 
 FIELDS = {"budget": "budget_s", "vanilla_budget": "vanilla_budget_s", "ablation_budget": "ablation_budget_s",
@@ -78,6 +78,8 @@ def reproduce(
     tau_k: Annotated[Optional[str], typer.Option("--tau-k", metavar="K[,K...]", help="k of the τ-vs-k sweep (greedy, "
                                                  "at -L; 0 skips it) [1,2,4,8].")] = None,
     tau_k_contexts: Annotated[Optional[int], typer.Option(help="Contexts per k in the sweep [8].")] = None,
+    diagnose_contexts: Annotated[Optional[int], typer.Option(help="Contexts of the T = 1 diagnosis of each draft "
+                                                             "(spire tau --diagnose; 0 skips it) [8].")] = None,
     eagle3: Annotated[Optional[bool], typer.Option("--eagle3/--no-eagle3", help="Train and measure an EAGLE-3 "
                                                    "draft beside SPIRe [on].")] = None,
     eagle3_budget: Annotated[Optional[float], typer.Option(help="EAGLE-3 training seconds [SPIRe's --budget].")]

@@ -11,6 +11,7 @@ from matplotlib.figure import Figure
 
 import spire.drafts.registry as registry
 from spire.backend import summary_of as backend_line
+from spire.evaluation.diagnose import diagnosis_markdown, plot_diagnosis
 from spire.evaluation.tau import paired_ratio_ci
 from spire.paths import atomic_write, spire_cache_dir
 from spire.throughput import RowOptions, get_preset, throughput_rows
@@ -221,6 +222,9 @@ def write_report(results: dict, cfg, t_start: float) -> Path:
             plot_ablation(ablations[key], out / fig, f"Figure 5 on {name}: measured τ of each ablation ({key}), "
                                                      "B = 64")
             figures.append(fig)
+    if results.get("diagnosis"):
+        plot_diagnosis(results["diagnosis"], out / "diagnosis_T1.png")
+        figures.append("diagnosis_T1.png")
     if results.get("tau_vs_L"):
         _plot_tau_vs_L(results["tau_vs_L"], out / "tau_vs_L.png",
                        f"{name}: τ against context length (greedy, G = {cfg.G}, k = {cfg.k})")
@@ -481,6 +485,33 @@ def _tau_vs_k_lines(results: dict, cfg) -> list[str]:
     return lines
 
 
+def _diagnosis_lines(results: dict) -> list[str]:
+    """The T = 1 diagnosis section (:mod:`spire.evaluation.diagnose`), with a one-line reading per draft."""
+    rows = results.get("diagnosis") or []
+    if not rows:
+        return []
+    lines = ["", "## Why each draft accepts what it does (T = 1)", "",
+             "`spire tau --diagnose` on the first contexts of the τ table (docs/tau.md): per drafted position j, over "
+             "the rounds that reached it, the acceptance in real rounds, Σ min(p, q) (its expectation), 1 − TV to the "
+             "target with the block's earlier tokens drafted and with every earlier token verified, the target's mass "
+             "outside the draft's vocabulary, and the entropies of draft and target (nats, T = 1).", "",
+             diagnosis_markdown(rows), ""]
+    for r in rows:
+        d = r["diagnosis"]
+        pos = [p for p in d["positions"] if p["reached"]]
+        gap = [p["tv"] - p["tv_verified"] for p in pos[1:] if p["tv_verified"] is not None]
+        dt = d.get("draft_temperature") or {}
+        best = max(dt.items(), key=lambda kv: kv[1]["tau_predicted"] or 0)[0] if dt else None
+        lines.append(
+            f"- {r['name']}: τ {d['tau']:.3f} (independent positions at the measured acceptances: "
+            f"{d['tau_from_acceptance']:.3f}); mean 1 − TV {1 - sum(p['tv'] for p in pos) / len(pos):.3f}; "
+            f"H(q) − H(p) {sum(p['entropy_draft'] - p['entropy_target'] for p in pos) / len(pos):+.2f} nats; "
+            f"outside mass {sum(p['outside_mass'] for p in pos) / len(pos):.3f}"
+            + (f"; drafting over its own tokens costs {sum(gap) / len(gap):.3f} of 1 − TV at j ≥ 2" if gap else "")
+            + (f"; best draft temperature factor {best} (τ predicted {dt[best]['tau_predicted']:.3f})" if best else ""))
+    return lines
+
+
 def _markdown(results: dict, cfg) -> str:
     env, tm = results["environment"], results["timings"]
     measured = [d for d in MEASURED if _tau_of(results, d, cfg.temperatures[0]) is not None]
@@ -518,6 +549,7 @@ def _markdown(results: dict, cfg) -> str:
                 lines.append(f"| {d} | " + " | ".join(_fmt_tau(by_L.get(x)) for x in Ls) + " |")
         lines += [""] + _flatness_lines(results["tau_vs_L"])
     lines += _tau_vs_k_lines(results, cfg)
+    lines += _diagnosis_lines(results)
     lines += ["", "## Draft training", ""] + _training_lines(results, cfg)
     lines += ["## Ablations (paper Figure 5)", ""] + _ablation_lines(results, cfg)
     lines += _throughput_lines(results, cfg, measured)
