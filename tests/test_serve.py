@@ -535,3 +535,171 @@ def test_serve_refuses_bad_options_before_loading_the_target(tmp_path, capsys, a
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and words in err[0], err
+
+
+# ---- issue 42: the API as clients use it ---------------------------------------------------------------------
+
+def _full_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids]), torch.arange(len(ids))[None]).logits[0].double(), -1)
+
+
+def test_logprobs_and_echo_equal_a_full_forward_streamed_or_not(parts, running):
+    """Completions with logprobs 3 (greedy and seeded T = 1): tokens are the AD output, each token_logprob and the
+    top 3 equal a full forward's to 1e-4; echo adds the prompt's text and its logprobs (the first None); chat's
+    logprobs / top_logprobs likewise; streamed chunks carry the same values."""
+    model, tok = parts
+    c = running.client()
+    ids = tok("Once upon a time, in a small village by the sea,").input_ids
+    for temperature in (0.0, 1.0):
+        got = c.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=temperature, seed=3,
+                                   logprobs=3, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        lp = got.choices[0].logprobs
+        assert len(lp.token_logprobs) == 10
+        toks = _ids_of(lp.tokens)
+        if temperature == 0:
+            assert toks == generate(model, [ids], 10).tokens[0]
+        ref = _full_logprobs(model, ids + toks)
+        for i, (t, v, top) in enumerate(zip(toks, lp.token_logprobs, lp.top_logprobs)):
+            assert abs(v - float(ref[len(ids) - 1 + i, t])) < 1e-4
+            want = ref[len(ids) - 1 + i].topk(3)
+            assert _ids_of(list(top)) == want.indices.tolist()
+            assert list(top.values()) == pytest.approx(want.values.tolist(), abs=1e-4)
+        chunks = list(c.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=temperature, seed=3,
+                                           logprobs=3, stream=True, extra_body={"ignore_eos": True}))
+        streamed = [v for ch in chunks if ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+        assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+        assert "".join(ch.choices[0].text for ch in chunks) == got.choices[0].text
+    echo = c.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    e = echo.choices[0]
+    assert e.text.startswith(tok.decode(ids)) and len(e.logprobs.token_logprobs) == len(ids) + 1
+    assert e.logprobs.token_logprobs[0] is None and e.logprobs.top_logprobs[0] is None
+    ref = _full_logprobs(model, ids)
+    for i in range(1, len(ids)):
+        assert abs(e.logprobs.token_logprobs[i] - float(ref[i - 1, ids[i]])) < 1e-4
+    assert e.logprobs.text_offset[:2] == [0, len(tok.decode(ids[:1]))]
+    echo_stream = list(c.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1,
+                                            echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in echo_stream) == e.text
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    chat = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                     top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(x.top_logprobs) == 2 for x in content)
+    assert all(x.logprob == pytest.approx(x.top_logprobs[0].logprob, abs=1e-6) for x in content)  # greedy: the top
+
+
+def _ids_of(pieces: list[str]) -> list[int]:
+    """Token ids of logprobs' tokens named ``token_id:<id>`` (return_tokens_as_token_ids)."""
+    assert all(p.startswith("token_id:") for p in pieces), pieces
+    return [int(p.split(":", 1)[1]) for p in pieces]
+
+
+def test_n_top_p_zero_and_the_vllm_fields_act(parts, running):
+    """n = 3 returns three choices, choice i the single request with seed + i; top_p 0 is greedy; stop_token_ids,
+    min_tokens, ignore_eos, include_stop_str_in_output, logit_bias, penalties and min_p act (their output differs
+    from the plain request as they should); user / metadata / store false are accepted and change nothing."""
+    model, tok = parts
+    c = running.client()
+    ids = tok("Hello there, my friend").input_ids
+    three = c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=1.0, seed=40, n=3)
+    assert [ch.index for ch in three.choices] == [0, 1, 2] and three.usage.completion_tokens == 24
+    for i, ch in enumerate(three.choices):
+        one = c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=1.0, seed=40 + i)
+        assert ch.text == one.choices[0].text
+    streamed = list(c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=1.0, seed=40, n=3,
+                                         stream=True))
+    for i in range(3):
+        assert "".join(ch.choices[0].text for ch in streamed if ch.choices[0].index == i) == three.choices[i].text
+    greedy = generate(model, [ids], 12).tokens[0]
+    plain = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    assert plain.choices[0].text == tok.decode(greedy, skip_special_tokens=True)
+    assert c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=1.0,
+                                top_p=0).choices[0].text == plain.choices[0].text
+    same = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, user="u",
+                                extra_body={"min_p": 0.0, "repetition_penalty": 1.0})
+    assert same.choices[0].text == plain.choices[0].text
+    chat_same = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=0, metadata={"a": "b"}, store=False, user="u")
+    chat_plain = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                           temperature=0)
+    assert chat_same.choices[0].message.content == chat_plain.choices[0].message.content
+    # stop_token_ids: the 4th greedy token ends the request (its own text left out unless asked for)
+    stop = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
+                                extra_body={"stop_token_ids": [greedy[3]]})
+    first = greedy.index(greedy[3])
+    assert stop.choices[0].finish_reason == "stop" and stop.usage.completion_tokens == first + 1
+    assert stop.choices[0].text == tok.decode(greedy[:first], skip_special_tokens=True)
+    kept = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
+                                extra_body={"stop_token_ids": [greedy[3]], "include_stop_str_in_output": True})
+    assert kept.choices[0].text == tok.decode(greedy[: first + 1], skip_special_tokens=True)
+    # min_tokens past that stop token: it cannot come before, the request is longer
+    longer = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
+                                  extra_body={"stop_token_ids": [greedy[3]], "min_tokens": first + 3})
+    assert longer.usage.completion_tokens >= first + 3
+    # logit_bias +100 on one token: it is every token; -100 on the greedy first token: another first token
+    forced = c.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0, logit_bias={"42": 100})
+    assert forced.choices[0].text == tok.decode([42] * 4, skip_special_tokens=True)
+    banned = c.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0,
+                                  logit_bias={str(greedy[0]): -100}, logprobs=0,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    assert _ids_of(banned.choices[0].logprobs.tokens)[0] != greedy[0]
+    # penalties: a frequency penalty of 2 never repeats a token the greedy output repeats
+    rep = c.completions.create(model="tiny", prompt=ids, max_tokens=30, temperature=0, frequency_penalty=2.0,
+                               presence_penalty=2.0, logprobs=0,
+                               extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    toks, free = _ids_of(rep.choices[0].logprobs.tokens), generate(model, [ids], 30).tokens[0]
+    assert len(set(free)) < 30 and len(set(toks)) == 30 and rep.usage.completion_tokens == 30
+
+
+def test_max_tokens_up_to_the_context_and_missing_means_the_rest(parts, running):
+    """/v1/models' max_model_len is usable with the draft: max_tokens = max_model_len - prompt tokens is served
+    (the AD output), one more is a 400; without max_tokens a request runs to the end of the context."""
+    model, tok = parts
+    c = running.client()
+    L = c.models.list().data[0].model_extra["max_model_len"]
+    ids = [100 + (i * 7919) % 4000 for i in range(200)]
+    got = c.completions.create(model="tiny", prompt=ids, max_tokens=L - 200, temperature=0, extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == L - 200
+    r = running.post("/v1/completions", json.dumps({"model": "tiny", "prompt": ids, "max_tokens": L - 199}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    rest = running.post("/v1/completions", json.dumps({"model": "tiny", "prompt": ids, "temperature": 0,
+                                                        "ignore_eos": True})).json()
+    assert rest["usage"]["completion_tokens"] == L - 200 and rest["choices"][0]["text"] == got.choices[0].text
+
+
+def test_a_body_past_the_cap_is_refused_at_once_and_health_keeps_answering(parts):
+    """--max-request-bytes 64 KiB: a 20 MB body gets a 413 in under a second (not read whole), /health answers
+    in under 0.5 s meanwhile, and the next request works; the request schemas are at /docs and /openapi.json."""
+    r = Running(parts)
+    r.server.max_request_bytes = 64 << 10
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "word " * 4_000_000, "max_tokens": 2}).encode()
+        times = []
+
+        def health():
+            for _ in range(10):
+                t0 = time.perf_counter()
+                assert httpx.get(r.base + "/health", timeout=10).status_code == 200
+                times.append(time.perf_counter() - t0)
+                time.sleep(0.05)
+
+        th = threading.Thread(target=health)
+        th.start()
+        t0 = time.perf_counter()
+        got = r.post("/v1/completions", body)
+        took = time.perf_counter() - t0
+        th.join()
+        assert got.status_code == 413 and got.json()["error"]["code"] == "request_too_large", got.text[:200]
+        assert took < 1.0 and max(times) < 0.5, (took, times)
+        chunked = httpx.post(r.base + "/v1/completions", content=iter([body[:40000]] * 3),
+                             headers={"content-type": "application/json"}, timeout=30)
+        assert chunked.status_code == 413  # no Content-Length: refused once the bytes read pass the cap
+        ok = r.client().completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0)
+        assert ok.choices[0].finish_reason == "length"
+        schema = httpx.get(r.base + "/openapi.json").json()
+        assert {"CompletionRequest", "ChatCompletionRequest"} <= set(schema["components"]["schemas"])
+        assert "min_tokens" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
+        assert httpx.get(r.base + "/docs").status_code == 200
+    finally:
+        r.close()

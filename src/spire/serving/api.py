@@ -427,8 +427,8 @@ class Server:
         out = []
         for c in choices:
             text = c.text.text()
-            lps = (self._logprobs(self._named(c.logprobs, parsed.token_ids), chat) if parsed.logprobs is not None
-                   else None)
+            lps = (self._logprobs(self._named(c.logprobs, parsed.token_ids), chat, 0, parsed.token_ids_as_names)
+                   if parsed.logprobs is not None else None)
             if chat:
                 out.append({"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lps,
                             "finish_reason": c.finish})
@@ -437,30 +437,31 @@ class Server:
         return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": out,
                 "usage": protocol.usage(len(ids), sum(c.n_tokens for c in choices))}
 
-    def _logprobs(self, entries: list, chat: bool, offset: int = 0) -> dict:
-        """OpenAI's logprobs object from (token or None for a prompt token, logprob, top) entries. Completions:
-        tokens, token_logprobs, top_logprobs, text_offset (from ``offset``); chat: content [{token, logprob,
-        bytes, top_logprobs}]."""
+    def _logprobs(self, entries: list, chat: bool, offset: int = 0, as_ids: bool = False) -> dict:
+        """OpenAI's logprobs object from (token, logprob, top) entries. Completions: tokens, token_logprobs,
+        top_logprobs, text_offset (from ``offset``); chat: content [{token, logprob, bytes, top_logprobs}]. as_ids:
+        tokens named ``token_id:<id>`` (vLLM's return_tokens_as_token_ids)."""
         def lp(v: float | None) -> float | None:
             return None if v is None else max(float(v), LOGPROB_FLOOR)
+
+        name = (lambda t: f"token_id:{t}") if as_ids else self.token_text
 
         if chat:
             content = []
             for tid, v, top in entries:
-                s = self.token_text(tid)
+                s = name(tid)
                 content.append({"token": s, "logprob": lp(v), "bytes": list(s.encode("utf-8")),
-                                "top_logprobs": [{"token": self.token_text(t), "logprob": lp(x),
-                                                  "bytes": list(self.token_text(t).encode("utf-8"))}
-                                                 for t, x in (top or [])]})
+                                "top_logprobs": [{"token": name(t), "logprob": lp(x),
+                                                  "bytes": list(name(t).encode("utf-8"))} for t, x in (top or [])]})
             return {"content": content}
         tokens, values, tops, offsets = [], [], [], []
         for tid, v, top in entries:
-            s = self.token_text(tid) if tid is not None else ""
+            s = name(tid)
             tokens.append(s)
             values.append(lp(v))
-            tops.append(None if top is None else {self.token_text(t): lp(x) for t, x in top})
+            tops.append(None if top is None else {name(t): lp(x) for t, x in top})
             offsets.append(offset)
-            offset += len(s)
+            offset += len(self.token_text(tid)) if as_ids else len(s)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     async def _next(self, request: Request, rids: list[int], queue: asyncio.Queue) -> tuple[int, RequestOutput] | None:
@@ -539,7 +540,7 @@ class Server:
                 lps = None
                 if parsed.logprobs is not None and entries:
                     entries = self._named(entries, parsed.token_ids)
-                    lps = self._logprobs(entries, chat, offset)
+                    lps = self._logprobs(entries, chat, offset, parsed.token_ids_as_names)
                 if delta or out.finished or lps:
                     yield chunk(i, delta, out.finish_reason if out.finished else None, lps)
             if usage is not None:

@@ -103,6 +103,7 @@ class _Request(BaseModel):
     include_stop_str_in_output: Optional[bool] = None
     ignore_eos: Optional[bool] = None
     skip_special_tokens: Optional[bool] = Field(None, description="Default true.")
+    return_tokens_as_token_ids: Optional[bool] = Field(None, description="Logprobs name tokens 'token_id:<id>'.")
     spaces_between_special_tokens: Optional[Literal[True]] = Field(None, description="Only true.")
     # refused unless at the value that changes nothing (ACCEPTED_AS_DEFAULT) or absent
     response_format: Optional[Any] = None
@@ -248,6 +249,7 @@ class Parsed:
     logprobs: int | None = None  # top n per token (completions' logprobs, chat's top_logprobs) or None
     include_stop_str: bool = False
     skip_special_tokens: bool = True
+    token_ids_as_names: bool = False
 
     def choice_params(self) -> list[RequestParams]:
         """The engine settings of choice i: seed + i where a seed is given (else each a fresh random one)."""
@@ -327,7 +329,8 @@ def sampling_fields(req: CompletionRequest | ChatCompletionRequest, chat: bool) 
                   msg) from None
     parsed = Parsed(None, None, params, bool(req.stream), bool(opts and opts.include_usage), n, echo, logprobs,
                     bool(req.include_stop_str_in_output),
-                    True if req.skip_special_tokens is None else req.skip_special_tokens)
+                    True if req.skip_special_tokens is None else req.skip_special_tokens,
+                    bool(req.return_tokens_as_token_ids))
     return parsed, asked
 
 
