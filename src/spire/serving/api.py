@@ -566,39 +566,69 @@ class Server:
                                             "owned_by": "spire", "max_model_len": self.engine.max_len}]}
 
     def metrics(self) -> str:
-        """Prometheus text exposition of the engine's counters (see docs/serving.md)."""
-        eng, st = self.engine, self.engine.stats
-        d = f'draft="{self.draft}"'
-        lines: list[str] = []
+        """Prometheus text exposition of the engine's counters (see docs/serving.md), by ``prometheus_client``."""
+        from prometheus_client import generate_latest
 
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
-            lines.extend(f"{name}{'{' + labels + '}' if labels else ''} {value}" for labels, value in samples)
+        return generate_latest(self._registry).decode()
 
-        metric("spire_requests_running", "gauge", "Requests holding a slot.", [("", eng.num_running)])
-        metric("spire_requests_waiting", "gauge", "Requests queued for a slot.", [("", eng.num_waiting)])
-        metric("spire_requests_prefilling", "gauge", "Requests holding a slot whose prompt is still being prefilled "
-               "(chunked prefill; counted in running too).", [("", eng.num_prefilling)])
-        metric("spire_slots", "gauge", "Slots (max running requests).", [("", eng.max_running)])
-        metric("spire_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", st.prompt_tokens)])
-        metric("spire_generation_tokens_total", "counter", "Tokens generated.", [("", st.generated_tokens)])
-        metric("spire_rounds_total", "counter", "Engine rounds (draft, verify, accept, commit).", [("", st.rounds)])
-        metric("spire_request_rounds_total", "counter", "Rounds summed over the requests in them.",
-               [(d, st.row_rounds)])
-        metric("spire_accepted_tokens_total", "counter", "Draft tokens accepted by verification.",
-               [(d, sum(i * c for i, c in enumerate(st.accepted)))])
-        metric("spire_tau", "gauge", "Tokens per round per request, bonus included (tau).", [(d, round(st.tau, 6))])
-        metric("spire_acceptance_rate", "gauge", "Share of request-rounds that accepted draft token j (by position).",
-               [(f'{d},position="{j + 1}"', round(a, 6)) for j, a in enumerate(st.acceptance())] if eng.k else [])
+    @functools.cached_property
+    def _registry(self):
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_EngineCollector(self))
+        return registry
+
+
+class _EngineCollector:
+    """The engine's counters as Prometheus metric families, read at each scrape (prometheus_client's custom
+    collector: the engine keeps its own counters, so nothing is counted twice). Counter names end in ``_total``."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        eng, st, draft = self.server.engine, self.server.engine.stats, self.server.draft
+
+        def gauge(name: str, help_: str, value: float | None = None, labels: tuple = (), samples=()):
+            m = GaugeMetricFamily(name, help_, value=value, labels=list(labels) or None)
+            for lv, v in samples:
+                m.add_metric(list(lv), v)
+            return m
+
+        def counter(name: str, help_: str, value: float | None = None, labels: tuple = (), samples=()):
+            m = CounterMetricFamily(name, help_, value=value, labels=list(labels) or None)
+            for lv, v in samples:
+                m.add_metric(list(lv), v)
+            return m
+
+        yield gauge("spire_requests_running", "Requests holding a slot.", eng.num_running)
+        yield gauge("spire_requests_waiting", "Requests queued for a slot.", eng.num_waiting)
+        yield gauge("spire_requests_prefilling", "Requests holding a slot whose prompt is still being prefilled "
+                    "(chunked prefill; counted in running too).", eng.num_prefilling)
+        yield gauge("spire_slots", "Slots (max running requests).", eng.max_running)
+        yield counter("spire_prompt_tokens_total", "Prompt tokens prefilled.", st.prompt_tokens)
+        yield counter("spire_generation_tokens_total", "Tokens generated.", st.generated_tokens)
+        yield counter("spire_rounds_total", "Engine rounds (draft, verify, accept, commit).", st.rounds)
+        yield counter("spire_request_rounds_total", "Rounds summed over the requests in them.", labels=("draft",),
+                      samples=[((draft,), st.row_rounds)])
+        yield counter("spire_accepted_tokens_total", "Draft tokens accepted by verification.", labels=("draft",),
+                      samples=[((draft,), sum(i * c for i, c in enumerate(st.accepted)))])
+        yield gauge("spire_tau", "Tokens per round per request, bonus included (tau).", labels=("draft",),
+                    samples=[((draft,), round(st.tau, 6))])
+        yield gauge("spire_acceptance_rate", "Share of request-rounds that accepted draft token j (by position).",
+                    labels=("draft", "position"),
+                    samples=[((draft, str(j + 1)), round(a, 6)) for j, a in enumerate(st.acceptance())] if eng.k else [])
         if eng.k:
-            metric("spire_rounds_by_k_total", "counter", "Rounds by draft tokens per row (k = 0: AD rounds).",
-                   [(f'{d},k="{k}"', c) for k, c in enumerate(st.rounds_by_k)])
+            yield counter("spire_rounds_by_k_total", "Rounds by draft tokens per row (k = 0: AD rounds).",
+                          labels=("draft", "k"), samples=[((draft, str(k)), c) for k, c in enumerate(st.rounds_by_k)])
         if eng.k_policy is not None and hasattr(eng.k_policy, "alpha"):
-            metric("spire_k_policy_alpha", "gauge", "The k policy's estimate of the acceptance rate alpha.",
-                   [(d, round(eng.k_policy.alpha, 6))])
-        metric("spire_requests_finished_total", "counter", "Requests ended, by reason.",
-               [(f'reason="{r}"', c) for r, c in sorted(st.finished.items())])
-        return "\n".join(lines) + "\n"
+            yield gauge("spire_k_policy_alpha", "The k policy's estimate of the acceptance rate alpha.",
+                        labels=("draft",), samples=[((draft,), round(eng.k_policy.alpha, 6))])
+        yield counter("spire_requests_finished_total", "Requests ended, by reason.", labels=("reason",),
+                      samples=[((r,), c) for r, c in sorted(st.finished.items())])
 
 
 def create_app(server: Server) -> FastAPI:
@@ -670,7 +700,9 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return PlainTextResponse(server.metrics(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

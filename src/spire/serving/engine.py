@@ -185,11 +185,11 @@ class _Request:
     waits)."""
 
     def __init__(self, rid: int, prompt: list[int], params: RequestParams, stop: StopStrings | None,
-                 eos_ids=(), vocab: int = 0) -> None:
+                 eos_ids=(), vocab: int = 0, device: torch.device | str = "cpu") -> None:
         self.id, self.prompt, self.params, self.stop = rid, prompt, params, stop
         self.sampling = params.sampling()
         self.proc = params.processing(eos_ids)
-        self.history = TokenHistory(prompt, vocab) if self.proc.penalized else None
+        self.history = TokenHistory(prompt, vocab, device) if self.proc.penalized else None
         self.prompt_lp: list | None = [] if params.prompt_logprobs is not None else None
         self.generator = torch.Generator()
         if params.seed is None:
@@ -375,7 +375,7 @@ class Engine:
             raise ConfigError("stop: stop strings need the engine's decode (a tokenizer)")
         stop = StopStrings(list(params.stop), self.decode) if params.stop else None
         with self._lock:
-            return _Request(next(self._ids), prompt, params, stop, self.eos_ids, vocab)
+            return _Request(next(self._ids), prompt, params, stop, self.eos_ids, vocab, self.n.device)
 
     def abort(self, request_id: int) -> None:
         """End a waiting or running request at the next :meth:`step` (its slot is freed there, finish "abort");
