@@ -703,3 +703,23 @@ def test_a_body_past_the_cap_is_refused_at_once_and_health_keeps_answering(parts
         assert httpx.get(r.base + "/docs").status_code == 200
     finally:
         r.close()
+
+
+def test_a_character_split_at_the_prompt_boundary_comes_out_whole(parts, running):
+    """A token-id prompt cut inside "😀" (its first bytes in the prompt's last token): the completion forced (by
+    logit_bias) to the token that completes it starts with the whole character, streamed or not; TextStream reads a
+    completion in its prompt's context."""
+    from spire.serving.api import TextStream
+
+    tok = parts[1]
+    ids = tok("x 😀 y").input_ids
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd") and
+               "😀" in tok.decode(ids[: i + 1]))
+    prompt, rest = ids[:cut], ids[cut:]
+    stream = TextStream(tok.decode, (), prompt=prompt)
+    assert stream.push(rest[:1], False) + stream.push(rest[1:], True) == "😀 y" == stream.text()
+    c = running.client()
+    body = dict(model="tiny", prompt=prompt, max_tokens=1, temperature=0, logit_bias={str(rest[0]): 100})
+    got = c.completions.create(**body)
+    assert got.choices[0].text == "😀"
+    assert "".join(ch.choices[0].text for ch in c.completions.create(**body, stream=True)) == "😀"

@@ -160,16 +160,34 @@ class TextStream:
     """Detokenizes a request's tokens as they come: :meth:`push` returns the text to send now. Held back until
     they settle: a trailing incomplete UTF-8 character (decoded as U+FFFD) and a tail that could begin a stop
     string; at the end the text is cut before the first stop string (after it with ``include_stop``). So the
-    streamed pieces add up to the non-streamed text."""
+    streamed pieces add up to the non-streamed text.
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...], include_stop: bool = False) -> None:
+    prompt: the prompt's last tokens (a few suffice): the text is what ``decode`` gives for them + the completion
+    minus what it gives for them alone, so a character split across the boundary (a token-id prompt cut inside
+    it) comes out whole, and a tokenizer whose pieces depend on their left neighbour (a leading space) is read in
+    context. The prompt's own trailing U+FFFD is not part of the prompt's text when the completion completes it."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...], include_stop: bool = False,
+                 prompt: list[int] = ()) -> None:
         self.decode, self.stop, self.include_stop = decode, stop, include_stop
+        self.prompt = list(prompt)
+        self.prompt_text = decode(self.prompt) if self.prompt else ""
         self.tokens: list[int] = []
         self.sent = ""
 
+    def _decode(self, tokens: list[int]) -> str:
+        """The completion's text: decode(prompt + tokens) minus decode(prompt)."""
+        if not self.prompt or not tokens:
+            return self.decode(tokens)
+        full = self.decode(self.prompt + tokens)
+        if full.startswith(self.prompt_text):
+            return full[len(self.prompt_text):]
+        base = self.prompt_text.rstrip("\ufffd")  # the prompt ended inside a character the completion completes
+        return full[len(base):] if full.startswith(base) else self.decode(tokens)
+
     def text(self) -> str:
         """The final text: decoded, cut before (``include_stop``: after) the first stop string."""
-        text = self.decode(self.tokens)
+        text = self._decode(self.tokens)
         hits = [(text.find(s), s) for s in self.stop if s in text]
         if not hits:
             return text
@@ -181,7 +199,7 @@ class TextStream:
         if finished:
             safe = self.text()
         else:
-            safe = self.decode(self.tokens).rstrip("\ufffd")
+            safe = self._decode(self.tokens).rstrip("\ufffd")
             hold = max((n for s in self.stop for n in range(1, len(s)) if safe.endswith(s[:n])), default=0)
             safe = safe[: len(safe) - hold]
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
@@ -190,6 +208,8 @@ class TextStream:
         return delta
 
 
+PROMPT_CONTEXT = 8
+"""Prompt tokens a completion's text is decoded after (:class:`TextStream`)."""
 LOGPROB_FLOOR = -9999.0
 """A logprob of -inf (a token the request's transforms banned) is reported as this (JSON has no -inf; vLLM's)."""
 
@@ -413,8 +433,8 @@ class Server:
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.model_id}
         decode = functools.partial(self.decode, skip_special_tokens=parsed.skip_special_tokens)
-        choices = [_Choice(i, rid, TextStream(decode, parsed.params.stop, parsed.include_stop_str))
-                   for i, rid in enumerate(rids)]
+        choices = [_Choice(i, rid, TextStream(decode, parsed.params.stop, parsed.include_stop_str,
+                                              ids[-PROMPT_CONTEXT:])) for i, rid in enumerate(rids)]
         prompt_text = ""
         if parsed.echo:
             prompt_text = parsed.text if parsed.text is not None else decode(ids)
