@@ -173,7 +173,7 @@ def _ref_logprobs(target, prompt: list[int], gen: list[int]) -> torch.Tensor:
         return torch.log_softmax(target(ids, torch.arange(ids.shape[1])[None]).logits[0].double(), -1)
 
 
-@pytest.mark.parametrize("kind", ["none", "magicdec", "spire"])
+@pytest.mark.parametrize("kind", ["none", "magicdec", "spire", "ngram", "vanilla", "eagle3"])
 def test_logprobs_and_prompt_logprobs_equal_a_full_forward(tiny, kind):
     """Greedy and seeded T = 1 requests with logprobs (top 3) and prompt logprobs, prompts prefilled in chunks of 7
     tokens: every emitted token's logprob and the top 3 equal a full forward's over prompt + output to 1e-4 (at
