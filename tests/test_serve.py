@@ -670,7 +670,8 @@ def test_max_tokens_up_to_the_context_and_missing_means_the_rest(parts, running)
 
 def test_a_body_past_the_cap_is_refused_at_once_and_health_keeps_answering(parts):
     """--max-request-bytes 64 KiB: a 20 MB body gets a 413 in under a second (not read whole), /health answers
-    in under 0.5 s meanwhile, and the next request works; the request schemas are at /docs and /openapi.json."""
+    in under 0.5 s meanwhile, and the next request works; a 3.5 MB prompt or message under the cap is refused in
+    under a second, measured before it is tokenized; the request schemas are at /docs and /openapi.json."""
     r = Running(parts)
     r.server.max_request_bytes = 64 << 10
     try:
@@ -695,6 +696,15 @@ def test_a_body_past_the_cap_is_refused_at_once_and_health_keeps_answering(parts
         chunked = httpx.post(r.base + "/v1/completions", content=iter([body[:40000]] * 3),
                              headers={"content-type": "application/json"}, timeout=30)
         assert chunked.status_code == 413  # no Content-Length: refused once the bytes read pass the cap
+        r.server.max_request_bytes = 4 << 20  # under the cap but far past the context: refused before tokenizing
+        for path, field, big in (("/v1/completions", "prompt", {"prompt": "word " * 700_000}),
+                                 ("/v1/chat/completions", "messages",
+                                  {"messages": [{"role": "user", "content": "word " * 700_000}]})):
+            t0 = time.perf_counter()
+            got = r.post(path, json.dumps({"model": "tiny", "max_tokens": 2, **big}))
+            assert time.perf_counter() - t0 < 1.0
+            err = got.json()["error"]
+            assert got.status_code == 400 and err["param"] == field and err["code"] == "context_length_exceeded"
         ok = r.client().completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0)
         assert ok.choices[0].finish_reason == "length"
         schema = httpx.get(r.base + "/openapi.json").json()
