@@ -253,3 +253,49 @@ def test_min_tokens_holds_back_stop_strings_and_ignore_eos_keeps_going(smollm2):
     assert len(cut["tokens"]) >= 6 and cut["tokens"] == mid["tokens"][: len(cut["tokens"])]
     early = _run(engine, [(0, ids, RequestParams(max_tokens=24, stop=(stop,)))])[0]
     assert len(early["tokens"]) < 6
+
+
+@pytest.mark.parametrize("kind", ["none", "magicdec", "spire", "eagle3"])
+def test_choices_of_one_prompt_share_its_prefill(tiny, kind, monkeypatch):
+    """Four requests of one 30-token prompt joining together (an API request's n = 4) are prefilled as one row, its
+    keys / values copied into the four slots, in one chunk or in chunks of 12 (the target runs 29 prefill positions
+    in all, not 4 x 29): the greedy ones give the AD output, the seeded sampled ones the tokens each gives alone,
+    and the prompt logprobs equal a full forward's."""
+    positions = []  # B x T of every target forward over more than k + 1 = 4 positions: the prefill pieces
+    real = type(tiny).forward
+
+    def counting(self, tokens, *a, **kw):
+        if tokens.shape[1] > 4:
+            positions.append(tokens.shape[0] * tokens.shape[1])
+        return real(self, tokens, *a, **kw)
+
+    monkeypatch.setattr(type(tiny), "forward", counting)
+    prompt = _prompts(5)[4][:30]
+    for chunk in (None, 12):
+        positions.clear()
+        params = [RequestParams(max_tokens=10), RequestParams(max_tokens=10, prompt_logprobs=0),
+                  RequestParams(max_tokens=10, temperature=1.0, seed=7),
+                  RequestParams(max_tokens=10, temperature=1.0, seed=8)]
+        engine = Engine(tiny, _draft(kind, tiny), k=3, max_running=4, max_len=64, prefill_chunk=chunk)
+        res = _run(engine, [(0, prompt, p) for p in params])
+        assert sum(positions) == 29, (kind, chunk, positions)  # the prompt but its last token, once for the four
+        assert len(positions) == (1 if chunk is None else 3)
+        ad = generate(tiny, [prompt], 10).tokens[0]
+        assert res[0]["tokens"] == ad and res[1]["tokens"] == ad
+        for j in (2, 3):
+            alone = _run(Engine(tiny, _draft(kind, tiny), k=3, max_running=1, max_len=64), [(0, prompt, params[j])])
+            assert res[j]["tokens"] == alone[0]["tokens"], (kind, chunk, j)
+        ids = {}
+        engine = Engine(tiny, _draft(kind, tiny), k=3, max_running=4, max_len=64, prefill_chunk=chunk)
+        for p in params:
+            ids[engine.add_request(prompt, RequestParams(**{**p.__dict__, "prompt_logprobs": 1}))] = p
+        got = {}
+        while engine.has_work():
+            for o in engine.step():
+                if o.prompt_logprobs is not None:
+                    got[o.request_id] = o.prompt_logprobs
+        ref = _ref_logprobs(tiny, prompt, [])
+        assert len(got) == 4
+        for plp in got.values():
+            assert len(plp) == 29
+            assert all(abs(lp - float(ref[i, prompt[i + 1]])) < 1e-4 for i, (lp, _) in enumerate(plp))

@@ -530,36 +530,59 @@ class Engine:
         padding stays within 25 % of the real tokens, so a 2,000-token prompt is not padded onto seven short ones)
         on a cache of their own, whose keys / values are copied into the slots' rows; a piece that continues a
         prompt runs on its slot's row of the engine's cache. The draft observes each batch (the other rows
-        masked out)."""
+        masked out).
+
+        Requests that start the same prompt in the same step (the n choices of one API request) share its prefill:
+        it is computed once, charged once to the chunk budget, and its keys / values are copied into each slot."""
         budget = self.prefill_chunk
-        starts, later = [], []
+        starts: dict[tuple, list] = {}  # a starting piece's prompt -> [n, its requests]
+        later: dict[tuple, list] = {}  # a continuing piece's (prompt, start) -> [n, its requests]
         for req in sorted(todo, key=lambda r: r.id):
             n = len(req.prompt) - 1 - req.prefilled
+            pieces, key = (later, (tuple(req.prompt), req.prefilled)) if req.prefilled else (starts, tuple(req.prompt))
+            if key in pieces:  # the same tokens as a piece already taken: shared, not charged again
+                pieces[key][1].append(req)
+                continue
             if budget is not None:
                 if budget <= 0:
                     break
                 n = min(n, budget)
                 budget -= n
-            (later if req.prefilled else starts).append((req, n))
-        for group in prefill_groups([n for _, n in starts]):
-            self._prefill_start([starts[i] for i in group])
-        for req, n in later:
-            self._prefill_continue(req, n)
+            pieces[key] = [n, [req]]
+        unique = list(starts.values())
+        for group in prefill_groups([n for n, _ in unique]):
+            self._prefill_start([(req, unique[i][0]) for i in group for req in unique[i][1]])
+        for n, reqs in later.values():
+            self._prefill_continue(reqs, n)
 
     def _prefill_start(self, pieces: list[tuple[_Request, int]]) -> None:
-        """Prompt tokens 0..n-1 of each (request, n), as one right-padded batch on a fresh cache."""
+        """Prompt tokens 0..n-1 of each (request, n), as one right-padded batch on a fresh cache; pieces of the same
+        tokens are one row of it, copied into each of their slots."""
         dev = self.n.device
         slots = torch.tensor([r.slot for r, _ in pieces], device=dev)
-        rows = [r.prompt[: n + 1] for r, n in pieces]
+        rows, index, src = [], {}, []
+        for r, n in pieces:
+            key = tuple(r.prompt[: n + 1])
+            if key not in index:
+                index[key] = len(rows)
+                rows.append(list(key))
+            src.append(index[key])
         span = max(n for _, n in pieces)
         hidden = self._hidden(any(r.prompt_lp is not None for r, _ in pieces))
         state = prefill(self.target, rows, span, hidden)
-        self._copy_kv(slots, state.cache, span)
+        shared = len(rows) < len(pieces)
+        at = torch.tensor(src, device=dev)
+        self._copy_kv(slots, state.cache, span, at if shared else None)
         if self.draft is not None:
-            self._observe_prefill(slots, state.tokens, state.pos, state.valid, state.out)
+            out = state.out
+            if shared:
+                full = state.out
+                out = ForwardOutput(hidden={j: h[at] for j, h in full.hidden.items()},
+                                    compute_logits=lambda: full.logits[at])
+            self._observe_prefill(slots, state.tokens[at], state.pos[at], state.valid[at], out)
         for i, (req, n) in enumerate(pieces):
             if req.prompt_lp is not None and n:
-                self._prompt_logprobs(req, state.out.hidden[self.target.cfg.n_layers][i: i + 1, :n], 0)
+                self._prompt_logprobs(req, state.out.hidden[self.target.cfg.n_layers][src[i]: src[i] + 1, :n], 0)
             self._prefilled(req, n)
 
     def _hidden(self, final: bool) -> tuple[int, ...]:
@@ -578,24 +601,39 @@ class Engine:
             toks = req.prompt[s0 + c + 1: s0 + c + 1 + lg.shape[0]]
             req.prompt_lp.extend(_top(lp, toks, req.params.prompt_logprobs))
 
-    def _copy_kv(self, slots: torch.Tensor, cache: KVCache, span: int) -> None:
-        """Positions [0, span) of every row of ``cache`` (a prefill's) into the engine cache's rows ``slots``."""
+    def _copy_kv(self, slots: torch.Tensor, cache: KVCache, span: int, rows: torch.Tensor | None = None) -> None:
+        """Positions [0, span) of the rows ``rows`` (default every row, in order) of ``cache`` (a prefill's) into the
+        engine cache's rows ``slots``."""
         for layer in range(len(self.cache.k)):
-            self.cache.k[layer][slots, :, :span] = cache.k[layer][:, :, :span]
-            self.cache.v[layer][slots, :, :span] = cache.v[layer][:, :, :span]
+            k, v = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
+            self.cache.k[layer][slots, :, :span] = k if rows is None else k[rows]
+            self.cache.v[layer][slots, :, :span] = v if rows is None else v[rows]
 
-    def _prefill_continue(self, req: _Request, n: int) -> None:
-        """Prompt tokens prefilled .. prefilled + n - 1 of ``req``, on its slot's row of the engine's cache."""
+    def _prefill_continue(self, reqs: list[_Request], n: int) -> None:
+        """Prompt tokens prefilled .. prefilled + n - 1 of ``reqs`` (requests of the same prompt and progress), on
+        the first one's slot's row of the engine's cache; the keys / values are copied into the others' rows."""
+        req, others = reqs[0], reqs[1:]
         dev, s0 = self.n.device, req.prefilled
         tokens = torch.tensor([req.prompt[s0: s0 + n]], device=dev)
         pos = torch.arange(s0, s0 + n, device=dev)[None]
-        hidden = self._hidden(req.prompt_lp is not None)
+        hidden = self._hidden(any(r.prompt_lp is not None for r in reqs))
         out = self.target(tokens, pos, self.cache.row(req.slot), hidden_layers=hidden)
+        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        if others:  # the same tokens at the same positions in the other slots: copy the keys / values
+            for layer in range(len(self.cache.k)):
+                for c in (self.cache.k[layer], self.cache.v[layer]):
+                    c[slots[1:], :, s0: s0 + n] = c[req.slot, :, s0: s0 + n]
+            full = out
+            at = torch.zeros(len(reqs), dtype=torch.long, device=dev)
+            out = ForwardOutput(hidden={j: h[at] for j, h in full.hidden.items()},
+                                compute_logits=lambda: full.logits[at])
+            tokens, pos = tokens[at], pos[at]
         if self.draft is not None:
-            self._observe_prefill(torch.tensor([req.slot], device=dev), tokens, pos, None, out)
-        if req.prompt_lp is not None:
-            self._prompt_logprobs(req, out.hidden[self.target.cfg.n_layers], s0)
-        self._prefilled(req, s0 + n)
+            self._observe_prefill(slots, tokens, pos, None, out)
+        for i, r in enumerate(reqs):
+            if r.prompt_lp is not None:
+                self._prompt_logprobs(r, out.hidden[self.target.cfg.n_layers][i: i + 1], s0)
+            self._prefilled(r, s0 + n)
 
     def _observe_prefill(self, slots: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
                          valid: torch.Tensor | None, out: ForwardOutput) -> None:
