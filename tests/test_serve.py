@@ -518,6 +518,7 @@ def test_a_thousand_malformed_requests_get_4xx_naming_the_field(parts, running):
     (["--prefill-chunk", "-1"], "--prefill-chunk must be >= 0"),
     (["--port", "PORT_IN_USE"], "cannot listen on 127.0.0.1:"),
     (["--port", "0"], "--port must be in [1, 65535]"),
+    (["--max-request-bytes", "10"], "--max-request-bytes must be >= 1024"),
 ])
 def test_serve_refuses_bad_options_before_loading_the_target(tmp_path, capsys, args, words):
     """Each bad option is one ``error:`` line and exit 2, before the target loads (the target named here does
