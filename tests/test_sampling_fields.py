@@ -213,7 +213,7 @@ def test_logprobs_and_prompt_logprobs_equal_a_full_forward(tiny, kind):
             assert [a for a, _ in top] == ref[i].topk(2).indices.tolist()
 
 
-@pytest.mark.parametrize("kind", ["magicdec", "spire", "ngram", "eagle3"])
+@pytest.mark.parametrize("kind", ["none", "magicdec", "spire", "ngram", "vanilla", "eagle3", "magicdec-all-rows"])
 def test_prompt_plus_max_tokens_up_to_max_len_with_any_draft(tiny, kind):
     """With k = 4 and max_len 48: requests with prompt + max_tokens = 48 exactly (the last rounds draft fewer
     tokens), some prefilled in chunks while others run near the end, finish with their AD output; the engine never
@@ -226,7 +226,8 @@ def test_prompt_plus_max_tokens_up_to_max_len_with_any_draft(tiny, kind):
         assert res[j]["tokens"] == generate(tiny, [p], params.max_tokens).tokens[0], (kind, j)
         assert res[j]["reason"] == "length"
     assert engine.max_prompt(1) == 47
-    assert engine.stats.rounds_by_k[1] + engine.stats.rounds_by_k[2] + engine.stats.rounds_by_k[3] > 0
+    if kind != "none":  # rounds near the end drafted fewer than 4 tokens
+        assert sum(engine.stats.rounds_by_k[:4]) > 0
 
 
 def test_min_tokens_holds_back_stop_strings_and_ignore_eos_keeps_going(smollm2):
