@@ -103,6 +103,16 @@ class EngineLoop:
         self._wake.set()
         return rid
 
+    def submit_many(self, prompt: list[int], params: list[RequestParams],
+                    callbacks: list[Callable[[RequestOutput], None]]) -> list[int]:
+        """Queue one request per settings, all of one prompt, at once (Engine.add_requests: they join together and
+        share the prefill; its ConfigError passes through, nothing queued). Returns their ids."""
+        with self._lock:
+            rids = self.engine.add_requests(prompt, params)
+            self._subs.update(zip(rids, callbacks))
+        self._wake.set()
+        return rids
+
     def abort(self, rid: int) -> None:
         self.engine.abort(rid)
         self._wake.set()
@@ -396,14 +406,10 @@ class Server:
                            "server_error", {"Retry-After": "1"})
         queue: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
-        rids: list[int] = []
         try:
-            for i, p in enumerate(params):
-                rids.append(self.loop.submit(ids, p, lambda out, i=i: aloop.call_soon_threadsafe(queue.put_nowait,
-                                                                                                 (i, out))))
+            rids = self.loop.submit_many(ids, params, [
+                lambda out, i=i: aloop.call_soon_threadsafe(queue.put_nowait, (i, out)) for i in range(len(params))])
         except ConfigError as e:
-            for rid in rids:
-                self.loop.abort(rid)
             msg = str(e)
             raise bad(next((f for f in ("prompt", "stop_token_ids", "logit_bias", "stop", "max_tokens")
                             if msg.startswith(f)), None), msg) from None

@@ -309,6 +309,15 @@ class Engine:
             self.waiting.append(req)
         return req.id
 
+    def add_requests(self, prompt_ids: Sequence[int], params: Sequence[RequestParams]) -> list[int]:
+        """Queue one request per settings, all of one prompt (the n choices of an API request), at once: they join
+        at the same step when slots are free and then share the prompt's prefill. Returns their ids. Raises
+        ConfigError as :meth:`add_request` (then none is queued)."""
+        reqs = [self._new_request(prompt_ids, p) for p in params]
+        with self._lock:
+            self.waiting.extend(reqs)
+        return [r.id for r in reqs]
+
     def add_prefilled(self, state: Prefilled, params: Sequence[RequestParams]) -> list[int]:
         """Admit the rows of a batch that :func:`spire.speculative.prefill` already ran (all but each prompt's last
         token in ``state.cache``) as running requests in the lowest free slots: their keys and values are copied
