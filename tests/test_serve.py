@@ -734,3 +734,22 @@ def test_a_character_split_at_the_prompt_boundary_comes_out_whole(parts, running
     got = c.completions.create(**body)
     assert got.choices[0].text == "😀"
     assert "".join(ch.choices[0].text for ch in c.completions.create(**body, stream=True)) == "😀"
+
+
+def test_guidellm_s_request_bodies_are_served(parts, running):
+    """The bodies guidellm 0.8 sends (its openai request handlers: stream with include_usage and
+    continuous_usage_stats, max_tokens / max_completion_tokens, stop null, ignore_eos) are served on both endpoints:
+    every chunk carries the usage so far, the last one the total, and exactly the tokens asked for come."""
+    for path, body in (("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                 "max_completion_tokens": 12})):
+        body = {"model": "tiny", "stream": True, "stream_options": {"include_usage": True,
+                                                                     "continuous_usage_stats": True},
+                "stop": None, "ignore_eos": True, **body}
+        with httpx.stream("POST", running.base + path, json=body, timeout=60) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert all("usage" in e for e in events)
+        done = [e["usage"]["completion_tokens"] for e in events]
+        assert done == sorted(done) and done[-1] == 12 and events[-1]["choices"] == []

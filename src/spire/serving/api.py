@@ -445,8 +445,8 @@ class Server:
         if parsed.echo:
             prompt_text = parsed.text if parsed.text is not None else decode(ids)
         if parsed.stream:
-            usage = ((lambda: protocol.usage(len(ids), sum(c.n_tokens for c in choices))) if parsed.include_usage
-                     else None)
+            usage = ((lambda: protocol.usage(len(ids), sum(c.n_tokens for c in choices)))
+                     if parsed.include_usage or parsed.continuous_usage else None)
             return StreamingResponse(self._events(request, queue, choices, parsed, meta, chat, usage, prompt_text),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         await self._collect(request, queue, choices, parsed)
@@ -528,8 +528,9 @@ class Server:
     async def _events(self, request: Request, queue: asyncio.Queue, choices: list[_Choice], parsed: Parsed,
                       meta: dict, chat: bool, usage: Callable[[], dict] | None = None, prompt_text: str = ""):
         """The SSE stream: a chunk per engine step and choice that brings text or logprobs (and one with the finish
-        reason), with ``usage`` a last chunk of no choices and the usage, then ``data: [DONE]``. The requests are
-        aborted when the client goes away."""
+        reason), with ``usage`` (include_usage) a last chunk of no choices and the usage, then ``data: [DONE]``;
+        with continuous_usage_stats every chunk carries the usage so far. The requests are aborted when the client
+        goes away."""
         kind = "chat.completion.chunk" if chat else "text_completion"
         rids = [c.rid for c in choices]
 
@@ -539,7 +540,8 @@ class Server:
                 choice = {"index": i, "delta": d, "logprobs": lps, "finish_reason": reason}
             else:
                 choice = {"index": i, "text": delta or "", "logprobs": lps, "finish_reason": reason}
-            return f"data: {json.dumps({**meta, 'object': kind, 'choices': [choice]})}\n\n"
+            extra = {"usage": usage()} if parsed.continuous_usage else {}
+            return f"data: {json.dumps({**meta, 'object': kind, 'choices': [choice], **extra})}\n\n"
 
         left = len(choices)
         try:
@@ -569,7 +571,7 @@ class Server:
                     lps = self._logprobs(entries, chat, offset, parsed.token_ids_as_names)
                 if delta or out.finished or lps:
                     yield chunk(i, delta, out.finish_reason if out.finished else None, lps)
-            if usage is not None:
+            if parsed.include_usage:
                 yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [], 'usage': usage()})}\n\n"
             yield "data: [DONE]\n\n"
         finally:

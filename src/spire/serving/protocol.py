@@ -69,7 +69,8 @@ def parse_body(raw: bytes) -> dict:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: Optional[bool] = Field(None, description="A last chunk with the usage and no choices.")
-    continuous_usage_stats: Optional[Literal[False]] = Field(None, description="vLLM's; only false.")
+    continuous_usage_stats: Optional[bool] = Field(None, description="vLLM's: every chunk carries the usage so "
+                                                                    "far (guidellm sends it).")
 
 
 class _Request(BaseModel):
@@ -199,7 +200,7 @@ ACCEPTED_AS_DEFAULT: dict[str, tuple] = {
 would otherwise be silently ignored)."""
 
 NO_EFFECT = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-             "spaces_between_special_tokens", "use_beam_search", "stream_options.continuous_usage_stats")
+             "spaces_between_special_tokens", "use_beam_search")
 """Fields accepted that change nothing by nature (an id, a tag, a hint) or are allowed only at the value that is
 spire serve's behaviour (``store: false``, ``spaces_between_special_tokens: true``, ``use_beam_search: false``)."""
 
@@ -245,6 +246,7 @@ class Parsed:
     stream: bool
     include_usage: bool = False
     n: int = 1
+    continuous_usage: bool = False
     echo: bool = False
     logprobs: int | None = None  # top n per token (completions' logprobs, chat's top_logprobs) or None
     include_stop_str: bool = False
@@ -327,7 +329,8 @@ def sampling_fields(req: CompletionRequest | ChatCompletionRequest, chat: bool) 
         raise bad(next((f for f in ("repetition_penalty", "presence_penalty", "frequency_penalty", "min_p",
                                     "logit_bias", "min_tokens") if f.replace("_", "-") in msg or f in msg), None),
                   msg) from None
-    parsed = Parsed(None, None, params, bool(req.stream), bool(opts and opts.include_usage), n, echo, logprobs,
+    parsed = Parsed(None, None, params, bool(req.stream), bool(opts and opts.include_usage), n,
+                    bool(opts and opts.continuous_usage_stats), echo, logprobs,
                     bool(req.include_stop_str_in_output),
                     True if req.skip_special_tokens is None else req.skip_special_tokens,
                     bool(req.return_tokens_as_token_ids))
