@@ -159,11 +159,24 @@ BAD = [  # (path, body, status, param)
     ("/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": NaN}', 400, "temperature"),
     ("/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": -1}', 400, "temperature"),
     ("/v1/completions", '{"model": "tiny", "prompt": "x", "temperature": "hot"}', 400, "temperature"),
-    ("/v1/completions", '{"model": "tiny", "prompt": "x", "top_p": 0}', 400, "top_p"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "top_p": -0.1}', 400, "top_p"),
     ("/v1/completions", '{"model": "tiny", "prompt": "x", "top_p": 1.5}', 400, "top_p"),
     ("/v1/completions", '{"model": "tiny", "prompt": [1, 49152]}', 400, "prompt"),
     ("/v1/completions", '{"model": "tiny", "prompt": [1, -3]}', 400, "prompt"),
-    ("/v1/completions", '{"model": "tiny", "prompt": "x", "n": 2}', 400, "n"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "n": 0}', 400, "n"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "foo_bar": 1}', 400, "foo_bar"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "guided_json": {"type": "object"}}', 400, "guided_json"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "n": 2, "best_of": 3}', 400, "best_of"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "suffix": "y"}', 400, "suffix"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "min_tokens": 5, "max_tokens": 2}', 400, "min_tokens"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "stop_token_ids": [49152]}', 400, "stop_token_ids"),
+    ("/v1/completions", '{"model": "tiny", "prompt": "x", "repetition_penalty": 0}', 400, "repetition_penalty"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "tools": '
+                             '[{"type": "function", "function": {"name": "f"}}]}', 400, "tools"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}',
+     400, "top_logprobs"),
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [{"role": "user", "content": "x", "name": "bob"}]}',
+     400, "messages"),
     ("/v1/completions", '{"model": "tiny", "prompt": "x", "stop": [""]}', 400, "stop"),
     ("/v1/completions", '{"model": "tiny", "prompt": ["a", "b"]}', 400, "prompt"),
     ("/v1/completions", '{"model": "gpt-4", "prompt": "x"}', 404, "model"),
@@ -408,13 +421,17 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_keeps_ser
 FIELD_BAD = {  # field -> values that must be refused with a 4xx naming it (completions and chat unless noted)
     "max_tokens": [0, -1, -10 ** 9, 10 ** 12, "5", 2.5, [], {}],
     "temperature": [-0.1, 2.5, "hot", [], float("nan"), float("inf"), -float("inf")],
-    "top_p": [0, -0.5, 1.01, "x", float("nan"), []],
+    "top_p": [-0.5, 1.01, "x", float("nan"), []],
     "top_k": [-2, 2.5, "x"],
-    "n": [2, 5, 100],
+    "n": [0, -1, 100, "2"],
     "seed": ["x", 1.5],
     "stop": [[""], ["a", "b", "c", "d", "e"], 123],
-    "logprobs": [0, 1, 5],
-    "logit_bias": [{"1": 5}],
+    "logprobs": [-1, 21, "x"],
+    "logit_bias": [{"x": 5}, {"1": 101}, {"99999999": 1}, "x"],
+    "min_p": [-0.1, 1.5, "x"],
+    "presence_penalty": [2.5, -3, "x"],
+    "stop_token_ids": [[-1], "x", [1.5]],
+    "foo_bar": [1, "x", None],
     "model": ["gpt-4", "", "tiny2", "TINY"],
     "response_format": [{"type": "json_object"}, {"type": "json_schema", "json_schema": {"name": "x"}}, "text"],
     "tool_choice": ["auto", "required", {"type": "function", "function": {"name": "f"}}],
@@ -501,6 +518,7 @@ def test_a_thousand_malformed_requests_get_4xx_naming_the_field(parts, running):
     (["--prefill-chunk", "-1"], "--prefill-chunk must be >= 0"),
     (["--port", "PORT_IN_USE"], "cannot listen on 127.0.0.1:"),
     (["--port", "0"], "--port must be in [1, 65535]"),
+    (["--max-request-bytes", "10"], "--max-request-bytes must be >= 1024"),
 ])
 def test_serve_refuses_bad_options_before_loading_the_target(tmp_path, capsys, args, words):
     """Each bad option is one ``error:`` line and exit 2, before the target loads (the target named here does
@@ -518,3 +536,220 @@ def test_serve_refuses_bad_options_before_loading_the_target(tmp_path, capsys, a
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error:") and words in err[0], err
+
+
+# ---- issue 42: the API as clients use it ---------------------------------------------------------------------
+
+def _full_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids]), torch.arange(len(ids))[None]).logits[0].double(), -1)
+
+
+def test_logprobs_and_echo_equal_a_full_forward_streamed_or_not(parts, running):
+    """Completions with logprobs 3 (greedy and seeded T = 1): tokens are the AD output, each token_logprob and the
+    top 3 equal a full forward's to 1e-4; echo adds the prompt's text and its logprobs (the first None); chat's
+    logprobs / top_logprobs likewise; streamed chunks carry the same values."""
+    model, tok = parts
+    c = running.client()
+    ids = tok("Once upon a time, in a small village by the sea,").input_ids
+    for temperature in (0.0, 1.0):
+        got = c.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=temperature, seed=3,
+                                   logprobs=3, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        lp = got.choices[0].logprobs
+        assert len(lp.token_logprobs) == 10
+        toks = _ids_of(lp.tokens)
+        if temperature == 0:
+            assert toks == generate(model, [ids], 10).tokens[0]
+        ref = _full_logprobs(model, ids + toks)
+        for i, (t, v, top) in enumerate(zip(toks, lp.token_logprobs, lp.top_logprobs)):
+            assert abs(v - float(ref[len(ids) - 1 + i, t])) < 1e-4
+            want = ref[len(ids) - 1 + i].topk(3)
+            assert _ids_of(list(top)) == want.indices.tolist()
+            assert list(top.values()) == pytest.approx(want.values.tolist(), abs=1e-4)
+        chunks = list(c.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=temperature, seed=3,
+                                           logprobs=3, stream=True, extra_body={"ignore_eos": True}))
+        streamed = [v for ch in chunks if ch.choices[0].logprobs for v in ch.choices[0].logprobs.token_logprobs]
+        assert streamed == pytest.approx(lp.token_logprobs, abs=1e-6)
+        assert "".join(ch.choices[0].text for ch in chunks) == got.choices[0].text
+    echo = c.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    e = echo.choices[0]
+    assert e.text.startswith(tok.decode(ids)) and len(e.logprobs.token_logprobs) == len(ids) + 1
+    assert e.logprobs.token_logprobs[0] is None and e.logprobs.top_logprobs[0] is None
+    ref = _full_logprobs(model, ids)
+    for i in range(1, len(ids)):
+        assert abs(e.logprobs.token_logprobs[i] - float(ref[i - 1, ids[i]])) < 1e-4
+    assert e.logprobs.text_offset[:2] == [0, len(tok.decode(ids[:1]))]
+    echo_stream = list(c.completions.create(model="tiny", prompt=ids, max_tokens=1, temperature=0, logprobs=1,
+                                            echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in echo_stream) == e.text
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    chat = c.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                     top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(x.top_logprobs) == 2 for x in content)
+    assert all(x.logprob == pytest.approx(x.top_logprobs[0].logprob, abs=1e-6) for x in content)  # greedy: the top
+
+
+def _ids_of(pieces: list[str]) -> list[int]:
+    """Token ids of logprobs' tokens named ``token_id:<id>`` (return_tokens_as_token_ids)."""
+    assert all(p.startswith("token_id:") for p in pieces), pieces
+    return [int(p.split(":", 1)[1]) for p in pieces]
+
+
+def test_n_top_p_zero_and_the_vllm_fields_act(parts, running):
+    """n = 3 returns three choices, choice i the single request with seed + i; top_p 0 is greedy; stop_token_ids,
+    min_tokens, ignore_eos, include_stop_str_in_output, logit_bias, penalties and min_p act (their output differs
+    from the plain request as they should); user / metadata / store false are accepted and change nothing."""
+    model, tok = parts
+    c = running.client()
+    ids = tok("Hello there, my friend").input_ids
+    three = c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=1.0, seed=40, n=3)
+    assert [ch.index for ch in three.choices] == [0, 1, 2] and three.usage.completion_tokens == 24
+    for i, ch in enumerate(three.choices):
+        one = c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=1.0, seed=40 + i)
+        assert ch.text == one.choices[0].text
+    streamed = list(c.completions.create(model="tiny", prompt=ids, max_tokens=8, temperature=1.0, seed=40, n=3,
+                                         stream=True))
+    for i in range(3):
+        assert "".join(ch.choices[0].text for ch in streamed if ch.choices[0].index == i) == three.choices[i].text
+    greedy = generate(model, [ids], 12).tokens[0]
+    plain = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0)
+    assert plain.choices[0].text == tok.decode(greedy, skip_special_tokens=True)
+    assert c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=1.0,
+                                top_p=0).choices[0].text == plain.choices[0].text
+    same = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0, user="u",
+                                extra_body={"min_p": 0.0, "repetition_penalty": 1.0})
+    assert same.choices[0].text == plain.choices[0].text
+    chat_same = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=0, metadata={"a": "b"}, store=False, user="u")
+    chat_plain = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                           temperature=0)
+    assert chat_same.choices[0].message.content == chat_plain.choices[0].message.content
+    # stop_token_ids: the 4th greedy token ends the request (its own text left out unless asked for)
+    stop = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
+                                extra_body={"stop_token_ids": [greedy[3]]})
+    first = greedy.index(greedy[3])
+    assert stop.choices[0].finish_reason == "stop" and stop.usage.completion_tokens == first + 1
+    assert stop.choices[0].text == tok.decode(greedy[:first], skip_special_tokens=True)
+    kept = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
+                                extra_body={"stop_token_ids": [greedy[3]], "include_stop_str_in_output": True})
+    assert kept.choices[0].text == tok.decode(greedy[: first + 1], skip_special_tokens=True)
+    # min_tokens past that stop token: it cannot come before, the request is longer
+    longer = c.completions.create(model="tiny", prompt=ids, max_tokens=12, temperature=0,
+                                  extra_body={"stop_token_ids": [greedy[3]], "min_tokens": first + 3})
+    assert longer.usage.completion_tokens >= first + 3
+    # logit_bias +100 on one token: it is every token; -100 on the greedy first token: another first token
+    forced = c.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0, logit_bias={"42": 100})
+    assert forced.choices[0].text == tok.decode([42] * 4, skip_special_tokens=True)
+    banned = c.completions.create(model="tiny", prompt=ids, max_tokens=4, temperature=0,
+                                  logit_bias={str(greedy[0]): -100}, logprobs=0,
+                                  extra_body={"return_tokens_as_token_ids": True})
+    assert _ids_of(banned.choices[0].logprobs.tokens)[0] != greedy[0]
+    # penalties: a frequency penalty of 2 never repeats a token the greedy output repeats
+    rep = c.completions.create(model="tiny", prompt=ids, max_tokens=30, temperature=0, frequency_penalty=2.0,
+                               presence_penalty=2.0, logprobs=0,
+                               extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    toks, free = _ids_of(rep.choices[0].logprobs.tokens), generate(model, [ids], 30).tokens[0]
+    assert len(set(free)) < 30 and len(set(toks)) == 30 and rep.usage.completion_tokens == 30
+
+
+def test_max_tokens_up_to_the_context_and_missing_means_the_rest(parts, running):
+    """/v1/models' max_model_len is usable with the draft: max_tokens = max_model_len - prompt tokens is served
+    (the AD output), one more is a 400; without max_tokens a request runs to the end of the context."""
+    model, tok = parts
+    c = running.client()
+    L = c.models.list().data[0].model_extra["max_model_len"]
+    ids = [100 + (i * 7919) % 4000 for i in range(200)]
+    got = c.completions.create(model="tiny", prompt=ids, max_tokens=L - 200, temperature=0, extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == L - 200
+    r = running.post("/v1/completions", json.dumps({"model": "tiny", "prompt": ids, "max_tokens": L - 199}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    rest = running.post("/v1/completions", json.dumps({"model": "tiny", "prompt": ids, "temperature": 0,
+                                                        "ignore_eos": True})).json()
+    assert rest["usage"]["completion_tokens"] == L - 200 and rest["choices"][0]["text"] == got.choices[0].text
+
+
+def test_a_body_past_the_cap_is_refused_at_once_and_health_keeps_answering(parts):
+    """--max-request-bytes 64 KiB: a 20 MB body gets a 413 in under a second (not read whole), /health answers
+    in under 0.5 s meanwhile, and the next request works; a 3.5 MB prompt or message under the cap is refused in
+    under a second, measured before it is tokenized; the request schemas are at /docs and /openapi.json."""
+    r = Running(parts)
+    r.server.max_request_bytes = 64 << 10
+    try:
+        body = json.dumps({"model": "tiny", "prompt": "word " * 4_000_000, "max_tokens": 2}).encode()
+        times = []
+
+        def health():
+            for _ in range(10):
+                t0 = time.perf_counter()
+                assert httpx.get(r.base + "/health", timeout=10).status_code == 200
+                times.append(time.perf_counter() - t0)
+                time.sleep(0.05)
+
+        th = threading.Thread(target=health)
+        th.start()
+        t0 = time.perf_counter()
+        got = r.post("/v1/completions", body)
+        took = time.perf_counter() - t0
+        th.join()
+        assert got.status_code == 413 and got.json()["error"]["code"] == "request_too_large", got.text[:200]
+        assert took < 1.0 and max(times) < 0.5, (took, times)
+        chunked = httpx.post(r.base + "/v1/completions", content=iter([body[:40000]] * 3),
+                             headers={"content-type": "application/json"}, timeout=30)
+        assert chunked.status_code == 413  # no Content-Length: refused once the bytes read pass the cap
+        r.server.max_request_bytes = 4 << 20  # under the cap but far past the context: refused before tokenizing
+        for path, field, big in (("/v1/completions", "prompt", {"prompt": "word " * 700_000}),
+                                 ("/v1/chat/completions", "messages",
+                                  {"messages": [{"role": "user", "content": "word " * 700_000}]})):
+            t0 = time.perf_counter()
+            got = r.post(path, json.dumps({"model": "tiny", "max_tokens": 2, **big}))
+            assert time.perf_counter() - t0 < 1.0
+            err = got.json()["error"]
+            assert got.status_code == 400 and err["param"] == field and err["code"] == "context_length_exceeded"
+        ok = r.client().completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0)
+        assert ok.choices[0].finish_reason == "length"
+        schema = httpx.get(r.base + "/openapi.json").json()
+        assert {"CompletionRequest", "ChatCompletionRequest"} <= set(schema["components"]["schemas"])
+        assert "min_tokens" in schema["components"]["schemas"]["CompletionRequest"]["properties"]
+        assert httpx.get(r.base + "/docs").status_code == 200
+    finally:
+        r.close()
+
+
+def test_a_character_split_at_the_prompt_boundary_comes_out_whole(parts, running):
+    """A token-id prompt cut inside "😀" (its first bytes in the prompt's last token): the completion forced (by
+    logit_bias) to the token that completes it starts with the whole character, streamed or not; TextStream reads a
+    completion in its prompt's context."""
+    from spire.serving.api import TextStream
+
+    tok = parts[1]
+    ids = tok("x 😀 y").input_ids
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd") and
+               "😀" in tok.decode(ids[: i + 1]))
+    prompt, rest = ids[:cut], ids[cut:]
+    stream = TextStream(tok.decode, (), prompt=prompt)
+    assert stream.push(rest[:1], False) + stream.push(rest[1:], True) == "😀 y" == stream.text()
+    c = running.client()
+    body = dict(model="tiny", prompt=prompt, max_tokens=1, temperature=0, logit_bias={str(rest[0]): 100})
+    got = c.completions.create(**body)
+    assert got.choices[0].text == "😀"
+    assert "".join(ch.choices[0].text for ch in c.completions.create(**body, stream=True)) == "😀"
+
+
+def test_guidellm_s_request_bodies_are_served(parts, running):
+    """The bodies guidellm 0.8 sends (its openai request handlers: stream with include_usage and
+    continuous_usage_stats, max_tokens / max_completion_tokens, stop null, ignore_eos) are served on both endpoints:
+    every chunk carries the usage so far, the last one the total, and exactly the tokens asked for come."""
+    for path, body in (("/v1/completions", {"prompt": "Once upon a time", "max_tokens": 12}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
+                                                 "max_completion_tokens": 12})):
+        body = {"model": "tiny", "stream": True, "stream_options": {"include_usage": True,
+                                                                     "continuous_usage_stats": True},
+                "stop": None, "ignore_eos": True, **body}
+        with httpx.stream("POST", running.base + path, json=body, timeout=60) as r:
+            assert r.status_code == 200
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert all("usage" in e for e in events)
+        done = [e["usage"]["completion_tokens"] for e in events]
+        assert done == sorted(done) and done[-1] == 12 and events[-1]["choices"] == []

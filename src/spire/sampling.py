@@ -1,8 +1,11 @@
-"""Logits to the distribution that is sampled: greedy, temperature, top-k, top-p.
+"""Logits to the distribution that is sampled: the logits processing of :class:`LogitsProcessing` (logit bias,
+min_tokens, repetition / presence / frequency penalties, which depend on the tokens so far), then greedy or
+temperature, min-p, top-k, top-p (:class:`SamplingParams`).
 
-The same :class:`SamplingParams` transform is applied to the target's p and the draft's q before
-verification (Leviathan et al. 2023 require it: otherwise the output is not the sampled-from target
-distribution). All probability arithmetic is float32 or wider.
+The same transforms are applied to the target's p and the draft's q before verification (Leviathan et al. 2023
+require it: otherwise the output is not the sampled-from target distribution); a transform that depends on the
+tokens so far sees, at a drafted position, the drafted tokens before it. All probability arithmetic is float32 or
+wider.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from spire.errors import ConfigError
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy (argmax, a one-hot distribution); top_k 0 and top_p 1 mean off."""
+    """temperature 0 means greedy (argmax, a one-hot distribution); top_k 0, top_p 1 and min_p 0 mean off. min_p:
+    after the temperature, tokens of probability below min_p x the top token's are dropped (vLLM's min_p)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:
@@ -30,6 +35,8 @@ class SamplingParams:
             raise ConfigError(f"top-k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            raise ConfigError(f"min-p must be in [0, 1], got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -46,6 +53,8 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
     # float32 to 0 (1e-320: 0 / 0 would be NaN), so a tiny T is greedy with ties shared
     shifted = logits - logits.amax(-1, keepdim=True)
     logits = torch.where(shifted == 0, torch.zeros_like(shifted), shifted / params.temperature)
+    if params.min_p > 0:  # p < min_p * p_max  <=>  logit < log(min_p) (the shifted maximum is 0)
+        logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -62,3 +71,107 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """Draw one token per row of (..., V) probabilities -> (...) int64."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+@dataclass(frozen=True)
+class LogitsProcessing:
+    """The logits transforms that come before :class:`SamplingParams` (vLLM's order): logit_bias, then min_tokens,
+    then the penalties. All off by default.
+
+    logit_bias: (token id, bias) pairs added to the logits. min_tokens / banned: the tokens ``banned`` (EOS and
+    stop token ids) get -inf while fewer than ``min_tokens`` tokens were generated. repetition_penalty (> 0; 1 off):
+    a token of the prompt or of the output so far has its logit divided by it when positive, multiplied when
+    negative (CTRL, as HF and vLLM). presence_penalty, frequency_penalty ([-2, 2]; 0 off): subtracted once per
+    token that occurs in the output so far, and once per occurrence (OpenAI's definition; the prompt not
+    counted). Raises ConfigError for values outside those ranges."""
+
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    banned: tuple[int, ...] = ()
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.repetition_penalty < math.inf):
+            raise ConfigError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not -2 <= v <= 2:
+                raise ConfigError(f"{name} must be in [-2, 2], got {v}")
+        if self.min_tokens < 0:
+            raise ConfigError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if any(not math.isfinite(b) for _, b in self.logit_bias):
+            raise ConfigError("logit_bias: biases must be finite")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty (which depends on the tokens so far) is on."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def active(self) -> bool:
+        return bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.banned)) or self.penalized
+
+
+class TokenHistory:
+    """What the penalties of one sequence need of its tokens so far: ``seen`` (V,) bool, the tokens of the prompt
+    or the output; ``counts`` (V,) float32, occurrences in the output. :meth:`add` appends output tokens."""
+
+    def __init__(self, prompt: list[int], vocab: int, device: torch.device | str = "cpu") -> None:
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.seen[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.generated = 0
+
+    def add(self, tokens: list[int]) -> None:
+        if tokens:
+            t = torch.tensor(tokens, dtype=torch.long, device=self.counts.device)
+            self.seen[t] = True
+            self.counts.index_add_(0, t, torch.ones(len(tokens), device=self.counts.device))
+            self.generated += len(tokens)
+
+
+def process_logits(logits: torch.Tensor, proc: LogitsProcessing, history: TokenHistory | None, generated: int,
+                   drafted: list[int] = (), first: int = 0) -> torch.Tensor:
+    """Apply ``proc`` to one sequence's logits at T consecutive positions.
+
+    Args:
+        logits: (T, V) the logits at T positions; position t follows the tokens so far (``history``, of which
+            ``generated`` were generated) and then ``drafted[: first + t]`` (drafted tokens not yet committed).
+        proc: the transforms. history: needed when ``proc.penalized``.
+    Returns:
+        (T, V) float32 logits (a new tensor; ``logits`` is not changed).
+    """
+    out = logits.float().clone()
+    T, V = out.shape
+    if proc.logit_bias:
+        ids = torch.tensor([t for t, _ in proc.logit_bias], dtype=torch.long, device=out.device)
+        out[:, ids] += torch.tensor([b for _, b in proc.logit_bias], dtype=torch.float32, device=out.device)
+    if proc.min_tokens > 0 and proc.banned:
+        n_gen = generated + first + torch.arange(T, device=out.device)  # tokens generated before each position
+        early = (n_gen < proc.min_tokens)[:, None]
+        ban = torch.zeros(V, dtype=torch.bool, device=out.device)
+        ban[torch.tensor(proc.banned, dtype=torch.long, device=out.device)] = True
+        out = out.masked_fill(early & ban[None], float("-inf"))
+    if proc.penalized:
+        counts = history.counts[None].repeat(T, 1)  # (T, V) occurrences in the output before each position
+        for i, tok in enumerate(drafted[: first + T - 1]):
+            counts[max(0, i - first + 1):, tok] += 1
+        seen = history.seen[None] | (counts > 0)
+        if proc.repetition_penalty != 1.0:
+            r = proc.repetition_penalty
+            out = torch.where(seen, torch.where(out > 0, out / r, out * r), out)
+        if proc.frequency_penalty:
+            out = out - proc.frequency_penalty * counts
+        if proc.presence_penalty:
+            out = out - proc.presence_penalty * (counts > 0).float()
+    return out
+
+
+def logprobs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """(..., V) processed logits -> (..., V) float32 log-probabilities: log-softmax of the logits divided by the
+    temperature (1 for greedy), before min-p / top-k / top-p truncation (so every token has a finite value)."""
+    logits = logits.float()
+    t = params.temperature if params.temperature > 0 else 1.0
+    return torch.log_softmax(logits / t, -1)

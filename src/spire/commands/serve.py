@@ -22,11 +22,12 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 def _check(port: int, max_running: int, max_waiting: int, k: int, max_len: int, window: int, log_level: str,
-           shutdown_grace: float, prefill_chunk: int = 0) -> None:
+           shutdown_grace: float, prefill_chunk: int = 0, max_request_bytes: int = 1 << 22) -> None:
     if not 1 <= port <= 65535:  # 0 (any free port) would serve on a port no line names
         raise ConfigError(f"--port must be in [1, 65535], got {port}")
     for flag, v, lo in (("--max-running", max_running, 1), ("--max-waiting", max_waiting, 0), ("-k", k, 1),
-                        ("--max-len", max_len, k + 2), ("--window", window, 1), ("--prefill-chunk", prefill_chunk, 0)):
+                        ("--max-len", max_len, k + 2), ("--window", window, 1), ("--prefill-chunk", prefill_chunk, 0),
+                        ("--max-request-bytes", max_request_bytes, 1024)):
         if v < lo:
             why = " (a prompt token, a new token and k drafted ones)" if flag == "--max-len" else ""
             raise ConfigError(f"{flag} must be >= {lo}{why}, got {v}")
@@ -100,8 +101,8 @@ def serve(
     max_running: Annotated[int, typer.Option(help="Slots: requests decoded together in every round.")] = 8,
     max_waiting: Annotated[int, typer.Option(help="Requests queued for a slot at most; past it a 503.")] = 64,
     max_len: Annotated[int, typer.Option(help=(
-        "Positions per slot: a request needs prompt + max_tokens + k <= max-len (at most the target's positions)."
-    ))] = 2048,
+        "Positions per slot: a request needs prompt + max_tokens <= max-len, with any draft (rounds near the end of "
+        "a slot draft fewer tokens); at most the target's positions."))] = 2048,
     window: Annotated[int, typer.Option(help="MagicDec window (tokens).")] = defaults.WINDOW,
     ngram_min: Annotated[Optional[int], typer.Option(help="n-gram draft: shortest suffix matched.")] = None,
     ngram_max: Annotated[Optional[int], typer.Option(help="n-gram draft: longest suffix matched.")] = None,
@@ -121,9 +122,12 @@ def serve(
     prefill_chunk: Annotated[int, typer.Option(help=(
         "Prompt tokens prefilled per engine step at most (chunked prefill): a long prompt is prefilled over several "
         "steps while the running requests keep decoding. 0: each prompt whole when it joins."))] = 512,
+    max_request_bytes: Annotated[int, typer.Option(help=(
+        "Request bodies larger than this (bytes) are refused with a 413 before they are read whole."))] = 4 << 20,
 ) -> None:
     """Serve the target with continuous batching and lossless speculative decoding (OpenAI-compatible API)."""
-    _check(port, max_running, max_waiting, k, max_len, window, log_level, shutdown_grace, prefill_chunk)
+    _check(port, max_running, max_waiting, k, max_len, window, log_level, shutdown_grace, prefill_chunk,
+           max_request_bytes)
     for flag, value, allowed in (("--k-policy", k_policy, ("fixed", "cost-model")), ("--weights", weights, WEIGHTS),
                                  ("--draft-weights", draft_weights or "fp32", (*WEIGHTS, "int8"))):
         if value not in allowed:
@@ -155,7 +159,8 @@ def serve(
 
     runner = torch_thread()  # every torch call of the server on one thread (api.torch_thread says why)
     engine, tokenizer, kind, why, policy = runner.submit(build).result()
-    server = Server(engine, tokenizer, target, kind, max_waiting=max_waiting, api_key=api_key, runner=runner)
+    server = Server(engine, tokenizer, target, kind, max_waiting=max_waiting, api_key=api_key, runner=runner,
+                    max_request_bytes=max_request_bytes)
     typer.echo(f"spire serve: target {target}, draft {kind} ({why}), k {engine.k}"
                f"{' chosen per round by the cost model' if policy else ''}, {max_running} slots x "
                f"{engine.max_len} positions, at most {max_waiting} waiting, prefill "

@@ -3,8 +3,10 @@ requests into it and await or stream their tokens.
 
 Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (the target's chat template, as
 ``spire generate --chat``), both streamed (Server-Sent Events, ``data: {...}`` chunks then ``data: [DONE]``) or
-not; ``GET /v1/models``; ``GET /health`` (200: the model is loaded and the engine thread alive); ``GET /metrics``
-(Prometheus text). Bad requests get OpenAI's error body with a 4xx naming the field (:mod:`spire.serving.protocol`);
+not, with n choices, logprobs and (completions) echo; ``GET /v1/models``; ``GET /health`` (200: the model is loaded
+and the engine thread alive); ``GET /metrics`` (Prometheus text); ``GET /docs`` (the request schemas). A body larger
+than ``max_request_bytes`` is a 413 before it is read whole; parsing, validation, tokenizing and templating run on
+two parse threads, never on the event loop. Bad requests get OpenAI's error body with a 4xx naming the field (:mod:`spire.serving.protocol`);
 past ``max_waiting`` queued requests a 503 with Retry-After; with an API key, a /v1 request without
 ``Authorization: Bearer KEY`` a 401. A client that disconnects has its request aborted (its slot is free at the
 engine's next step).
@@ -34,6 +36,11 @@ from spire.serving.engine import Engine, RequestOutput, RequestParams
 from spire.serving.protocol import ApiError, Parsed, bad
 
 log = logging.getLogger("spire.serve")
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
+"""``spire serve --max-request-bytes``'s default: 4 MiB, hundreds of times a 2,048-token prompt as text or ids."""
+DRAIN_LIMIT = 256 << 20
+"""Bytes of a refused (too large) body read and dropped at most, so that its client gets the 413."""
 
 
 def torch_thread() -> ThreadPoolExecutor:
@@ -96,6 +103,16 @@ class EngineLoop:
         self._wake.set()
         return rid
 
+    def submit_many(self, prompt: list[int], params: list[RequestParams],
+                    callbacks: list[Callable[[RequestOutput], None]]) -> list[int]:
+        """Queue one request per settings, all of one prompt, at once (Engine.add_requests: they join together and
+        share the prefill; its ConfigError passes through, nothing queued). Returns their ids."""
+        with self._lock:
+            rids = self.engine.add_requests(prompt, params)
+            self._subs.update(zip(rids, callbacks))
+        self._wake.set()
+        return rids
+
     def abort(self, rid: int) -> None:
         self.engine.abort(rid)
         self._wake.set()
@@ -152,32 +169,85 @@ class EngineLoop:
 class TextStream:
     """Detokenizes a request's tokens as they come: :meth:`push` returns the text to send now. Held back until
     they settle: a trailing incomplete UTF-8 character (decoded as U+FFFD) and a tail that could begin a stop
-    string; at the end the text is cut before the first stop string. So the streamed pieces add up to the
-    non-streamed text."""
+    string; at the end the text is cut before the first stop string (after it with ``include_stop``). So the
+    streamed pieces add up to the non-streamed text.
 
-    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...]) -> None:
-        self.decode, self.stop = decode, stop
+    prompt: the prompt's last tokens (a few suffice): the text is what ``decode`` gives for them + the completion
+    minus what it gives for them alone, so a character split across the boundary (a token-id prompt cut inside
+    it) comes out whole, and a tokenizer whose pieces depend on their left neighbour (a leading space) is read in
+    context. The prompt's own trailing U+FFFD is not part of the prompt's text when the completion completes it."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...], include_stop: bool = False,
+                 prompt: list[int] = ()) -> None:
+        self.decode, self.stop, self.include_stop = decode, stop, include_stop
+        self.prompt = list(prompt)
+        self.prompt_text = decode(self.prompt) if self.prompt else ""
         self.tokens: list[int] = []
         self.sent = ""
 
+    def _decode(self, tokens: list[int]) -> str:
+        """The completion's text: decode(prompt + tokens) minus decode(prompt)."""
+        if not self.prompt or not tokens:
+            return self.decode(tokens)
+        full = self.decode(self.prompt + tokens)
+        if full.startswith(self.prompt_text):
+            return full[len(self.prompt_text):]
+        base = self.prompt_text.rstrip("\ufffd")  # the prompt ended inside a character the completion completes
+        return full[len(base):] if full.startswith(base) else self.decode(tokens)
+
     def text(self) -> str:
-        """The final text: decoded, cut before the first stop string."""
-        text = self.decode(self.tokens)
-        hits = [text.find(s) for s in self.stop if s in text]
-        return text[: min(hits)] if hits else text
+        """The final text: decoded, cut before (``include_stop``: after) the first stop string."""
+        text = self._decode(self.tokens)
+        hits = [(text.find(s), s) for s in self.stop if s in text]
+        if not hits:
+            return text
+        at, s = min(hits)
+        return text[: at + len(s)] if self.include_stop else text[:at]
 
     def push(self, tokens: list[int], finished: bool) -> str:
         self.tokens += tokens
         if finished:
             safe = self.text()
         else:
-            safe = self.decode(self.tokens).rstrip("\ufffd")
+            safe = self._decode(self.tokens).rstrip("\ufffd")
             hold = max((n for s in self.stop for n in range(1, len(s)) if safe.endswith(s[:n])), default=0)
             safe = safe[: len(safe) - hold]
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
             return ""
         delta, self.sent = safe[len(self.sent):], safe
         return delta
+
+
+PROMPT_CONTEXT = 8
+"""Prompt tokens a completion's text is decoded after (:class:`TextStream`)."""
+LOGPROB_FLOOR = -9999.0
+"""A logprob of -inf (a token the request's transforms banned) is reported as this (JSON has no -inf; vLLM's)."""
+
+
+class _Choice:
+    """One choice of a request being answered: its text stream, tokens, logprobs and finish reason."""
+
+    def __init__(self, index: int, rid: int, text: TextStream) -> None:
+        self.index, self.rid, self.text = index, rid, text
+        self.n_tokens, self.finish = 0, None
+        self.logprobs: list[tuple[int, float | None, list | None]] = []  # (token, logprob, top) per token
+        self.started = False
+
+    def take(self, out: RequestOutput, include_stop: bool) -> tuple[str, list]:
+        """Fold one engine output in. Returns the text to send now and the logprob entries it brought."""
+        toks = out.new_tokens
+        self.n_tokens += len(toks)
+        if out.stop_token is not None and not include_stop:  # the EOS / stop token id's own text is not shown
+            toks = toks[:-1]
+        entries = []
+        if out.prompt_logprobs is not None:
+            entries += [(None, None, None)] + [(None, lp, top) for lp, top in out.prompt_logprobs]
+        if out.logprobs is not None:
+            entries += [(t, lp, top) for t, (lp, top) in zip(out.new_tokens, out.logprobs)]
+        self.logprobs += entries
+        if out.finished:
+            self.finish = out.finish_reason
+        return self.text.push(toks, out.finished), entries
 
 
 class Server:
@@ -191,31 +261,103 @@ class Server:
         max_waiting: queued (not yet running) requests at most; past it a 503.
         api_key: when given, /v1 requests need ``Authorization: Bearer <api_key>``.
         runner: the thread the engine steps on (:func:`torch_thread`: pass the one that built the engine).
+        max_request_bytes: request bodies larger than this are refused (413) before they are read whole.
     """
 
     def __init__(self, engine: Engine, tokenizer: Any, model_id: str, draft: str, max_waiting: int = 64,
-                 api_key: str | None = None, runner: ThreadPoolExecutor | None = None) -> None:
+                 api_key: str | None = None, runner: ThreadPoolExecutor | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self.engine, self.tokenizer, self.model_id, self.draft = engine, tokenizer, model_id, draft
-        self.max_waiting, self.api_key = max_waiting, api_key
+        self.max_waiting, self.api_key, self.max_request_bytes = max_waiting, api_key, max_request_bytes
         self.loop = EngineLoop(engine, runner)
         self.created = int(time.time())
+        # JSON parsing, validation, tokenizing and templating run here, never on the event loop
+        self.parse_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="spire-parse")
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, tid: int) -> str:
+        """One token's own text (special tokens included)."""
+        return self.tokenizer.decode([tid], skip_special_tokens=False)
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes one token's text can have (a bound from the vocabulary's strings), so a text of B
+        bytes has at least B / this many tokens."""
+        try:
+            vocab = self.tokenizer.get_vocab()
+            return max(8, max(len(t.encode("utf-8")) for t in vocab))
+        except Exception:  # a tokenizer without a vocabulary listing: no early measure
+            return 1 << 30
 
     # ---- requests ----------------------------------------------------------------------------------------
 
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, refused (413) when it is larger than ``max_request_bytes``: by its Content-Length
+        before anything is read, else as soon as the bytes read pass the cap. The rest of a refused body is read
+        and dropped (not kept), so the client gets its answer rather than a reset connection."""
+        cap = self.max_request_bytes
+        length = request.headers.get("content-length", "")
+        stream = request.stream()
+        too_big = length.isdigit() and int(length) > cap
+        if not too_big:
+            chunks, size = [], 0
+            async for chunk in stream:
+                size += len(chunk)
+                if size > cap:
+                    too_big, chunks = True, []
+                    break
+                chunks.append(chunk)
+            if not too_big:
+                return b"".join(chunks)
+        drained = 0
+        try:
+            async for chunk in stream:
+                drained += len(chunk)
+                if drained > DRAIN_LIMIT:
+                    break
+        except Exception:  # the client went away: nothing to answer
+            pass
+        raise ApiError(413, f"the request body is larger than {cap} bytes (spire serve --max-request-bytes)", None,
+                       "request_too_large")
+
+    def parse_raw(self, raw: bytes, chat: bool) -> tuple[list[int], Parsed]:
+        """:meth:`parse` of a raw body (run on the parse threads); a large body's heap pages are given back after."""
+        try:
+            return self.parse(protocol.parse_body(raw), chat)
+        finally:
+            if len(raw) > (1 << 20):
+                del raw
+                trim_heap()
+
+    def _measure(self, nbytes: int, field: str) -> None:
+        """Refuse a text that cannot fit the context, before tokenizing it: B bytes are at least B / the longest
+        token's bytes tokens."""
+        least = -(-nbytes // self.max_token_bytes)
+        if least > self.engine.max_len - 1:
+            raise bad(field, f"{field} has at least {least} tokens ({nbytes} bytes); the context holds "
+                             f"{self.engine.max_len} positions per slot", "context_length_exceeded")
+
     def parse(self, body: dict, chat: bool) -> tuple[list[int], Parsed]:
-        """Token ids and settings of a request; max_tokens defaults to 16 (completions) or the rest of the slot's
-        context (chat). Raises ApiError naming the field."""
-        protocol.check_model(body, self.model_id)
-        params, stream, asked = protocol.sampling_fields(body, 16 if not chat else None)
+        """Token ids and settings of a request body (a JSON object); a missing max_tokens is the rest of the
+        context (max_len - prompt tokens). Raises ApiError naming the field."""
+        req = protocol.validate(body, chat)
+        protocol.check_model(req.model, self.model_id)
+        parsed, asked = protocol.sampling_fields(req, chat)
         if chat:
-            text, ids = None, self._chat_ids(protocol.chat_messages(body))
+            msgs = protocol.chat_messages(req)
+            self._measure(sum(len(m["content"].encode("utf-8")) for m in msgs), "messages")
+            cont = bool(req.continue_final_message)
+            agp = req.add_generation_prompt if req.add_generation_prompt is not None else not cont
+            text, ids = None, self._chat_ids(msgs, agp, cont)
             field = "messages"
         else:
-            text, ids = protocol.completion_prompt(body)
-            ids = self.tokenizer(text).input_ids if ids is None else ids
+            text, ids = protocol.completion_prompt(req)
+            if ids is None:
+                self._measure(len(text.encode("utf-8")), "prompt")
+                special = True if req.add_special_tokens is None else req.add_special_tokens
+                ids = self.tokenizer(text, add_special_tokens=special).input_ids
             field = "prompt"
         ids = [int(t) for t in ids]
         vocab = self.engine.target.cfg.vocab_size
@@ -223,6 +365,10 @@ class Server:
             raise bad(field, f"{field} has no tokens")
         if any(not 0 <= t < vocab for t in ids):
             raise bad(field, f"{field}: token ids must be in [0, {vocab}) (the model's vocabulary)")
+        for name, tids in (("stop_token_ids", parsed.params.stop_token_ids),
+                           ("logit_bias", [t for t, _ in parsed.params.logit_bias])):
+            if any(not 0 <= t < vocab for t in tids):
+                raise bad(name, f"{name}: token ids must be in [0, {vocab}) (the model's vocabulary)")
         room = self.engine.max_prompt(0) - len(ids)  # new tokens the slot still holds
         if room < 1:
             raise bad(field, f"{field} of {len(ids)} tokens is longer than the context: at most "
@@ -231,34 +377,43 @@ class Server:
         if asked is not None and asked > room:
             raise bad("max_tokens", f"max_tokens {asked} + the prompt's {len(ids)} tokens exceed the context: at "
                                     f"most {room} new tokens for this prompt", "context_length_exceeded")
-        params = RequestParams(**{**params.__dict__, "max_tokens": asked if asked is not None else room})
-        return ids, Parsed(text, ids, params, stream, protocol.include_usage(body))
+        if parsed.params.min_tokens > (asked or room):
+            raise bad("min_tokens", f"min_tokens {parsed.params.min_tokens} is more than the {room} new tokens the "
+                                    "context holds for this prompt", "context_length_exceeded")
+        parsed.params = RequestParams(**{**parsed.params.__dict__, "max_tokens": asked if asked is not None else room})
+        parsed.text, parsed.token_ids = text, ids
+        return ids, parsed
 
-    def _chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def _chat_ids(self, messages: list[dict[str, str]], generation_prompt: bool = True,
+                  continue_final: bool = False) -> list[int]:
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                     return_dict=False)
+            kw = {"continue_final_message": True} if continue_final else {}
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True,
+                                                     return_dict=False, **kw)
         except Exception as e:  # a template that refuses the conversation (e.g. roles out of order)
             raise bad("messages", f"the chat template refuses these messages: {e}".splitlines()[0]) from None
         return list(ids["input_ids"]) if hasattr(ids, "keys") else list(ids)
 
-    def submit(self, ids: list[int], params: RequestParams) -> tuple[int, asyncio.Queue]:
-        """Queue into the engine; its outputs arrive on the returned asyncio queue. Raises ApiError 503 past
-        max_waiting, 400 for what the engine refuses. A request counts as waiting only beyond the free slots (a new
-        request waits for the engine's next step even when a slot is free: that is not a queue)."""
+    def submit(self, ids: list[int], params: list[RequestParams]) -> tuple[list[int], asyncio.Queue]:
+        """Queue one engine request per choice; their outputs arrive on the returned asyncio queue as (choice
+        index, output). Raises ApiError 503 past max_waiting, 400 for what the engine refuses. A request counts as
+        waiting only beyond the free slots (a new request waits for the engine's next step even when a slot is
+        free: that is not a queue)."""
         free = self.engine.max_running - self.engine.num_running
-        if self.engine.num_waiting - free >= self.max_waiting:
+        if self.engine.num_waiting + len(params) - 1 - free >= self.max_waiting:
             raise ApiError(503, f"the server is busy: {self.engine.num_waiting} requests are waiting "
                                 f"(--max-waiting {self.max_waiting}); retry later", None, "server_overloaded",
                            "server_error", {"Retry-After": "1"})
         queue: asyncio.Queue = asyncio.Queue()
         aloop = asyncio.get_running_loop()
         try:
-            rid = self.loop.submit(ids, params, lambda out: aloop.call_soon_threadsafe(queue.put_nowait, out))
+            rids = self.loop.submit_many(ids, params, [
+                lambda out, i=i: aloop.call_soon_threadsafe(queue.put_nowait, (i, out)) for i in range(len(params))])
         except ConfigError as e:
             msg = str(e)
-            raise bad(next((f for f in ("prompt", "stop", "max_tokens") if msg.startswith(f)), None), msg) from None
-        return rid, queue
+            raise bad(next((f for f in ("prompt", "stop_token_ids", "logit_bias", "stop", "max_tokens")
+                            if msg.startswith(f)), None), msg) from None
+        return rids, queue
 
     # ---- answers -----------------------------------------------------------------------------------------
 
@@ -274,133 +429,234 @@ class Server:
                            "invalid_api_key")
 
     async def generate(self, request: Request, chat: bool) -> Any:
-        """One /v1/completions or /v1/chat/completions request: parse, queue, then a JSON answer or an SSE
-        stream. Raises ApiError."""
+        """One /v1/completions or /v1/chat/completions request: read (capped), parse off the event loop, queue
+        its n choices, then a JSON answer or an SSE stream. Raises ApiError."""
         self.check_auth(request)
-        ids, parsed = self.parse(protocol.parse_body(await request.body()), chat)
-        rid, queue = self.submit(ids, parsed.params)
+        raw = await self.read_body(request)
+        ids, parsed = await asyncio.get_running_loop().run_in_executor(self.parse_pool, self.parse_raw, raw, chat)
+        del raw
+        rids, queue = self.submit(ids, parsed.choice_params())
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.model_id}
-        text = TextStream(self.decode, parsed.params.stop)
+        decode = functools.partial(self.decode, skip_special_tokens=parsed.skip_special_tokens)
+        choices = [_Choice(i, rid, TextStream(decode, parsed.params.stop, parsed.include_stop_str,
+                                              ids[-PROMPT_CONTEXT:])) for i, rid in enumerate(rids)]
+        prompt_text = ""
+        if parsed.echo:
+            prompt_text = parsed.text if parsed.text is not None else decode(ids)
         if parsed.stream:
-            usage = (lambda: protocol.usage(len(ids), len(text.tokens))) if parsed.include_usage else None
-            return StreamingResponse(self._events(request, rid, queue, text, meta, chat, usage),
+            usage = ((lambda: protocol.usage(len(ids), sum(c.n_tokens for c in choices)))
+                     if parsed.include_usage or parsed.continuous_usage else None)
+            return StreamingResponse(self._events(request, queue, choices, parsed, meta, chat, usage, prompt_text),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        reason, n = await self._collect(request, rid, queue, text)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text.text()}, "logprobs": None,
-                      "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text.text(), "logprobs": None, "finish_reason": reason}
-        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": [choice],
-                "usage": protocol.usage(len(ids), n)}
+        await self._collect(request, queue, choices, parsed)
+        out = []
+        for c in choices:
+            text = c.text.text()
+            lps = (self._logprobs(self._named(c.logprobs, parsed.token_ids), chat, 0, parsed.token_ids_as_names)
+                   if parsed.logprobs is not None else None)
+            if chat:
+                out.append({"index": c.index, "message": {"role": "assistant", "content": text}, "logprobs": lps,
+                            "finish_reason": c.finish})
+            else:
+                out.append({"index": c.index, "text": prompt_text + text, "logprobs": lps, "finish_reason": c.finish})
+        return {**meta, "object": "chat.completion" if chat else "text_completion", "choices": out,
+                "usage": protocol.usage(len(ids), sum(c.n_tokens for c in choices))}
 
-    async def _next(self, request: Request, rid: int, queue: asyncio.Queue) -> RequestOutput | None:
-        """The request's next output, or None when its client has gone (the request is then aborted)."""
+    def _logprobs(self, entries: list, chat: bool, offset: int = 0, as_ids: bool = False) -> dict:
+        """OpenAI's logprobs object from (token, logprob, top) entries. Completions: tokens, token_logprobs,
+        top_logprobs, text_offset (from ``offset``); chat: content [{token, logprob, bytes, top_logprobs}]. as_ids:
+        tokens named ``token_id:<id>`` (vLLM's return_tokens_as_token_ids)."""
+        def lp(v: float | None) -> float | None:
+            return None if v is None else max(float(v), LOGPROB_FLOOR)
+
+        name = (lambda t: f"token_id:{t}") if as_ids else self.token_text
+
+        if chat:
+            content = []
+            for tid, v, top in entries:
+                s = name(tid)
+                content.append({"token": s, "logprob": lp(v), "bytes": list(s.encode("utf-8")),
+                                "top_logprobs": [{"token": name(t), "logprob": lp(x),
+                                                  "bytes": list(name(t).encode("utf-8"))} for t, x in (top or [])]})
+            return {"content": content}
+        tokens, values, tops, offsets = [], [], [], []
+        for tid, v, top in entries:
+            s = name(tid)
+            tokens.append(s)
+            values.append(lp(v))
+            tops.append(None if top is None else {name(t): lp(x) for t, x in top})
+            offsets.append(offset)
+            offset += len(self.token_text(tid)) if as_ids else len(s)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+    async def _next(self, request: Request, rids: list[int], queue: asyncio.Queue) -> tuple[int, RequestOutput] | None:
+        """The next (choice index, output), or None when the client has gone (its requests are then aborted)."""
         while True:
             try:
-                out = await asyncio.wait_for(queue.get(), 0.25)
+                item = await asyncio.wait_for(queue.get(), 0.25)
             except asyncio.TimeoutError:
-                out = None
+                item = None
             if await request.is_disconnected():  # does not wait: whether uvicorn has seen the connection close
-                self.loop.abort(rid)
+                for rid in rids:
+                    self.loop.abort(rid)
                 return None
-            if out is not None:
-                return out
+            if item is not None:
+                return item
 
-    async def _collect(self, request: Request, rid: int, queue: asyncio.Queue, text: TextStream) -> tuple[str, int]:
-        """Wait for a non-streamed request to finish. Returns (finish_reason, tokens generated)."""
+    async def _collect(self, request: Request, queue: asyncio.Queue, choices: list[_Choice], parsed: Parsed) -> None:
+        """Wait for every choice of a non-streamed request to finish."""
+        rids = [c.rid for c in choices]
         try:
-            while True:
-                out = await self._next(request, rid, queue)
-                if out is None:
+            left = len(choices)
+            while left:
+                item = await self._next(request, rids, queue)
+                if item is None:
                     raise ApiError(499, "the client closed the request", None, "client_closed")
+                i, out = item
                 if out.finish_reason == "error":
+                    for rid in rids:
+                        self.loop.abort(rid)
                     raise ApiError(500, "the engine failed on this request", None, "engine_error", "server_error")
-                text.push(out.new_tokens, out.finished)
-                if out.finished:
-                    return out.finish_reason, len(text.tokens)
+                choices[i].take(out, parsed.include_stop_str)
+                left -= out.finished
         except asyncio.CancelledError:
-            self.loop.abort(rid)
+            for rid in rids:
+                self.loop.abort(rid)
             raise
 
-    async def _events(self, request: Request, rid: int, queue: asyncio.Queue, text: TextStream, meta: dict,
-                      chat: bool, usage: Callable[[], dict] | None = None):
-        """The SSE stream: a chunk per engine step that brings text (and one with the finish reason), with
-        ``usage`` a last chunk of no choices and the usage, then ``data: [DONE]``. The request is aborted when
-        the client goes away."""
+    async def _events(self, request: Request, queue: asyncio.Queue, choices: list[_Choice], parsed: Parsed,
+                      meta: dict, chat: bool, usage: Callable[[], dict] | None = None, prompt_text: str = ""):
+        """The SSE stream: a chunk per engine step and choice that brings text or logprobs (and one with the finish
+        reason), with ``usage`` (include_usage) a last chunk of no choices and the usage, then ``data: [DONE]``;
+        with continuous_usage_stats every chunk carries the usage so far. The requests are aborted when the client
+        goes away."""
         kind = "chat.completion.chunk" if chat else "text_completion"
+        rids = [c.rid for c in choices]
 
-        def chunk(delta: str | None, reason: str | None, role: bool = False) -> str:
+        def chunk(i: int, delta: str | None, reason: str | None, lps: dict | None = None, role: bool = False) -> str:
             if chat:
                 d = {"role": "assistant", "content": ""} if role else ({"content": delta} if delta else {})
-                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": reason}
+                choice = {"index": i, "delta": d, "logprobs": lps, "finish_reason": reason}
             else:
-                choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": reason}
-            return f"data: {json.dumps({**meta, 'object': kind, 'choices': [choice]})}\n\n"
+                choice = {"index": i, "text": delta or "", "logprobs": lps, "finish_reason": reason}
+            extra = {"usage": usage()} if parsed.continuous_usage else {}
+            return f"data: {json.dumps({**meta, 'object': kind, 'choices': [choice], **extra})}\n\n"
 
-        finished = False
+        left = len(choices)
         try:
             if chat:
-                yield chunk(None, None, role=True)
-            while not finished:
-                out = await self._next(request, rid, queue)
-                if out is None:
+                for c in choices:
+                    yield chunk(c.index, None, None, role=True)
+            while left:
+                item = await self._next(request, rids, queue)
+                if item is None:
                     return
+                i, out = item
                 if out.finish_reason == "error":
                     err = ApiError(500, "the engine failed on this request", None, "engine_error", "server_error")
                     yield f"data: {json.dumps(err.body())}\n\n"
-                    finished = True
+                    left = 0
                     break
-                delta = text.push(out.new_tokens, out.finished)
-                finished = out.finished
-                if delta or finished:
-                    yield chunk(delta, out.finish_reason if finished else None)
-            if usage is not None:
+                c = choices[i]
+                offset = (len(prompt_text) if c.started else 0) + len(c.text.sent)
+                delta, entries = c.take(out, parsed.include_stop_str)
+                if parsed.echo and not c.started:
+                    delta = prompt_text + delta
+                c.started = True
+                left -= out.finished
+                lps = None
+                if parsed.logprobs is not None and entries:
+                    entries = self._named(entries, parsed.token_ids)
+                    lps = self._logprobs(entries, chat, offset, parsed.token_ids_as_names)
+                if delta or out.finished or lps:
+                    yield chunk(i, delta, out.finish_reason if out.finished else None, lps)
+            if parsed.include_usage:
                 yield f"data: {json.dumps({**meta, 'object': kind, 'choices': [], 'usage': usage()})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
-            if not finished:
-                self.loop.abort(rid)
+            if left:
+                for rid in rids:
+                    self.loop.abort(rid)
+
+    @staticmethod
+    def _named(entries: list, prompt_ids: list[int] | None) -> list:
+        """Entries with the prompt's token ids in place of None (echo: the prompt's entries come first)."""
+        if not entries or entries[0][0] is not None or prompt_ids is None:
+            return entries
+        n = sum(1 for e in entries if e[0] is None)
+        return [(prompt_ids[j], lp, top) for j, (_, lp, top) in enumerate(entries[:n])] + entries[n:]
 
     def models(self) -> dict:
+        """/v1/models: the served model; max_model_len is what a request may use: prompt + max_tokens <= it, with
+        any draft (rounds near the end of a slot draft fewer tokens)."""
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self.created,
                                             "owned_by": "spire", "max_model_len": self.engine.max_len}]}
 
     def metrics(self) -> str:
-        """Prometheus text exposition of the engine's counters (see docs/serving.md)."""
-        eng, st = self.engine, self.engine.stats
-        d = f'draft="{self.draft}"'
-        lines: list[str] = []
+        """Prometheus text exposition of the engine's counters (see docs/serving.md), by ``prometheus_client``."""
+        from prometheus_client import generate_latest
 
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.extend([f"# HELP {name} {help_}", f"# TYPE {name} {kind}"])
-            lines.extend(f"{name}{'{' + labels + '}' if labels else ''} {value}" for labels, value in samples)
+        return generate_latest(self._registry).decode()
 
-        metric("spire_requests_running", "gauge", "Requests holding a slot.", [("", eng.num_running)])
-        metric("spire_requests_waiting", "gauge", "Requests queued for a slot.", [("", eng.num_waiting)])
-        metric("spire_requests_prefilling", "gauge", "Requests holding a slot whose prompt is still being prefilled "
-               "(chunked prefill; counted in running too).", [("", eng.num_prefilling)])
-        metric("spire_slots", "gauge", "Slots (max running requests).", [("", eng.max_running)])
-        metric("spire_prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", st.prompt_tokens)])
-        metric("spire_generation_tokens_total", "counter", "Tokens generated.", [("", st.generated_tokens)])
-        metric("spire_rounds_total", "counter", "Engine rounds (draft, verify, accept, commit).", [("", st.rounds)])
-        metric("spire_request_rounds_total", "counter", "Rounds summed over the requests in them.",
-               [(d, st.row_rounds)])
-        metric("spire_accepted_tokens_total", "counter", "Draft tokens accepted by verification.",
-               [(d, sum(i * c for i, c in enumerate(st.accepted)))])
-        metric("spire_tau", "gauge", "Tokens per round per request, bonus included (tau).", [(d, round(st.tau, 6))])
-        metric("spire_acceptance_rate", "gauge", "Share of request-rounds that accepted draft token j (by position).",
-               [(f'{d},position="{j + 1}"', round(a, 6)) for j, a in enumerate(st.acceptance())] if eng.k else [])
+    @functools.cached_property
+    def _registry(self):
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_EngineCollector(self))
+        return registry
+
+
+class _EngineCollector:
+    """The engine's counters as Prometheus metric families, read at each scrape (prometheus_client's custom
+    collector: the engine keeps its own counters, so nothing is counted twice). Counter names end in ``_total``."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        eng, st, draft = self.server.engine, self.server.engine.stats, self.server.draft
+
+        def gauge(name: str, help_: str, value: float | None = None, labels: tuple = (), samples=()):
+            m = GaugeMetricFamily(name, help_, value=value, labels=list(labels) or None)
+            for lv, v in samples:
+                m.add_metric(list(lv), v)
+            return m
+
+        def counter(name: str, help_: str, value: float | None = None, labels: tuple = (), samples=()):
+            m = CounterMetricFamily(name, help_, value=value, labels=list(labels) or None)
+            for lv, v in samples:
+                m.add_metric(list(lv), v)
+            return m
+
+        yield gauge("spire_requests_running", "Requests holding a slot.", eng.num_running)
+        yield gauge("spire_requests_waiting", "Requests queued for a slot.", eng.num_waiting)
+        yield gauge("spire_requests_prefilling", "Requests holding a slot whose prompt is still being prefilled "
+                    "(chunked prefill; counted in running too).", eng.num_prefilling)
+        yield gauge("spire_slots", "Slots (max running requests).", eng.max_running)
+        yield counter("spire_prompt_tokens_total", "Prompt tokens prefilled.", st.prompt_tokens)
+        yield counter("spire_generation_tokens_total", "Tokens generated.", st.generated_tokens)
+        yield counter("spire_rounds_total", "Engine rounds (draft, verify, accept, commit).", st.rounds)
+        yield counter("spire_request_rounds_total", "Rounds summed over the requests in them.", labels=("draft",),
+                      samples=[((draft,), st.row_rounds)])
+        yield counter("spire_accepted_tokens_total", "Draft tokens accepted by verification.", labels=("draft",),
+                      samples=[((draft,), sum(i * c for i, c in enumerate(st.accepted)))])
+        yield gauge("spire_tau", "Tokens per round per request, bonus included (tau).", labels=("draft",),
+                    samples=[((draft,), round(st.tau, 6))])
+        yield gauge("spire_acceptance_rate", "Share of request-rounds that accepted draft token j (by position).",
+                    labels=("draft", "position"),
+                    samples=[((draft, str(j + 1)), round(a, 6)) for j, a in enumerate(st.acceptance())] if eng.k else [])
         if eng.k:
-            metric("spire_rounds_by_k_total", "counter", "Rounds by draft tokens per row (k = 0: AD rounds).",
-                   [(f'{d},k="{k}"', c) for k, c in enumerate(st.rounds_by_k)])
+            yield counter("spire_rounds_by_k_total", "Rounds by draft tokens per row (k = 0: AD rounds).",
+                          labels=("draft", "k"), samples=[((draft, str(k)), c) for k, c in enumerate(st.rounds_by_k)])
         if eng.k_policy is not None and hasattr(eng.k_policy, "alpha"):
-            metric("spire_k_policy_alpha", "gauge", "The k policy's estimate of the acceptance rate alpha.",
-                   [(d, round(eng.k_policy.alpha, 6))])
-        metric("spire_requests_finished_total", "counter", "Requests ended, by reason.",
-               [(f'reason="{r}"', c) for r, c in sorted(st.finished.items())])
-        return "\n".join(lines) + "\n"
+            yield gauge("spire_k_policy_alpha", "The k policy's estimate of the acceptance rate alpha.",
+                        labels=("draft",), samples=[((draft,), round(eng.k_policy.alpha, 6))])
+        yield counter("spire_requests_finished_total", "Requests ended, by reason.", labels=("reason",),
+                      samples=[((r,), c) for r, c in sorted(st.finished.items())])
 
 
 def create_app(server: Server) -> FastAPI:
@@ -412,7 +668,29 @@ def create_app(server: Server) -> FastAPI:
         yield
         server.loop.stop()
 
-    app = FastAPI(title="spire serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="spire serve", lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json")
+
+    def openapi() -> dict:
+        """FastAPI's schema, with the request models of the two generation endpoints (their bodies are read by
+        hand: capped, then validated off the event loop)."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            comps = schema.setdefault("components", {}).setdefault("schemas", {})
+            for path, model in (("/v1/completions", protocol.CompletionRequest),
+                                ("/v1/chat/completions", protocol.ChatCompletionRequest)):
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                comps.update(js.pop("$defs", {}))
+                comps[model.__name__] = js
+                schema["paths"][path]["post"]["requestBody"] = {
+                    "required": True,
+                    "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -450,7 +728,9 @@ def create_app(server: Server) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return PlainTextResponse(server.metrics(), media_type=CONTENT_TYPE_LATEST)
 
     return app
 

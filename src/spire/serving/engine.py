@@ -49,7 +49,8 @@ from spire.errors import ConfigError
 from spire.kv_cache import KVCache
 from spire.model import ForwardOutput, Transformer
 from spire.serving.policy import KPolicy
-from spire.sampling import SamplingParams, probs_from_logits, sample
+from spire.sampling import (LogitsProcessing, SamplingParams, TokenHistory, logprobs_from_logits,
+                            probs_from_logits, process_logits, sample)
 from spire.speculative import GenerationResult, Prefilled, StopStrings, cache_length, cut_output, prefill
 from spire.timing import Stopwatch
 from spire.verification import output_tokens, verify, verify_greedy
@@ -57,10 +58,20 @@ from spire.verification import output_tokens, verify, verify_greedy
 
 @dataclass(frozen=True)
 class RequestParams:
-    """One request's settings. max_tokens: new tokens at most (>= 1); temperature 0 = greedy; top_k 0 and top_p 1
-    = off (:class:`~spire.sampling.SamplingParams`); seed: its own generator's seed (None: a fresh random one);
-    stop: stop strings (the request ends with the token that completes one); ignore_eos: do not stop at EOS.
-    Raises ConfigError for impossible values."""
+    """One request's settings. max_tokens: new tokens at most (>= 1); temperature 0 = greedy; top_k 0, top_p 1 and
+    min_p 0 = off (:class:`~spire.sampling.SamplingParams`); seed: its own generator's seed (None: a fresh random
+    one); stop: stop strings (the request ends with the token that completes one); ignore_eos: do not stop at EOS.
+
+    The logits processing of :class:`~spire.sampling.LogitsProcessing`, applied to the target's and the draft's
+    logits alike (greedy requests take the argmax of the processed logits): stop_token_ids end the request like
+    EOS (also with ignore_eos); min_tokens: EOS and stop_token_ids are banned, and stop strings not checked, until
+    that many tokens were generated; logit_bias ((token id, bias) pairs), repetition_penalty, presence_penalty,
+    frequency_penalty.
+
+    logprobs: None, or n >= 0: each emitted token's log-probability under the target's processed distribution
+    (:func:`~spire.sampling.logprobs_from_logits`) and the n most likely tokens there
+    (:attr:`RequestOutput.logprobs`). prompt_logprobs: the same for every prompt token after the first (from the
+    prefill), given once, with the request's first output. Raises ConfigError for impossible values."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -69,27 +80,55 @@ class RequestParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_p: float = 0.0
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        self.sampling()  # validates temperature, top_k, top_p
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise ConfigError(f"{name} must be None or an integer >= 0, got {v!r}")
+        self.sampling()  # validates temperature, top_k, top_p, min_p
+        self.processing(())  # validates the penalties, min_tokens, logit_bias
 
     def sampling(self) -> SamplingParams:
-        return SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p))
+        return SamplingParams(float(self.temperature), int(self.top_k), float(self.top_p), float(self.min_p))
+
+    def processing(self, eos_ids) -> LogitsProcessing:
+        """The logits processing, min_tokens banning ``eos_ids`` (unless ignore_eos) and the stop token ids."""
+        banned = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_ids))
+        return LogitsProcessing(tuple(self.logit_bias), int(self.min_tokens), tuple(sorted(banned)),
+                                float(self.repetition_penalty), float(self.presence_penalty),
+                                float(self.frequency_penalty))
 
 
 @dataclass
 class RequestOutput:
     """What one :meth:`Engine.step` gives a request: its new tokens this step (after the cut), whether it
     finished, with finish_reason "stop" (EOS or a stop string), "length" (max_tokens) or "abort", and how many of
-    the round's k draft tokens verification accepted (None when it ran no round)."""
+    the round's k draft tokens verification accepted (None when it ran no round).
+
+    stop_token: the EOS or stop token id that ended it (the last of new_tokens), else None. logprobs (when the
+    request asked): one (logprob, [(token id, logprob)] of the top n) per new token. prompt_logprobs (when asked, in
+    the request's first output): the same for prompt tokens 1..P-1."""
 
     request_id: int
     new_tokens: list[int]
     finished: bool = False
     finish_reason: str | None = None
     accepted: int | None = None
+    stop_token: int | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 @dataclass
@@ -145,9 +184,13 @@ class _Request:
     """A request's state: its prompt, settings, generator, stop strings, emitted tokens and slot (None while it
     waits)."""
 
-    def __init__(self, rid: int, prompt: list[int], params: RequestParams, stop: StopStrings | None) -> None:
+    def __init__(self, rid: int, prompt: list[int], params: RequestParams, stop: StopStrings | None,
+                 eos_ids=(), vocab: int = 0, device: torch.device | str = "cpu") -> None:
         self.id, self.prompt, self.params, self.stop = rid, prompt, params, stop
         self.sampling = params.sampling()
+        self.proc = params.processing(eos_ids)
+        self.history = TokenHistory(prompt, vocab, device) if self.proc.penalized else None
+        self.prompt_lp: list | None = [] if params.prompt_logprobs is not None else None
         self.generator = torch.Generator()
         if params.seed is None:
             self.generator.seed()
@@ -156,6 +199,17 @@ class _Request:
         self.emitted: list[int] = []
         self.slot: int | None = None
         self.prefilled = 0  # prompt tokens in the slot's cache (the prompt but its last token, once prefilled)
+
+    @property
+    def special(self) -> bool:
+        """Whether its rows need more than the raw argmax: it samples, processes logits, or wants logprobs."""
+        return not self.sampling.greedy or self.proc.active or self.params.logprobs is not None
+
+    def logits(self, logits: torch.Tensor, drafted: list[int], first: int) -> torch.Tensor:
+        """(T, V) logits at T positions after the tokens so far and ``drafted[: first + t]`` -> processed."""
+        if not self.proc.active:
+            return logits
+        return process_logits(logits, self.proc, self.history, len(self.emitted), drafted, first)
 
     @property
     def prefilling(self) -> bool:
@@ -172,10 +226,9 @@ class Engine:
         k: draft tokens per round (>= 1; ignored for AD).
         max_running: slots, i.e. requests decoded together (a round's batch: the rows up to the highest occupied
             slot, or all of them for a draft whose ``use_rows`` returns False).
-        max_len: positions per slot (a request needs prompt + max_tokens + k <= max_len, as
-            :func:`spire.speculative.cache_length`: its last round writes positions up to prompt + max_tokens + k - 2);
-            default the
-            smaller of the target's positions and 2048.
+        max_len: positions per slot (a request needs prompt + max_tokens <= max_len: near the end of a slot a round
+            drafts fewer tokens, down to 0, so that it writes no position past max_len - 1); default the smaller of
+            the target's positions and 2048.
         eos_ids: token ids that end a request (emitted, then finish "stop"), unless its ``ignore_eos``.
         decode: token ids -> text, needed for stop strings.
         k_policy: picks each round's k in 0..k from the running requests (:mod:`spire.serving.policy`); None:
@@ -244,8 +297,9 @@ class Engine:
         return bool(self.waiting or self._aborts or self.num_running)
 
     def max_prompt(self, max_tokens: int) -> int:
-        """The longest prompt (tokens) a request of ``max_tokens`` new tokens may have."""
-        return self.max_len - max_tokens - self.k
+        """The longest prompt (tokens) a request of ``max_tokens`` new tokens may have (any k: rounds near the end
+        of a slot draft fewer tokens)."""
+        return self.max_len - max_tokens
 
     def add_request(self, prompt_ids: Sequence[int], params: RequestParams = RequestParams()) -> int:
         """Queue a request; it joins at a later :meth:`step`. prompt_ids: its token ids (>= 1, each in
@@ -254,6 +308,15 @@ class Engine:
         with self._lock:
             self.waiting.append(req)
         return req.id
+
+    def add_requests(self, prompt_ids: Sequence[int], params: Sequence[RequestParams]) -> list[int]:
+        """Queue one request per settings, all of one prompt (the n choices of an API request), at once: they join
+        at the same step when slots are free and then share the prompt's prefill. Returns their ids. Raises
+        ConfigError as :meth:`add_request` (then none is queued)."""
+        reqs = [self._new_request(prompt_ids, p) for p in params]
+        with self._lock:
+            self.waiting.extend(reqs)
+        return [r.id for r in reqs]
 
     def add_prefilled(self, state: Prefilled, params: Sequence[RequestParams]) -> list[int]:
         """Admit the rows of a batch that :func:`spire.speculative.prefill` already ran (all but each prompt's last
@@ -311,14 +374,17 @@ class Engine:
         if any(not 0 <= t < vocab for t in prompt):
             raise ConfigError(f"prompt: token ids must be in [0, {vocab}) (the target's vocabulary)")
         if len(prompt) > self.max_prompt(params.max_tokens):
-            raise ConfigError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens}"
-                              f"{f' + k {self.k}' if self.k else ''} exceeds the context of {self.max_len} "
-                              "positions per slot")
+            raise ConfigError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the context "
+                              f"of {self.max_len} positions per slot")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ConfigError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise ConfigError(f"logit_bias: token ids must be in [0, {vocab})")
         if params.stop and self.decode is None:
             raise ConfigError("stop: stop strings need the engine's decode (a tokenizer)")
         stop = StopStrings(list(params.stop), self.decode) if params.stop else None
         with self._lock:
-            return _Request(next(self._ids), prompt, params, stop)
+            return _Request(next(self._ids), prompt, params, stop, self.eos_ids, vocab, self.n.device)
 
     def abort(self, request_id: int) -> None:
         """End a waiting or running request at the next :meth:`step` (its slot is freed there, finish "abort");
@@ -349,7 +415,9 @@ class Engine:
         if self.k_policy is not None:
             context = sum(int(self.n[r.slot]) for r in running) / len(running)
             k = min(max(int(self.k_policy.k_for(len(running), context)), 0), self.k)
-        n_acc, next_tok, block = self._round(running, k)
+        if k:  # near the end of a slot, fewer: a round writes positions up to n - 1 + k, which must be < max_len
+            k = max(0, min(k, self.max_len - int(self.n[: self.width].max())))
+        n_acc, next_tok, block, lps = self._round(running, k)
         accepted, block_l = n_acc.tolist(), block.tolist()
         st = self.stats
         st.rounds += 1
@@ -358,7 +426,8 @@ class Engine:
             self.k_policy.observe([accepted[r.slot] for r in running], k)
         for req in running:
             b = req.slot
-            outputs.append(self._commit(req, block_l[b][: accepted[b] + 1], accepted[b] if k else None, k))
+            outputs.append(self._commit(req, block_l[b][: accepted[b] + 1], accepted[b] if k else None, k,
+                                        lps.get(b)))
         w = self.width
         live = torch.zeros(w, dtype=torch.bool)  # the finished are freed; a row still prefilling keeps its place
         live[[r.slot for r in running if r.slot is not None]] = True
@@ -391,11 +460,21 @@ class Engine:
             req.slot = None
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
 
-    def _commit(self, req: _Request, toks: list[int], n_accepted: int | None, k: int) -> RequestOutput:
+    def _commit(self, req: _Request, toks: list[int], n_accepted: int | None, k: int,
+                lp: torch.Tensor | None = None) -> RequestOutput:
         """Emit a running request's share of the round (cut) and free its slot when it finishes. n_accepted: the
-        draft tokens it accepted of the round's k (None in an AD round)."""
-        eos = set() if req.params.ignore_eos else self.eos_ids
-        toks, stopped = cut_output(req.emitted, toks, req.params.max_tokens, eos, req.stop)
+        draft tokens it accepted of the round's k (None in an AD round); lp: (k+1, V) its log-probabilities at the
+        round's positions (when it asked for logprobs)."""
+        eos = (set() if req.params.ignore_eos else set(self.eos_ids)) | set(req.params.stop_token_ids)
+        toks, stopped = self._cut(req, toks, eos)
+        if req.history is not None:
+            req.history.add(toks)
+        logprobs = None
+        if lp is not None:
+            logprobs = _top(lp[: len(toks)], toks, req.params.logprobs)
+        prompt_lp = None
+        if req.prompt_lp is not None and not req.emitted:
+            prompt_lp = req.prompt_lp
         req.emitted.extend(toks)
         st = self.stats
         st.row_rounds += 1
@@ -407,7 +486,23 @@ class Engine:
         reason = "stop" if stopped else "length" if len(req.emitted) >= req.params.max_tokens else None
         if reason is not None:
             self._free(req, reason)
-        return RequestOutput(req.id, toks, reason is not None, reason, n_accepted)
+        stop_token = toks[-1] if stopped and toks and toks[-1] in eos else None
+        return RequestOutput(req.id, toks, reason is not None, reason, n_accepted, stop_token, logprobs, prompt_lp)
+
+    @staticmethod
+    def _cut(req: _Request, toks: list[int], eos: set[int]) -> tuple[list[int], bool]:
+        """:func:`spire.speculative.cut_output` with min_tokens: stop strings are checked only from the token that
+        reaches min_tokens on (EOS and stop token ids cannot come earlier: they are banned)."""
+        p = req.params
+        start = max(0, p.min_tokens - len(req.emitted))
+        if start == 0 or req.stop is None:
+            return cut_output(req.emitted, toks, p.max_tokens, eos, req.stop)
+        toks = toks[: p.max_tokens - len(req.emitted)]
+        cut = next((i + 1 for i, t in enumerate(toks) if t in eos), None)
+        if start < len(toks[:cut]):
+            cs = req.stop.cut(req.emitted + toks[:start], toks[start:cut])
+            cut = start + cs if cs is not None else cut
+        return (toks, False) if cut is None else (toks[:cut], True)
 
     def _assign(self) -> list[_Request]:
         """Move waiting requests into free slots, lowest first. Returns them."""
@@ -444,52 +539,110 @@ class Engine:
         padding stays within 25 % of the real tokens, so a 2,000-token prompt is not padded onto seven short ones)
         on a cache of their own, whose keys / values are copied into the slots' rows; a piece that continues a
         prompt runs on its slot's row of the engine's cache. The draft observes each batch (the other rows
-        masked out)."""
+        masked out).
+
+        Requests that start the same prompt in the same step (the n choices of one API request) share its prefill:
+        it is computed once, charged once to the chunk budget, and its keys / values are copied into each slot."""
         budget = self.prefill_chunk
-        starts, later = [], []
+        starts: dict[tuple, list] = {}  # a starting piece's prompt -> [n, its requests]
+        later: dict[tuple, list] = {}  # a continuing piece's (prompt, start) -> [n, its requests]
         for req in sorted(todo, key=lambda r: r.id):
             n = len(req.prompt) - 1 - req.prefilled
+            pieces, key = (later, (tuple(req.prompt), req.prefilled)) if req.prefilled else (starts, tuple(req.prompt))
+            if key in pieces:  # the same tokens as a piece already taken: shared, not charged again
+                pieces[key][1].append(req)
+                continue
             if budget is not None:
                 if budget <= 0:
                     break
                 n = min(n, budget)
                 budget -= n
-            (later if req.prefilled else starts).append((req, n))
-        for group in prefill_groups([n for _, n in starts]):
-            self._prefill_start([starts[i] for i in group])
-        for req, n in later:
-            self._prefill_continue(req, n)
+            pieces[key] = [n, [req]]
+        unique = list(starts.values())
+        for group in prefill_groups([n for n, _ in unique]):
+            self._prefill_start([(req, unique[i][0]) for i in group for req in unique[i][1]])
+        for n, reqs in later.values():
+            self._prefill_continue(reqs, n)
 
     def _prefill_start(self, pieces: list[tuple[_Request, int]]) -> None:
-        """Prompt tokens 0..n-1 of each (request, n), as one right-padded batch on a fresh cache."""
+        """Prompt tokens 0..n-1 of each (request, n), as one right-padded batch on a fresh cache; pieces of the same
+        tokens are one row of it, copied into each of their slots."""
         dev = self.n.device
         slots = torch.tensor([r.slot for r, _ in pieces], device=dev)
-        rows = [r.prompt[: n + 1] for r, n in pieces]
+        rows, index, src = [], {}, []
+        for r, n in pieces:
+            key = tuple(r.prompt[: n + 1])
+            if key not in index:
+                index[key] = len(rows)
+                rows.append(list(key))
+            src.append(index[key])
         span = max(n for _, n in pieces)
-        hidden = self.draft.hidden_layers if self.draft is not None else ()
+        hidden = self._hidden(any(r.prompt_lp is not None for r, _ in pieces))
         state = prefill(self.target, rows, span, hidden)
-        self._copy_kv(slots, state.cache, span)
+        shared = len(rows) < len(pieces)
+        at = torch.tensor(src, device=dev)
+        self._copy_kv(slots, state.cache, span, at if shared else None)
         if self.draft is not None:
-            self._observe_prefill(slots, state.tokens, state.pos, state.valid, state.out)
-        for req, n in pieces:
+            out = state.out
+            if shared:
+                full = state.out
+                out = ForwardOutput(hidden={j: h[at] for j, h in full.hidden.items()},
+                                    compute_logits=lambda: full.logits[at])
+            self._observe_prefill(slots, state.tokens[at], state.pos[at], state.valid[at], out)
+        for i, (req, n) in enumerate(pieces):
+            if req.prompt_lp is not None and n:
+                self._prompt_logprobs(req, state.out.hidden[self.target.cfg.n_layers][src[i]: src[i] + 1, :n], 0)
             self._prefilled(req, n)
 
-    def _copy_kv(self, slots: torch.Tensor, cache: KVCache, span: int) -> None:
-        """Positions [0, span) of every row of ``cache`` (a prefill's) into the engine cache's rows ``slots``."""
-        for layer in range(len(self.cache.k)):
-            self.cache.k[layer][slots, :, :span] = cache.k[layer][:, :, :span]
-            self.cache.v[layer][slots, :, :span] = cache.v[layer][:, :, :span]
+    def _hidden(self, final: bool) -> tuple[int, ...]:
+        """The target layers a prefill keeps: the draft's, and the final residual stream when ``final``."""
+        hidden = tuple(self.draft.hidden_layers) if self.draft is not None else ()
+        return hidden + (self.target.cfg.n_layers,) if final else hidden
 
-    def _prefill_continue(self, req: _Request, n: int) -> None:
-        """Prompt tokens prefilled .. prefilled + n - 1 of ``req``, on its slot's row of the engine's cache."""
+    def _prompt_logprobs(self, req: _Request, h: torch.Tensor, s0: int, chunk: int = 256) -> None:
+        """Log-probabilities (the target's, untransformed, at temperature 1) of prompt tokens s0+1 .. s0+T from the
+        final residual stream h (1, T, d_model) at
+        positions s0 .. s0+T-1 (logits in chunks of ``chunk`` positions, so a long prompt never holds (T, V))."""
+        T = h.shape[1]
+        for c in range(0, T, chunk):
+            lg = self.target.logits(h[:, c: c + chunk])[0]  # (t, V)
+            lp = torch.log_softmax(lg.float(), -1)  # the model's own distribution (no request transform: vLLM's)
+            toks = req.prompt[s0 + c + 1: s0 + c + 1 + lg.shape[0]]
+            req.prompt_lp.extend(_top(lp, toks, req.params.prompt_logprobs))
+
+    def _copy_kv(self, slots: torch.Tensor, cache: KVCache, span: int, rows: torch.Tensor | None = None) -> None:
+        """Positions [0, span) of the rows ``rows`` (default every row, in order) of ``cache`` (a prefill's) into the
+        engine cache's rows ``slots``."""
+        for layer in range(len(self.cache.k)):
+            k, v = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
+            self.cache.k[layer][slots, :, :span] = k if rows is None else k[rows]
+            self.cache.v[layer][slots, :, :span] = v if rows is None else v[rows]
+
+    def _prefill_continue(self, reqs: list[_Request], n: int) -> None:
+        """Prompt tokens prefilled .. prefilled + n - 1 of ``reqs`` (requests of the same prompt and progress), on
+        the first one's slot's row of the engine's cache; the keys / values are copied into the others' rows."""
+        req, others = reqs[0], reqs[1:]
         dev, s0 = self.n.device, req.prefilled
         tokens = torch.tensor([req.prompt[s0: s0 + n]], device=dev)
         pos = torch.arange(s0, s0 + n, device=dev)[None]
-        hidden = self.draft.hidden_layers if self.draft is not None else ()
+        hidden = self._hidden(any(r.prompt_lp is not None for r in reqs))
         out = self.target(tokens, pos, self.cache.row(req.slot), hidden_layers=hidden)
+        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        if others:  # the same tokens at the same positions in the other slots: copy the keys / values
+            for layer in range(len(self.cache.k)):
+                for c in (self.cache.k[layer], self.cache.v[layer]):
+                    c[slots[1:], :, s0: s0 + n] = c[req.slot, :, s0: s0 + n]
+            full = out
+            at = torch.zeros(len(reqs), dtype=torch.long, device=dev)
+            out = ForwardOutput(hidden={j: h[at] for j, h in full.hidden.items()},
+                                compute_logits=lambda: full.logits[at])
+            tokens, pos = tokens[at], pos[at]
         if self.draft is not None:
-            self._observe_prefill(torch.tensor([req.slot], device=dev), tokens, pos, None, out)
-        self._prefilled(req, s0 + n)
+            self._observe_prefill(slots, tokens, pos, None, out)
+        for i, r in enumerate(reqs):
+            if r.prompt_lp is not None:
+                self._prompt_logprobs(r, out.hidden[self.target.cfg.n_layers][i: i + 1], s0)
+            self._prefilled(r, s0 + n)
 
     def _observe_prefill(self, slots: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
                          valid: torch.Tensor | None, out: ForwardOutput) -> None:
@@ -503,7 +656,10 @@ class Engine:
         full_tokens[slots], full_pos[slots] = tokens, pos
         full_valid[slots] = True if valid is None else valid
         hidden = {}
+        reads = set(self.draft.hidden_layers)
         for j, h in out.hidden.items():
+            if j not in reads:  # the final residual stream kept for prompt logprobs
+                continue
             hidden[j] = torch.zeros(S, *h.shape[1:], dtype=h.dtype, device=h.device)
             hidden[j][slots] = h
 
@@ -518,23 +674,25 @@ class Engine:
 
     # ---- one round ----------------------------------------------------------------------------------------
 
-    def _round(self, running: list[_Request], k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _round(self, running: list[_Request], k: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """One round of k draft tokens (0: AD) over the slots [0, width) (S of them). Returns n_accepted (S,),
-        next_token (S,) and the output block (S, k+1)."""
-        sampled = [r for r in running if not r.sampling.greedy]
+        next_token (S,), the output block (S, k+1) and, per slot of a request that asked for logprobs, its (k+1, V)
+        log-probabilities at the round's positions."""
+        special = [r for r in running if r.special]
         w, cache = self.width, self._cache_w
         pending, pos0 = self.pending[:w], self.n[:w] - 1  # (S,) each slot's pending token and its position
         if self.draft is None or k == 0:
             hidden = self.draft.hidden_layers if self.draft is not None else ()
             out = self.target(pending[:, None], pos0[:, None], cache, hidden_layers=hidden)
-            next_tok, _ = _choose(out.logits[:, -1], sampled)  # (S,)
+            next_tok, _, rows = _choose(out.logits[:, -1], special, [], 0)  # (S,)
             if self.draft is not None:  # the draft sees the committed token, so SD can resume next round
                 self.draft.observe(pending[:, None], pos0[:, None], out)
-            return torch.zeros_like(next_tok), next_tok, next_tok[:, None]
+            return torch.zeros_like(next_tok), next_tok, next_tok[:, None], _logprobs(special, rows)
         tok, tokens, qs, zs = pending, [], [], []
         for j in range(k):
             z = self.draft.step(tok[:, None], (pos0 + j)[:, None])
-            tok, q = _choose(z, sampled)
+            tok, q, _ = _choose(z, special, tokens, j)
             tokens.append(tok)
             qs.append(q)
             if self.round_hook is not None:
@@ -543,12 +701,12 @@ class Engine:
         verify_in = torch.cat([pending[:, None], d_tokens], 1)  # (S, k+1)
         vpos = pos0[:, None] + torch.arange(k + 1, device=pos0.device)
         out = self.target(verify_in, vpos, cache, hidden_layers=self.draft.hidden_layers)
-        n_acc, next_tok = _accept(d_tokens, qs, out.logits, sampled)
+        n_acc, next_tok, rows = _accept(d_tokens, qs, out.logits, special)
         if self.round_hook is not None:
             self.round_hook(RoundTrace([(r.slot, r.sampling) for r in running], pos0, d_tokens, torch.stack(zs, 1),
                                        out.logits, n_acc))
         self.draft.observe(verify_in, vpos, out)
-        return n_acc, next_tok, output_tokens(d_tokens, n_acc, next_tok)
+        return n_acc, next_tok, output_tokens(d_tokens, n_acc, next_tok), _logprobs(special, rows)
 
 
 def prefill_groups(spans: Sequence[int], slack: float = 1.25) -> list[list[int]]:
@@ -566,35 +724,69 @@ def prefill_groups(spans: Sequence[int], slack: float = 1.25) -> list[list[int]]
     return groups
 
 
-def _choose(logits: torch.Tensor, sampled: list[_Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Tokens (S,) from logits (S, V): the argmax in every row, then in each sampled request's row a draw from
-    its transformed distribution with its own generator. Returns the tokens and the (S, V) float32 distributions
-    they were drawn from (rows of greedy requests are zero), or None when no request samples."""
+def _choose(logits: torch.Tensor, special: list[_Request], drafted: list[torch.Tensor], j: int
+            ) -> tuple[torch.Tensor, torch.Tensor | None, dict[int, torch.Tensor]]:
+    """Tokens (S,) from logits (S, V) at a round's position j (after the drafted tokens ``drafted``, j of (S,)):
+    the argmax in every row, then in each special request's row (:attr:`_Request.special`) its processed logits'
+    argmax (greedy) or a draw from its transformed distribution with its own generator. Returns the tokens, the
+    (S, V) float32 distributions they were drawn from (rows of greedy requests are zero; None when no request
+    samples) and the processed (1, V) logits of each special request's slot."""
     tok = logits.argmax(-1)
-    if not sampled:
-        return tok, None
-    q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-    for req in sampled:
+    q = None
+    if any(not r.sampling.greedy for r in special):
+        q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    rows = {}
+    for req in special:
         b = req.slot
-        q[b] = probs_from_logits(logits[b], req.sampling)
-        tok[b] = sample(q[b], req.generator)
-    return tok, q
+        row = req.logits(logits[b: b + 1], [int(t[b]) for t in drafted], j)  # (1, V)
+        rows[b] = row
+        if req.sampling.greedy:
+            tok[b] = row[0].argmax()
+        else:
+            q[b] = probs_from_logits(row[0], req.sampling)
+            tok[b] = sample(q[b], req.generator)
+    return tok, q, rows
 
 
 def _accept(d_tokens: torch.Tensor, qs: list[torch.Tensor | None], logits: torch.Tensor,
-            sampled: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verification per row: greedy for every row (:func:`verify_greedy`), then rejection sampling
-    (:func:`verify`) for each sampled request's row with its transform and generator. d_tokens (S, k), qs: k
-    (S, V) or None, logits (S, k+1, V). Returns n_accepted (S,), next_token (S,)."""
+            special: list[_Request]) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """Verification per row: greedy for every row (:func:`verify_greedy`), then for each special request's row
+    with its processed logits (position t after the drafted tokens before it): greedy, or rejection sampling
+    (:func:`verify`) with its transform and generator. d_tokens (S, k), qs: k (S, V) or None, logits (S, k+1, V).
+    Returns n_accepted (S,), next_token (S,) and the processed (k+1, V) logits of each special request's slot."""
     n_acc, next_tok = verify_greedy(d_tokens, logits)
-    if sampled:
-        q = torch.stack(qs, 1)  # (S, k, V)
-        for req in sampled:
+    rows = {}
+    if special:
+        q = torch.stack(qs, 1) if any(x is not None for x in qs) else None  # (S, k, V)
+        for req in special:
             b = req.slot
-            p = probs_from_logits(logits[b: b + 1], req.sampling)  # (1, k+1, V)
-            nb, xb = verify(d_tokens[b: b + 1], q[b: b + 1], p, req.generator)
+            row = req.logits(logits[b], d_tokens[b].tolist(), 0)  # (k+1, V)
+            rows[b] = row
+            if req.sampling.greedy:
+                nb, xb = verify_greedy(d_tokens[b: b + 1], row[None])
+            else:
+                p = probs_from_logits(row[None], req.sampling)  # (1, k+1, V)
+                nb, xb = verify(d_tokens[b: b + 1], q[b: b + 1], p, req.generator)
             n_acc[b], next_tok[b] = nb[0], xb[0]
-    return n_acc, next_tok
+    return n_acc, next_tok, rows
+
+
+def _logprobs(special: list[_Request], rows: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Per slot of a request that asked for logprobs: its (T, V) log-probabilities from its processed logits."""
+    return {r.slot: logprobs_from_logits(rows[r.slot], r.sampling) for r in special if r.params.logprobs is not None}
+
+
+def _top(lp: torch.Tensor, toks: list[int], n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """lp (T, V) log-probabilities, toks T tokens -> per token (its logprob, the top n (id, logprob))."""
+    if not toks:
+        return []
+    chosen = lp.gather(-1, torch.tensor(toks, device=lp.device)[:, None])[:, 0].tolist()
+    if n:
+        vals, idx = lp.topk(min(n, lp.shape[-1]), -1)
+        tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    else:
+        tops = [[] for _ in toks]
+    return list(zip(chosen, tops))
 
 
 @torch.no_grad()
