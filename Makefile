@@ -39,7 +39,12 @@ $(VENV)/.speculators: $(VENV)/.installed
 	$(BIN)/python -m pip install -q openai "datasets>=4.0.0,<=5.1.0" hs-connectors==0.9.0 "loguru>=0.7.2,<=0.7.3"
 	touch $@
 
-test: venv $(VENV)/.speculators  ## the whole test suite
+# tests/test_lm_eval.py runs lm-evaluation-harness's local-completions against spire serve (adds packages, changes none)
+$(VENV)/.lm-eval: $(VENV)/.installed
+	$(BIN)/python -m pip install -q "lm-eval[api]==0.4.13"
+	touch $@
+
+test: venv $(VENV)/.speculators $(VENV)/.lm-eval  ## the whole test suite
 	$(BIN)/python -m pytest -q
 
 clean:

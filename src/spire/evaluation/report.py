@@ -501,14 +501,18 @@ def _diagnosis_lines(results: dict) -> list[str]:
         pos = [p for p in d["positions"] if p["reached"]]
         gap = [p["tv"] - p["tv_verified"] for p in pos[1:] if p["tv_verified"] is not None]
         dt = d.get("draft_temperature") or {}
-        best = max(dt.items(), key=lambda kv: kv[1]["tau_predicted"] or 0)[0] if dt else None
+        known = {c: v for c, v in dt.items() if v["tau_predicted"] is not None}
+        best = max(known, key=lambda c: known[c]["tau_predicted"]) if known else None
+        predicted = d["tau_from_acceptance"]
         lines.append(
-            f"- {r['name']}: τ {d['tau']:.3f} (independent positions at the measured acceptances: "
-            f"{d['tau_from_acceptance']:.3f}); mean 1 − TV {1 - sum(p['tv'] for p in pos) / len(pos):.3f}; "
+            f"- {r['name']}: τ {d['tau']:.3f}"
+            + (f" (independent positions at the measured acceptances: {predicted:.3f})" if predicted is not None else "")
+            + f"; mean 1 − TV {1 - sum(p['tv'] for p in pos) / len(pos):.3f}; "
             f"H(q) − H(p) {sum(p['entropy_draft'] - p['entropy_target'] for p in pos) / len(pos):+.2f} nats; "
             f"outside mass {sum(p['outside_mass'] for p in pos) / len(pos):.3f}"
             + (f"; drafting over its own tokens costs {sum(gap) / len(gap):.3f} of 1 − TV at j ≥ 2" if gap else "")
-            + (f"; best draft temperature factor {best} (τ predicted {dt[best]['tau_predicted']:.3f})" if best else ""))
+            + (f"; best draft temperature factor {best} (τ predicted {known[best]['tau_predicted']:.3f} against "
+               f"{known['1']['tau_predicted']:.3f} at 1)" if best and "1" in known else ""))
     return lines
 
 
