@@ -26,7 +26,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from spire.drafts import make_draft
 from spire.evaluation.tau import TauResult, measure_tau_shared, paired_ratio_ci

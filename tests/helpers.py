@@ -80,3 +80,14 @@ def with_backend(monkeypatch, *modules, **choices: bool) -> Backend:
         for m in module.modules():
             monkeypatch.setitem(m.__dict__, "backend", backend)
     return backend
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a test server)."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port

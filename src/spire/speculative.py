@@ -348,6 +348,20 @@ def cut_output(emitted: list[int], toks: list[int], max_new_tokens: int, eos_set
     return (toks, False) if cut is None else (toks[:cut], True)
 
 
+def first_stop(text: str, strings: Sequence[str], floor: int = 0) -> tuple[int, str] | None:
+    """(start, string) of the stop string occurrence in ``text`` that ends first among those ending past character
+    ``floor`` (the text of the tokens before which stop strings are not checked: min_tokens), or None."""
+    hits = []
+    for st in strings:
+        at = text.find(st, max(0, floor - len(st) + 1))
+        if at >= 0:
+            hits.append((at + len(st), at, st))
+    if not hits:
+        return None
+    _, at, st = min(hits)
+    return at, st
+
+
 class StopStrings:
     """Stop strings checked on decoded text. ``cut(previous, new)`` returns how many of the ``new`` tokens to
     keep so that the row ends with the token that completes the first stop string, or None.
@@ -363,13 +377,18 @@ class StopStrings:
         self.strings, self.decode = list(strings), decode
         self.span = max(len(st) for st in strings) if strings else 0
 
-    def cut(self, previous: list[int], new: list[int]) -> int | None:
+    def cut(self, previous: list[int], new: list[int], checked: bool = True) -> int | None:
+        """checked: the text of ``previous`` holds no stop string (it was cut before); False (min_tokens): only an
+        occurrence that ends past ``previous``'s text counts."""
         if not self.strings or not new:
             return None
-        start = max(0, len(self.decode(previous)) - self.span)
+        floor = len(self.decode(previous))
+        start = max(0, floor - self.span)
         for i in range(len(new)):
-            tail = self.decode(previous + new[: i + 1])[start:]
-            if any(st in tail for st in self.strings):
+            text = self.decode(previous + new[: i + 1])
+            if checked and any(st in text[start:] for st in self.strings):
+                return i + 1
+            if not checked and first_stop(text, self.strings, floor) is not None:
                 return i + 1
         return None
 

@@ -380,6 +380,12 @@ def command(p: dict[str, Any], log: Callable[[str], None]) -> None:
     out = p["out"]
     if out is not None:
         check_output_path(out, "--out")
+    if p["figure"] is not None:
+        if Path(p["figure"]).suffix.lower() not in (".png", ".pdf", ".svg"):
+            raise ConfigError(f"--figure {p['figure']}: name a .png, .pdf or .svg file")
+        check_output_path(p["figure"], "--figure")
+    if p["show"] and p["diagnose"]:
+        log("warning: --diagnose measures; with --show nothing is measured (the files' diagnoses are shown)")
     if p["show"]:
         result = merge_files(p["show"])
         unlike = unlike_settings(result["rows"])
@@ -403,8 +409,11 @@ def command(p: dict[str, Any], log: Callable[[str], None]) -> None:
     diagnosed = [r for r in result["rows"] if r.get("diagnosis")]
     figure = p["figure"] if p["figure"] is not None else (Path(out).with_suffix(".png") if out and diagnosed else None)
     if diagnosed and figure is not None:
+        Path(figure).parent.mkdir(parents=True, exist_ok=True)
         plot_diagnosis(diagnosed, figure)
         log(f"wrote {figure}")
+    elif p["figure"] is not None:
+        log("warning: --figure: no row has a diagnosis (measure with --diagnose), no figure written")
     if p["fmt"] == "json":
         typer.echo(json.dumps(result))
     elif p["fmt"] == "markdown":

@@ -51,9 +51,21 @@ def tau_from_alpha(alphas) -> float:
     1 + Σ_j Π_{i ≤ j} α_i (Leviathan et al. 2023, eq. 1, with per-position rates)."""
     tau, run = 1.0, 1.0
     for a in alphas:
+        if run == 0:  # nothing reaches further: later positions (even unmeasured ones) add nothing
+            break
         run *= a
         tau += run
     return tau
+
+
+def _known(alphas) -> bool:
+    """Whether τ follows from per-position rates with gaps: every unmeasured one comes after a rate of 0."""
+    for a in alphas:
+        if a is None:
+            return False
+        if a == 0:
+            return True
+    return True
 
 
 def _entropy(probs: torch.Tensor) -> torch.Tensor:
@@ -99,8 +111,8 @@ class Diagnosis:
         out = {}
         for c, sums in self.factor_sums.items():
             alphas = [s / n if n else None for s, n in zip(sums, self.sampled)]
-            out[c] = {"alpha": alphas,
-                      "tau_predicted": tau_from_alpha(alphas) if all(a is not None for a in alphas) else None}
+            out[c] = {"alpha": alphas, "tau_predicted": tau_from_alpha([1.0 if a is None else a for a in alphas])
+                      if _known(alphas) else None}
         return out
 
     def to_dict(self) -> dict:
@@ -109,9 +121,10 @@ class Diagnosis:
         positions = [{"j": j + 1, "reached": self.reached[j], "verified": self.verified[j],
                       **{m: self.mean(m)[j] for m in METRICS}} for j in range(self.k)]
         acc = [p["acceptance"] for p in positions]
+        predicted = tau_from_alpha([1.0 if a is None else a for a in acc]) if _known(acc) else None
         return {"draft": self.draft, "temperature": self.temperature, "k": self.k, "tau": self.tau,
                 "ci_low": self.ci[0], "ci_high": self.ci[1],
-                "tau_from_acceptance": tau_from_alpha(acc) if all(a is not None for a in acc) else None,
+                "tau_from_acceptance": predicted,
                 "positions": positions,
                 "draft_temperature": self.factor_means() if any(self.sampled) else None}
 
@@ -119,20 +132,23 @@ class Diagnosis:
         """Accumulate one round (see :class:`~spire.serving.engine.RoundTrace`); ``record[(context, position, j)]``
         gets each reached position's TV, for :meth:`add_verified`."""
         k = trace.draft_tokens.shape[1]
-        slots = [s for s, _ in trace.rows]
+        slots = [s for s, _, _ in trace.rows]
         z = trace.draft_logits[slots].float()  # (R, k, V)
         zt = trace.target_logits[slots, :k].float()  # (R, k, V) the target at the drafted positions
         q, p = F.softmax(z, -1), F.softmax(zt, -1)
         n_acc = trace.n_accepted[slots]  # (R,)
         j = torch.arange(k, device=n_acc.device)
-        reached = j[None] <= n_acc[:, None]  # (R, k): position j + 1 reached
+        budget = torch.tensor([b for _, _, b in trace.rows], device=n_acc.device)
+        # (R, k): position j + 1 reached, and within the tokens the request may still emit (a token past its budget is
+        # thrown away, accepted or not)
+        reached = (j[None] <= n_acc[:, None]) & (j[None] < budget[:, None])
         accepted = j[None] < n_acc[:, None]
         tv = 0.5 * (p - q).abs().sum(-1)
         outside = (p * torch.isneginf(z)).sum(-1)
         per = {"acceptance": accepted.float(), "tv": tv, "outside_mass": outside, "entropy_draft": _entropy(q),
                "entropy_target": _entropy(p)}
         expected = torch.zeros_like(tv)
-        for r, (_, params) in enumerate(trace.rows):
+        for r, (_, params, _) in enumerate(trace.rows):
             pT, qT = probs_from_logits(zt[r], params), probs_from_logits(z[r], params)
             expected[r] = torch.minimum(pT, qT).sum(-1)
             if params.greedy:
@@ -157,7 +173,7 @@ class Diagnosis:
         self.reached = [a + b for a, b in zip(self.reached, reached.sum(0).tolist())]
         pos0 = trace.pos0[slots].tolist()
         for r, slot in enumerate(slots):
-            for jj in range(int(n_acc[r]) + 1 if int(n_acc[r]) < k else k):
+            for jj in range(int(reached[r].sum())):
                 record[(context_of_slot[slot], pos0[r] + jj + 1, jj + 1)] = float(tv[r, jj])
 
     def add_verified(self, record: dict, verified_tv: dict) -> None:

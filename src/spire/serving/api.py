@@ -34,6 +34,7 @@ from spire.errors import ConfigError
 from spire.serving import protocol
 from spire.serving.engine import Engine, RequestOutput, RequestParams
 from spire.serving.protocol import ApiError, Parsed, bad
+from spire.speculative import first_stop
 
 log = logging.getLogger("spire.serve")
 
@@ -178,8 +179,8 @@ class TextStream:
     context. The prompt's own trailing U+FFFD is not part of the prompt's text when the completion completes it."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...], include_stop: bool = False,
-                 prompt: list[int] = ()) -> None:
-        self.decode, self.stop, self.include_stop = decode, stop, include_stop
+                 prompt: list[int] = (), min_tokens: int = 0) -> None:
+        self.decode, self.stop, self.include_stop, self.min_tokens = decode, stop, include_stop, min_tokens
         self.prompt = list(prompt)
         self.prompt_text = decode(self.prompt) if self.prompt else ""
         self.tokens: list[int] = []
@@ -196,12 +197,14 @@ class TextStream:
         return full[len(base):] if full.startswith(base) else self.decode(tokens)
 
     def text(self) -> str:
-        """The final text: decoded, cut before (``include_stop``: after) the first stop string."""
+        """The final text: decoded, cut before (``include_stop``: after) the first stop string that ends past the
+        text of the first ``min_tokens`` tokens (the engine's rule: :func:`spire.speculative.first_stop`)."""
         text = self._decode(self.tokens)
-        hits = [(text.find(s), s) for s in self.stop if s in text]
-        if not hits:
+        floor = len(self._decode(self.tokens[: self.min_tokens])) if self.min_tokens else 0
+        hit = first_stop(text, self.stop, floor)
+        if hit is None:
             return text
-        at, s = min(hits)
+        at, s = hit
         return text[: at + len(s)] if self.include_stop else text[:at]
 
     def push(self, tokens: list[int], finished: bool) -> str:
@@ -440,7 +443,8 @@ class Server:
                 "model": self.model_id}
         decode = functools.partial(self.decode, skip_special_tokens=parsed.skip_special_tokens)
         choices = [_Choice(i, rid, TextStream(decode, parsed.params.stop, parsed.include_stop_str,
-                                              ids[-PROMPT_CONTEXT:])) for i, rid in enumerate(rids)]
+                                              ids[-PROMPT_CONTEXT:], parsed.params.min_tokens))
+                   for i, rid in enumerate(rids)]
         prompt_text = ""
         if parsed.echo:
             prompt_text = parsed.text if parsed.text is not None else decode(ids)

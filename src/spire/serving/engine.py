@@ -167,12 +167,12 @@ class EngineStats:
 
 @dataclass
 class RoundTrace:
-    """What :attr:`Engine.round_hook` sees of one SD round over slots [0, S): rows: (slot, sampling) of each running
-    request (other rows are dummies); pos0 (S,): each slot's pending position (the first drafted token is at
+    """What :attr:`Engine.round_hook` sees of one SD round over slots [0, S): rows: (slot, sampling, tokens it may still
+    emit) of each running request (other rows are dummies); pos0 (S,): each slot's pending position (the first drafted token is at
     pos0 + 1); draft_tokens (S, k); draft_logits (S, k, V) float32 (the draft's raw logits, before any sampling
     transform); target_logits (S, k + 1, V); n_accepted (S,)."""
 
-    rows: list[tuple[int, SamplingParams]]
+    rows: list[tuple[int, SamplingParams, int]]
     pos0: torch.Tensor
     draft_tokens: torch.Tensor
     draft_logits: torch.Tensor
@@ -500,7 +500,7 @@ class Engine:
         toks = toks[: p.max_tokens - len(req.emitted)]
         cut = next((i + 1 for i, t in enumerate(toks) if t in eos), None)
         if start < len(toks[:cut]):
-            cs = req.stop.cut(req.emitted + toks[:start], toks[start:cut])
+            cs = req.stop.cut(req.emitted + toks[:start], toks[start:cut], checked=False)
             cut = start + cs if cs is not None else cut
         return (toks, False) if cut is None else (toks[:cut], True)
 
@@ -703,7 +703,8 @@ class Engine:
         out = self.target(verify_in, vpos, cache, hidden_layers=self.draft.hidden_layers)
         n_acc, next_tok, rows = _accept(d_tokens, qs, out.logits, special)
         if self.round_hook is not None:
-            self.round_hook(RoundTrace([(r.slot, r.sampling) for r in running], pos0, d_tokens, torch.stack(zs, 1),
+            self.round_hook(RoundTrace([(r.slot, r.sampling, r.params.max_tokens - len(r.emitted)) for r in running],
+                                       pos0, d_tokens, torch.stack(zs, 1),
                                        out.logits, n_acc))
         self.draft.observe(verify_in, vpos, out)
         return n_acc, next_tok, output_tokens(d_tokens, n_acc, next_tok), _logprobs(special, rows)
