@@ -231,7 +231,7 @@ async def faults(server: Launched, prompts: list[list[int]], seconds: float, max
 
 
 def static_batches(prompts: list[list[int]], batch: int, n: int, max_tokens: int, threads: int) -> dict:
-    """`spire generate`'s static loop (spire.speculative.generate, AD) over the first n prompts in batches of
+    """spire.speculative.generate (the engine, every prompt of a batch joining at once; AD) over the first n prompts in batches of
     ``batch``, in this process with ``threads`` torch threads: output tokens/s including prefill."""
     import torch
 

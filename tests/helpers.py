@@ -54,7 +54,7 @@ def spire_rounds(target: Transformer, model, prompts: list[list[int]], new_token
     from the prefill): (SD result, the draft's logits of every step concatenated, its ring cache's keys and values
     stacked) — what the fused / panel tests compare across paths."""
     from spire.drafts.spire import SpireDraft
-    from spire.speculative import decode, prefill
+    from tests.oracle import decode, prefill
 
     draft = SpireDraft(model.requires_grad_(False))  # decoded frozen, as a loaded draft: kept copies, native blocks
     logged = []

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from spire.bench.calibrate import Calibration, calibrate, load_calibration
 import spire.bench.run as bench_run
 from spire.bench.report import write_outputs
-from spire.bench import pricing
-from spire.bench.pricing import shape_of
+from spire.throughput import pricing
+from spire.throughput.pricing import shape_of
 from spire.bench.run import BenchConfig, predict, run_bench, summarize
 from spire.cli import main
 from spire.drafts.magicdec import MagicDecDraft
@@ -505,7 +505,7 @@ def test_bf16_weights_model_is_the_rounded_model(tiny):
     from spire.drafts.magicdec import MagicDecDraft
     from spire.errors import ConfigError
     from spire.fastpath import use_bf16_weights
-    from spire.speculative import generate
+    from tests.oracle import generate
 
     model = copy.deepcopy(tiny)
     norm_before = model.layers[0].input_layernorm.weight.clone()
@@ -572,7 +572,7 @@ def test_bench_contexts_total_tau_over_groups_of_contexts(tiny):
     """--contexts n: the SD and AD runs go over n groups of B contexts and τ is total tokens / total rounds,
     i.e. the same as the per-context runs added up (greedy decoding is deterministic); SD stays identical to
     AD in every group; the timed forwards are taken once; too few contexts is a ConfigError."""
-    from spire.speculative import decode, prefill, start_draft
+    from tests.oracle import decode, prefill, start_draft
 
     draft = MagicDecDraft(1, 4)
     cfg = BenchConfig(Bs=[1], Ls=[12], k=3, G=6, reps=1, window=4, contexts=3)
@@ -583,7 +583,7 @@ def test_bench_contexts_total_tau_over_groups_of_contexts(tiny):
     for ctx in _contexts(12, 3)[:, :12]:
         state = prefill(tiny, ctx[None], 12 + 6 + 4)
         cache = state.clone_cache()
-        start_draft(draft, tiny, state, 3, cache)
+        start_draft(draft, tiny, 3, cache, state)
         sd = decode(tiny, state, 6, draft, 3, cache=cache)
         tokens, rounds = tokens + sum(sd.emitted), rounds + sum(sd.rounds)
     assert tokens == 18 and row["tau"] == pytest.approx(tokens / rounds)

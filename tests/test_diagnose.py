@@ -73,7 +73,7 @@ def test_diagnosis_reads_the_rounds_tau_measures(tiny, kind, T):
 def test_verified_pass_equals_a_teacher_forced_recomputation(tiny):
     """verified_tv at each position equals TV(p, q) recomputed from scratch: the target's softmax over the whole
     sequence and a fresh draft prefilled up to that position, stepping the token before it."""
-    from spire.speculative import cache_length, prefill, start_draft
+    from spire.engine.prefill import cache_length, prefill, start_draft
 
     ctx = _contexts(n=2, L=10).tolist()
     gen = torch.randint(0, 97, (2, 5), generator=torch.Generator().manual_seed(7)).tolist()
@@ -84,7 +84,7 @@ def test_verified_pass_equals_a_teacher_forced_recomputation(tiny):
         pos = 10 + t  # the position predicted, by the token at pos - 1
         draft = _make(kind, tiny)
         state = prefill(tiny, [s[:pos] for s in seqs], cache_length(tiny, seqs, 1, 1), tuple(range(4)))
-        start_draft(draft, tiny, state, k=1)
+        start_draft(draft, tiny, 1, state.cache, state)
         z = draft.step(torch.tensor([[s[pos - 1]] for s in seqs]), torch.full((2, 1), pos - 1))
         full = tiny(torch.tensor(seqs), torch.arange(15)[None].expand(2, 15), tiny.new_cache(2, 32))
         p = F.softmax(full.logits[:, pos - 1].float(), -1)

@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from spire.drafts.eagle3 import (DraftTargetMismatchError, Eagle3Config, Eagle3Draft, Eagle3DraftModel,
-                                 default_layer_ids, export_speculators, kl_loss_logp, load_speculators)
+                                 default_layer_ids, export_speculators, load_speculators)
+from spire.training.losses import kl_loss_logp
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.model import ForwardOutput
 from spire.sampling import SamplingParams
-from spire.speculative import generate
+from tests.oracle import generate
 from spire.training.losses import acceptance_alpha_logp
 from tests.conftest import make_tiny
 
@@ -293,7 +294,7 @@ def test_sampled_decoding_is_lossless_at_every_position_including_the_bonus_toke
 def test_the_pit_statistic_catches_a_wrong_bonus_with_this_draft(monkeypatch):
     """Power: with the bonus drawn from normalize(max(p_k - q_{k-1}, 0)) (the named off-by-one) the same statistic
     rejects the bonus group with this draft."""
-    import spire.speculative as spec
+    import tests.oracle as spec
     from tests.test_sampling_positions import _pit_groups, _uniform_pvalue
     from tests.test_verification import _mutant_verify
 

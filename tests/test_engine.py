@@ -17,8 +17,9 @@ from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.drafts.vanilla import VanillaDraft
 from spire.errors import ConfigError
 from spire.sampling import SamplingParams, probs_from_logits
-from spire.serving.engine import Engine, RequestParams
-from spire.speculative import generate
+from spire.engine.engine import Engine
+from spire.params import RequestParams
+from tests.oracle import generate
 from tests.conftest import make_tiny
 from tests.test_lossless import _chi2
 
@@ -116,15 +117,15 @@ def test_chunked_prefill_is_exact_and_leaves_the_draft_as_a_whole_prefill(tiny, 
     for chunk in (5, 1):
         engine = Engine(tiny, _draft(kind, tiny), k=3, max_running=3, max_len=96, prefill_chunk=chunk)
         per_step, overlapped = [], []
-        start, cont, step = engine._prefill_start, engine._prefill_continue, engine.step
+        start, cont, step = engine.runner.prefill_start, engine.runner.prefill_continue, engine.step
 
         def counted_start(pieces):
-            per_step[-1] += sum(n for _, n in pieces)
+            per_step[-1] += sum(n for _, _, n in pieces)
             return start(pieces)
 
-        def counted_continue(req, n):
+        def counted_continue(reqs, s0, n):
             per_step[-1] += n
-            return cont(req, n)
+            return cont(reqs, s0, n)
 
         def counted_step():
             per_step.append(0)
@@ -134,7 +135,7 @@ def test_chunked_prefill_is_exact_and_leaves_the_draft_as_a_whole_prefill(tiny, 
                                                                    for r in engine.slots))
             return out
 
-        engine._prefill_start, engine._prefill_continue, engine.step = counted_start, counted_continue, counted_step
+        engine.runner.prefill_start, engine.runner.prefill_continue, engine.step = counted_start, counted_continue, counted_step
         res = _run(engine, jobs)
         for j, (_, p, params) in enumerate(jobs):
             assert res[j]["tokens"] == generate(tiny, [p], params.max_tokens).tokens[0], (kind, chunk, j)
@@ -152,7 +153,7 @@ def test_prefilled_rows_join_a_running_batch_as_requests_would(tiny, kind):
     every request's tokens are its own single-request AD output, and the prefilled rows accept round by round
     exactly as when the same prompts join through add_request at that step (so the slots' KV and the draft's state
     are a normal join's)."""
-    from spire.speculative import prefill
+    from spire.engine.prefill import prefill
 
     prompts = _prompts(10)
     early = [(prompts[4], 20), (prompts[1], 3), (prompts[7], 25)]  # slots 0, 1, 2; the second ends first
@@ -195,7 +196,7 @@ def test_prefilled_rows_join_a_running_batch_as_requests_would(tiny, kind):
 
 
 def test_add_prefilled_refuses_what_does_not_fit(tiny):
-    from spire.speculative import prefill
+    from spire.engine.prefill import prefill
 
     engine = Engine(tiny, None, k=3, max_running=2, max_len=40)
     state = prefill(tiny, _prompts(10)[1:3], 40)
@@ -434,7 +435,7 @@ def test_generate_batch_is_the_static_loop_on_the_engine(tiny, kind):
     (spire.speculative.generate) for mixed prompt lengths, with the static loop's context limit
     (prompt + new + k = the target's positions decodes); a sampled prompt's output is its own (seed + i), whatever
     else is in the batch."""
-    from spire.serving.engine import generate_batch
+    from spire.engine.engine import generate_batch
 
     prompts = _prompts(6)
     ref = generate(tiny, prompts, 14, draft=_draft(kind, tiny), k=3, eos_ids=[5])
@@ -478,7 +479,7 @@ def test_sixty_four_requests_at_random_times_at_concurrency_16(tiny, kind, sixty
 
 
 def test_prefill_groups_bound_the_padding():
-    from spire.serving.engine import prefill_groups
+    from spire.engine.scheduler import prefill_groups
 
     assert prefill_groups([2000, 130, 140, 1900, 150]) == [[0, 3], [4, 2, 1]]
     assert prefill_groups([5, 5, 5]) == [[0, 1, 2]]

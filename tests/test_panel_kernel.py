@@ -81,7 +81,7 @@ def _layouts(module) -> set[str]:
 def test_decode_path_with_panels_equals_row_major(heads, bf16, monkeypatch):
     """A decode step and a 5-row verify pass through packed weights give the row-major kernels' logits and
     cache to float32 rounding, and greedy decoding the same tokens (d = 48 and d_ff = 80: ragged tiles)."""
-    from spire.speculative import generate
+    from tests.oracle import generate
 
     prompts = torch.randint(0, 97, (3, 21), generator=torch.Generator().manual_seed(4)).tolist()
     prompts[1] = prompts[1][:12]
@@ -111,7 +111,7 @@ def test_spire_draft_memory_writes_with_panels_equal_row_major(heads, monkeypatc
     greedy SD with it equals AD. H D = 48 (3 heads of 16) is not a multiple of the 32-column tiles: the memory
     write then computes the whole q/k/v product."""
     from spire.drafts.spire import SpireConfig, SpireDraftModel
-    from spire.speculative import generate
+    from tests.oracle import generate
 
     prompts = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(12)).tolist()
     prompts[0] = prompts[0][:13]

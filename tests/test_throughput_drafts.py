@@ -1,4 +1,4 @@
-"""The cost model prices EAGLE-3 and n-gram from their declared shape (spire.drafts.registry.Pricing), beside the
+"""The cost model prices EAGLE-3 and n-gram from their declared shape (spire.registry.Pricing), beside the
 paper's three drafts whose golden numbers stay exact (tests/test_throughput.py)."""
 
 import pytest

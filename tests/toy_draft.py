@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from spire.drafts.base import Draft
-from spire.drafts.registry import DraftImpl
+from spire.registry import DraftImpl
 from spire.errors import ConfigError
 
 

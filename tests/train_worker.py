@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from spire.drafts import draft_file as spire_drafts  # noqa: E402  (the draft file's writer)
+from spire.formats import draft_file as spire_drafts  # noqa: E402  (the draft file's writer)
 from spire.drafts.spire import SpireConfig  # noqa: E402
 from spire.training import distill  # noqa: E402
 from spire.training.distill import TrainConfig, init_distributed, train_draft  # noqa: E402

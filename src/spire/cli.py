@@ -19,7 +19,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire import defaults
 from spire.backend import Backend
 from spire.commands.compare import compare

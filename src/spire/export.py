@@ -33,84 +33,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from spire.drafts.draft_file import FORMAT_VERSION, check_export, fingerprint, read_export  # noqa: F401 (re-exported)
-from spire.errors import CheckpointError, TokenizerMismatchError
-
-SPIRE_MODEL_TYPE = "spire_draft"
-
-
-def _verifier(target, name_or_path: str) -> dict:
-    c = target.cfg
-    return {"name_or_path": name_or_path, "architectures": [_ARCH.get(c.family, "LlamaForCausalLM")],
-            "model_type": c.family, "hidden_size": c.d_model, "intermediate_size": c.d_ff,
-            "num_hidden_layers": c.n_layers, "vocab_size": c.vocab_size, "max_position_embeddings": c.max_positions,
-            "bos_token_id": c.bos_id, "eos_token_id": c.eos_ids, "spire_fingerprint": fingerprint(target)}
-
-
-_ARCH = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-         "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM",
-         "gemma3_text": "Gemma3ForCausalLM"}
-
-
-def _speculators(algorithm: str, k: int, verifier: dict) -> dict:
-    return {"algorithm": algorithm,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k},
-                                 {"proposal_type": "sample", "speculative_tokens": k}],
-            "default_proposal_method": "greedy", "verifier": verifier}
-
-
-def spire_export_config(meta: dict, state: dict, target, name_or_path: str, k: int) -> dict:
-    """The config.json of an exported SPIRe draft (module docstring) from the draft file's spire metadata and
-    tensors. Raises CheckpointError for a draft file without a SPIRe configuration."""
-    from spire import __version__
-
-    try:
-        import transformers
-
-        tf_version = transformers.__version__
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        tf_version = None
-    if "spire_config" not in meta:
-        raise CheckpointError("the draft file holds no SPIRe configuration (a vanilla draft? use --draft vanilla)")
-    sc = dict(meta["spire_config"])
-    c = target.cfg
-    n = c.n_layers
-    source = list(sc["layers"]) if sc.get("layers") else list(range(n - sc["n_draft_layers"], n))
-    # the draft vocabulary: SpireDraftModel's "vocab" buffer, draft column -> absolute target token id (not
-    # EAGLE-3's d2t offsets; config.json says which)
-    vocab = next(((name, int(t.shape[0])) for name, t in state.items() if name == "vocab" or name.endswith("d2t")),
-                 None)
-    # the weights' dtype: the first floating tensor (the vocab buffer, first when present, holds int64 ids)
-    dtype = next((str(t.dtype).removeprefix("torch.") for t in state.values() if t.is_floating_point()), "float32")
-    return {
-        "architectures": ["SpireDraftModel"], "model_type": SPIRE_MODEL_TYPE, "torch_dtype": dtype,
-        "transformers_version": tf_version, "spire_version": __version__, "spire_format_version": FORMAT_VERSION,
-        "hidden_size": c.d_model, "num_hidden_layers": len(source), "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads, "head_dim": c.d_head, "intermediate_size": c.d_ff,
-        "vocab_size": c.vocab_size, "rms_norm_eps": c.rms_eps,
-        "inputs": ["input_ids"] + [f"hidden_states.layer.{j}" for j in source],
-        "speculators_model_type": "spire",
-        "speculators_config": _speculators("spire", k, _verifier(target, name_or_path)),
-        "spire": {"source_layers": source, "sink": sc.get("sink"), "window": sc.get("window"), "k": k,
-                  "feedback_memory": sc.get("feedback_memory", True),
-                  "target_activations": sc.get("target_activations", True),
-                  "self_attend": sc.get("self_attend", True),
-                  "feature_input": sc.get("feature_input", False),
-                  "bridge": sc.get("bridge", False),
-                  "draft_vocab": None if vocab is None else {
-                      "tensor": vocab[0], "size": vocab[1], "holds": "target_ids",
-                      "note": "the target token id of each draft column (EAGLE-3's d2t holds the offset "
-                              "target_id - column instead)"},
-                  "spire_config": sc, "training": {key: v for key, v in meta.items()
-                                                   if key not in ("spire_config", "target")}},
-    }
-
+import spire.registry as registry
+from spire.errors import ConfigError
+from spire.formats.draft_file import resolve_draft_path
+from spire.paths import replace_dir
 
 def _check_out(out: Path, draft_path: Path, src: Path) -> None:
     """Refuse an output folder whose contents the export would destroy: the draft itself or a folder holding
     it, or any non-empty folder that is not an earlier export (config.json with spire_format_version)."""
-    from spire.errors import ConfigError
-
     o = out.resolve()
     for p in {draft_path.resolve(), src.resolve()}:
         if o == p or o in p.parents:
@@ -127,16 +57,9 @@ def _check_out(out: Path, draft_path: Path, src: Path) -> None:
                               "replaced: choose an empty or new folder")
 
 
-def independent_config(config: dict, target, name_or_path: str, k: int) -> dict:
-    """An independent (vanilla) draft's HF config.json with spire's format version and ``speculators_config``
-    (algorithm "independent") added."""
-    return {**config, "spire_format_version": FORMAT_VERSION, "speculators_model_type": "independent",
-            "speculators_config": _speculators("independent", k, _verifier(target, name_or_path))}
-
-
 def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, out: str | Path, k: int = 4) -> Path:
     """Write the trained ``kind`` draft at ``draft_path`` (as ``--draft-path`` takes it) for ``target`` as the
-    folder ``out`` (replaced atomically), in the format its kind declares (:class:`spire.drafts.registry.DraftImpl`
+    folder ``out`` (replaced atomically), in the format its kind declares (:class:`spire.registry.DraftImpl`
     ``export``). Returns ``out``.
 
     Raises:
@@ -144,11 +67,6 @@ def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, o
         CheckpointError: a missing or unreadable draft.
         TokenizerMismatchError: a draft trained for another target.
     """
-    import spire.drafts.registry as registry
-    from spire.drafts.draft_file import resolve_draft_path
-    from spire.errors import ConfigError
-    from spire.paths import replace_dir
-
     if k < 1:
         raise ConfigError(f"k must be >= 1, got {k}")
     exporter = registry.impl(kind).export if registry.kind(kind).trains else None

@@ -18,7 +18,7 @@ import torch
 from spire import defaults
 from spire.backend import of as backend_of
 from spire.data import document_separator_id, prepare_data
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire.drafts import make_draft
 from spire.drafts.spire import SpireConfig
 from spire.errors import ConfigError

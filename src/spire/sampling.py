@@ -16,31 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from spire.errors import ConfigError
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """temperature 0 means greedy (argmax, a one-hot distribution); top_k 0, top_p 1 and min_p 0 mean off. min_p:
-    after the temperature, tokens of probability below min_p x the top token's are dropped (vLLM's min_p)."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.temperature < math.inf:
-            raise ConfigError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ConfigError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"top-p must be in (0, 1], got {self.top_p}")
-        if not 0 <= self.min_p <= 1:
-            raise ConfigError(f"min-p must be in [0, 1], got {self.min_p}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+from spire.params import LogitsProcessing, SamplingParams
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -71,47 +47,6 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     """Draw one token per row of (..., V) probabilities -> (...) int64."""
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
-
-
-@dataclass(frozen=True)
-class LogitsProcessing:
-    """The logits transforms that come before :class:`SamplingParams` (vLLM's order): logit_bias, then min_tokens,
-    then the penalties. All off by default.
-
-    logit_bias: (token id, bias) pairs added to the logits. min_tokens / banned: the tokens ``banned`` (EOS and
-    stop token ids) get -inf while fewer than ``min_tokens`` tokens were generated. repetition_penalty (> 0; 1 off):
-    a token of the prompt or of the output so far has its logit divided by it when positive, multiplied when
-    negative (CTRL, as HF and vLLM). presence_penalty, frequency_penalty ([-2, 2]; 0 off): subtracted once per
-    token that occurs in the output so far, and once per occurrence (OpenAI's definition; the prompt not
-    counted). Raises ConfigError for values outside those ranges."""
-
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    banned: tuple[int, ...] = ()
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not (0 < self.repetition_penalty < math.inf):
-            raise ConfigError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not -2 <= v <= 2:
-                raise ConfigError(f"{name} must be in [-2, 2], got {v}")
-        if self.min_tokens < 0:
-            raise ConfigError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if any(not math.isfinite(b) for _, b in self.logit_bias):
-            raise ConfigError("logit_bias: biases must be finite")
-
-    @property
-    def penalized(self) -> bool:
-        """Whether a penalty (which depends on the tokens so far) is on."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-
-    @property
-    def active(self) -> bool:
-        return bool(self.logit_bias) or (self.min_tokens > 0 and bool(self.banned)) or self.penalized
 
 
 class TokenHistory:

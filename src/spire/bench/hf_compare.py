@@ -27,7 +27,7 @@ from spire import defaults
 from spire.drafts.magicdec import MagicDecDraft
 from spire.drafts.vanilla import VanillaDraft
 from spire.errors import ConfigError
-from spire.speculative import generate
+from spire.engine.engine import generate_batch
 from spire.timing import Stopwatch
 
 
@@ -85,20 +85,20 @@ def compare(target, hf, contexts: torch.Tensor, cfg: HFCompareConfig, vanilla=No
         methods: dict[str, Callable[[], Any]] = {
             "HF generate (AD)": lambda: hf_generate(hf, ids, cfg.G),
             "HF generate, 1 token": lambda: hf_generate(hf, ids, 1),
-            "spire AD": lambda: generate(target, lists, cfg.G),
-            "spire SD MagicDec": lambda: generate(target, lists, cfg.G, draft=MagicDecDraft(cfg.sink, cfg.window),
+            "spire AD": lambda: generate_batch(target, lists, cfg.G),
+            "spire SD MagicDec": lambda: generate_batch(target, lists, cfg.G, draft=MagicDecDraft(cfg.sink, cfg.window),
                                                   k=cfg.k),
         }
         if B == 1 and vanilla is not None and hf_vanilla is not None:
             methods["HF assisted (vanilla)"] = lambda: hf_generate(hf, ids, cfg.G, assistant=hf_vanilla)
-            methods["spire SD vanilla"] = lambda: generate(target, lists, cfg.G, draft=VanillaDraft(vanilla), k=cfg.k)
+            methods["spire SD vanilla"] = lambda: generate_batch(target, lists, cfg.G, draft=VanillaDraft(vanilla), k=cfg.k)
         best: dict[str, tuple[float, Any]] = {}
         log(f"B={B}: warm-up (spire builds its fused / transposed weight copies on first use)")
         hf_generate(hf, ids, 2)
-        generate(target, lists, 2)
-        generate(target, lists, 2 * cfg.k, draft=MagicDecDraft(cfg.sink, cfg.window), k=cfg.k)
+        generate_batch(target, lists, 2)
+        generate_batch(target, lists, 2 * cfg.k, draft=MagicDecDraft(cfg.sink, cfg.window), k=cfg.k)
         if "spire SD vanilla" in methods:
-            generate(target, lists, 2 * cfg.k, draft=VanillaDraft(vanilla), k=cfg.k)
+            generate_batch(target, lists, 2 * cfg.k, draft=VanillaDraft(vanilla), k=cfg.k)
             hf_generate(hf, ids, 2, assistant=hf_vanilla)
         for rep in range(cfg.repeats):
             for name, fn in methods.items():

@@ -41,14 +41,14 @@ from typing import Any, Callable
 import torch
 
 from spire import defaults
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire.backend import of as backend_of
-from spire.bench.pricing import draft_bytes, draft_kind_and_shape, shape_of
+from spire.throughput.pricing import draft_bytes, draft_kind_and_shape, shape_of
 from spire.drafts.base import Draft
 from spire.errors import ConfigError, DataError
 from spire.model import ModelConfig, Transformer
-from spire.serving.engine import decode_prefilled
-from spire.speculative import Prefilled, cache_length, prefill, start_draft
+from spire.engine.engine import decode_prefilled
+from spire.engine.prefill import Prefilled, cache_length, prefill, start_draft
 from spire.throughput.cost_model import CostOptions, forward_time, round_costs
 from spire.throughput.hardware import DTYPE_BYTES
 from spire.throughput.shapes import ModelShape
@@ -183,7 +183,7 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
             :func:`spire.fastpath.use_bf16_weights`); the KV cache keeps the dtype's.
         draft_weight_bytes: bytes per weight value of the drafts with weights of their own (SPIRe, vanilla)
             when they differ from the target's (e.g. 2: a float32 target with bf16 draft weights); None: the
-            target's. Per draft: :func:`spire.bench.pricing.draft_bytes`.
+            target's. Per draft: :func:`spire.throughput.pricing.draft_bytes`.
     Returns:
         {"config", "rows": one dict per (B, L, draft) (see the module docstring for the fields),
          "ad": one dict per (B, L) with the AD run's tokens/s}.
@@ -303,7 +303,7 @@ def _measure_cell(target: Transformer, state: Prefilled, drafts: dict[str, Draft
     for name, draft in drafts.items():
         if before is None:
             cache = state.clone_cache()
-            start_draft(draft, target, state, k, cache)
+            start_draft(draft, target, k, cache, state)
             say(f"B={B} L={L}: timing {name} draft step")
             t_draft = median_s(lambda: draft.step(pending, pos0))
             cache = None  # free the copy

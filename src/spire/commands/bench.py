@@ -17,8 +17,9 @@ from spire.bench.calibrate import (TORCH_DTYPES, Calibration, cached_calibration
 from spire.bench.run import BenchConfig, run_bench, summarize
 from spire.commands.options import ints
 from spire.data import document_separator_id, prepare_data
-from spire.drafts import find_trained_spire, make_draft
-import spire.drafts.registry as registry
+from spire.drafts import make_draft
+from spire.drafts.spire import find_trained_spire
+import spire.registry as registry
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
 from spire.errors import ConfigError
 from spire.fastpath import use_bf16_weights, use_int8_weights

@@ -10,7 +10,7 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire import defaults
 from spire.commands.options import kinds
 from spire.errors import ConfigError

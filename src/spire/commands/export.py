@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire import defaults
 from spire.commands.options import kinds
 from spire.paths import check_output_path

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional
 
 import typer
 
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire import defaults
 from spire.commands.options import kinds
 from spire.errors import ConfigError
@@ -157,8 +157,8 @@ def generate(
     from spire.drafts import make_draft
     from spire.loading import load_target
     from spire.sampling import SamplingParams
-    from spire.serving.engine import generate_batch
-    from spire.speculative import StopStrings
+    from spire.engine.engine import generate_batch
+    from spire.engine.output import StopStrings
 
     params = SamplingParams(temperature, top_k, top_p)
     if k < 1:

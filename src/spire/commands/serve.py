@@ -11,7 +11,7 @@ from typing import Annotated, Optional
 
 import typer
 
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire import defaults
 from spire.commands.generate import ngram_options
 from spire.commands.options import kinds
@@ -79,7 +79,7 @@ def pick_draft(draft: Optional[str], draft_path: Optional[str], model) -> tuple[
     else MagicDec."""
     if draft is not None:
         return draft, draft_path, "as asked"
-    from spire.drafts import find_trained_spire
+    from spire.drafts.spire import find_trained_spire
 
     found = find_trained_spire(model)
     if found is not None:
@@ -138,7 +138,7 @@ def serve(
     from spire.drafts import make_draft
     from spire.loading import load_target
     from spire.serving.api import Server, create_app, run, torch_thread
-    from spire.serving.engine import Engine
+    from spire.engine.engine import Engine
 
     def build():
         model, tokenizer, _ = load_target(target, progress=False)

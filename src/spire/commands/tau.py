@@ -32,8 +32,10 @@ from spire import defaults
 from spire.backend import of as backend_of
 from spire.commands.options import ints
 from spire.data import document_separator_id, prepare_data
-import spire.drafts.registry as registry
-from spire.drafts import find_trained_spire, make_draft, resolve_draft_path
+import spire.registry as registry
+from spire.drafts import make_draft
+from spire.drafts.spire import find_trained_spire
+from spire.formats.draft_file import resolve_draft_path
 from spire.errors import CheckpointError, ConfigError, DataError
 from spire.evaluation.diagnose import diagnose_shared, diagnosis_markdown, plot_diagnosis
 from spire.evaluation.tau import TauResult, measure_tau

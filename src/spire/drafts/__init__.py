@@ -1,31 +1,19 @@
 """Drafts behind one protocol (:class:`spire.drafts.base.Draft`), one module per kind, listed once in
-:mod:`spire.drafts.registry` (none, vanilla, magicdec, spire, eagle3, ngram)."""
+:mod:`spire.registry` (none, vanilla, magicdec, spire, eagle3, ngram)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from spire import defaults
-import spire.drafts.registry as registry
+from spire import backend, defaults
+import spire.registry as registry
 from spire.errors import ConfigError
 
 if TYPE_CHECKING:
     from spire.drafts.base import Draft
 
 DRAFT_KINDS = registry.names()
-"""Every draft kind, in the registry's order (a view of :data:`spire.drafts.registry.KINDS`)."""
-
-
-def __getattr__(name: str):
-    """``find_trained_spire`` and ``resolve_draft_path``, imported on first use: importing this package (and the
-    registry, which the cost model reads) stays free of torch."""
-    if name == "find_trained_spire":
-        from spire.drafts.spire import find_trained_spire
-        return find_trained_spire
-    if name == "resolve_draft_path":
-        from spire.drafts.draft_file import resolve_draft_path
-        return resolve_draft_path
-    raise AttributeError(name)
+"""Every draft kind, in the registry's order (a view of :data:`spire.registry.KINDS`)."""
 
 
 def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink: int = defaults.SINK,
@@ -49,9 +37,7 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, sink:
         raise ConfigError(f"--draft {kind} takes no option {', '.join(foreign)} (its options: "
                           f"{', '.join(impl.options) or 'none'})")
     draft = impl.load(target, tokenizer=tokenizer, path=path, sink=sink, window=window, dtype=dtype, **options)
-    import torch.nn as nn
-
-    from spire import backend
+    import torch.nn as nn  # this package stays importable without torch (the CLI's parser reads DRAFT_KINDS)
 
     model = getattr(draft, "model", None)
     if isinstance(model, nn.Module):  # the draft's layers run the way the target does (spire.backend)

@@ -16,6 +16,7 @@ import torch
 from spire.errors import ConfigError
 from spire.kv_cache import KVCache
 from spire.model import ForwardOutput, Transformer
+from spire.throughput.shapes import default_draft_shape
 
 
 class Draft(ABC):
@@ -55,8 +56,6 @@ class Draft(ABC):
     def cost_shape(self, target):
         """The cost model's :class:`~spire.throughput.shapes.ModelShape` of this draft, given the target's: by
         default what its kind's pricing implies (:func:`spire.throughput.shapes.default_draft_shape`)."""
-        from spire.throughput.shapes import default_draft_shape
-
         return default_draft_shape(target, self.name)
 
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
@@ -72,7 +71,7 @@ class TrainableDraft(Protocol):
     """What the trainer (:mod:`spire.training.distill`) asks of a draft model, so that it never asks which class
     it has. Implemented by :class:`spire.drafts.spire.SpireDraftModel` and
     :class:`spire.drafts.vanilla.VanillaDraftModel`; the trainer finds the class by ``TrainConfig.draft``
-    (its kind's ``KIND.model`` in :mod:`spire.drafts.registry`).
+    (its kind's ``KIND.model`` in :mod:`spire.registry`).
 
     kind: the name in ``TrainConfig.draft``. default_loss: "mixed" or "hard" (the method's loss when the
     config names none). export_name: what :meth:`export` writes inside a run folder. vocab: the draft

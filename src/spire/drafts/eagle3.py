@@ -50,7 +50,7 @@ target's lm_head rows of those ids; :meth:`Eagle3Draft.step` scatters the N logi
 elsewhere (q = 0 there), so verification stays lossless. N >= V (or 0) means the whole vocabulary.
 
 Loss: speculators' ``kl_div_loss``, the forward KL from the target's distribution renormalized over the draft
-vocabulary to the draft's: :func:`kl_loss_logp` (default_loss "kl").
+vocabulary to the draft's: (:func:`spire.training.losses.kl_loss_logp`, default_loss "kl").
 
 Beyond EAGLE-3 (off by default): a sink + window view of the draft's KV cache (``Eagle3Config.window``), in
 training and inference. Out of scope: tree drafting (EAGLE's dynamic draft tree; spire's round loop drafts a
@@ -78,18 +78,20 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from spire import defaults, fastpath, kernels
+from spire import __version__, defaults, fastpath, kernels
 from spire.drafts.base import Draft
-from spire.drafts.draft_file import FORMAT_VERSION, read_draft_file, warn_if_unfinished, write_draft_file
-from spire.drafts.draft_file import fingerprint as _fingerprint
-from spire.drafts.draft_file import fingerprint_matches as _fingerprint_matches
-from spire.drafts.registry import DraftImpl
+from spire.formats.draft_file import FORMAT_VERSION, read_draft_file, warn_if_unfinished, write_draft_file
+from spire.formats.draft_file import fingerprint as _fingerprint
+from spire.formats.draft_file import fingerprint_matches as _fingerprint_matches
+from spire.formats.speculators import verifier_config
+from spire.registry import DraftImpl
 from spire.drafts.spire import frequent_tokens
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, SinkWindow, attention_mask
+from spire.loading import check_finite, load_state_dict
 from spire.model import MLP, Attention, ForwardOutput, ModelConfig, RMSNorm, Transformer
+from spire.paths import replace_dir
 from spire.rope import rope_cos_sin
-from spire.training.losses import kl_loss_logp  # noqa: F401 (EAGLE-3's loss, public here too)
 
 SPECULATORS_VERSION = "0.9.0"
 """The speculators release whose Eagle3 format :func:`export_speculators` writes (and tests/test_eagle3.py checks
@@ -718,9 +720,6 @@ def speculators_writer(model: Eagle3DraftModel, target: Transformer | None = Non
     """The writer ``write(folder)`` of :func:`export_speculators` (config.json and model.safetensors into an empty
     folder), the form :func:`spire.export.export_draft` takes from a kind. Arguments and errors as
     :func:`export_speculators` (but for ``out_dir``)."""
-    from spire import __version__
-    from spire.export import _verifier
-
     target = model.target if target is None else target
     if k < 1:
         raise ConfigError(f"k must be >= 1, got {k}")
@@ -746,7 +745,7 @@ def speculators_writer(model: Eagle3DraftModel, target: Transformer | None = Non
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": k, "verifier_accept_k": 1,
                                   "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": _verifier(target, verifier_name_or_path)},
+            "verifier": verifier_config(target, verifier_name_or_path)},
         "transformer_layer_config": _layer_hf_config(lc),
         "draft_vocab_size": model.n_vocab,
         "target_hidden_size": target.cfg.d_model,
@@ -795,8 +794,6 @@ def export_speculators(model: Eagle3DraftModel, out_dir: str | Path, target: Tra
             is scaled, Gemma, without embed_tokens); ``out_dir`` is a file or a non-empty folder that is not a
             speculators folder.
     """
-    from spire.paths import replace_dir
-
     out = Path(out_dir)
     if out.is_file():
         raise ConfigError(f"{out} is a file; give a folder")
@@ -955,8 +952,6 @@ def load_speculators(folder: str | Path, target: Transformer) -> Eagle3DraftMode
         DraftTargetMismatchError (a CheckpointError and a TokenizerMismatchError): a draft for another target
             (hidden size, vocabulary size, spire fingerprint, stored embedding).
     """
-    from spire.loading import check_finite, load_state_dict
-
     folder = Path(folder)
     e3, lc = _speculators_config(folder, target)
     tc = target.cfg

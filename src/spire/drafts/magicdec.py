@@ -11,7 +11,7 @@ import torch
 
 from spire import defaults
 from spire.drafts.base import Draft
-from spire.drafts.registry import DraftImpl
+from spire.registry import DraftImpl
 from spire.kv_cache import KVCache, SinkWindow
 from spire.model import Transformer
 

@@ -39,7 +39,7 @@ from typing import Sequence
 import torch
 
 from spire.drafts.base import Draft
-from spire.drafts.registry import DraftImpl
+from spire.registry import DraftImpl
 from spire.errors import ConfigError
 from spire.kv_cache import KVCache
 from spire.model import ForwardOutput, Transformer

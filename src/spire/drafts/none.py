@@ -5,7 +5,7 @@ The round loop (:mod:`spire.speculative`) runs one target step per round when it
 
 from __future__ import annotations
 
-from spire.drafts.registry import DraftImpl
+from spire.registry import DraftImpl
 
 
 def load_draft(target, **_) -> None:

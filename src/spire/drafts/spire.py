@@ -38,9 +38,10 @@ import torch.nn as nn
 from spire import defaults, fastpath, kernels
 from spire.backend import of as backend_of
 from spire.drafts.base import Draft
-from spire.drafts.draft_file import (check_export, fingerprint, fingerprint_matches, read_draft_file, resolve_draft_path,
+from spire.formats.draft_file import (check_export, fingerprint, fingerprint_matches, read_draft_file, resolve_draft_path,
                                      run_finished, warn_if_unfinished, write_draft_file)
-from spire.drafts.registry import DraftImpl
+from spire.formats.speculators import spire_export_config
+from spire.registry import DraftImpl
 from spire.errors import CheckpointError, ConfigError
 from spire.kv_cache import BaseKVCache, KVCache, RingKVCache, SinkWindow, attention_mask, self_mask
 from spire.model import ForwardOutput, RMSNorm, Transformer
@@ -815,8 +816,6 @@ def load_draft(target: Transformer, path: str | Path | None = None, **_) -> Spir
 
 def _export(src: Path, target: Transformer, name_or_path: str, k: int):
     """(config.json, writer) of an exported SPIRe folder (:func:`spire.export.export_draft`)."""
-    from spire.export import spire_export_config
-
     if src.is_dir():  # an exported folder, exported again
         check_export(src, target)
         src = src / "model.safetensors"

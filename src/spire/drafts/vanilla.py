@@ -12,11 +12,14 @@ import torch
 from safetensors.torch import save_file
 
 from spire.drafts.base import Draft
-from spire.drafts.draft_file import (check_export, fingerprint, read_draft_file, read_export, resolve_draft_path,
+from spire.formats.draft_file import (check_export, fingerprint, read_draft_file, read_export, resolve_draft_path,
                                      warn_if_unfinished, write_draft_file)
-from spire.drafts.registry import DraftImpl
+from spire.formats.speculators import independent_config
+from spire.registry import DraftImpl
+from spire.throughput.pricing import shape_of
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache
+from spire.loading import load_model, load_target
 from spire.model import ForwardOutput, ModelConfig, Transformer
 from spire.paths import replace_dir
 
@@ -71,9 +74,7 @@ class VanillaDraft(Draft):
 
     @torch.no_grad()
     def cost_shape(self, target):
-        """Its own model's shape (:func:`spire.bench.pricing.shape_of`)."""
-        from spire.bench.pricing import shape_of
-
+        """Its own model's shape (:func:`spire.throughput.pricing.shape_of`)."""
         return shape_of(self.model)
 
     def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -187,8 +188,6 @@ def save_vanilla(model: Transformer, folder, target_folder, meta: dict) -> None:
 def load_draft(target: Transformer, path: str | Path | None = None, tokenizer=None, dtype=None, **_) -> VanillaDraft:
     """The vanilla draft at ``path``: a .gguf, an HF folder sharing the target's tokenizer, or a `spire train --draft
     vanilla` run folder. Raises ConfigError (no path), CheckpointError or TokenizerMismatchError."""
-    from spire.loading import load_target
-
     if not path:
         raise ConfigError("--draft vanilla needs --draft-path (a .gguf file or HF folder of a small model "
                           "with the target's tokenizer)")
@@ -211,8 +210,6 @@ def load_draft(target: Transformer, path: str | Path | None = None, tokenizer=No
 def _export(src: Path, target: Transformer, name_or_path: str, k: int):
     """The writer of an exported vanilla folder: its HF folder with ``speculators_config`` (algorithm
     "independent") added to its config.json (:func:`spire.export.export_draft`)."""
-    from spire.export import independent_config
-    from spire.loading import load_model
 
     if not (src / "config.json").is_file():
         raise CheckpointError(f"{src} is not an HF folder: spire export takes a vanilla draft folder")

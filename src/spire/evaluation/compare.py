@@ -13,7 +13,7 @@ import torch
 
 from spire.drafts.base import Draft
 from spire.model import Transformer
-from spire.serving.engine import generate_batch
+from spire.engine.engine import generate_batch
 
 
 @dataclass

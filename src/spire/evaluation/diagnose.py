@@ -38,8 +38,9 @@ from spire.errors import ConfigError
 from spire.evaluation.tau import bootstrap_ratio_ci
 from spire.model import Transformer
 from spire.sampling import SamplingParams, probs_from_logits
-from spire.serving.engine import RoundTrace, decode_prefilled
-from spire.speculative import cache_length, prefill, start_draft
+from spire.engine.engine import decode_prefilled
+from spire.engine.runner import RoundTrace
+from spire.engine.prefill import cache_length, prefill, start_draft
 
 FACTORS = (0.0, 0.5, 0.7, 0.85, 1.0)  # draft-side temperature factors of the counterfactual acceptance
 METRICS = ("acceptance", "expected_acceptance", "tv", "tv_verified", "outside_mass", "entropy_draft",
@@ -204,7 +205,7 @@ def verified_tv(target: Transformer, draft: Draft, rows: list[list[int]], genera
     n = min(len(g) for g in generated)
     seq = torch.tensor([r + g[:n] for r, g in zip(rows, generated)], device=target.device)
     state = prefill(target, rows, cache_length(target, [r + g[:n] for r, g in zip(rows, generated)], 1, 1), hidden)
-    start_draft(draft, target, state, k=1)
+    start_draft(draft, target, 1, state.cache, state)
     cache = state.cache
     out: dict[tuple[int, int], float] = {}
     for t in range(n):

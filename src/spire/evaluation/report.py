@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.figure import Figure
 
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire.backend import summary_of as backend_line
 from spire.evaluation.diagnose import diagnosis_markdown, plot_diagnosis
 from spire.evaluation.tau import paired_ratio_ci

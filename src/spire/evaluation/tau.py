@@ -17,8 +17,8 @@ from spire.drafts.base import Draft
 from spire.errors import ConfigError
 from spire.model import Transformer
 from spire.sampling import SamplingParams
-from spire.serving.engine import decode_prefilled
-from spire.speculative import cache_length, prefill
+from spire.engine.engine import decode_prefilled
+from spire.engine.prefill import cache_length, prefill
 from spire.timing import Stopwatch
 
 

@@ -3,7 +3,7 @@
 File format (one object)::
 
     {"format": "spire-tau", "version": 1,
-     "rows": [{"draft": a kind of spire.drafts.registry, "name": str, "temperature": float, "L": int, "G": int,
+     "rows": [{"draft": a kind of spire.registry, "name": str, "temperature": float, "L": int, "G": int,
                "k": int, "n_contexts": int, "tau": float, "ci_low": float, "ci_high": float, "wall_s": float,
                ...}],
      "target": {...}, "settings": {...}, ...}
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire.errors import ConfigError
 
 FORMAT = "spire-tau"

@@ -32,9 +32,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spire.errors import ConfigError
 from spire.serving import protocol
-from spire.serving.engine import Engine, RequestOutput, RequestParams
+from spire.engine.engine import Engine
+from spire.engine.scheduler import RequestOutput
+from spire.params import RequestParams
 from spire.serving.protocol import ApiError, Parsed, bad
-from spire.speculative import first_stop
+from spire.engine.output import first_stop
 
 log = logging.getLogger("spire.serve")
 

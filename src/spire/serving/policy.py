@@ -26,9 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire.errors import ConfigError
 from spire.throughput.cost_model import CostOptions, forward_time, round_costs, tau_from_alpha
+from spire.throughput.pricing import draft_bytes, draft_kind_and_shape, shape_of
 from spire.throughput.shapes import ModelShape
 
 
@@ -137,13 +138,11 @@ class CostModelPolicy:
 def round_model(target, draft, hoi: float, weight_bytes: float = 4.0, draft_weight_bytes: float | None = None
                 ) -> RoundModel:
     """The :class:`RoundModel` of a served target (:class:`~spire.model.Transformer`) and an inference draft, as
-    ``spire bench`` prices them (:mod:`spire.bench.run`, :mod:`spire.bench.pricing`: attention FLOPs and embeddings counted, the draft's sink and
+    ``spire bench`` prices them (:mod:`spire.bench.run`, :mod:`spire.throughput.pricing`: attention FLOPs and embeddings counted, the draft's sink and
     window, KV at the target's bytes per value). weight_bytes: bytes per target weight value (4 float32, 2 bf16);
     draft_weight_bytes: the draft's own (default weight_bytes; MagicDec's draft is the target). Raises ConfigError
     for a draft the cost model has no formula for."""
     from dataclasses import replace
-
-    from spire.bench.pricing import draft_bytes, draft_kind_and_shape, shape_of
 
     kind, d_shape, sink, window = draft_kind_and_shape(draft, target)
     kv_bytes = float(target.dtype.itemsize)  # activations and KV cache at the target's dtype

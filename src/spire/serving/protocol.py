@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spire.errors import ConfigError
-from spire.serving.engine import RequestParams
+from spire.params import RequestParams
 
 MAX_STOP = 4
 """Stop strings per request at most (OpenAI's limit)."""

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire.errors import ConfigError
 from spire.throughput.cost_model import (
     HOI,

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from spire import defaults
 from spire.errors import ConfigError
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire.throughput.shapes import DRAFTS, ModelShape, Preset, check_draft_kind
 
 HOI = 600

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire.errors import ConfigError
 
 DRAFTS = registry.names(priced=True)
@@ -279,7 +279,7 @@ def check_draft_kind(draft_kind: str) -> None:
 
 
 def default_draft_shape(target: ModelShape, draft_kind: str) -> ModelShape:
-    """The draft shape a kind's pricing (:class:`spire.drafts.registry.Pricing`) implies for ``target``: its
+    """The draft shape a kind's pricing (:class:`spire.registry.Pricing`) implies for ``target``: its
     ``layers`` blocks at the target's width (a float: that fraction of the target's blocks, rounded up); with
     ``fused_inputs`` (EAGLE-3, arXiv 2503.01840) each block also holds the fc map fused_inputs·d → d, the q, k, v
     columns of its second attention input (the fused hidden state beside the token embedding) and that input's

@@ -7,7 +7,7 @@ autocast when asked); the draft computes teacher-forced logits (SPIRe: the k-pas
 and cosine decay to 10 %, gradient clipping, and MixedLoss(omega) or HardTargetLoss.
 
 The trainer never asks which class of draft it has: ``TrainConfig.draft`` names a class in
-:mod:`spire.drafts.registry` (its kind's ``KIND.model``), and every draft model implements the training interface
+:mod:`spire.registry` (its kind's ``KIND.model``), and every draft model implements the training interface
 :class:`spire.drafts.base.TrainableDraft` (target layers it reads, teacher-forced logits, draft vocabulary,
 checkpoint, export). The run is a :class:`Trainer` in pieces (setup, step, checkpoint, evaluate, finish) that
 :func:`train_draft` drives.
@@ -48,7 +48,7 @@ from spire.backend import Backend
 from spire.backend import of as backend_of
 from spire.backend import use as use_backend
 from spire.drafts.base import TrainableDraft
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire.drafts.eagle3 import Eagle3Config
 from spire.drafts.spire import SpireConfig
 from spire.errors import CheckpointError, ConfigError, TrainingError
@@ -65,7 +65,7 @@ OPTIM_FILE = "optimizer.pt"
 LOG_FILE = "train_log.jsonl"
 """TrainConfig.draft -> the draft class trained for it (each implements :class:`spire.drafts.base.TrainableDraft`)."""
 DRAFT_KINDS = registry.names(trains=True)
-"""The kinds `spire train` trains (their ``KIND.model`` classes: :func:`spire.drafts.registry.trainable_class`)."""
+"""The kinds `spire train` trains (their ``KIND.model`` classes: :func:`spire.registry.trainable_class`)."""
 LOSSES = ("mixed", "hard", "kl")
 
 # The paper's Figure 5 ablations: name -> (SpireConfig overrides, TrainConfig overrides), and the paper's
@@ -210,7 +210,7 @@ def fast_bf16(device: torch.device) -> bool:
 
 
 def _build_model(target: Transformer, cfg: TrainConfig, data=None) -> TrainableDraft:
-    """A fresh draft of the class registered for ``cfg.draft`` (:mod:`spire.drafts.registry`). Raises ConfigError."""
+    """A fresh draft of the class registered for ``cfg.draft`` (:mod:`spire.registry`). Raises ConfigError."""
     return use_backend(registry.trainable_class(cfg.draft).for_training(target, cfg, data), backend_of(target))
 
 

@@ -1,20 +1,15 @@
 """The cost model's view of spire's model instances: a :class:`~spire.model.Transformer`'s
 :class:`~spire.throughput.shapes.ModelShape`, a draft's cost-model kind, shape, sink and window, and the bytes per
 weight value its forward streams. Shared by ``spire bench`` (:mod:`spire.bench.run`) and the serving k policy
-(:mod:`spire.serving.policy`)."""
+(:mod:`spire.serving.policy`). It imports no torch and nothing above the cost model: the instances it reads
+(a :class:`~spire.model.Transformer`, a :class:`~spire.drafts.base.Draft`) are duck-typed."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from spire import defaults
-import spire.drafts.registry as registry
+import spire.registry as registry
 from spire.errors import ConfigError
 from spire.throughput.shapes import ModelShape
-
-if TYPE_CHECKING:
-    from spire.drafts.base import Draft
-    from spire.model import Transformer
 
 
 def shape_of(model: Transformer) -> ModelShape:

@@ -1,0 +1,116 @@
+"""What a request's round gives it, torch-free: its share of the round's tokens cut at its budget, EOS, stop token
+ids and stop strings (:func:`cut_output`, :func:`cut_request`, :class:`StopStrings`), and a batch's result
+(:class:`GenerationResult`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from spire.errors import ConfigError
+
+
+@dataclass
+class GenerationResult:
+    """tokens: per row, the emitted tokens (prompt excluded); finish_reasons: "stop" (EOS) or "length";
+    rounds / emitted: per-row counts of rounds run while the row was active and tokens emitted;
+    prefill_s / decode_s: wall-clock seconds of the prefill and of the round loop (device-synchronized);
+    decode_cpu_s: CPU seconds the process spent in the round loop (all its threads; on a shared machine a
+    single-threaded run's CPU time is what the loop would take on an idle core)."""
+
+    tokens: list[list[int]]
+    finish_reasons: list[str]
+    rounds: list[int]
+    emitted: list[int]
+    accepted_per_round: list[list[int]] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_cpu_s: float = 0.0
+
+    @property
+    def tau(self) -> float:
+        """Average tokens emitted per round (bonus included): total emitted / total rounds."""
+        return sum(self.emitted) / max(1, sum(self.rounds))
+
+    def row_tau(self, b: int) -> float:
+        return self.emitted[b] / max(1, self.rounds[b])
+
+
+def cut_output(emitted: list[int], toks: list[int], max_new_tokens: int, eos_set: set[int],
+               stop: StopStrings | None) -> tuple[list[int], bool]:
+    """One row's share of a round's output tokens ``toks`` (its accepted tokens and the recovered / bonus one),
+    given the tokens it ``emitted`` before: cut at its budget (``max_new_tokens`` in all), after an EOS token
+    (kept) or after the token that completes a stop string. Returns (the tokens to emit, whether an EOS or a
+    stop string ended the row). An EOS or stop string inside the budget wins over the budget (finish "stop")."""
+    toks = toks[: max_new_tokens - len(emitted)]
+    cut = next((i + 1 for i, t in enumerate(toks) if t in eos_set), None)
+    if stop is not None:
+        cut_s = stop.cut(emitted, toks[:cut])
+        cut = cut_s if cut_s is not None else cut
+    return (toks, False) if cut is None else (toks[:cut], True)
+
+
+def first_stop(text: str, strings: Sequence[str], floor: int = 0) -> tuple[int, str] | None:
+    """(start, string) of the stop string occurrence in ``text`` that ends first among those ending past character
+    ``floor`` (the text of the tokens before which stop strings are not checked: min_tokens), or None."""
+    hits = []
+    for st in strings:
+        at = text.find(st, max(0, floor - len(st) + 1))
+        if at >= 0:
+            hits.append((at + len(st), at, st))
+    if not hits:
+        return None
+    _, at, st = min(hits)
+    return at, st
+
+
+class StopStrings:
+    """Stop strings checked on decoded text. ``cut(previous, new)`` returns how many of the ``new`` tokens to
+    keep so that the row ends with the token that completes the first stop string, or None.
+
+    Args:
+        strings: the stop strings (non-empty).
+        decode: token ids -> text (e.g. ``tokenizer.decode``).
+    """
+
+    def __init__(self, strings: Sequence[str], decode) -> None:
+        if any(not st for st in strings):
+            raise ConfigError("stop strings must be non-empty")
+        self.strings, self.decode = list(strings), decode
+        self.span = max(len(st) for st in strings) if strings else 0
+
+    def cut(self, previous: list[int], new: list[int], checked: bool = True) -> int | None:
+        """checked: the text of ``previous`` holds no stop string (it was cut before); False (min_tokens): only an
+        occurrence that ends past ``previous``'s text counts."""
+        if not self.strings or not new:
+            return None
+        floor = len(self.decode(previous))
+        start = max(0, floor - self.span)
+        for i in range(len(new)):
+            text = self.decode(previous + new[: i + 1])
+            if checked and any(st in text[start:] for st in self.strings):
+                return i + 1
+            if not checked and first_stop(text, self.strings, floor) is not None:
+                return i + 1
+        return None
+
+    def trim(self, text: str) -> str:
+        """The text before the first stop string (the text a user is shown)."""
+        hits = [text.find(st) for st in self.strings if st in text]
+        return text[: min(hits)] if hits else text
+
+
+def cut_request(emitted: list[int], toks: list[int], max_tokens: int, eos: set[int], stop: StopStrings | None,
+                min_tokens: int = 0) -> tuple[list[int], bool]:
+    """:func:`cut_output` with min_tokens: stop strings are checked only from the token that reaches min_tokens on
+    (EOS and stop token ids cannot come earlier: the logits processing bans them), so only an occurrence that ends
+    past the text of the first min_tokens tokens counts (:func:`first_stop`). Returns as :func:`cut_output`."""
+    start = max(0, min_tokens - len(emitted))
+    if start == 0 or stop is None:
+        return cut_output(emitted, toks, max_tokens, eos, stop)
+    toks = toks[: max_tokens - len(emitted)]
+    cut = next((i + 1 for i, t in enumerate(toks) if t in eos), None)
+    if start < len(toks[:cut]):
+        cs = stop.cut(emitted + toks[:start], toks[start:cut], checked=False)
+        cut = start + cs if cs is not None else cut
+    return (toks, False) if cut is None else (toks[:cut], True)

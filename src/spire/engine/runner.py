@@ -1,0 +1,356 @@
+"""The engine's runner: executes a :class:`~spire.engine.scheduler.StepPlan` on the target and the draft.
+
+The target cache is ``max_running`` rows (slots) of ``max_len`` positions, and the draft is started once on that
+batch (:meth:`~spire.drafts.base.Draft.start`). Per slot the runner keeps the committed length ``n`` and the pending
+token (the last committed one, the next round's first input). It runs:
+
+- the prefill pieces: a piece that starts a prompt runs in a right-padded batch on a cache of its own, whose keys
+  and values are copied into the slots' rows; a piece that continues a prompt runs on its slot's row; the draft
+  observes each (the other rows masked out);
+- **one round** over the rows [0, width): the draft proposes k tokens per row (:meth:`Runner.round`), the target
+  verifies k + 1 positions in one forward, and :func:`_accept` keeps a prefix per row (greedy rows by argmax,
+  sampled rows by rejection sampling with their own transform and generator, :mod:`spire.verification`);
+- the commit of the round's positions (:meth:`Runner.advance`) and the :func:`rollback` of rejected ones.
+
+A free slot below width runs a dummy token at positions 0..k, which the next request in that slot overwrites (its
+prefill, then its rounds) before anything reads it. A slot still prefilling runs the round as a dummy at its next
+unprefilled position: the round writes only positions its next piece (or its first round) overwrites before any
+query of the row reads them, as a rejected draft token's entries are (the cache invariant of
+:mod:`spire.engine.prefill`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from spire.drafts.base import Draft
+from spire.engine.prefill import Prefilled, prefill, start_draft
+from spire.engine.scheduler import Piece, Request
+from spire.errors import ConfigError
+from spire.kv_cache import KVCache
+from spire.model import ForwardOutput, Transformer
+from spire.sampling import TokenHistory, logprobs_from_logits, probs_from_logits, process_logits, sample
+from spire.verification import output_tokens, verify, verify_greedy
+
+
+@dataclass
+class RoundTrace:
+    """What :attr:`Runner.round_hook` sees of one SD round over slots [0, S): rows: (slot, sampling, tokens it may
+    still emit) of each running request (other rows are dummies); pos0 (S,): each slot's pending position (the
+    first drafted token is at pos0 + 1); draft_tokens (S, k); draft_logits (S, k, V) float32 (the draft's raw
+    logits, before any sampling transform); target_logits (S, k + 1, V); n_accepted (S,)."""
+
+    rows: list[tuple]
+    pos0: torch.Tensor
+    draft_tokens: torch.Tensor
+    draft_logits: torch.Tensor
+    target_logits: torch.Tensor
+    n_accepted: torch.Tensor
+
+
+def rollback(n: torch.Tensor, live: torch.Tensor, n_accepted: torch.Tensor) -> torch.Tensor:
+    """The committed lengths after a round: a live row keeps its n_accepted draft tokens and the recovered or bonus
+    token (n + n_accepted + 1); its rejected draft tokens are rolled back by not counting them (their cache entries
+    lie past n - 1 and are overwritten before any query reads them). Rows not live stay put. n, live,
+    n_accepted: (S,)."""
+    return torch.where(live, n + n_accepted + 1, n)
+
+
+class Runner:
+    """The target, the draft and their caches over ``max_running`` slots of ``max_len`` positions.
+
+    draft: an unstarted :class:`Draft` (started here, the one place an engine starts one) or None for AD.
+    Raises ConfigError for a draft that cannot restart single rows (continuous batching)."""
+
+    def __init__(self, target: Transformer, draft: Draft | None, k: int, max_running: int, max_len: int) -> None:
+        self.target, self.draft = target, draft
+        dev = target.device
+        self.cache = target.new_cache(max_running, max_len)
+        self.narrows = draft is None
+        if draft is not None:
+            start_draft(draft, target, k, self.cache)
+            draft.restart_rows(torch.arange(max_running, device=dev))  # refuses a draft that cannot
+            self.narrows = draft.use_rows(max_running)
+        self.width, self._cache_w = max_running, self.cache  # rows [0, width) run; the target cache's view
+        self.n = torch.ones(max_running, dtype=torch.long, device=dev)  # (S,) committed length per slot
+        self.pending = torch.zeros(max_running, dtype=torch.long, device=dev)  # (S,) the pending token per slot
+        self.round_hook: Callable[[RoundTrace], object] | None = None  # sees every SD round (spire tau --diagnose)
+
+    def attach(self, req: Request) -> None:
+        """The request's sampling state: its generator (seeded, or a fresh random seed) and, with a penalty on,
+        its token history."""
+        req.generator = torch.Generator()
+        if req.params.seed is None:
+            req.generator.seed()
+        else:
+            req.generator.manual_seed(int(req.params.seed))
+        if req.proc.penalized:
+            req.history = TokenHistory(req.prompt, self.target.cfg.vocab_size, self.n.device)
+
+    def narrow(self, w: int) -> None:
+        """Run the next rounds on rows [0, w): the target cache's view and the draft's rows."""
+        if w and w != self.width:
+            self.width, self._cache_w = w, self.cache.narrow(w)
+            if self.draft is not None:
+                self.draft.use_rows(w)
+
+    def join(self, joiners: Sequence[Request]) -> None:
+        """Requests that just took slots: the draft forgets those rows, and each slot's pending token is its prompt's
+        first (its dummy rounds, while it prefills, write only positions its prefill overwrites)."""
+        if not joiners:
+            return
+        slots = torch.tensor([r.slot for r in joiners], device=self.n.device)
+        if self.draft is not None:
+            self.draft.restart_rows(slots)
+        self.n[slots] = 1  # a one-token prompt has nothing to prefill: this is its state after the prefill too
+        self.pending[slots] = torch.tensor([r.prompt[0] for r in joiners], device=self.n.device)
+
+    def prefilled(self, req: Request, upto: int) -> None:
+        """Positions < upto of the request's prompt are in its slot's caches: its pending token is the next."""
+        self.n[req.slot] = upto + 1
+        self.pending[req.slot] = req.prompt[upto]
+
+    def check_prefilled(self, state: Prefilled) -> None:
+        """Raises ConfigError for a prefill of another cache layout or without the layers the draft reads."""
+        def layout(cache: KVCache) -> tuple:
+            k = cache.k[0]
+            return len(cache.k), k.shape[1], k.shape[3], str(k.dtype).removeprefix("torch.")
+
+        if layout(state.cache) != layout(self.cache):
+            raise ConfigError("add_prefilled: the prefill's cache has (layers, KV heads, head size, dtype) "
+                              f"{layout(state.cache)}, this engine's target {layout(self.cache)}")
+        reads = set(self.draft.hidden_layers) if self.draft is not None else set()
+        if state.out is not None and not reads <= set(state.out.hidden):
+            raise ConfigError(f"add_prefilled: the prefill kept target layers {sorted(state.out.hidden)}, the "
+                              f"{self.draft.name} draft reads {sorted(self.draft.hidden_layers)}")
+
+    def add_prefilled(self, state: Prefilled, reqs: Sequence[Request]) -> None:
+        """Copy a batch prefilled elsewhere (:meth:`check_prefilled`) into the requests' slots (row i to
+        ``reqs[i].slot``) and let the draft observe it."""
+        slots = torch.tensor([r.slot for r in reqs], device=self.n.device)
+        if state.out is not None:
+            self._copy_kv(slots, state.cache, state.tokens.shape[1])
+            if self.draft is not None:
+                self._observe_prefill(slots, state.tokens, state.pos, state.valid, state.out)
+
+    # ---- prefill pieces ------------------------------------------------------------------------------------
+
+    def prefill_start(self, pieces: Sequence[Piece]) -> None:
+        """Prompt tokens 0..n-1 of each (request, 0, n), as one right-padded batch on a fresh cache; pieces of the
+        same tokens are one row of it, copied into each of their slots."""
+        dev = self.n.device
+        slots = torch.tensor([r.slot for r, _, _ in pieces], device=dev)
+        rows, index, src = [], {}, []
+        for r, _, n in pieces:
+            key = tuple(r.prompt[: n + 1])
+            if key not in index:
+                index[key] = len(rows)
+                rows.append(list(key))
+            src.append(index[key])
+        span = max(n for _, _, n in pieces)
+        state = prefill(self.target, rows, span, self._hidden(any(r.prompt_lp is not None for r, _, _ in pieces)))
+        shared = len(rows) < len(pieces)
+        at = torch.tensor(src, device=dev)
+        self._copy_kv(slots, state.cache, span, at if shared else None)
+        out = _rows_of(state.out, at) if shared else state.out
+        if self.draft is not None:
+            self._observe_prefill(slots, state.tokens[at], state.pos[at], state.valid[at], out)
+        for i, (req, _, n) in enumerate(pieces):
+            if req.prompt_lp is not None and n:
+                self._prompt_logprobs(req, state.out.hidden[self.target.cfg.n_layers][src[i]: src[i] + 1, :n], 0)
+            self.prefilled(req, n)
+
+    def prefill_continue(self, reqs: Sequence[Request], s0: int, n: int) -> None:
+        """Prompt tokens s0..s0+n-1 of ``reqs`` (the same tokens for each: the n choices of one prompt), run on the
+        first one's slot row, its keys / values copied into the others' rows."""
+        req, dev = reqs[0], self.n.device
+        tokens = torch.tensor([req.prompt[s0: s0 + n]], device=dev)
+        pos = torch.arange(s0, s0 + n, device=dev)[None]
+        out = self.target(tokens, pos, self.cache.row(req.slot),
+                          hidden_layers=self._hidden(any(r.prompt_lp is not None for r in reqs)))
+        slots = torch.tensor([r.slot for r in reqs], device=dev)
+        if len(reqs) > 1:  # the same tokens at the same positions in the other slots: copy the keys / values
+            for c in (*self.cache.k, *self.cache.v):
+                c[slots[1:], :, s0: s0 + n] = c[req.slot, :, s0: s0 + n]
+            at = torch.zeros(len(reqs), dtype=torch.long, device=dev)
+            out, tokens, pos = _rows_of(out, at), tokens[at], pos[at]
+        if self.draft is not None:
+            self._observe_prefill(slots, tokens, pos, None, out)
+        for i, r in enumerate(reqs):
+            if r.prompt_lp is not None:
+                self._prompt_logprobs(r, out.hidden[self.target.cfg.n_layers][i: i + 1], s0)
+            self.prefilled(r, s0 + n)
+
+    def _hidden(self, final: bool) -> tuple[int, ...]:
+        """The target layers a prefill keeps: the draft's, and the final residual stream when ``final``."""
+        layers = tuple(self.draft.hidden_layers) if self.draft is not None else ()
+        return layers + (self.target.cfg.n_layers,) if final else layers
+
+    def _prompt_logprobs(self, req: Request, h: torch.Tensor, s0: int, chunk: int = 256) -> None:
+        """Log-probabilities (the target's, untransformed, at temperature 1: vLLM's) of prompt tokens s0+1 .. s0+T
+        from the final residual stream h (1, T, d_model) at positions s0 .. s0+T-1 (logits in chunks of ``chunk``
+        positions, so a long prompt never holds (T, V))."""
+        for c in range(0, h.shape[1], chunk):
+            lg = self.target.logits(h[:, c: c + chunk])[0]  # (t, V)
+            lp = torch.log_softmax(lg.float(), -1)
+            toks = req.prompt[s0 + c + 1: s0 + c + 1 + lg.shape[0]]
+            req.prompt_lp.extend(top_logprobs(lp, toks, req.params.prompt_logprobs))
+
+    def _copy_kv(self, slots: torch.Tensor, cache: KVCache, span: int, rows: torch.Tensor | None = None) -> None:
+        """Keys / values of positions < span from ``cache`` (its rows ``rows``, default all) into ``slots``."""
+        for dst, src in zip((*self.cache.k, *self.cache.v), (*cache.k, *cache.v)):
+            dst[slots, :, :span] = src[:, :, :span] if rows is None else src[rows, :, :span]
+
+    def _observe_prefill(self, slots: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
+                         valid: torch.Tensor | None, out: ForwardOutput) -> None:
+        """:meth:`Draft.observe` of a prefill batch (J rows for ``slots``: tokens, positions, valid (J, W), the
+        target's output) as full-batch (S, W) tensors, the other rows invalid."""
+        S, (J, W), dev = self.width, tokens.shape, tokens.device
+        full_tokens = torch.zeros(S, W, dtype=torch.long, device=dev)
+        full_valid = torch.zeros(S, W, dtype=torch.bool, device=dev)
+        full_pos = torch.arange(W, device=dev)[None].repeat(S, 1)
+        full_tokens[slots], full_pos[slots] = tokens, pos
+        full_valid[slots] = True if valid is None else valid
+        reads = set(self.draft.hidden_layers)  # not the final residual stream kept for prompt logprobs
+        hidden = {j: _scatter(h, slots, S) for j, h in out.hidden.items() if j in reads}
+        self.draft.observe(full_tokens, full_pos,
+                           ForwardOutput(hidden=hidden, compute_logits=lambda: _scatter(out.logits, slots, S)),
+                           valid=full_valid)
+
+    # ---- one round -------------------------------------------------------------------------------------------
+
+    def round(self, running: Sequence[Request], k: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """One round of k draft tokens (0: AD) over the slots [0, width) (S of them). Returns n_accepted (S,),
+        next_token (S,), the output block (S, k+1) and, per slot of a request that asked for logprobs, its (k+1, V)
+        log-probabilities at the round's positions."""
+        special = [r for r in running if r.special]
+        cache, pending, pos0 = self._cache_w, self.pending[: self.width], self.n[: self.width] - 1
+        if self.draft is None or k == 0:
+            hidden = self.draft.hidden_layers if self.draft is not None else ()
+            out = self.target(pending[:, None], pos0[:, None], cache, hidden_layers=hidden)
+            next_tok, _, rows = _choose(out.logits[:, -1], special, [], 0)  # (S,)
+            if self.draft is not None:  # the draft sees the committed token, so SD can resume next round
+                self.draft.observe(pending[:, None], pos0[:, None], out)
+            return torch.zeros_like(next_tok), next_tok, next_tok[:, None], _logprobs(special, rows)
+        tok, tokens, qs, zs = pending, [], [], []
+        for j in range(k):  # draft
+            z = self.draft.step(tok[:, None], (pos0 + j)[:, None])
+            tok, q, _ = _choose(z, special, tokens, j)
+            tokens.append(tok)
+            qs.append(q)
+            zs.append(z)
+        d_tokens = torch.stack(tokens, 1)  # (S, k)
+        verify_in = torch.cat([pending[:, None], d_tokens], 1)  # (S, k+1)
+        vpos = pos0[:, None] + torch.arange(k + 1, device=pos0.device)
+        out = self.target(verify_in, vpos, cache, hidden_layers=self.draft.hidden_layers)  # verify
+        n_acc, next_tok, rows = _accept(d_tokens, qs, out.logits, special)  # accept
+        if self.round_hook is not None:
+            self.round_hook(RoundTrace([(r.slot, r.sampling, r.params.max_tokens - len(r.emitted)) for r in running],
+                                       pos0, d_tokens, torch.stack(zs, 1), out.logits, n_acc))
+        self.draft.observe(verify_in, vpos, out)
+        return n_acc, next_tok, output_tokens(d_tokens, n_acc, next_tok), _logprobs(special, rows)
+
+    def advance(self, live_slots: Sequence[int], freed: Sequence[int], n_acc: torch.Tensor | None = None,
+                next_tok: torch.Tensor | None = None) -> None:
+        """Commit a round: the slots still live keep their accepted tokens (:func:`rollback`) and take their next
+        pending token; the freed slots go back to length 1 (their dummy rounds then write positions 0..k)."""
+        if freed:
+            at = torch.tensor(list(freed), device=self.n.device)
+            self.n[at], self.pending[at] = 1, 0
+        if n_acc is None:
+            return
+        w = self.width
+        live = torch.zeros(w, dtype=torch.bool)
+        live[list(live_slots)] = True
+        live = live.to(self.n.device)
+        self.n[:w] = rollback(self.n[:w], live, n_acc)
+        self.pending[:w] = torch.where(live, next_tok, self.pending[:w])
+
+
+def _rows_of(out: ForwardOutput, at: torch.Tensor) -> ForwardOutput:
+    """A forward's output with its rows gathered at ``at`` (a shared prefill row given to several slots)."""
+    return ForwardOutput(hidden={j: h[at] for j, h in out.hidden.items()}, compute_logits=lambda: out.logits[at])
+
+
+def _scatter(x: torch.Tensor, slots: torch.Tensor, S: int) -> torch.Tensor:
+    """(J, ...) rows into a zero (S, ...) tensor at ``slots``."""
+    full = torch.zeros(S, *x.shape[1:], dtype=x.dtype, device=x.device)
+    full[slots] = x
+    return full
+
+
+def _processed(req: Request, logits: torch.Tensor, drafted: list[int], first: int) -> torch.Tensor:
+    """(T, V) logits at T positions after the request's tokens so far and ``drafted[: first + t]`` -> its logits
+    processing applied (:func:`spire.sampling.process_logits`)."""
+    if not req.proc.active:
+        return logits
+    return process_logits(logits, req.proc, req.history, len(req.emitted), drafted, first)
+
+
+def _choose(logits: torch.Tensor, special: list[Request], drafted: list[torch.Tensor], j: int
+            ) -> tuple[torch.Tensor, torch.Tensor | None, dict[int, torch.Tensor]]:
+    """Tokens (S,) from logits (S, V) at a round's position j (after the drafted tokens ``drafted``, j of (S,)):
+    the argmax in every row, then in each special request's row (:attr:`Request.special`) its processed logits'
+    argmax (greedy) or a draw from its transformed distribution with its own generator. Returns the tokens, the
+    (S, V) float32 distributions they were drawn from (rows of greedy requests are zero; None when no request
+    samples) and the processed (1, V) logits of each special request's slot."""
+    tok = logits.argmax(-1)
+    q = None
+    if any(not r.sampling.greedy for r in special):
+        q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    rows = {}
+    for req in special:
+        b = req.slot
+        row = _processed(req, logits[b: b + 1], [int(t[b]) for t in drafted], j)  # (1, V)
+        rows[b] = row
+        if req.sampling.greedy:
+            tok[b] = row[0].argmax()
+        else:
+            q[b] = probs_from_logits(row[0], req.sampling)
+            tok[b] = sample(q[b], req.generator)
+    return tok, q, rows
+
+
+def _accept(d_tokens: torch.Tensor, qs: list[torch.Tensor | None], logits: torch.Tensor,
+            special: list[Request]) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """Verification per row: greedy for every row (:func:`verify_greedy`), then for each special request's row
+    with its processed logits (position t after the drafted tokens before it): greedy, or rejection sampling
+    (:func:`verify`) with its transform and generator. d_tokens (S, k), qs: k (S, V) or None, logits (S, k+1, V).
+    Returns n_accepted (S,), next_token (S,) and the processed (k+1, V) logits of each special request's slot."""
+    n_acc, next_tok = verify_greedy(d_tokens, logits)
+    rows = {}
+    if special:
+        q = torch.stack(qs, 1) if any(x is not None for x in qs) else None  # (S, k, V)
+        for req in special:
+            b = req.slot
+            row = _processed(req, logits[b], d_tokens[b].tolist(), 0)  # (k+1, V)
+            rows[b] = row
+            if req.sampling.greedy:
+                nb, xb = verify_greedy(d_tokens[b: b + 1], row[None])
+            else:
+                p = probs_from_logits(row[None], req.sampling)  # (1, k+1, V)
+                nb, xb = verify(d_tokens[b: b + 1], q[b: b + 1], p, req.generator)
+            n_acc[b], next_tok[b] = nb[0], xb[0]
+    return n_acc, next_tok, rows
+
+
+def _logprobs(special: list[Request], rows: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Per slot of a request that asked for logprobs: its (T, V) log-probabilities from its processed logits."""
+    return {r.slot: logprobs_from_logits(rows[r.slot], r.sampling) for r in special if r.params.logprobs is not None}
+
+
+def top_logprobs(lp: torch.Tensor, toks: list[int], n: int) -> list[tuple[float, list[tuple[int, float]]]]:
+    """lp (T, V) log-probabilities, toks T tokens -> per token (its logprob, the top n (id, logprob))."""
+    if not toks:
+        return []
+    chosen = lp.gather(-1, torch.tensor(toks, device=lp.device)[:, None])[:, 0].tolist()
+    if n:
+        vals, idx = lp.topk(min(n, lp.shape[-1]), -1)
+        tops = [list(zip(i, v)) for i, v in zip(idx.tolist(), vals.tolist())]
+    else:
+        tops = [[] for _ in toks]
+    return list(zip(chosen, tops))

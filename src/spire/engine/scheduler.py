@@ -1,0 +1,309 @@
+"""The engine's scheduler, pure Python (no torch): the waiting queue, the slots, aborts and the prefill budget.
+
+Each :meth:`Scheduler.schedule` returns a :class:`StepPlan` (vLLM v1's ``Scheduler.schedule()`` is the model):
+the requests it aborted, the requests that took free slots, the prefill pieces to run (with ``prefill_chunk``, at
+most that many prompt tokens per step), the requests that run a round, the rows [0, width) the round computes and
+the round's k. :class:`~spire.engine.runner.Runner` executes the plan; :class:`~spire.engine.engine.Engine` commits
+its outputs back here (:meth:`Scheduler.release`).
+
+A request's committed length (its tokens in the target cache plus its pending token) is known here without reading
+a tensor: the prompt and the tokens it emitted once it runs, ``prefilled + 1`` while it prefills
+(:attr:`Request.committed`). So k near the end of a slot and the k policy's context cost no device sync.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+from spire.engine.output import StopStrings
+from spire.errors import ConfigError
+from spire.params import LogitsProcessing, RequestParams, SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    """What one engine step gives a request: its new tokens this step (after the cut), whether it finished, with
+    finish_reason "stop" (EOS or a stop string), "length" (max_tokens) or "abort", and how many of the round's k
+    draft tokens verification accepted (None when it ran no round).
+
+    stop_token: the EOS or stop token id that ended it (the last of new_tokens), else None. logprobs (when the
+    request asked): one (logprob, [(token id, logprob)] of the top n) per new token. prompt_logprobs (when asked, in
+    the request's first output): the same for prompt tokens 1..P-1."""
+
+    request_id: int
+    new_tokens: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    accepted: int | None = None
+    stop_token: int | None = None
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters since start. rounds: engine rounds run; row_rounds: rounds summed over the requests that ran in
+    them; prompt_tokens / generated_tokens: tokens in and out; accepted: accepted[i] counts row-rounds that
+    accepted i draft tokens (i = 0..k; AD rounds not counted); drafted[j - 1]: row-rounds that drafted a token at
+    position j (j = 1..k); rounds_by_k[i]: rounds that drafted i tokens per row (i = 0: AD); finished: requests
+    ended, by reason."""
+
+    k: int
+    rounds: int = 0
+    row_rounds: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    rounds_by_k: list[int] = field(default_factory=list)
+    finished: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.accepted = self.accepted or [0] * (self.k + 1)
+        self.drafted = self.drafted or [0] * self.k
+        self.rounds_by_k = self.rounds_by_k or [0] * (self.k + 1)
+
+    @property
+    def tau(self) -> float:
+        """Tokens per round per request (bonus included): generated / row-rounds."""
+        return self.generated_tokens / max(1, self.row_rounds)
+
+    def acceptance(self) -> list[float]:
+        """Acceptance by drafted position: element j-1 is the share of the row-rounds that drafted a token at
+        position j (j = 1..k) that accepted it, i.e. accepted at least j."""
+        return [sum(self.accepted[j:]) / max(1, self.drafted[j - 1]) for j in range(1, self.k + 1)]
+
+
+@dataclass(eq=False)
+class Request:
+    """A request's state: its prompt, settings, stop strings, emitted tokens and slot (None while it waits).
+    prefilled: prompt tokens in its slot's caches (the prompt but its last token, once prefilled). generator and
+    history: the runner's per-request sampling state (a torch.Generator, a TokenHistory when a penalty is on);
+    prompt_lp: the prompt logprobs gathered while it prefills (when it asked for them)."""
+
+    id: int
+    prompt: list[int]
+    params: RequestParams
+    stop: StopStrings | None
+    sampling: SamplingParams
+    proc: LogitsProcessing
+    emitted: list[int] = field(default_factory=list)
+    slot: int | None = None
+    prefilled: int = 0
+    generator: Any = None
+    history: Any = None
+    prompt_lp: list | None = None
+
+    @property
+    def special(self) -> bool:
+        """Whether its rows need more than the raw argmax: it samples, processes logits, or wants logprobs."""
+        return not self.sampling.greedy or self.proc.active or self.params.logprobs is not None
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether it holds a slot whose prompt is not yet prefilled (it runs no round of its own yet)."""
+        return self.slot is not None and self.prefilled < len(self.prompt) - 1
+
+    @property
+    def committed(self) -> int:
+        """Its slot's committed length n (tokens in the cache + the pending one): a round writes positions
+        n - 1 .. n - 1 + k."""
+        return self.prefilled + 1 if self.prefilling else len(self.prompt) + len(self.emitted)
+
+
+Piece = tuple[Request, int, int]
+"""A prefill piece: (request, first prompt position, tokens)."""
+
+
+@dataclass
+class StepPlan:
+    """One step, decided before any tensor is touched. aborted: requests ended by :meth:`Scheduler.abort` (their
+    slots in ``freed``); joiners: requests that took free slots this step; width: the round and prefills run on
+    rows [0, width) (0: nothing to run); starts: groups of pieces that start a prompt, each group one right-padded
+    batch (:func:`prefill_groups`), pieces of the same tokens computed once; continues: (requests, first position,
+    tokens) of a piece that continues a prompt, the same tokens for every request of it; running: requests whose
+    prompt is prefilled, which run this step's round; k: the round's draft tokens per row (0: an AD round)."""
+
+    aborted: list[Request] = field(default_factory=list)
+    freed: list[int] = field(default_factory=list)
+    joiners: list[Request] = field(default_factory=list)
+    width: int = 0
+    starts: list[list[Piece]] = field(default_factory=list)
+    continues: list[tuple[list[Request], int, int]] = field(default_factory=list)
+    running: list[Request] = field(default_factory=list)
+    k: int = 0
+
+
+class Scheduler:
+    """Queue and slots of an engine of ``max_running`` slots of ``max_len`` positions (see the module docstring).
+
+    k: the most draft tokens per round (0: AD); k_policy: an object with ``k_for(batch, context) -> int`` and
+    ``observe(accepted, k)`` (:mod:`spire.serving.policy`), or None; narrows: whether rounds may run on rows
+    [0, highest occupied slot] only (the draft's ``use_rows``); prefill_chunk: prompt tokens prefilled per step at
+    most (None: whole prompts). Thread-safe for :meth:`add`, :meth:`abort` and the counters; the rest runs on the
+    stepping thread."""
+
+    def __init__(self, max_running: int, max_len: int, k: int, k_policy=None, narrows: bool = True,
+                 prefill_chunk: int | None = None) -> None:
+        self.max_running, self.max_len, self.k = max_running, max_len, k
+        self.k_policy, self.narrows, self.prefill_chunk = k_policy, narrows, prefill_chunk
+        self.slots: list[Request | None] = [None] * max_running
+        self.waiting: deque[Request] = deque()
+        self.stats = EngineStats(max(k, 1))
+        self._ids = itertools.count()
+        self._aborts: set[int] = set()
+        self._lock = threading.Lock()
+
+    # ---- requests ----------------------------------------------------------------------------------------
+
+    def new_request(self, prompt_ids: Sequence[int], params: RequestParams, vocab: int, eos_ids=(),
+                    decode: Callable[[list[int]], str] | None = None) -> Request:
+        """A validated request with the next id (not queued). Raises ConfigError naming the field: prompt (empty,
+        ids outside [0, vocab), too long for a slot with max_tokens), stop_token_ids, logit_bias, stop."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ConfigError("prompt: empty (a request needs at least one token)")
+        if any(not 0 <= t < vocab for t in prompt):
+            raise ConfigError(f"prompt: token ids must be in [0, {vocab}) (the target's vocabulary)")
+        if len(prompt) > self.max_len - params.max_tokens:
+            raise ConfigError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} exceeds the context "
+                              f"of {self.max_len} positions per slot")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ConfigError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise ConfigError(f"logit_bias: token ids must be in [0, {vocab})")
+        if params.stop and decode is None:
+            raise ConfigError("stop: stop strings need the engine's decode (a tokenizer)")
+        stop = StopStrings(list(params.stop), decode) if params.stop else None
+        with self._lock:
+            rid = next(self._ids)
+        return Request(rid, prompt, params, stop, params.sampling(), params.processing(eos_ids),
+                       prompt_lp=[] if params.prompt_logprobs is not None else None)
+
+    def add(self, reqs: Sequence[Request]) -> None:
+        """Queue requests (together: the n choices of one prompt join at the same step when slots are free)."""
+        with self._lock:
+            self.waiting.extend(reqs)
+
+    def admit(self, reqs: Sequence[Request]) -> list[int]:
+        """Put requests into the lowest free slots now (a batch prefilled elsewhere). Returns their slots. Raises
+        ConfigError when fewer slots are free."""
+        free = [s for s in range(self.max_running) if self.slots[s] is None]
+        if len(free) < len(reqs):
+            raise ConfigError(f"add_prefilled: {len(reqs)} rows, {len(free)} free slots")
+        for req, s in zip(reqs, free):
+            req.slot, self.slots[s] = s, req
+        self.stats.prompt_tokens += sum(len(r.prompt) for r in reqs)
+        return free[: len(reqs)]
+
+    def abort(self, request_id: int) -> None:
+        """End a waiting or running request at the next step; unknown or finished ids are ignored."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def release(self, req: Request, reason: str) -> int | None:
+        """A request ended ("stop", "length" or "abort"): its slot is free again. Returns the slot it held."""
+        slot, req.slot = req.slot, None
+        if slot is not None:
+            self.slots[slot] = None
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        return slot
+
+    @property
+    def num_running(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self._aborts or self.num_running)
+
+    def width(self) -> int:
+        """The rows a round computes: one past the highest occupied slot (all slots when rounds cannot narrow)."""
+        occupied = [r.slot for r in self.slots if r is not None]
+        return (max(occupied) + 1 if self.narrows else self.max_running) if occupied else 0
+
+    # ---- the plan ----------------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Apply aborts, move waiting requests into free slots (lowest first), choose this step's prefill pieces
+        (their requests' ``prefilled`` advances: the runner must run them) and the round's requests and k."""
+        plan = StepPlan()
+        with self._lock:
+            aborts, self._aborts = self._aborts, set()
+            waited = [r for r in self.waiting if r.id in aborts]
+            self.waiting = deque(r for r in self.waiting if r.id not in aborts)
+        ran = [r for r in self.slots if r is not None and r.id in aborts]
+        plan.aborted = waited + ran
+        plan.freed = [self.release(r, "abort") for r in ran]
+        for req in waited:
+            self.release(req, "abort")
+        with self._lock:
+            for s in range(self.max_running):
+                if self.slots[s] is None and self.waiting:
+                    req = self.waiting.popleft()
+                    req.slot, self.slots[s] = s, req
+                    plan.joiners.append(req)
+        self.stats.prompt_tokens += sum(len(r.prompt) for r in plan.joiners)
+        plan.width = self.width()
+        if plan.width:
+            self._plan_prefill(plan, [r for r in self.slots if r is not None and r.prefilling])
+            plan.running = [r for r in self.slots if r is not None and not r.prefilling]
+            plan.k = self._round_k(plan.running, plan.width) if plan.running else 0
+        return plan
+
+    def _plan_prefill(self, plan: StepPlan, todo: list[Request]) -> None:
+        """The prefill pieces of the slots still prefilling, oldest request first, each taking at most what is left
+        of ``prefill_chunk`` tokens. Requests that start (or continue) the same prompt at the same place share one
+        piece, charged once to the budget: the n choices of one API request."""
+        budget = self.prefill_chunk
+        starts: dict[tuple, list] = {}  # a starting piece's prompt -> [n, its requests]
+        later: dict[tuple, list] = {}  # a continuing piece's (prompt, start) -> [n, its requests]
+        for req in sorted(todo, key=lambda r: r.id):
+            n = len(req.prompt) - 1 - req.prefilled
+            pieces, key = (later, (tuple(req.prompt), req.prefilled)) if req.prefilled else (starts, tuple(req.prompt))
+            if key in pieces:
+                pieces[key][1].append(req)
+                continue
+            if budget is not None:
+                if budget <= 0:
+                    break
+                n = min(n, budget)
+                budget -= n
+            pieces[key] = [n, [req]]
+        unique = list(starts.values())
+        plan.starts = [[(req, 0, unique[i][0]) for i in group for req in unique[i][1]]
+                       for group in prefill_groups([n for n, _ in unique])]
+        plan.continues = [(reqs, reqs[0].prefilled, n) for n, reqs in later.values()]
+        for n, reqs in list(starts.values()) + list(later.values()):
+            for req in reqs:
+                req.prefilled += n
+
+    def _round_k(self, running: list[Request], width: int) -> int:
+        """The round's k: the policy's pick for the running requests (0..k), then fewer near the end of a slot: a
+        round writes positions up to n - 1 + k, which must stay below max_len, for every row it computes."""
+        k = self.k
+        if k and self.k_policy is not None:
+            context = sum(r.committed for r in running) / len(running)
+            k = min(max(int(self.k_policy.k_for(len(running), context)), 0), self.k)
+        if k:
+            top = max((r.committed for r in self.slots[:width] if r is not None), default=1)
+            k = max(0, min(k, self.max_len - top))
+        return k
+
+
+def prefill_groups(spans: Sequence[int], slack: float = 1.25) -> list[list[int]]:
+    """Indices of prefill spans (tokens) grouped for right-padded batches: sorted by length, a group grows while
+    its padded size (members x longest) stays within ``slack`` x its real tokens (spans of 0 join any group).
+    Returns the groups, each a list of indices into ``spans``, longest first."""
+    order = sorted(range(len(spans)), key=lambda i: -spans[i])
+    groups: list[list[int]] = []
+    for i in order:
+        g = groups[-1] if groups else None
+        if g is not None and (len(g) + 1) * spans[g[0]] <= slack * (sum(spans[j] for j in g) + spans[i]) + 1:
+            g.append(i)
+        else:
+            groups.append([i])
+    return groups
