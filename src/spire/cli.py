@@ -26,7 +26,7 @@ from spire.commands.compare import compare
 from spire.commands.data import data
 from spire.commands.export import export
 from spire.commands.generate import generate
-from spire.commands.options import GRID_HELP, given, kinds
+from spire.commands.options import GRID_HELP, given, kinds, with_draft_options
 from spire.commands.reproduce import reproduce
 from spire.commands.serve import serve
 from spire.commands.throughput_figures import throughput_figures
@@ -133,7 +133,14 @@ def throughput(
 app.command("throughput-figures")(throughput_figures)
 
 
+def _with_options(ctx: typer.Context, draft_options: dict | None) -> dict:
+    """A command's options by parameter name, the kinds' own flags gathered as ``draft_options``
+    (:func:`spire.commands.options.with_draft_options`)."""
+    return {**{k: v for k, v in ctx.params.items() if "__" not in k}, "draft_options": draft_options or {}}
+
+
 @app.command()
+@with_draft_options
 def tau(
     ctx: typer.Context,
     draft: Annotated[list[str], _OPT(metavar="KIND[,KIND...]", help=f"{', '.join(registry.names(drafts_only=True))}; "
@@ -157,8 +164,6 @@ def tau(
     max_batch_tokens: Annotated[int, _OPT(help="Cap on batch × L per batch (prefill logits memory).")] = 8192,
     seed: Annotated[int, _OPT(help="Seed of the held-out windows and of sampling.")] = 0,
     target: Annotated[str, _OPT(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
-    sink: Annotated[int, _OPT(help="MagicDec sink tokens.")] = defaults.SINK,
-    window: Annotated[int, _OPT(help="MagicDec window (tokens).")] = defaults.WINDOW,
     nested: Annotated[bool, _OPT("--nested", help="Same windows for every L: a shorter context is the end of the "
                                                   "longest one (paired comparison across L).")] = False,
     nested_length: Annotated[Optional[int], _OPT(help="With --nested: cut the windows for this L [default: the "
@@ -176,11 +181,12 @@ def tau(
     threads: Annotated[Optional[int], _OPT(help="CPU threads for torch (1 is fastest on a busy machine).")]
     = None,
     no_progress: Annotated[bool, _OPT("--no-progress", help="No progress bars or log lines.")] = False,
+    draft_options: dict | None = None,
 ) -> None:
     """τ (tokens per round) with a 95 % CI on held-out text: several drafts, L and temperatures in one run."""
     from spire.commands.tau import command
 
-    command(ctx.params, log=_err)
+    command(_with_options(ctx, draft_options), log=_err)
 
 
 @app.command()
@@ -295,6 +301,7 @@ app.add_typer(bench_app, name="bench")
 
 
 @bench_app.callback()
+@with_draft_options
 def bench(
     ctx: typer.Context,
     B: Annotated[list[str], _OPT("-B", "--batch", metavar="INT[,INT...]", help="Batch sizes (default: 1,4,16). "
@@ -319,17 +326,15 @@ def bench(
              "the target's weights.")] = None,
     device: Annotated[str, _OPT(help="auto (cuda when present), cpu, cuda, cuda:N.")] = "auto",
     threads: Annotated[Optional[int], _OPT(help="torch intra-op threads (default: torch's).")] = None,
-    spire_draft: Annotated[Optional[str], _OPT(help="SPIRe draft .safetensors (default: the newest trained one in "
-                                                    "the cache, skipped if none).")] = None,
+    draft_path: Annotated[list[str], _OPT(metavar="KIND=PATH", help=(
+        "A trained draft to measure, repeatable: spire=PATH (default: the newest trained one in the cache, skipped "
+        "if none), vanilla=HF folder, eagle3=run or speculators folder [skipped when not given]."))] = [],
+    spire_draft: Annotated[Optional[str], _OPT(help="Deprecated: --draft-path spire=PATH.")] = None,
     no_spire: Annotated[bool, _OPT("--no-spire", help="Skip the SPIRe draft.")] = False,
-    vanilla_draft: Annotated[Optional[str], _OPT(help="Vanilla draft: HF folder (config.json, model.safetensors, "
-                                                      "tokenizer) [skipped when not given].")] = None,
-    eagle3_draft: Annotated[Optional[str], _OPT(help="EAGLE-3 draft: a `spire train --draft eagle3` run or a "
-                                                     "speculators folder [skipped when not given].")] = None,
+    vanilla_draft: Annotated[Optional[str], _OPT(help="Deprecated: --draft-path vanilla=PATH.")] = None,
+    eagle3_draft: Annotated[Optional[str], _OPT(help="Deprecated: --draft-path eagle3=PATH.")] = None,
     no_ngram: Annotated[bool, _OPT("--no-ngram", help="Skip the n-gram draft (measured by default: no weights, "
                                                       "its draft step is the lookup).")] = False,
-    sink: Annotated[int, _OPT(help="MagicDec sink tokens.")] = defaults.SINK,
-    window: Annotated[int, _OPT(help="MagicDec window (tokens).")] = defaults.WINDOW,
     calibration: Annotated[Optional[Path], _OPT(help="Calibration JSON (default: this device's cached one, else "
                                                      "measured now).")] = None,
     out: Annotated[Path, _OPT(help="Folder for bench.json and BENCH.md.")] = Path("spire-bench"),
@@ -345,6 +350,7 @@ def bench(
     = "wall",
     fmt: Annotated[Literal["table", "json"], _OPT("--format", help="Rich table or the JSON object on stdout.")]
     = "table",
+    draft_options: dict | None = None,
 ) -> None:
     """Measure t_AD, t_verify, t_draft, Δt, τ and SD/AD tokens/s over a (B, L) grid on held-out contexts, beside
     the cost model's prediction; writes bench.json and BENCH.md."""
@@ -352,7 +358,7 @@ def bench(
         return
     from spire.commands.bench import command
 
-    command(ctx.params, log=_err)
+    command(_with_options(ctx, draft_options), log=_err)
 
 
 @bench_app.command("calibrate")

@@ -421,7 +421,7 @@ class _TauMeter:
     def draft(self, name: str):
         if name in self.trained:
             return self.trained[name].as_draft()
-        return make_draft(name, self.target, sink=self.cfg.sink, window=self.cfg.window)
+        return make_draft(name, self.target, **registry.options_of(name, sink=self.cfg.sink, window=self.cfg.window))
 
     def identity(self, name: str) -> dict:
         if name in self.trained:

@@ -16,9 +16,10 @@ This module imports nothing heavy; :func:`impl` imports the kind's module (and t
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
+from spire import defaults
 from spire.errors import ConfigError
 
 
@@ -48,10 +49,36 @@ class Pricing:
 
 
 @dataclass(frozen=True)
+class DraftOption:
+    """One typed option a kind declares on its line (:attr:`Kind.options`): every command that builds drafts
+    (generate, serve, tau, bench, compare) gets it as a flag (:func:`spire.commands.options.with_draft_options`) and
+    :func:`spire.drafts.make_draft` passes it to the kind's ``load`` as the keyword ``name``.
+
+    name: the keyword; type: int, float or str; help: one line; default: the value the kind's load uses when the
+    flag is not given (shown in the help; None: the kind decides); check: value -> an error message when the value
+    is impossible, else None; flag: the command-line flag (default ``--KIND-NAME``, underscores as dashes)."""
+
+    name: str
+    type: type
+    help: str
+    default: Any = None
+    check: Callable[[Any], str | None] | None = None
+    flag: str | None = None
+
+    def flag_for(self, kind: str) -> str:
+        return self.flag or f"--{kind}-{self.name.replace('_', '-')}"
+
+
+def _at_least(n: int) -> Callable[[Any], str | None]:
+    return lambda v: None if v >= n else f"must be >= {n}, got {v}"
+
+
+@dataclass(frozen=True)
 class Kind:
     """One draft kind's line: see the module docstring. path: "none" (takes no --draft-path), "optional" (a
     default is found, e.g. the newest trained SPIRe draft) or "required". trains: `spire train --draft NAME`
-    trains it. paper_tau: τ the paper measured (L = 512, k = 4), None for kinds the paper did not measure."""
+    trains it. paper_tau: τ the paper measured (L = 512, k = 4), None for kinds the paper did not measure. options:
+    the kind's typed options (:class:`DraftOption`), flags of every command that builds drafts."""
 
     name: str
     module: str
@@ -60,6 +87,7 @@ class Kind:
     trains: bool
     pricing: Pricing | None
     paper_tau: float | None = None
+    options: tuple[DraftOption, ...] = ()
 
 
 KINDS: tuple[Kind, ...] = (
@@ -68,7 +96,9 @@ KINDS: tuple[Kind, ...] = (
          "`spire train --draft vanilla` run)", "required", True,
          Pricing(kv="full", layers=1 / 8, own_embeddings=True), 2.647),
     Kind("magicdec", "spire.drafts.magicdec", "the target over a sink + window view of its own cache (MagicDec)",
-         "none", False, Pricing(weights="target", kv="window", training_cost=0.0), 3.891),
+         "none", False, Pricing(weights="target", kv="window", training_cost=0.0), 3.891,
+         (DraftOption("sink", int, "attention-sink tokens kept", defaults.SINK, _at_least(0), "--sink"),
+          DraftOption("window", int, "window tokens", defaults.WINDOW, _at_least(1), "--window"))),
     Kind("spire", "spire.drafts.spire", "SPIRe: pruned, sliding-window, feedback memory over the target's "
          "activations (default: the newest trained in the cache)", "optional", True,
          Pricing(kv="window", layers=1 / 4, memory_projection=True, training_cost=0.25), 3.401),
@@ -76,7 +106,11 @@ KINDS: tuple[Kind, ...] = (
          "train --draft eagle3` run or a speculators folder)", "required", True,
          Pricing(kv="full", layers=1, fused_inputs=3)),
     Kind("ngram", "spire.drafts.ngram", "n-gram prompt lookup in the row's own context (no weights, no training)",
-         "none", False, Pricing(weights="none", kv="none", layers=0, training_cost=0.0)),
+         "none", False, Pricing(weights="none", kv="none", layers=0, training_cost=0.0), None,
+         (DraftOption("n_min", int, "shortest suffix matched [vLLM's 5, or --ngram-max]", None, _at_least(1),
+                      "--ngram-min"),
+          DraftOption("n_max", int, "longest suffix matched [vLLM's 5, or --ngram-min]", None, _at_least(1),
+                      "--ngram-max"))),
 )
 
 _BY_NAME = {k.name: k for k in KINDS}
@@ -112,6 +146,40 @@ def kind(name: str, what: str = "draft") -> Kind:
         raise ConfigError(f"unknown {what} {name!r}; choose one of {', '.join(names())}") from None
 
 
+def options_of(name: str, **values: Any) -> dict[str, Any]:
+    """The ``values`` that kind ``name`` declares as options (the others dropped): for callers that hold settings of
+    several kinds (the main job's sink and window, MagicDec's) and build drafts of every kind."""
+    own = {o.name for o in kind(name).options}
+    return {key: v for key, v in values.items() if key in own}
+
+
+def check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` (keyword -> value, None: not given) checked against kind ``name``'s declared options: the given
+    ones, typed. Raises ConfigError naming the flag for an option the kind does not declare, a value of the wrong
+    type, or one its check refuses."""
+    entry = kind(name)
+    declared = {o.name: o for o in entry.options}
+    out = {}
+    for key, value in options.items():
+        if value is None:
+            continue
+        opt = declared.get(key)
+        if opt is None:
+            owner = next((k for k in KINDS for o in k.options if o.name == key), None)
+            flag = owner.options[[o.name for o in owner.options].index(key)].flag_for(owner.name) if owner else key
+            raise ConfigError(f"{flag} is an option of --draft {owner.name if owner else '?'}, not --draft {name} "
+                              f"(its options: {', '.join(o.flag_for(name) for o in entry.options) or 'none'})")
+        try:
+            value = opt.type(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{opt.flag_for(name)} takes {opt.type.__name__}, got {value!r}") from None
+        problem = opt.check(value) if opt.check is not None else None
+        if problem:
+            raise ConfigError(f"{opt.flag_for(name)} {problem}")
+        out[key] = value
+    return out
+
+
 def check(name: str, allowed: tuple[str, ...] | None = None, what: str = "draft") -> str:
     """``name`` when it is a kind (and in ``allowed`` when given); ConfigError otherwise."""
     kind(name, what)
@@ -130,13 +198,13 @@ class DraftImpl:
     model: the trainable class (:class:`~spire.drafts.base.TrainableDraft`) when ``spire train`` trains it.
     export(src, target, name_or_path, k) -> write(folder): how `spire export` writes a trained draft (``src``: the
     resolved draft path) as a folder a serving engine reads; None when the kind has nothing to export.
-    options: the names of the keyword options ``load`` takes beyond the common ones (tokenizer, path, dtype).
+    The kind's options are declared on its registry line (:attr:`Kind.options`), where the CLI reads them without
+    importing the kind.
     """
 
     load: Callable[..., Any]
     model: type | None = None
     export: Callable[..., Callable[[Any], None]] | None = None
-    options: tuple[str, ...] = field(default_factory=tuple)
 
 
 def impl(name: str) -> DraftImpl:

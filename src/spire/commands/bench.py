@@ -46,13 +46,13 @@ class BenchArgs:
     draft_weights: str | None = None  # SPIRe / vanilla weights: "fp32", "bf16" or "int8"; None: as ``weights``
     device: str = "auto"
     threads: int | None = None
-    spire_draft: str | None = None
+    draft_path: list[str] = field(default_factory=list)  # KIND=PATH of the trained drafts
+    spire_draft: str | None = None  # the old per-kind flags: aliases of --draft-path KIND=PATH for one release
     no_spire: bool = False
     vanilla_draft: str | None = None
     eagle3_draft: str | None = None
     no_ngram: bool = False
-    sink: int = defaults.SINK
-    window: int = defaults.WINDOW
+    draft_options: dict = field(default_factory=dict)  # kind -> {option: value}: the kinds' own flags (--window)
     calibration: Path | None = None
     out: Path | None = Path("spire-bench")
     quick: bool = False
@@ -67,7 +67,11 @@ class BenchArgs:
         for name, value in (("Bs", self.Bs), ("Ls", self.Ls), ("G", self.G), ("reps", self.reps)):
             if value is not None:
                 setattr(base, name, value)
-        base.k, base.sink, base.window, base.seed, base.combine = self.k, self.sink, self.window, self.seed, self.combine
+        for kind, values in self.draft_options.items():  # every kind's flags checked before anything loads
+            registry.check_options(kind, values)
+        view = registry.check_options(registry.BASELINE, self.draft_options.get(registry.BASELINE, {}))
+        base.sink, base.window = view.get("sink", defaults.SINK), view.get("window", defaults.WINDOW)
+        base.k, base.seed, base.combine = self.k, self.seed, self.combine
         base.clock, base.contexts = self.clock, self.contexts
         base.validate()
         return base
@@ -117,40 +121,59 @@ def untrained_drafts(args: BenchArgs, target) -> tuple[dict, dict, list[str]]:
         if name == "ngram" and args.no_ngram:
             skipped.append("ngram: --no-ngram")
             continue
-        drafts[name] = make_draft(name, target, sink=args.sink, window=args.window)
+        drafts[name] = make_draft(name, target, **registry.check_options(name, args.draft_options.get(name, {})))
         view = getattr(drafts[name], "view", None)
         sources[name] = registry.kind(name).summary + (f": sink {view.sink} + window {view.window}" if view else "")
     return drafts, sources, skipped
 
 
+def draft_paths(args: BenchArgs, log: Callable[[str], None]) -> dict[str, str]:
+    """kind -> path of the trained drafts to measure: ``--draft-path KIND=PATH`` (repeatable), and the old
+    ``--spire-draft`` / ``--vanilla-draft`` / ``--eagle3-draft`` as its aliases for one release (a deprecation line
+    each). Raises ConfigError for a kind that takes no path, or a kind given twice."""
+    paths: dict[str, str] = {}
+    for value in args.draft_path:
+        kind, sep, path = value.partition("=")
+        if not sep or not path.strip():
+            raise ConfigError(f"--draft-path expects KIND=PATH (e.g. eagle3=runs/eagle3), got {value!r}")
+        kind = registry.kind(kind.strip()).name
+        if kind in paths:
+            raise ConfigError(f"--draft-path {kind}=... given twice")
+        paths[kind] = path.strip()
+    for kind, old in (("spire", args.spire_draft), ("vanilla", args.vanilla_draft), ("eagle3", args.eagle3_draft)):
+        if old:
+            log(f"warning: --{kind}-draft is deprecated; use --draft-path {kind}=PATH")
+            if kind in paths:
+                raise ConfigError(f"--{kind}-draft and --draft-path {kind}=... both given")
+            paths[kind] = old
+    for kind in paths:
+        if not registry.kind(kind).trains:
+            raise ConfigError(f"--draft-path {kind}=...: --draft {kind} takes no path (trained kinds: "
+                              f"{', '.join(registry.names(trains=True))})")
+    return paths
+
+
 def load_drafts(args: BenchArgs, target, tokenizer, log: Callable[[str], None]) -> tuple[dict, list[str], dict]:
     """name -> draft for the run, messages for the drafts skipped, name -> where each draft came from."""
     drafts, sources, skipped = untrained_drafts(args, target)
-    if args.no_spire:
-        skipped.append("spire: --no-spire")
-    elif args.spire_draft:
-        drafts["spire"] = make_draft("spire", target, tokenizer, args.spire_draft)
-        sources["spire"] = str(args.spire_draft)
-    else:
-        found = find_trained_spire(target)
-        if found is None:
-            skipped.append("spire: no trained SPIRe draft for this target in the cache and no --spire-draft PATH")
+    paths = draft_paths(args, log)
+    for name in registry.names(trains=True):
+        path = paths.get(name)
+        if name == "spire" and args.no_spire:
+            skipped.append("spire: --no-spire")
+        elif path:
+            drafts[name], sources[name] = make_draft(name, target, tokenizer, path), str(path)
+        elif name == "spire":  # the kind with a default: the newest trained in the cache
+            found = find_trained_spire(target)
+            if found is None:
+                skipped.append("spire: no trained SPIRe draft for this target in the cache and no --draft-path "
+                               "spire=PATH")
+            else:
+                log(f"SPIRe draft: {found}")
+                drafts["spire"] = make_draft("spire", target, tokenizer, str(found))
+                sources["spire"] = f"{found} (newest trained in the cache)"
         else:
-            log(f"SPIRe draft: {found}")
-            drafts["spire"] = make_draft("spire", target, tokenizer, str(found))
-            sources["spire"] = f"{found} (newest trained in the cache)"
-    if args.eagle3_draft:
-        drafts["eagle3"] = make_draft("eagle3", target, tokenizer, args.eagle3_draft)
-        sources["eagle3"] = str(args.eagle3_draft)
-    else:
-        skipped.append("eagle3: no --eagle3-draft PATH given (a `spire train --draft eagle3` run or a speculators "
-                       "folder)")
-    if args.vanilla_draft:
-        drafts["vanilla"] = make_draft("vanilla", target, tokenizer, args.vanilla_draft)
-        sources["vanilla"] = str(args.vanilla_draft)
-    else:
-        skipped.append("vanilla: no --vanilla-draft PATH given (an HF folder of a small model with the target's "
-                       "tokenizer)")
+            skipped.append(f"{name}: no --draft-path {name}=PATH given ({registry.kind(name).summary})")
     for msg in skipped:
         log(f"skipped {msg}")
     return drafts, skipped, sources

@@ -12,10 +12,11 @@ import typer
 
 import spire.registry as registry
 from spire import defaults
-from spire.commands.options import kinds
+from spire.commands.options import draft_options_for, kinds, with_draft_options
 from spire.errors import ConfigError
 
 
+@with_draft_options
 def compare(
     prompts: Annotated[list[str], typer.Argument(help="Prompts.")],
     target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
@@ -27,6 +28,7 @@ def compare(
     dtype: Annotated[Literal["float32", "bfloat16"], typer.Option(help="Weights and activations.")] = "bfloat16",
     k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens per prompt.")] = 64,
+    draft_options: dict | None = None,
 ) -> None:
     """Greedy SD vs greedy AD: identical, or the first divergence and the target's top-2 logit gap there."""
     import torch
@@ -37,8 +39,9 @@ def compare(
 
     if k < 1:
         raise ConfigError(f"k must be >= 1, got {k}")
+    options = draft_options_for(draft, draft_options or {})
     model, tokenizer, _ = load_target(target, dtype=getattr(torch, dtype), progress=False)
-    d = make_draft(draft, model, tokenizer, draft_path)
+    d = make_draft(draft, model, tokenizer, draft_path, **options)
     ids = [tokenizer(p).input_ids for p in prompts]
     if any(not x for x in ids):
         raise ConfigError("empty prompt")

@@ -15,7 +15,7 @@ import typer
 
 import spire.registry as registry
 from spire import defaults
-from spire.commands.options import kinds
+from spire.commands.options import draft_options_for, kinds, with_draft_options
 from spire.errors import ConfigError
 
 
@@ -49,22 +49,6 @@ def warn_unused_sampling(temperature: float, top_k: int, top_p: float) -> None:
     if temperature == 0 and unused:
         typer.echo(f"warning: {' and '.join(unused)} {'does' if len(unused) == 1 else 'do'} nothing at "
                    "--temperature 0 (greedy decoding)", err=True)
-
-
-def ngram_options(draft: str, ngram_min: int | None, ngram_max: int | None) -> dict:
-    """The n-gram draft's keyword arguments from --ngram-min / --ngram-max ({} when neither is given). Raises
-    ConfigError for another --draft or sizes the n-gram draft refuses (named by these flags)."""
-    if ngram_min is None and ngram_max is None:
-        return {}
-    if draft != "ngram":
-        raise ConfigError(f"--ngram-min / --ngram-max are for --draft ngram, not {draft}")
-    from spire.drafts.ngram import NgramConfig
-
-    try:
-        NgramConfig(ngram_min, ngram_max)
-    except ConfigError as e:  # the same rule, named by the flags that set it
-        raise ConfigError(f"--ngram-min / --ngram-max: {e}") from None
-    return {"n_min": ngram_min, "n_max": ngram_max}
 
 
 def tokenize(tokenizer: Any, texts: list[str], chat: bool) -> list[list[int]]:
@@ -117,6 +101,7 @@ def print_outputs(res: Any, tokenizer: Any, stopper: Any, draft: str, k: int, fm
         typer.echo(f"[draft {draft}, k={k}: tau {res.tau:.2f}]", err=True)
 
 
+@with_draft_options
 def generate(
     prompts: Annotated[Optional[list[str]], typer.Argument(help="Prompts; - reads prompts from standard input (one "
                                                                "per line); or use --file, or pipe them on stdin.")]
@@ -135,11 +120,6 @@ def generate(
     stop: Annotated[list[str], typer.Option(help="Stop string; repeatable.")] = [],
     seed: Annotated[int, typer.Option(help="Seed for sampling: prompt i samples with seed + i.")] = 0,
     chat: Annotated[bool, typer.Option("--chat", help="Wrap each prompt in the model's chat template.")] = False,
-    window: Annotated[int, typer.Option(help="MagicDec window (tokens).")] = defaults.WINDOW,
-    ngram_min: Annotated[Optional[int], typer.Option(help="n-gram draft: shortest suffix matched [vLLM's 5, or "
-                                                          "--ngram-max].")] = None,
-    ngram_max: Annotated[Optional[int], typer.Option(help="n-gram draft: longest suffix matched [vLLM's 5, or "
-                                                          "--ngram-min].")] = None,
     fmt: Annotated[Literal["text", "json"], typer.Option("--format", help="Plain text or one JSON object.")]
     = "text",
     weights: Annotated[Literal["fp32", "float32", "bf16"], typer.Option(
@@ -151,6 +131,7 @@ def generate(
         help="A trained draft's own weights (SPIRe, vanilla, EAGLE-3) (default: as --weights). bf16 (int8) beside a "
              "float32 target: the draft streams half (about a quarter of) the bytes and the output stays the float32 "
              "target's (SD is lossless whatever the draft computes).")] = None,
+    draft_options: dict | None = None,
 ) -> None:
     """Generate with speculative decoding (lossless: greedy output equals --draft none)."""
 
@@ -167,14 +148,10 @@ def generate(
         raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     warn_unused_sampling(temperature, top_k, top_p)
     texts = read_prompts(prompts or [], file)
-    if window < 1:
-        raise ConfigError(f"--window must be >= 1, got {window}")
-    options = ngram_options(draft, ngram_min, ngram_max)
-    if window != defaults.WINDOW and draft != "magicdec":
-        typer.echo(f"note: --window sets MagicDec's window; ignored for --draft {draft}", err=True)
+    options = draft_options_for(draft, draft_options or {})
     model, tokenizer, _ = load_target(target, progress=False)
     ids = tokenize(tokenizer, texts, chat)
-    d = make_draft(draft, model, tokenizer, draft_path, window=window, **options)
+    d = make_draft(draft, model, tokenizer, draft_path, **options)
     round_weights(model, d, draft, weights, draft_weights)
     eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
     stopper = StopStrings(stop, tokenizer.decode) if stop else None

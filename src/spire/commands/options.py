@@ -1,15 +1,18 @@
 """Option parsing that several ``spire`` commands share: grid values, ``KEY=VALUE`` lists, the options a user set,
-and draft options restricted to the registry's kinds.
+draft options restricted to the registry's kinds, and the kinds' own options as flags (:func:`with_draft_options`).
 
 Light on purpose (typer and spire.errors only): :mod:`spire.cli` imports it at startup.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import functools
+import inspect
+from typing import Annotated, Any, Callable, Iterable, Optional
 
 import typer
 
+import spire.registry as registry
 from spire.errors import ConfigError
 
 GRID_HELP = "Repeat the option or comma-separate values: -B 1 -B 8,64."
@@ -87,3 +90,53 @@ def set_process_backend(spec: str | None) -> None:
         return
     os.environ[ENV] = Backend.parse(spec).spec()
 
+
+
+def _param(kind: registry.Kind, opt: registry.DraftOption) -> str:
+    return f"{kind.name}__{opt.name}"
+
+
+def with_draft_options(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Give a command every kind's declared options (:attr:`spire.registry.Kind.options`) as flags: ``--sink`` and
+    ``--window`` (MagicDec), ``--ngram-min`` / ``--ngram-max``, and a new kind's ``--KIND-NAME``. The command
+    receives them as the keyword ``draft_options``: {kind: {option: value}} of the flags the user gave (a kind's
+    default is its own), checked by :func:`spire.registry.check_options` when a draft is built
+    (:func:`draft_options_for`). The one mechanism that turns kinds' options into flags for generate, serve, tau,
+    bench and compare: a kind's option reaches them all with no change to a command."""
+    signature = inspect.signature(command, eval_str=True)
+    declared = [(k, o) for k in registry.KINDS for o in k.options]
+    extra = [inspect.Parameter(_param(k, o), inspect.Parameter.KEYWORD_ONLY, default=None,
+                               annotation=Annotated[Optional[o.type], typer.Option(
+                                   o.flag_for(k.name), help=f"--draft {k.name}: {o.help}"
+                                   + ("" if o.default is None else f" [default: {o.default}]"))])
+             for k, o in declared]
+    kept = [p for p in signature.parameters.values() if p.name != "draft_options"]
+
+    @functools.wraps(command)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        options: dict[str, dict[str, Any]] = {}
+        for k, o in declared:
+            value = kwargs.pop(_param(k, o), None)
+            if value is not None:
+                options.setdefault(k.name, {})[o.name] = value
+        return command(*args, draft_options=options, **kwargs)
+
+    run.__signature__ = signature.replace(parameters=kept + extra)
+    run.__annotations__ = {p.name: p.annotation for p in kept + extra}
+    return run
+
+
+def draft_options_for(kind: str | None, draft_options: dict[str, dict[str, Any]],
+                      used: Iterable[str] | None = None) -> dict[str, Any]:
+    """The options the user gave for ``kind`` (to pass to :func:`spire.drafts.make_draft`), checked
+    (:func:`spire.registry.check_options`: ConfigError naming the flag of an impossible value, even for a kind this
+    run does not use). An option given for a kind not among ``used`` (default: ``kind``) does nothing: one note on
+    stderr says so."""
+    used = {kind} if used is None else set(used)
+    for other, values in draft_options.items():
+        registry.check_options(other, values)
+        if other not in used and values:
+            flags = " / ".join(o.flag_for(other) for o in registry.kind(other).options if o.name in values)
+            typer.echo(f"note: {flags} {'sets' if len(values) == 1 else 'set'} --draft {other}'s options; ignored "
+                       f"for --draft {', '.join(sorted(str(x) for x in used))}", err=True)
+    return registry.check_options(kind, draft_options.get(kind, {})) if kind else {}

@@ -13,20 +13,19 @@ import typer
 
 import spire.registry as registry
 from spire import defaults
-from spire.commands.generate import ngram_options
-from spire.commands.options import kinds
+from spire.commands.options import draft_options_for, kinds, with_draft_options
 from spire.errors import ConfigError
 
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
-def _check(port: int, max_running: int, max_waiting: int, k: int, max_len: int, window: int, log_level: str,
+def _check(port: int, max_running: int, max_waiting: int, k: int, max_len: int, log_level: str,
            shutdown_grace: float, prefill_chunk: int = 0, max_request_bytes: int = 1 << 22) -> None:
     if not 1 <= port <= 65535:  # 0 (any free port) would serve on a port no line names
         raise ConfigError(f"--port must be in [1, 65535], got {port}")
     for flag, v, lo in (("--max-running", max_running, 1), ("--max-waiting", max_waiting, 0), ("-k", k, 1),
-                        ("--max-len", max_len, k + 2), ("--window", window, 1), ("--prefill-chunk", prefill_chunk, 0),
+                        ("--max-len", max_len, k + 2), ("--prefill-chunk", prefill_chunk, 0),
                         ("--max-request-bytes", max_request_bytes, 1024)):
         if v < lo:
             why = " (a prompt token, a new token and k drafted ones)" if flag == "--max-len" else ""
@@ -87,6 +86,7 @@ def pick_draft(draft: Optional[str], draft_path: Optional[str], model) -> tuple[
     return registry.BASELINE, None, "no trained SPIRe draft in the cache"
 
 
+@with_draft_options
 def serve(
     target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
     draft: Annotated[Optional[str], typer.Option(**kinds(registry.names()), help=(
@@ -103,9 +103,6 @@ def serve(
     max_len: Annotated[int, typer.Option(help=(
         "Positions per slot: a request needs prompt + max_tokens <= max-len, with any draft (rounds near the end of "
         "a slot draft fewer tokens); at most the target's positions."))] = 2048,
-    window: Annotated[int, typer.Option(help="MagicDec window (tokens).")] = defaults.WINDOW,
-    ngram_min: Annotated[Optional[int], typer.Option(help="n-gram draft: shortest suffix matched.")] = None,
-    ngram_max: Annotated[Optional[int], typer.Option(help="n-gram draft: longest suffix matched.")] = None,
     k_policy: Annotated[str, typer.Option(help=(
         "fixed: every round drafts k. cost-model: each round drafts the k in 0..k (0 = AD) that the cost model "
         "rates best for the running requests, with this device's calibration and the draft's measured acceptance "
@@ -124,15 +121,18 @@ def serve(
         "steps while the running requests keep decoding. 0: each prompt whole when it joins."))] = 512,
     max_request_bytes: Annotated[int, typer.Option(help=(
         "Request bodies larger than this (bytes) are refused with a 413 before they are read whole."))] = 4 << 20,
+    draft_options: dict | None = None,
 ) -> None:
     """Serve the target with continuous batching and lossless speculative decoding (OpenAI-compatible API)."""
-    _check(port, max_running, max_waiting, k, max_len, window, log_level, shutdown_grace, prefill_chunk,
+    _check(port, max_running, max_waiting, k, max_len, log_level, shutdown_grace, prefill_chunk,
            max_request_bytes)
     for flag, value, allowed in (("--k-policy", k_policy, ("fixed", "cost-model")), ("--weights", weights, WEIGHTS),
                                  ("--draft-weights", draft_weights or "fp32", (*WEIGHTS, "int8"))):
         if value not in allowed:
             raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
-    options = ngram_options(draft or "", ngram_min, ngram_max)
+    draft_options = draft_options or {}
+    used = [draft] if draft else list(registry.names())  # without --draft, the kind is picked after the model loads
+    draft_options_for(draft, draft_options, used)  # checked before the model loads
     check_bind(host, port)
     from spire.commands.generate import round_weights
     from spire.drafts import make_draft
@@ -146,7 +146,7 @@ def serve(
             typer.echo(f"warning: --max-len {max_len} is more than the target's {model.cfg.max_positions} positions; "
                        f"using {model.cfg.max_positions}", err=True)
         kind, path, why = pick_draft(draft, draft_path, model)
-        d = make_draft(kind, model, tokenizer, path, window=window, **options)
+        d = make_draft(kind, model, tokenizer, path, **draft_options_for(kind, draft_options, used))
         round_weights(model, d, kind, weights, draft_weights)
         policy = None
         if k_policy == "cost-model" and d is not None:

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from spire import defaults
 from spire.backend import of as backend_of
-from spire.commands.options import ints
+from spire.commands.options import draft_options_for, ints
 from spire.data import document_separator_id, prepare_data
 import spire.registry as registry
 from spire.drafts import make_draft
@@ -71,8 +71,7 @@ class TauArgs:
     max_batch_tokens: int = 8192
     seed: int = 0
     target: str = "smollm2-135m"
-    sink: int = defaults.SINK
-    window: int = defaults.WINDOW
+    draft_options: dict = field(default_factory=dict)  # kind -> {option: value}: the kinds' own flags (--window)
     nested: bool = False
     nested_length: int | None = None  # with nested: cut the windows for this L (default the largest -L)
     threads: int | None = None  # torch CPU threads (None: torch's default)
@@ -135,11 +134,10 @@ def validate(a: TauArgs, max_positions: int | None = None) -> None:
     """ConfigError for impossible settings; with max_positions, also an L that does not fit the target."""
     if a.threads is not None and a.threads < 1:
         raise ConfigError(f"threads must be >= 1, got {a.threads}")
-    for name in ("G", "k", "n_contexts", "batch_size", "max_batch_tokens", "window"):
+    for name in ("G", "k", "n_contexts", "batch_size", "max_batch_tokens"):
         if int(getattr(a, name)) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(a, name)}")
-    if a.sink < 0:
-        raise ConfigError(f"sink must be >= 0, got {a.sink}")
+    draft_options_for(None, a.draft_options, {d.kind for d in a.drafts})
     if not a.Ls:
         raise ConfigError("give at least one -L")
     if any(L < 2 for L in a.Ls):
@@ -200,7 +198,8 @@ def build_drafts(target, tokenizer, a: TauArgs) -> list[tuple[DraftSpec, Any]]:
             spec = DraftSpec(spec.kind, spec.name, str(resolve_draft_path(spec.kind, spec.path)))
         if spec.path and spec.kind == "spire" and not Path(spec.path).exists():  # a file, or a `spire export` folder
             raise CheckpointError(f"SPIRe draft {spec.name!r}: no draft.safetensors at {spec.path}")
-        out.append((spec, make_draft(spec.kind, target, tokenizer, spec.path, sink=a.sink, window=a.window)))
+        out.append((spec, make_draft(spec.kind, target, tokenizer, spec.path,
+                                             **registry.check_options(spec.kind, a.draft_options.get(spec.kind, {})))))
     return out
 
 
@@ -369,7 +368,7 @@ def args_from_options(p: dict[str, Any]) -> TauArgs:
     args = TauArgs(drafts=parse_drafts(p["draft"], p["draft_path"], p["spire_draft"], p["vanilla_draft"]),
                    Ls=ints("-L", p["L"]), G=p["G"], k=p["k"], temperatures=temperatures(p["temperature"]),
                    n_contexts=p["n_contexts"], batch_size=p["batch_size"], max_batch_tokens=p["max_batch_tokens"],
-                   seed=p["seed"], target=p["target"], sink=p["sink"], window=p["window"], nested=p["nested"],
+                   seed=p["seed"], target=p["target"], draft_options=p.get("draft_options") or {}, nested=p["nested"],
                    nested_length=p["nested_length"], threads=p["threads"], diagnose=p["diagnose"])
     validate(args)
     return args

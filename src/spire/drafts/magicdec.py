@@ -49,4 +49,4 @@ def load_draft(target: Transformer, sink: int = defaults.SINK, window: int = def
     return MagicDecDraft(sink, window)
 
 
-KIND = DraftImpl(load=load_draft, options=("sink", "window"))
+KIND = DraftImpl(load=load_draft)

@@ -224,7 +224,11 @@ def load_draft(target: Transformer, tokenizer=None, path=None, *, n_min: int | N
     (vLLM's rule when one or both are None). Raises ConfigError for a draft path or bad bounds."""
     if path:
         raise ConfigError("--draft ngram takes no --draft-path (it has no weights)")
-    return NgramDraft(NgramConfig(n_min, n_max))
+    try:
+        config = NgramConfig(n_min, n_max)
+    except ConfigError as e:  # the rule, named by the flags that set it
+        raise ConfigError(f"--ngram-min / --ngram-max: {e}") from None
+    return NgramDraft(config)
 
 
-KIND = DraftImpl(load=load_draft, options=("n_min", "n_max"))
+KIND = DraftImpl(load=load_draft)
