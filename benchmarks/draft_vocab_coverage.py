@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from spire.data import document_separator_id, prepare_data
-from spire.drafts.spire import frequent_tokens
+from spire.drafts.vocab import frequent_tokens
 from spire.loading import load_target
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel, frequent_tokens
+from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
+from spire.drafts.vocab import frequent_tokens
 from spire.errors import ConfigError, DataError
 from spire.sampling import SamplingParams, probs_from_logits
 from tests.oracle import generate

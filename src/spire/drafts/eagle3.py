@@ -43,7 +43,7 @@ from target features and to its own chain's keys at s + 1 .. s + j. (speculators
 every depth; the chunked layout computes each position once, at depth t mod k, as inference meets it. Its
 ``ttt_step_loss_decay`` weighting is not applied.)
 
-Draft vocabulary: N target ids (:func:`spire.drafts.spire.frequent_tokens`, the most frequent training tokens,
+Draft vocabulary: N target ids (:func:`spire.drafts.vocab.frequent_tokens`, the most frequent training tokens,
 sorted ascending as speculators' ``build_vocab_mappings_from_distribution`` sorts them); speculators stores them
 as ``d2t`` (N,) int64 offsets, target_id = i + d2t[i], and ``t2d`` (V,) bool. The head's rows start as the
 target's lm_head rows of those ids; :meth:`Eagle3Draft.step` scatters the N logits into the target's V with -inf
@@ -78,14 +78,14 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from spire import __version__, defaults, fastpath, kernels
+from spire import __version__, defaults, fastpath
 from spire.drafts.base import Draft
 from spire.formats.draft_file import FORMAT_VERSION, read_draft_file, warn_if_unfinished, write_draft_file
 from spire.formats.draft_file import fingerprint as _fingerprint
 from spire.formats.draft_file import fingerprint_matches as _fingerprint_matches
 from spire.formats.speculators import verifier_config
 from spire.registry import DraftImpl
-from spire.drafts.spire import frequent_tokens
+from spire.drafts.vocab import DraftVocabulary, frequent_tokens
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache, SinkWindow, attention_mask
 from spire.loading import check_finite, load_state_dict
@@ -276,7 +276,7 @@ def eagle3_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, view: SinkWindow | Non
     return mask & ((kp > 0) | (q_pos[:, None, :, None] == 0))
 
 
-class Eagle3DraftModel(nn.Module):
+class Eagle3DraftModel(DraftVocabulary, nn.Module):
     """Trainable EAGLE-3 draft weights bound to a frozen target (its embedding; the fingerprint its files record).
     Implements :class:`spire.drafts.base.TrainableDraft` (kind "eagle3").
 
@@ -306,14 +306,7 @@ class Eagle3DraftModel(nn.Module):
         self.cfg, self.layer_cfg = cfg, layer_cfg
         self.layer_ids = cfg.layer_ids(tc.n_layers)
         N = cfg.vocab_columns(V)
-        if N is not None:
-            ids = torch.arange(N) if vocab is None else torch.as_tensor(vocab).to(torch.int64).cpu()
-            if ids.shape != (N,) or len(ids.unique()) != N or bool((ids < 0).any() | (ids >= V).any()):
-                raise ConfigError(f"a draft vocabulary must be {N} distinct token ids in [0, {V}), got shape "
-                                  f"{tuple(ids.shape)}")
-            self.register_buffer("vocab", ids.to(target.device))  # (N,) draft column -> target token id
-        else:
-            self.vocab = None
+        self.set_vocab(N, vocab, target)
         n_aux = len(self.layer_ids)
         self.fc = nn.Linear(n_aux * d, d, bias=False)
         self.input_norm = RMSNorm(n_aux * d, layer_cfg.rms_eps) if cfg.norm_before_fc else None
@@ -340,11 +333,6 @@ class Eagle3DraftModel(nn.Module):
         self.rope_spec = layer_cfg.rope_of(0)
 
     # -- pieces shared by training and inference --------------------------------------------------------
-    @property
-    def n_vocab(self) -> int:
-        """Columns of the head: N with a draft vocabulary, else the target's V."""
-        return self.target.cfg.vocab_size if self.vocab is None else len(self.vocab)
-
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) target token ids -> (B, T, d) through the target's frozen embedding."""
         return self.target.model.embed_tokens(tokens)
@@ -376,25 +364,6 @@ class Eagle3DraftModel(nn.Module):
     def logits(self, z: torch.Tensor) -> torch.Tensor:
         """Layer outputs (B, T, d) -> float32 logits (B, T, N) through the final norm and the head."""
         return fastpath.unembed(self.norm(z), self.lm_head, self)
-
-    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits (..., N) -> (..., V) with -inf (q = 0) at every token outside it."""
-        if self.vocab is None:
-            return logits
-        V = self.target.cfg.vocab_size
-        if not (torch.is_grad_enabled() and logits.requires_grad):  # inference: one native pass on the CPU
-            out = kernels.scatter_columns(logits, self.vocab, V)
-            if out is not None:
-                return out
-        return logits.new_full((*logits.shape[:-1], V), float("-inf")).index_copy_(-1, self.vocab, logits)
-
-    def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Target token ids (...) -> head columns (...), -100 (ignored by cross-entropy) outside the vocabulary."""
-        if self.vocab is None:
-            return tokens
-        table = torch.full((self.target.cfg.vocab_size,), -100, dtype=torch.int64, device=tokens.device)
-        table[self.vocab] = torch.arange(len(self.vocab), device=tokens.device)
-        return table[tokens]
 
     def d2t_t2d(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """speculators' vocabulary maps: d2t (N,) int64 with target_id = i + d2t[i], t2d (V,) bool; None for the

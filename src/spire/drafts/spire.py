@@ -31,13 +31,13 @@ from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn as nn
 
-from spire import defaults, fastpath, kernels
+from spire import defaults, fastpath
 from spire.backend import of as backend_of
 from spire.drafts.base import Draft
+from spire.drafts.vocab import DraftVocabulary, frequent_tokens
 from spire.formats.draft_file import (check_export, fingerprint, fingerprint_matches, read_draft_file, resolve_draft_path,
                                      run_finished, warn_if_unfinished, write_draft_file)
 from spire.formats.speculators import spire_export_config
@@ -166,18 +166,7 @@ class SpireConfig:
         return d
 
 
-def frequent_tokens(tokens, n: int, vocab_size: int) -> torch.Tensor:
-    """The ``n`` most frequent token ids of ``tokens`` (any 1-D integer array: numpy memmap, tensor), ties to
-    the lower id, sorted ascending: a draft vocabulary (EAGLE-3's d2t map). Ids never seen fill the rest in id
-    order. Raises ConfigError when n is not in [1, vocab_size]."""
-    if not 1 <= n <= vocab_size:
-        raise ConfigError(f"the draft vocabulary must hold 1..{vocab_size} tokens, got {n}")
-    counts = np.bincount(np.asarray(tokens).reshape(-1).astype(np.int64), minlength=vocab_size)[:vocab_size]
-    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
-    return torch.from_numpy(np.sort(order[:n]).astype(np.int64))
-
-
-class SpireDraftModel(nn.Module):
+class SpireDraftModel(DraftVocabulary, nn.Module):
     """Trainable SPIRe draft weights, bound to a (frozen) target for its embedding and unembedding.
 
     Raises ConfigError when n_draft_layers is not in [1, target layers].
@@ -192,14 +181,7 @@ class SpireDraftModel(nn.Module):
         cfg = SpireConfig() if cfg is None else cfg
         V = target.cfg.vocab_size
         cfg.validate(target.cfg.n_layers, V)
-        if cfg.vocab_size is not None:
-            ids = torch.arange(cfg.vocab_size) if vocab is None else torch.as_tensor(vocab).to(torch.int64).cpu()
-            if ids.shape != (cfg.vocab_size,) or len(ids.unique()) != len(ids) or bool((ids < 0).any() | (ids >= V).any()):
-                raise ConfigError(f"a draft vocabulary must be {cfg.vocab_size} distinct token ids in [0, {V}), got "
-                                  f"shape {tuple(ids.shape)}")
-            self.register_buffer("vocab", ids.to(target.device))  # (N,) draft column -> target token id
-        else:
-            self.vocab = None
+        self.set_vocab(cfg.vocab_size, vocab, target)
         self._vocab_head: tuple[tuple, nn.Linear] | None = None
         self._mix: tuple[tuple, torch.Tensor] | None = None  # inference: softmax of mix_logits (memory)
         self.cfg = cfg
@@ -245,11 +227,6 @@ class SpireDraftModel(nn.Module):
     def rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.target.rope(pos, dtype)  # (R, B, 1, T, D): each draft layer reads its source layer's RoPE
 
-    @property
-    def n_vocab(self) -> int:
-        """Columns of the draft's head: N with a draft vocabulary, else the target's V."""
-        return self.target.cfg.vocab_size if self.vocab is None else len(self.vocab)
-
     def head(self) -> nn.Linear:
         """The draft vocabulary's frozen head (N, d_model): rows ``vocab`` of the target's unembedding (rounded as
         the draft's own weights are: :func:`spire.fastpath.rounded_like`), rebuilt when either changes (a load,
@@ -273,25 +250,6 @@ class SpireDraftModel(nn.Module):
         if self.vocab is None:
             return self.target.unembed(h)
         return fastpath.unembed(h, self.head(), self)
-
-    def to_target_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits (..., N) -> (..., V) with -inf (q = 0) at every token outside it."""
-        if self.vocab is None:
-            return logits
-        V = self.target.cfg.vocab_size
-        if not (torch.is_grad_enabled() and logits.requires_grad):  # inference: one native pass on the CPU
-            out = kernels.scatter_columns(logits, self.vocab, V)
-            if out is not None:
-                return out
-        return logits.new_full((*logits.shape[:-1], V), float("-inf")).index_copy_(-1, self.vocab, logits)
-
-    def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Target token ids (...) -> draft-vocabulary columns (...), -100 (ignored by cross-entropy) outside it."""
-        if self.vocab is None:
-            return tokens
-        table = torch.full((self.target.cfg.vocab_size,), -100, dtype=torch.int64, device=tokens.device)
-        table[self.vocab] = torch.arange(len(self.vocab), device=tokens.device)
-        return table[tokens]
 
     def enters(self, i: int) -> bool:
         """Whether draft layer i's input is changed before the layer (:meth:`layer_input`)."""
