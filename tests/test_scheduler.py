@@ -17,8 +17,8 @@ from spire.params import RequestParams
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_scheduler_imports_no_torch():
-    code = ("import sys; import spire.engine.scheduler, spire.params, spire.engine.output; "
+def test_the_scheduler_and_the_http_protocol_import_no_torch():
+    code = ("import sys; import spire.engine.scheduler, spire.params, spire.engine.output, spire.serving.protocol; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin"}, timeout=120)

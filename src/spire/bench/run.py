@@ -1,8 +1,8 @@
 """``spire bench``: measured speculative-decoding throughput against the cost model, cell by cell.
 
 For every (B, L) of a grid, on B real held-out contexts of L tokens (spire.data.TokenData.heldout_contexts),
-one prefill is shared by every decoder (:func:`spire.speculative.prefill`; the AD and SD runs decode it on the
-serving engine, :func:`spire.serving.engine.decode_prefilled`, each on a copy) and:
+one prefill is shared by every decoder (:func:`spire.engine.prefill.prefill`; the AD and SD runs decode it on the
+serving engine, :func:`spire.engine.engine.decode_prefilled`, each on a copy) and:
 
 - t_AD: one target forward over 1 new token per row at position L - 1 (an AD step), seconds;
 - t_verify: one target forward over k + 1 new tokens per row (a verify pass), seconds;

@@ -229,8 +229,8 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
             sources.pop("spire")
             skipped[-2] = "spire: --no-spire"
         log(f"random-weights {args.target}-shaped target: timings only"
-            + ("; --spire-draft / --vanilla-draft ignored (a draft trained for the real target does not fit)"
-               if args.spire_draft or args.vanilla_draft else ""))
+            + ("; --draft-path ignored (a draft trained for the real target does not fit)"
+               if args.draft_path or args.spire_draft or args.vanilla_draft or args.eagle3_draft else ""))
         gen = torch.Generator().manual_seed(cfg.seed)
 
         def contexts_for(L: int, n: int) -> torch.Tensor:

@@ -83,7 +83,7 @@ def round_weights(model: Any, d: Any, draft: str, weights: str, draft_weights: s
 
 
 def print_outputs(res: Any, tokenizer: Any, stopper: Any, draft: str, k: int, fmt: str) -> None:
-    """Write the result of :func:`spire.speculative.generate`: ``fmt`` "json" one object ``{"outputs": [{"text",
+    """Write the result of :func:`spire.engine.engine.generate_batch`: ``fmt`` "json" one object ``{"outputs": [{"text",
     "token_ids", "finish_reason", "tau"}, ...], "tau", "draft", "k"}`` on stdout; "text" each output's text
     (a blank line between outputs) on stdout and the τ line on stderr."""
     outputs = []

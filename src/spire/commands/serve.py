@@ -2,7 +2,7 @@
 
 The command's options are declared here and registered by :mod:`spire.cli`; the library (torch, FastAPI) is
 imported inside the function, so that ``spire --help`` stays light. What it serves: :mod:`spire.serving.api`;
-the engine: :mod:`spire.serving.engine`; docs/serving.md, section "spire serve".
+the engine: :mod:`spire.engine`; docs/serving.md, section "spire serve".
 """
 
 from __future__ import annotations

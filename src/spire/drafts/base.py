@@ -1,4 +1,4 @@
-"""The protocol every draft implements for the round loop in :mod:`spire.speculative`.
+"""The protocol every draft implements for the round loop of the engine (:mod:`spire.engine.runner`).
 
 A round (SPIRe paper §2): the draft proposes k tokens one forward at a time, the target verifies k+1
 positions in one forward, a prefix is accepted per row, and the draft is told what was committed.
@@ -39,7 +39,7 @@ class Draft(ABC):
 
     def restart_rows(self, rows: torch.Tensor) -> None:
         """Forget rows ``rows`` ((R,) int64 indices into the batch bound by :meth:`start`): a new request takes
-        those slots (continuous batching, :mod:`spire.serving.engine`), and nothing of the previous request
+        those slots (continuous batching, :mod:`spire.engine`), and nothing of the previous request
         (KV, memory, n-gram context) may be read for it. The draft's :meth:`observe` must then honour ``valid``
         (False rows and positions are not written), since the engine observes a joining request's prefill with
         the other rows masked out. Raises ConfigError for a draft that cannot restart single rows (yet)."""
@@ -109,4 +109,4 @@ class TrainableDraft(Protocol):
         ``spire generate --draft <kind> --draft-path``. Returns its path."""
 
     def as_draft(self) -> Draft:
-        """The inference :class:`Draft` over this model (for the round loop in :mod:`spire.speculative`)."""
+        """The inference :class:`Draft` over this model (for the engine's rounds, :mod:`spire.engine.runner`)."""

@@ -523,11 +523,11 @@ class Eagle3DraftModel(DraftVocabulary, nn.Module):
 # ---------------------------------------------------------------------------------------------- inference
 
 class Eagle3Draft(Draft):
-    """The round loop's EAGLE-3 draft (:mod:`spire.speculative`): a chain of k tokens per round.
+    """The round loop's EAGLE-3 draft (:mod:`spire.engine.runner`): a chain of k tokens per round.
 
     State per generation (:meth:`start`): a dense :class:`KVCache` of the one layer (B, KV, max_len, D), the fused
     target feature of every position (B, max_len, d), the previous step's fed-back feature (B, 1, d) and the
-    position it was drafted at per row. The cache invariant of :mod:`spire.speculative` holds: :meth:`observe`
+    position it was drafted at per row. The cache invariant of :mod:`spire.engine.prefill` holds: :meth:`observe`
     (prefill and verify) writes the keys/values and features of the positions the target ran, :meth:`step`
     writes its position's keys/values before its query reads, and a query reads positions <= its own, so the
     entries of rejected tokens and padding are overwritten before anything reads them.

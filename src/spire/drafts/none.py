@@ -1,6 +1,6 @@
 """No draft: autoregressive decoding (AD), the baseline every multiplier is measured against.
 
-The round loop (:mod:`spire.speculative`) runs one target step per round when its draft is None.
+The engine's round (:mod:`spire.engine.runner`) runs one target step per round when its draft is None.
 """
 
 from __future__ import annotations

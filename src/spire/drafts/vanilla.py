@@ -57,7 +57,7 @@ class VanillaDraft(Draft):
 
     def restart_rows(self, rows: torch.Tensor) -> None:
         """Nothing to forget: a new request's prefill (:meth:`observe`) and rounds write every position of its row
-        before any query reads it (the cache invariant of :mod:`spire.speculative`)."""
+        before any query reads it (the cache invariant of :mod:`spire.engine.prefill`)."""
 
     @torch.no_grad()
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,

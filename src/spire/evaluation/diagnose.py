@@ -130,7 +130,7 @@ class Diagnosis:
                 "draft_temperature": self.factor_means() if any(self.sampled) else None}
 
     def add_round(self, trace: RoundTrace, context_of_slot: list[int], record: dict) -> None:
-        """Accumulate one round (see :class:`~spire.serving.engine.RoundTrace`); ``record[(context, position, j)]``
+        """Accumulate one round (see :class:`~spire.engine.runner.RoundTrace`); ``record[(context, position, j)]``
         gets each reached position's TV, for :meth:`add_verified`."""
         k = trace.draft_tokens.shape[1]
         slots = [s for s, _, _ in trace.rows]

@@ -94,9 +94,9 @@ def measure_tau_shared(target: Transformer, drafts: dict[str, Draft], contexts: 
     """:func:`measure_tau` for several drafts on the same contexts, prefilling each batch once: every draft
     decodes from its own copy of the target's prefilled cache (at long L the prefill is most of the cost, so
     n drafts cost about one prefill instead of n). The rows decode on the serving engine
-    (:func:`spire.serving.engine.decode_prefilled`), each finished row freed at once; context i samples with its
+    (:func:`spire.engine.engine.decode_prefilled`), each finished row freed at once; context i samples with its
     own generator seeded ``seed + i``, so its tokens do not depend on the batch it ran in. Each draft's tokens,
-    rounds and τ equal those of :func:`spire.serving.engine.generate_batch` (``spire generate``) run batch by
+    rounds and τ equal those of :func:`spire.engine.engine.generate_batch` (``spire generate``) run batch by
     batch with that draft alone; wall_s counts the shared prefill once per draft, as a separate run would.
 
     Args:

@@ -1,6 +1,6 @@
 """The speculators-layout ``config.json`` of an exported draft (vllm-project/speculators'
 docs/architecture/model_formats.md): the builders the kinds' exporters call. The layout is described in
-:mod:`spire.export`. Imports no torch beyond what the target instance carries.
+:mod:`spire.export`. Below the kinds: it imports the draft file's fingerprint and nothing of the drafts.
 """
 
 from __future__ import annotations

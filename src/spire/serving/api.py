@@ -200,7 +200,7 @@ class TextStream:
 
     def text(self) -> str:
         """The final text: decoded, cut before (``include_stop``: after) the first stop string that ends past the
-        text of the first ``min_tokens`` tokens (the engine's rule: :func:`spire.speculative.first_stop`)."""
+        text of the first ``min_tokens`` tokens (the engine's rule: :func:`spire.engine.output.first_stop`)."""
         text = self._decode(self.tokens)
         floor = len(self._decode(self.tokens[: self.min_tokens])) if self.min_tokens else 0
         hit = first_stop(text, self.stop, floor)

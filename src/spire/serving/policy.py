@@ -34,7 +34,7 @@ from spire.throughput.shapes import ModelShape
 
 
 class KPolicy(Protocol):
-    """What :class:`~spire.serving.engine.Engine` asks of a k policy."""
+    """What :class:`~spire.engine.engine.Engine` asks of a k policy."""
 
     def k_for(self, batch: int, context: float) -> int:
         """Draft tokens for the next round (0 = an AD round) for ``batch`` running requests of mean committed

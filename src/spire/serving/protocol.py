@@ -8,7 +8,7 @@ changes nothing (:data:`ACCEPTED_AS_DEFAULT`), or accepted and without effect by
 
 Every bad request is an :class:`ApiError`: an HTTP 4xx with OpenAI's error body
 ``{"error": {"message", "type", "param", "code"}}``, ``param`` naming the field. Nothing here touches the
-engine; :mod:`spire.serving.api` turns a parsed request into :meth:`spire.serving.engine.Engine.add_request`.
+engine; :mod:`spire.serving.api` turns a parsed request into :meth:`spire.engine.engine.Engine.add_request`.
 """
 
 from __future__ import annotations
