@@ -73,7 +73,7 @@ class Backend:
 
     def native(self) -> bool:
         """Whether native kernels run: :attr:`kernels` on and the library built on this machine."""
-        from spire import kernels
+        from spire import kernels  # deferred: kernels imports torch; this module is read by the CLI's parser
 
         return self.kernels and kernels.available()
 
@@ -114,7 +114,7 @@ class Backend:
     def describe(self) -> dict:
         """What ran, for logs and results.json: every field, and whether the native kernels were built here (with
         the reason when not)."""
-        from spire import kernels
+        from spire import kernels  # deferred: kernels imports torch; this module is read by the CLI's parser
 
         out: dict = dataclasses.asdict(self)
         out["native_kernels_built"] = kernels.available()
