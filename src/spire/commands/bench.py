@@ -136,7 +136,10 @@ def draft_paths(args: BenchArgs, log: Callable[[str], None]) -> dict[str, str]:
         kind, sep, path = value.partition("=")
         if not sep or not path.strip():
             raise ConfigError(f"--draft-path expects KIND=PATH (e.g. eagle3=runs/eagle3), got {value!r}")
-        kind = registry.kind(kind.strip()).name
+        kind = kind.strip()
+        if kind not in registry.names(trains=True):
+            raise ConfigError(f"--draft-path {value!r}: KIND is one of the trained kinds, "
+                              f"{', '.join(registry.names(trains=True))}")
         if kind in paths:
             raise ConfigError(f"--draft-path {kind}=... given twice")
         paths[kind] = path.strip()
@@ -153,10 +156,11 @@ def draft_paths(args: BenchArgs, log: Callable[[str], None]) -> dict[str, str]:
     return paths
 
 
-def load_drafts(args: BenchArgs, target, tokenizer, log: Callable[[str], None]) -> tuple[dict, list[str], dict]:
+def load_drafts(args: BenchArgs, target, tokenizer, log: Callable[[str], None],
+                paths: dict[str, str] | None = None) -> tuple[dict, list[str], dict]:
     """name -> draft for the run, messages for the drafts skipped, name -> where each draft came from."""
     drafts, sources, skipped = untrained_drafts(args, target)
-    paths = draft_paths(args, log)
+    paths = draft_paths(args, log) if paths is None else paths
     for name in registry.names(trains=True):
         path = paths.get(name)
         if name == "spire" and args.no_spire:
@@ -195,6 +199,7 @@ def check_positions(cfg, target) -> None:
 def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load everything, run the grid, return (result, summary). Raises SpireError subclasses."""
     cfg = args.config()
+    paths = draft_paths(args, log)  # checked (and the old flags' deprecation said) before anything loads
     if args.dtype not in TORCH_DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(TORCH_DTYPES)}, got {args.dtype!r}")
     set_threads(args.threads)
@@ -239,7 +244,7 @@ def run(args: BenchArgs, log: Callable[[str], None]) -> tuple[dict[str, Any], di
         target, tokenizer, folder = load_target(args.target, dtype=TORCH_DTYPES[args.dtype], device=str(device),
                                                 progress=False)
         check_positions(cfg, target)  # before the drafts load and the hardware is calibrated
-        drafts, skipped, sources = load_drafts(args, target, tokenizer, log)
+        drafts, skipped, sources = load_drafts(args, target, tokenizer, log, paths)
         data = prepare_data(tokenizer, eos_id=document_separator_id(tokenizer), progress=False)
 
         def contexts_for(L: int, n: int) -> torch.Tensor:

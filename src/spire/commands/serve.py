@@ -131,8 +131,8 @@ def serve(
         if value not in allowed:
             raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
     draft_options = draft_options or {}
-    used = [draft] if draft else list(registry.names())  # without --draft, the kind is picked after the model loads
-    draft_options_for(draft, draft_options, used)  # checked before the model loads
+    # checked before the model loads; without --draft the kind is picked after it, and the note comes then
+    draft_options_for(draft, draft_options, [draft] if draft else list(registry.names()))
     check_bind(host, port)
     from spire.commands.generate import round_weights
     from spire.drafts import make_draft
@@ -146,7 +146,8 @@ def serve(
             typer.echo(f"warning: --max-len {max_len} is more than the target's {model.cfg.max_positions} positions; "
                        f"using {model.cfg.max_positions}", err=True)
         kind, path, why = pick_draft(draft, draft_path, model)
-        d = make_draft(kind, model, tokenizer, path, **draft_options_for(kind, draft_options, used))
+        d = make_draft(kind, model, tokenizer, path, **(draft_options_for(kind, draft_options) if not draft else
+                                                       registry.check_options(kind, draft_options.get(kind, {}))))
         round_weights(model, d, kind, weights, draft_weights)
         policy = None
         if k_policy == "cost-model" and d is not None:

@@ -137,7 +137,8 @@ def validate(a: TauArgs, max_positions: int | None = None) -> None:
     for name in ("G", "k", "n_contexts", "batch_size", "max_batch_tokens"):
         if int(getattr(a, name)) < 1:
             raise ConfigError(f"{name} must be >= 1, got {getattr(a, name)}")
-    draft_options_for(None, a.draft_options, {d.kind for d in a.drafts})
+    for kind, values in a.draft_options.items():
+        registry.check_options(kind, values)
     if not a.Ls:
         raise ConfigError("give at least one -L")
     if any(L < 2 for L in a.Ls):
@@ -371,6 +372,7 @@ def args_from_options(p: dict[str, Any]) -> TauArgs:
                    seed=p["seed"], target=p["target"], draft_options=p.get("draft_options") or {}, nested=p["nested"],
                    nested_length=p["nested_length"], threads=p["threads"], diagnose=p["diagnose"])
     validate(args)
+    draft_options_for(None, args.draft_options, {d.kind for d in args.drafts})  # a note for options that do nothing
     return args
 
 
