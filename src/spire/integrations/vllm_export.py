@@ -36,6 +36,7 @@ What vLLM does NOT check when it loads an EAGLE-3 folder (its ``SpeculativeConfi
   refuses ids that do not ascend;
 - ids beyond the target's layers: vLLM captures none there (a narrower input to ``fc``); the export checks
   the ids against the target;
+- an absent ``norm_before_residual``: vLLM takes it as true; the export writes all four norm flags;
 - spire's sink + window view of an EAGLE-3 draft's cache: vLLM's EAGLE-3 layer has a full cache. The export
   writes the full-cache variant (spire reads the folder back as vLLM runs it) and says so in one line.
 """
@@ -70,6 +71,10 @@ Gemma3ForCausalLM does not."""
 
 EAGLE3_LAYER_TYPES: tuple[str, ...] = ("llama", "qwen3")
 """``transformer_layer_config.model_type`` values vLLM's speculators reader maps to an EAGLE-3 class."""
+
+NORM_FLAGS: tuple[str, ...] = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+"""speculators' EAGLE-3 flags vLLM honours; the export writes each as true or false, since vLLM fills an absent
+``norm_before_residual`` with true (``update_eagle3``) where spire's default is false."""
 
 
 def method(kind: str) -> str | None:
@@ -127,6 +132,10 @@ def _eagle3(config: dict, target) -> str | None:
     if not ids or ids[-1] > c.n_layers:
         raise ConfigError(f"the draft reads target layers {ids}; the target has {c.n_layers} (ids 0 to "
                           f"{c.n_layers}): nothing exported")
+    missing = [f for f in NORM_FLAGS if not isinstance(config.get(f), bool)]
+    if missing:  # vLLM takes an absent norm_before_residual as true (CASES.md 18: the flag dropped)
+        raise ConfigError(f"the EAGLE-3 config.json does not set {', '.join(missing)} (vLLM would guess): nothing "
+                          "exported")
     for key, want in (("target_hidden_size", c.d_model), ("hidden_size", c.d_model)):
         have = config.get(key) if key == "target_hidden_size" else tl.get(key)
         if have != want:
