@@ -432,8 +432,9 @@ def _other_target(folder: Path, like: Path, **shape) -> None:
 
 @needs_vllm
 @needs_smollm2
-@pytest.mark.xfail(strict=True, reason="vLLM 0.32 loads an EAGLE-3 folder without checking which target it was made "
-                                       "for (docs/serving.md): a start-up check needs spire's plugin (issue 41, item 3)")
+@pytest.mark.xfail(strict=True, reason="vLLM 0.32 loads an EAGLE-3 folder without checking which target it was "
+                                       "made for (docs/serving.md): a start-up check needs spire's plugin (issue 41, "
+                                       "item 3)")
 @pytest.mark.parametrize("other,named", [("width 128", "hidden size"), ("8 layers of width 576", "layers")])
 def test_vllm_stops_at_start_up_on_an_export_for_another_target(tmp_path, other, named):
     """Goal 4 of issue 41, as vLLM's own EAGLE-3 path stands today: a draft exported (correctly) for another target,
