@@ -165,8 +165,8 @@ def check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
             continue
         opt = declared.get(key)
         if opt is None:
-            owner = next((k for k in KINDS for o in k.options if o.name == key), None)
-            flag = owner.options[[o.name for o in owner.options].index(key)].flag_for(owner.name) if owner else key
+            owner, other = next(((k, o) for k in KINDS for o in k.options if o.name == key), (None, None))
+            flag = other.flag_for(owner.name) if owner else key
             raise ConfigError(f"{flag} is an option of --draft {owner.name if owner else '?'}, not --draft {name} "
                               f"(its options: {', '.join(o.flag_for(name) for o in entry.options) or 'none'})")
         try:

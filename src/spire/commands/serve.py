@@ -146,8 +146,10 @@ def serve(
             typer.echo(f"warning: --max-len {max_len} is more than the target's {model.cfg.max_positions} positions; "
                        f"using {model.cfg.max_positions}", err=True)
         kind, path, why = pick_draft(draft, draft_path, model)
-        d = make_draft(kind, model, tokenizer, path, **(draft_options_for(kind, draft_options) if not draft else
-                                                       registry.check_options(kind, draft_options.get(kind, {}))))
+        # the options noted above when --draft was given; a picked draft's get their note here
+        options = (registry.check_options(kind, draft_options.get(kind, {})) if draft
+                   else draft_options_for(kind, draft_options))
+        d = make_draft(kind, model, tokenizer, path, **options)
         round_weights(model, d, kind, weights, draft_weights)
         policy = None
         if k_policy == "cost-model" and d is not None:
