@@ -38,7 +38,7 @@ def main() -> None:
     result = {"target": args.target, "layers": list(layers), "vocab_size": args.vocab_size,
               "heldout_windows": args.windows, "k": args.k}
     for bridge in (False, True):
-        cfg = TrainConfig(k=args.k, spire=SpireConfig(layers=layers, vocab_size=args.vocab_size, bridge=bridge))
+        cfg = TrainConfig(k=args.k, draft_config=SpireConfig(layers=layers, vocab_size=args.vocab_size, bridge=bridge))
         model = SpireDraftModel.for_training(target, cfg, data)
         model.start_training(data, cfg)  # the trainer's fit (nothing without a bridge)
         model.eval()

@@ -59,7 +59,7 @@ def main() -> None:
     data = prepare_data(tokenizer, eos_id=document_separator_id(tokenizer), progress=False)
     arch = spire_architecture(ReproduceConfig(), target.cfg.n_layers, target.cfg.vocab_size)
     cfg = TrainConfig(budget_s=a.budget, batch_size=a.batch_size, seq_len=a.seq_len, lr=a.lr, bf16=None,
-                      spire=arch, data_steps=a.cache_steps, target_cache="bfloat16", eval_every=0,
+                      draft_config=arch, data_steps=a.cache_steps, target_cache="bfloat16", eval_every=0,
                       checkpoint_every=1e9, compile=a.compile)
     heldout = data.heldout_contexts(max(a.seq_len - 64, a.seq_len // 2), min(64, a.seq_len // 2), 16, seed=1)
     t0 = time.time()

@@ -52,7 +52,7 @@ def parse_variant(text: str) -> tuple[str, dict]:
 def variant_config(base, kw: dict, eagle3_cfg):
     if kw.get("eagle3") == "1":
         return replace(eagle3_cfg, max_steps=base.max_steps, budget_s=base.budget_s)
-    cfg = replace(base, spire=replace(base.spire))
+    cfg = replace(base, draft_config=replace(base.draft_config))
     if "omega" in kw:
         cfg.omega = float(kw["omega"])
     if "loss" in kw:
@@ -60,7 +60,7 @@ def variant_config(base, kw: dict, eagle3_cfg):
     if "lr" in kw:
         cfg.lr = float(kw["lr"])
     if "vocab" in kw:
-        cfg.spire.vocab_size = int(kw["vocab"]) or None
+        cfg.draft_config.vocab_size = int(kw["vocab"]) or None
     if "target_cache" in kw:
         cfg.target_cache = kw["target_cache"]
     return cfg

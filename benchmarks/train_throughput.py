@@ -87,7 +87,7 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
         paths[f"cache, vocabulary {vocab_size}, torch.compile"] = (vocab_size, cache_dtype, True)
     runs, build_s = {}, None
     for name, (n, dtype, fused) in paths.items():
-        cfg = TrainConfig(bf16=bf16, data_steps=steps + 1, spire=SpireConfig(vocab_size=n, **spire_cfg))
+        cfg = TrainConfig(bf16=bf16, data_steps=steps + 1, draft_config=SpireConfig(vocab_size=n, **spire_cfg))
         model = distill._build_model(target, cfg, data)
         layers_needed, teacher = model.target_layers(), distill.needs_teacher(model, cfg)
         if dtype is None:
@@ -172,7 +172,7 @@ def whole_machine_rates(target, data, folder, steps: int, vocab_size: int, cache
         for rep in range(repeats):
             for name, (n, dtype, procs) in paths.items():
                 cfg = TrainConfig(budget_s=1e9, max_steps=steps, checkpoint_every=1e9, data_steps=steps,
-                                  target_cache=dtype, spire=SpireConfig(vocab_size=n, **spire_cfg))
+                                  target_cache=dtype, draft_config=SpireConfig(vocab_size=n, **spire_cfg))
                 old = dtype is None
                 out = Path(tmp) / f"{rep}-{'old' if old else 'new'}"  # one folder per run (procs may be 1 for both)
                 fused_loss, before = distill.mixed_loss_logp, backend.of(target)

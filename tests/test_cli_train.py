@@ -320,7 +320,7 @@ def test_backend_option_reaches_the_run_log_and_a_resume_may_change_it(tiny_fold
 def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp_path, capsys, monkeypatch):
     """--out naming a file, --device cuda without CUDA, a --seq-len past the target's positions (the tiny target
     has 512) and negative --eval-windows: each one error line and a non-zero exit (they crashed with a traceback or
-    trained), SPIRe options with --draft vanilla name themselves, draft layers, vocabulary and vanilla layers that the target cannot hold are refused before the banner, nothing written; the file given as --out is left as it was."""
+    trained), SPIRe options with --draft vanilla name themselves and their kind, draft layers, vocabulary and vanilla layers that the target cannot hold are refused before the banner, nothing written; the file given as --out is left as it was."""
     monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
     afile = tmp_path / "afile"
     afile.write_text("keep me")
@@ -333,7 +333,7 @@ def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp
              (["--eval-windows", "-1"], "--eval-windows must be >= 0, got -1"),
              (["--batch-size", "0"], "got k=4, batch size 0, seq_len 16"),
              (["--draft", "vanilla", "--full-kv", "--no-feedback-memory", "--draft-vocab", "64"],
-              "--n-draft-layers, --full-kv, --draft-vocab, --no-feedback-memory: SPIRe options, for --draft spire only"),
+              "--n-draft-layers, --full-kv, --draft-vocab, --no-feedback-memory: options of --draft spire, not of --draft vanilla"),
              (["--draft", "vanilla", "--ablation", "omega1"], "--ablation omega1 applies to --draft spire only"),
              (["--layers", "0,99"], "draft layers must be distinct target layers in [0, "),
              (["--draft-vocab", "10000000"], "the draft vocabulary (10000000) is larger than the target's")]
@@ -368,9 +368,9 @@ def test_vocab_size_is_a_deprecated_alias_of_draft_vocab(monkeypatch, capsys):
     assert capsys.readouterr().err.splitlines() == ["warning: --vocab-size is deprecated; use --draft-vocab"]
     _main(["train", "--draft-vocab", "1000"])
     assert capsys.readouterr().err == ""
-    assert seen[0].spire_overrides == seen[1].spire_overrides == {"vocab_size": 1000}
+    assert seen[0].draft_overrides == seen[1].draft_overrides == {"spire": {"vocab_size": 1000}}
     _main(["train", "--draft-vocab", "2000", "--vocab-size", "1000"])  # the new name wins
-    assert seen[2].spire_overrides == {"vocab_size": 2000}
+    assert seen[2].draft_overrides == {"spire": {"vocab_size": 2000}}
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main(["train", "--vocab-size", "1000", "--help"])

@@ -126,7 +126,7 @@ def test_the_warm_up_compiles_everything_under_bf16(tmp_path, tiny, monkeypatch,
     monkeypatch.setattr(distill.Trainer, "warm_up", warm_up)
     monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
     cfg = dataclasses.replace(config("spire", 4, 4), bf16=True, compile=True, data_steps=4, target_cache="bfloat16",
-                              spire=SpireConfig(n_draft_layers=2, window=8, vocab_size=60))
+                              draft_config=SpireConfig(n_draft_layers=2, window=8, vocab_size=60))
     _, state = train_draft(tiny, TokenLikeData(), tmp_path, cfg, progress=False)
     assert state["step"] == 4 and [e["compiled"] for e in _log(tmp_path) if e["event"] == "compile"] == [True]
     assert after_warm_up[0] >= 1

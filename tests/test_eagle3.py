@@ -156,7 +156,7 @@ def test_for_training_and_the_kl_loss(target8):
     vocabulary (speculators' kl_div_loss), its gradient, and alpha with the target's true p."""
     counts = torch.arange(V).repeat_interleave(torch.arange(V) % 7 + 1)  # token i appears (i mod 7) + 1 times
     data = types.SimpleNamespace(train=types.SimpleNamespace(tokens=counts.numpy()))
-    cfg = types.SimpleNamespace(seed=0, eagle3=Eagle3Config(draft_vocab=40))
+    cfg = types.SimpleNamespace(seed=0, draft_config=Eagle3Config(draft_vocab=40))
     m = Eagle3DraftModel.for_training(target8, cfg, data)
     want = sorted(sorted(range(V), key=lambda i: (-(i % 7), i))[:40])
     assert m.vocab.tolist() == want and m.kind == "eagle3" and m.default_loss == "kl"

@@ -46,8 +46,8 @@ def test_zero_where_the_draft_computes_what_the_target_does(tiny):
 
 
 def test_loss_adds_the_weighted_term_and_trains_it_down(tiny, tmp_path):
-    cfg = TrainConfig(batch_size=4, seq_len=32, k=4, bf16=False, spire=SpireConfig(layers=(0, 3), window=8))
-    model = SpireDraftModel(tiny, cfg.spire)
+    cfg = TrainConfig(batch_size=4, seq_len=32, k=4, bf16=False, draft_config=SpireConfig(layers=(0, 3), window=8))
+    model = SpireDraftModel(tiny, cfg.draft_config)
     tokens, tb = _batch(tiny, model.source_layers)
     base, alpha = step_loss(model, tiny, tb, cfg)
     cfg.hidden_weight = 0.5
@@ -58,12 +58,12 @@ def test_loss_adds_the_weighted_term_and_trains_it_down(tiny, tmp_path):
     assert parts["hidden"] == pytest.approx(float(mismatch), rel=1e-5)
     # training with a large weight lowers the term on held-in data
     cfg = TrainConfig(max_steps=40, batch_size=4, seq_len=32, k=4, lr=3e-3, bf16=False, hidden_weight=5.0,
-                      spire=SpireConfig(layers=(0, 3), window=8))
+                      draft_config=SpireConfig(layers=(0, 3), window=8))
     data = RepeatingData()
     trained, state = train_draft(tiny, data, tmp_path, cfg, progress=False)
     seq = data.seqs[:2]
     tb = run_target(tiny, seq, trained.source_layers, teacher=True)
-    fresh = SpireDraftModel(tiny, cfg.spire)
+    fresh = SpireDraftModel(tiny, cfg.draft_config)
     before = float(fresh.forward_train(seq, tb.hidden, 4, match_hidden=True)[1])
     after = float(trained.forward_train(seq, tb.hidden, 4, match_hidden=True)[1])
     assert state["finished"] and after < 0.7 * before, (before, after)

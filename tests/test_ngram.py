@@ -77,6 +77,11 @@ def test_config_follows_vllm_defaults_and_refuses_bad_bounds():
     assert make_draft("ngram", None, n_min=2, n_max=None).cfg.n_max == 2  # None: not given
     with pytest.raises(ConfigError, match="--ngram-min is an option of --draft ngram, not --draft magicdec"):
         make_draft("magicdec", None, n_min=2)
+    from spire import registry  # min > max refused with the options, before any model loads
+
+    with pytest.raises(ConfigError, match="^--ngram-min 4 exceeds --ngram-max 2$"):
+        registry.check_options("ngram", {"n_min": 4, "n_max": 2})
+    assert registry.check_options("ngram", {"n_min": 4, "n_max": None}) == {"n_min": 4}
 
 
 # --- proposals on hand-made sequences ------------------------------------------------------------------------

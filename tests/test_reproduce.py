@@ -175,7 +175,7 @@ def test_draft_keys_are_stable_and_every_run_is_checked_first(monkeypatch, tmp_p
     assert keys == {"spire": "smollm2-135m-spire-20cb574c63", "vanilla": "smollm2-135m-vanilla-b098eef00a"}
     cfg.bridge = True  # a bridged draft is another draft
     bridged = dict(training_runs(cfg, spire_architecture(cfg, 30, 49152)))["spire"]
-    assert bridged.spire.bridge and _draft_dir(cfg, bridged, Path("/nonexistent/smollm2")).name != keys["spire"]
+    assert bridged.draft_config.bridge and _draft_dir(cfg, bridged, Path("/nonexistent/smollm2")).name != keys["spire"]
     cfg = ReproduceConfig(hidden_weight=1.0, ablations=("no-feedback", "no-feedback-no-target"))
     runs = dict(training_runs(cfg, spire_architecture(cfg, 30, 49152)))
     assert runs["spire"].hidden_weight == 1.0 and runs["spire-no-feedback"].hidden_weight == 1.0

@@ -317,8 +317,8 @@ def test_vanilla_baseline_learns_and_exports_an_hf_folder(tmp_path, tiny):
 @pytest.mark.parametrize("name", [n for n in ABLATIONS if n != "none"])
 def test_every_ablation_trains(tmp_path, tiny, name):
     cfg = ablation_config(name, **{k: v for k, v in vars(config("spire", 3, 2)).items()
-                                   if k not in ("draft", "ablation", "spire", "omega", "loss")},
-                          spire=SpireConfig(n_draft_layers=2, window=8))
+                                   if k not in ("draft", "ablation", "draft_config", "omega", "loss")},
+                          draft_config=SpireConfig(n_draft_layers=2, window=8))
     model, state = train_draft(tiny, RepeatingData(), tmp_path, cfg, heldout=RepeatingData().seqs[:2],
                                progress=False)
     assert state["step"] == 3 and state["config"]["ablation"] == name
@@ -425,7 +425,7 @@ def test_resume_takes_the_saved_settings(tmp_path, tiny):
     train_draft(tiny, RepeatingData(), tmp_path, cfg, progress=False)
     again = saved_config(tmp_path, {"max_steps": 3, "checkpoint_every": 5.0})
     assert (again.lr, again.seq_len, again.max_steps, again.checkpoint_every) == (2e-3, 16, 3, 5.0)
-    assert again.spire == cfg.spire
+    assert again.draft_config == cfg.draft_config
     _, state = train_draft(tiny, RepeatingData(), tmp_path, again, resume=True, progress=False)
     assert state["step"] == 3
     with pytest.raises(CheckpointError, match="nothing to resume"):
@@ -485,13 +485,13 @@ def test_bridge_is_fitted_once_before_a_fresh_run_and_kept_on_resume(tmp_path, t
     map the one fit_bridge gives on the seeded training windows); a resume keeps the trained bridge from its
     checkpoint and does not fit again; a random draft is not fitted (its stream is not the target's)."""
     cfg = config("spire", 2, 4)
-    cfg.spire = SpireConfig(n_draft_layers=2, window=8, bridge=True)
+    cfg.draft_config = SpireConfig(n_draft_layers=2, window=8, bridge=True)
     lines = []
     model, _ = train_draft(tiny, RepeatingData(), tmp_path / "run", cfg, progress=False, log=lines.append)
     events = [r for r in _log(tmp_path / "run") if r["event"] == "bridge"]
     assert len(events) == 1 and events[0]["layer"] == 0 and events[0]["step"] == 0 and 0 < events[0]["r2"] <= 1
     assert any("bridge into draft layer 0" in ln and "in-sample R²" in ln for ln in lines)
-    fresh = SpireDraftModel(tiny, cfg.spire)
+    fresh = SpireDraftModel(tiny, cfg.draft_config)
     rows = RepeatingData().sample_train_batch(32, cfg.seq_len, torch.Generator().manual_seed(cfg.seed))
     assert fresh.fit_bridge(rows) == pytest.approx(events[0]["r2"], abs=1e-9)
     assert not torch.equal(fresh.bridge.weight, torch.eye(tiny.cfg.d_model))

@@ -45,11 +45,11 @@ def test_mixed_loss_values():
 def test_training_raises_alpha_and_resumes(tmp_path, tiny):
     data = RepeatingData()
     cfg = TrainConfig(budget_s=600.0, max_steps=30, batch_size=4, seq_len=32, k=4, lr=3e-3, bf16=False,
-                      checkpoint_every=0.5, spire=SpireConfig(n_draft_layers=2, window=8))
+                      checkpoint_every=0.5, draft_config=SpireConfig(n_draft_layers=2, window=8))
     windows = data.seqs
     from spire.drafts.spire import SpireDraftModel
 
-    before = evaluate_alpha(SpireDraftModel(tiny, cfg.spire), tiny, windows, 4)
+    before = evaluate_alpha(SpireDraftModel(tiny, cfg.draft_config), tiny, windows, 4)
     model, state = train_draft(tiny, data, tmp_path, cfg, progress=False)
     after = evaluate_alpha(model, tiny, windows, 4)
     assert state["finished"] and state["step"] == 30

@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from spire.formats import draft_file as spire_drafts  # noqa: E402  (the draft file's writer)
 from spire.drafts.spire import SpireConfig  # noqa: E402
+from spire.drafts.vanilla import VanillaConfig  # noqa: E402
 from spire.training import distill  # noqa: E402
 from spire.training.distill import TrainConfig, init_distributed, train_draft  # noqa: E402
 from tests.conftest import make_tiny  # noqa: E402
@@ -54,8 +55,8 @@ class RepeatingData:
 def config(draft: str, max_steps: int | None, batch: int, checkpoint_every: float = 1e9,
            budget_s: float = 1e6) -> TrainConfig:
     return TrainConfig(draft=draft, budget_s=budget_s, max_steps=max_steps, batch_size=batch, seq_len=32, k=4,
-                       lr=3e-3, warmup_steps=2, bf16=False, checkpoint_every=checkpoint_every, vanilla_layers=1,
-                       spire=SpireConfig(n_draft_layers=2, window=8))
+                       lr=3e-3, warmup_steps=2, bf16=False, checkpoint_every=checkpoint_every,
+                       draft_config={"spire": SpireConfig(n_draft_layers=2, window=8), "vanilla": VanillaConfig(1)}.get(draft))
 
 
 class TickClock:

@@ -306,7 +306,7 @@ def training_runs(cfg: ReproduceConfig, spire_arch: SpireConfig) -> list[tuple[s
     cache = {} if cfg.target_cache is None else {"data_steps": cfg.cache_steps, "target_cache": cfg.target_cache}
     if cfg.hidden_weight:
         cache["hidden_weight"] = cfg.hidden_weight
-    runs = [("spire", TrainConfig(k=cfg.k, seed=cfg.seed, spire=spire_arch, **cache, eval_every=cfg.eval_every,
+    runs = [("spire", TrainConfig(k=cfg.k, seed=cfg.seed, draft_config=spire_arch, **cache, eval_every=cfg.eval_every,
                                   compile=cfg.compile, **_limits(cfg.budget_s, cfg.steps))),
             ("vanilla", TrainConfig(draft="vanilla", k=cfg.k, seed=cfg.seed, compile=cfg.compile,
                                     **_limits(cfg.vanilla_budget_s, cfg.vanilla_steps)))]
@@ -318,10 +318,10 @@ def training_runs(cfg: ReproduceConfig, spire_arch: SpireConfig) -> list[tuple[s
         runs.append(("eagle3", TrainConfig(draft="eagle3", k=cfg.k, seed=cfg.seed, **shared, eval_every=cfg.eval_every,
                                            compile=cfg.compile, **_limits(budget, steps))))
     for a in cfg.ablations:
-        run = ablation_config(a, k=cfg.k, seed=cfg.seed, spire=spire_arch, **cache, eval_every=cfg.eval_every,
+        run = ablation_config(a, k=cfg.k, seed=cfg.seed, draft_config=spire_arch, **cache, eval_every=cfg.eval_every,
                               compile=cfg.compile,
                               **_limits(cfg.ablation_budget_s, cfg.ablation_steps))
-        if not run.spire.target_activations:  # the matching term reads target activations: this ablation has none
+        if not run.draft_config.target_activations:  # the matching term reads target activations: this ablation has none
             run.hidden_weight = 0.0
         runs.append((f"spire-{a}", run))
     for _, run in runs:  # every run's settings checked before the first one trains (one error line, nothing lost)

@@ -73,12 +73,21 @@ def _at_least(n: int) -> Callable[[Any], str | None]:
     return lambda v: None if v >= n else f"must be >= {n}, got {v}"
 
 
+def _ordered(low: str, high: str, low_flag: str, high_flag: str) -> Callable[[dict], str | None]:
+    """A check of two options given together: ``low`` <= ``high``."""
+    def check(values: dict) -> str | None:
+        lo, hi = values.get(low), values.get(high)
+        return None if lo is None or hi is None or lo <= hi else f"{low_flag} {lo} exceeds {high_flag} {hi}"
+    return check
+
+
 @dataclass(frozen=True)
 class Kind:
     """One draft kind's line: see the module docstring. path: "none" (takes no --draft-path), "optional" (a
     default is found, e.g. the newest trained SPIRe draft) or "required". trains: `spire train --draft NAME`
     trains it. paper_tau: τ the paper measured (L = 512, k = 4), None for kinds the paper did not measure. options:
-    the kind's typed options (:class:`DraftOption`), flags of every command that builds drafts."""
+    the kind's typed options (:class:`DraftOption`), flags of every command that builds drafts. check: a check of
+    the options given together (their values by name -> a problem, or None), run after each option's own."""
 
     name: str
     module: str
@@ -88,6 +97,7 @@ class Kind:
     pricing: Pricing | None
     paper_tau: float | None = None
     options: tuple[DraftOption, ...] = ()
+    check: Callable[[dict], str | None] | None = None
 
 
 KINDS: tuple[Kind, ...] = (
@@ -110,7 +120,7 @@ KINDS: tuple[Kind, ...] = (
          (DraftOption("n_min", int, "shortest suffix matched [vLLM's 5, or --ngram-max]", None, _at_least(1),
                       "--ngram-min"),
           DraftOption("n_max", int, "longest suffix matched [vLLM's 5, or --ngram-min]", None, _at_least(1),
-                      "--ngram-max"))),
+                      "--ngram-max")), _ordered("n_min", "n_max", "--ngram-min", "--ngram-max")),
 )
 
 _BY_NAME = {k.name: k for k in KINDS}
@@ -177,6 +187,9 @@ def check_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
         if problem:
             raise ConfigError(f"{opt.flag_for(name)} {problem}")
         out[key] = value
+    problem = entry.check(out) if entry.check is not None else None
+    if problem:
+        raise ConfigError(problem)
     return out
 
 

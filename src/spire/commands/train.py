@@ -7,7 +7,7 @@ Works the same in one process and under ``torchrun --nproc_per_node N`` (data pa
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -16,9 +16,6 @@ import torch
 from spire import defaults
 from spire.commands.options import ints
 from spire.data import document_separator_id, prepare_data, prepare_text_files
-from spire.drafts.eagle3 import Eagle3Config
-from spire.drafts.spire import SpireConfig
-from spire.drafts.vanilla import vanilla_config
 from spire.errors import CheckpointError, ConfigError
 from spire.loading import load_target
 from spire.paths import check_output_path
@@ -33,7 +30,8 @@ DEVICES = ("auto", "cpu", "cuda")
 @dataclass
 class TrainRunArgs:
     """What `spire train` was asked for. ``data``: "registry" (the registry texts of `spire data`) or paths of
-    text files / folders. ``spire_overrides``: SpireConfig fields given explicitly (they win over --ablation).
+    text files / folders. ``draft_overrides``: the draft config fields given explicitly, by kind
+    ({"spire": {"window": 32}}; they win over --ablation; those of another kind than ``draft`` are refused).
     ``train_overrides``: TrainConfig fields given explicitly (:data:`COMMAND_DEFAULTS` fill the others first).
     With ``resume`` only the :data:`spire.training.distill.RESUME_SETTINGS` of ``train_overrides`` apply."""
 
@@ -45,8 +43,7 @@ class TrainRunArgs:
     resume: bool = False
     device: str = "auto"
     eval_windows: int | None = None  # None: 16, or a resumed run's own
-    spire_overrides: dict = field(default_factory=dict)
-    eagle3_overrides: dict = field(default_factory=dict)
+    draft_overrides: dict[str, dict] = field(default_factory=dict)
     train_overrides: dict = field(default_factory=dict)
     given: tuple[str, ...] = ()  # of "draft", "ablation": those the user set (a resume checks them)
 
@@ -68,24 +65,28 @@ def default_out(args: TrainRunArgs) -> Path:
 TRAIN_FIELDS = {"budget": "budget_s", "max_steps": "max_steps", "batch_size": "batch_size", "seq_len": "seq_len",
                 "k": "k", "lr": "lr", "warmup_steps": "warmup_steps", "weight_decay": "weight_decay", "loss": "loss",
                 "omega": "omega", "grad_clip": "grad_clip", "bf16": "bf16", "seed": "seed",
-                "checkpoint_every": "checkpoint_every", "eval_every": "eval_every", "vanilla_layers": "vanilla_layers",
+                "checkpoint_every": "checkpoint_every", "eval_every": "eval_every",
                 "cache_steps": "data_steps", "target_cache": "target_cache", "hidden_loss": "hidden_weight",
                 "compile_step": "compile"}
 """`spire train` option (parameter name) -> TrainConfig field."""
-SPIRE_FIELDS = {"n_draft_layers": "n_draft_layers", "init": "init", "sink": "sink", "window": "window",
-                "draft_vocab": "vocab_size"}
-"""`spire train` options (parameter name) -> the SpireConfig field each sets."""
-SPIRE_SWITCHES = {"full_kv": ("window", None), "no_feedback_memory": ("feedback_memory", False),
-                  "no_target_activations": ("target_activations", False), "no_self_attend": ("self_attend", False),
-                  "feature_input": ("feature_input", True), "bridge": ("bridge", True)}
-"""`spire train` flags that set a SpireConfig field: flag parameter -> (field, value when the flag is given)."""
+DRAFT_FIELDS: dict[str, dict[str, str]] = {
+    "spire": {"n_draft_layers": "n_draft_layers", "layers": "layers", "init": "init", "sink": "sink",
+              "window": "window", "draft_vocab": "vocab_size"},
+    "eagle3": {"eagle3_layers": "layers", "eagle3_vocab": "draft_vocab"},
+    "vanilla": {"vanilla_layers": "n_layers"},
+}
+"""`spire train` options of one trainable kind: kind -> {option (parameter name) -> field of its config class}."""
+DRAFT_SWITCHES: dict[str, dict[str, tuple[str, object]]] = {
+    "spire": {"full_kv": ("window", None), "no_feedback_memory": ("feedback_memory", False),
+              "no_target_activations": ("target_activations", False), "no_self_attend": ("self_attend", False),
+              "feature_input": ("feature_input", True), "bridge": ("bridge", True)},
+}
+"""`spire train` flags that set a field of a kind's config: kind -> {flag parameter -> (field, value when given)}."""
+LIST_OPTIONS = ("layers", "eagle3_layers")
+"""Options given as J,J,... lists of layer ids."""
 DEPRECATED = {"vocab_size": "draft_vocab"}
 """`spire train` options that still work under an old name: old parameter -> new one (the name `spire reproduce`
 gives the same setting). Using the old one prints a warning."""
-
-FLAG_NAMES = {"feedback_memory": "--no-feedback-memory", "target_activations": "--no-target-activations",
-              "self_attend": "--no-self-attend", "vocab_size": "--draft-vocab"}
-"""SpireConfig fields that `spire train` sets by a flag of another name."""
 
 
 def _flag(param: str) -> str:
@@ -93,11 +94,13 @@ def _flag(param: str) -> str:
     return "--" + param.replace("_", "-")
 
 
-def spire_option(field_name: str, value) -> str:
-    """The `spire train` option that set SpireConfig field ``field_name`` to ``value`` (for error messages)."""
-    if field_name == "window" and value is None:
-        return "--full-kv"
-    return FLAG_NAMES.get(field_name, _flag(field_name))
+def draft_option(kind: str, field_name: str, value) -> str:
+    """The `spire train` option that set field ``field_name`` of a ``kind`` draft's config to ``value`` (for error
+    messages)."""
+    for param, (f, v) in DRAFT_SWITCHES.get(kind, {}).items():
+        if f == field_name and v == value:
+            return _flag(param)
+    return next((_flag(p) for p, f in DRAFT_FIELDS.get(kind, {}).items() if f == field_name), field_name)
 
 
 def args_from_options(params: dict, given: dict, log: Callable[[str], None] = print) -> TrainRunArgs:
@@ -110,20 +113,31 @@ def args_from_options(params: dict, given: dict, log: Callable[[str], None] = pr
         if old in given:
             log(f"warning: {_flag(old)} is deprecated; use {_flag(new)}")
             given.setdefault(new, given.pop(old))
-    spire_kw = {field: given[name] for name, field in SPIRE_FIELDS.items() if given.get(name) is not None}
-    if params["layers"] is not None:
-        spire_kw["layers"] = tuple(ints("--layers", [params["layers"]]))
-    spire_kw.update(setting for flag, setting in SPIRE_SWITCHES.items() if params.get(flag))
+    values = {**params, **given}
+    for name in LIST_OPTIONS:
+        if values.get(name) is not None:
+            values[name] = tuple(ints(_flag(name), [values[name]]))
+    draft_kw = {}
+    for kind, options in DRAFT_FIELDS.items():
+        kw = {f: values[name] for name, f in options.items() if values.get(name) is not None}
+        kw.update(setting for flag, setting in DRAFT_SWITCHES.get(kind, {}).items() if params.get(flag))
+        if kw:
+            draft_kw[kind] = kw
     train_kw = {field: given[name] for name, field in TRAIN_FIELDS.items() if given.get(name) is not None}
     if train_kw.get("target_cache") == "none":  # as in `spire reproduce`: the live target (the default)
         train_kw["target_cache"] = None
-    eagle3_kw = {} if params["eagle3_layers"] is None else {
-        "layers": tuple(ints("--eagle3-layers", [params["eagle3_layers"]]))}
-    eagle3_kw.update({} if params["eagle3_vocab"] is None else {"draft_vocab": params["eagle3_vocab"]})
     return TrainRunArgs(draft=params["draft"], target=params["target"], data=params["data"], out=params["out"],
                         ablation=params["ablation"], resume=params["resume"], device=params["device"],
-                        eval_windows=params["eval_windows"], spire_overrides=spire_kw, train_overrides=train_kw,
-                        eagle3_overrides=eagle3_kw, given=tuple(name for name in ("draft", "ablation") if name in given))
+                        eval_windows=params["eval_windows"], draft_overrides=draft_kw, train_overrides=train_kw,
+                        given=tuple(name for name in ("draft", "ablation") if name in given))
+
+
+def _refuse_foreign(args: TrainRunArgs) -> None:
+    """ConfigError naming the options given for another kind than ``args.draft``."""
+    for kind, kw in args.draft_overrides.items():
+        if kind != args.draft and kw:
+            names = ", ".join(draft_option(kind, k, v) for k, v in kw.items())
+            raise ConfigError(f"{names}: options of --draft {kind}, not of --draft {args.draft}")
 
 
 def build_config(args: TrainRunArgs) -> TrainConfig:
@@ -132,20 +146,14 @@ def build_config(args: TrainRunArgs) -> TrainConfig:
         raise ConfigError(f"unknown ablation {args.ablation!r}; choose one of {', '.join(ABLATIONS)}")
     if args.draft != "spire" and args.ablation != "none":
         raise ConfigError(f"--ablation {args.ablation} applies to --draft spire only")
-    if args.draft != "eagle3" and args.eagle3_overrides:
-        flags = {"layers": "--eagle3-layers", "draft_vocab": "--eagle3-vocab"}
-        raise ConfigError(f"{', '.join(flags.get(k, k) for k in args.eagle3_overrides)}: EAGLE-3 options, for --draft "
-                          "eagle3 only")
-    if args.draft != "spire" and args.spire_overrides:
-        raise ConfigError(f"{', '.join(spire_option(k, v) for k, v in args.spire_overrides.items())}: SPIRe options, "
-                          "for --draft spire only")
+    _refuse_foreign(args)
     if args.draft == "spire":
         cfg = ablation_config(args.ablation, **args.settings())
-        cfg.spire = SpireConfig(**{**cfg.spire.to_dict(), **args.spire_overrides})
     else:
         cfg = TrainConfig(draft=args.draft, **args.settings())
-        if args.draft == "eagle3":
-            cfg.eagle3 = Eagle3Config(**args.eagle3_overrides)
+    own = args.draft_overrides.get(args.draft)
+    if own and cfg.draft_config is not None:
+        cfg.draft_config = replace(cfg.draft_config, **own)
     cfg.validate()
     return cfg
 
@@ -156,32 +164,28 @@ def _plain(v):
 
 
 def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None) -> TrainConfig:
-    """The TrainConfig of the run saved in ``out``, with new limits (:data:`spire.training.distill.RESUME_SETTINGS`)
-    applied. Raises CheckpointError when there is nothing to resume, ConfigError when ``args`` give settings other
-    than the limits that differ from the saved run's (a resume keeps its settings)."""
+    """The TrainConfig of the run saved in ``out`` (:meth:`TrainConfig.from_dict`: run folders of every spire
+    version), with new limits (:data:`spire.training.distill.RESUME_SETTINGS`) applied. Raises CheckpointError when
+    there is nothing to resume, ConfigError when ``args`` give settings other than the limits that differ from the
+    saved run's (a resume keeps its settings)."""
     state = load_state(out)
     if state is None:
         raise CheckpointError(f"nothing to resume: {out} holds no checkpoint")
-    saved = dict(state["config"])
+    saved = TrainConfig.from_dict(state["config"])
     if args is not None:
         changed = sorted(k for k, v in args.train_overrides.items()
-                         if k not in RESUME_SETTINGS and saved.get(k, getattr(TrainConfig(), k, None)) != v)
-        changed += [name for name in ("draft", "ablation")
-                    if name in args.given and getattr(args, name) != saved.get(name, getattr(TrainConfig(), name))]
-        changed += sorted(f"spire.{k}" for k, v in args.spire_overrides.items()
-                          if saved["spire"].get(k, getattr(SpireConfig(), k, None)) != (list(v) if isinstance(v, tuple)
-                                                                                           else v))
-        saved_e3 = Eagle3Config.from_dict(saved["eagle3"]) if "eagle3" in saved else Eagle3Config()
-        changed += sorted(f"eagle3.{k}" for k, v in args.eagle3_overrides.items()
-                          if _plain(getattr(saved_e3, k)) != _plain(v))
+                         if k not in RESUME_SETTINGS and _plain(getattr(saved, k)) != _plain(v))
+        changed += [name for name in ("draft", "ablation") if name in args.given and getattr(args, name) != getattr(saved, name)]
+        for kind, kw in args.draft_overrides.items():
+            own = saved.draft_config if kind == saved.draft else None
+            changed += sorted(f"{kind}.{k}" for k, v in kw.items()
+                              if own is None or _plain(getattr(own, k)) != _plain(v))
         if changed:
             raise ConfigError(f"--resume continues {out} with its saved settings; these options differ from them: "
                               f"{', '.join(changed)} (drop them, or train into another --out)")
-    saved["spire"] = SpireConfig(**saved["spire"])
-    if "eagle3" in saved:
-        saved["eagle3"] = Eagle3Config.from_dict(saved["eagle3"])
-    saved.update(limits)
-    return TrainConfig(**saved)
+    for k, v in limits.items():
+        setattr(saved, k, v)
+    return saved
 
 
 def load_data(spec: list[str], tokenizer, progress: bool):
@@ -241,12 +245,8 @@ def run(args: TrainRunArgs, log=print) -> dict:
     target, tokenizer, folder = load_target(args.target, device=device, progress=rank == 0)
     if cfg.seq_len > target.cfg.max_positions:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the target's {target.cfg.max_positions} positions")
-    if cfg.draft == "spire":  # what the target decides, refused before the banner and the data
-        cfg.spire.validate(target.cfg.n_layers, target.cfg.vocab_size)
-    elif cfg.draft == "eagle3":
-        cfg.eagle3.validate(target.cfg.n_layers, target.cfg.vocab_size)
-    else:
-        vanilla_config(target, cfg.vanilla_layers)
+    cfg.draft_config.validate(target.cfg.n_layers, target.cfg.vocab_size)  # what the target decides, refused
+    # before the banner and the data
     data = load_data(args.data, tokenizer, progress=rank == 0)
     if args.resume and cfg.data is not None and cfg.data != data.manifest.get("key"):
         raise ConfigError(f"--resume: {out} was trained on other text than --data {' '.join(args.data)}: give it "

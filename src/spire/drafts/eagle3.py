@@ -286,6 +286,7 @@ class Eagle3DraftModel(DraftVocabulary, nn.Module):
     """
 
     kind, default_loss, export_name = "eagle3", "kl", "eagle3"
+    config_class = Eagle3Config
 
     def __init__(self, target: Transformer, cfg: Eagle3Config | None = None, vocab: torch.Tensor | None = None,
                  layer_cfg: ModelConfig | None = None) -> None:
@@ -475,10 +476,10 @@ class Eagle3DraftModel(DraftVocabulary, nn.Module):
     # -- the training interface (spire.drafts.base.TrainableDraft) ----------------------------------------
     @classmethod
     def for_training(cls, target: Transformer, cfg, data=None) -> "Eagle3DraftModel":
-        """A fresh draft for the TrainConfig ``cfg``: its ``eagle3`` settings (:class:`Eagle3Config`; the defaults
+        """A fresh draft for the TrainConfig ``cfg``: its ``draft_config`` (:class:`Eagle3Config`; the defaults
         when it has none), weights drawn after ``torch.manual_seed(cfg.seed)``, the draft vocabulary from the
         training text's counts (``data.train.tokens``). Raises ConfigError."""
-        e3 = getattr(cfg, "eagle3", None) or Eagle3Config()
+        e3 = getattr(cfg, "draft_config", None) or Eagle3Config()
         torch.manual_seed(getattr(cfg, "seed", 0))
         e3.validate(target.cfg.n_layers, target.cfg.vocab_size)
         vocab = None

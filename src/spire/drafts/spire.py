@@ -514,20 +514,22 @@ class SpireDraftModel(DraftVocabulary, nn.Module):
 
     # -- the training interface (spire.drafts.base.TrainableDraft) ------------------------------------
     kind, default_loss, export_name = "spire", "mixed", "draft.safetensors"
+    config_class = SpireConfig
 
     @classmethod
     def for_training(cls, target: Transformer, cfg, data=None) -> "SpireDraftModel":
-        """A fresh draft of ``cfg.spire`` (a TrainConfig's); with a draft vocabulary, the most frequent tokens of
+        """A fresh draft of ``cfg.draft_config`` (a TrainConfig's :class:`SpireConfig`); with a draft vocabulary, the most frequent tokens of
         the training text (``data.train.tokens``). Raises ConfigError."""
         torch.manual_seed(cfg.seed)  # the random-init ablation draws its weights here
         vocab = None
-        if cfg.spire.vocab_size is not None:
+        sc = cfg.draft_config
+        if sc.vocab_size is not None:
             tokens = getattr(getattr(data, "train", None), "tokens", None)
             if tokens is None:
                 raise ConfigError("a draft vocabulary is chosen from the training text's token counts: this data "
                                   "source has none (data.train.tokens)")
-            vocab = frequent_tokens(tokens, cfg.spire.vocab_size, target.cfg.vocab_size)
-        return cls(target, cfg.spire, vocab)
+            vocab = frequent_tokens(tokens, sc.vocab_size, target.cfg.vocab_size)
+        return cls(target, sc, vocab)
 
     def start_training(self, data, cfg) -> dict | None:
         """Before a fresh run's first step (not on a resume, whose checkpoint holds the trained bridge): fit the

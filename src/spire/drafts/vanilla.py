@@ -81,14 +81,36 @@ class VanillaDraft(Draft):
         return self.model(tokens, pos, self._cache).logits[:, -1]
 
 
+@dataclasses.dataclass
+class VanillaConfig:
+    """The vanilla draft's training settings (its config class: a TrainConfig's ``draft_config`` for
+    ``draft="vanilla"``). n_layers: blocks (None: round(target layers / 8), about 1/8 of the target's body
+    parameters)."""
+
+    n_layers: int | None = None
+
+    def resolved_layers(self, n_target_layers: int) -> int:
+        """The block count: ``n_layers``, or round(n_target_layers / 8) (at least 1)."""
+        return max(1, round(n_target_layers / 8)) if self.n_layers is None else int(self.n_layers)
+
+    def validate(self, n_target_layers: int, vocab_size: int | None = None) -> None:
+        """Raise ConfigError unless 1 <= blocks <= the target's layers (``vocab_size``: unused, the shared
+        signature of the draft config classes)."""
+        n = self.resolved_layers(n_target_layers)
+        if not 1 <= n <= n_target_layers:
+            raise ConfigError(f"the vanilla draft needs 1 to {n_target_layers} layers (the target's), got {n}")
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 def vanilla_config(target: Transformer, n_layers: int | None = None) -> ModelConfig:
     """The vanilla baseline's shape (SPIRe paper §4): the target's width, heads and vocabulary with
-    ``n_layers`` blocks; default round(target layers / 8), about 1/8 of the target's body parameters.
-    Raises ConfigError unless 1 <= n_layers <= the target's layers."""
-    n = max(1, round(target.cfg.n_layers / 8)) if n_layers is None else int(n_layers)
-    if not 1 <= n <= target.cfg.n_layers:
-        raise ConfigError(f"the vanilla draft needs 1 to {target.cfg.n_layers} layers (the target's), got {n}")
-    return dataclasses.replace(target.cfg.without_layers(n), tie_embeddings=True)
+    ``n_layers`` blocks (:class:`VanillaConfig`). Raises ConfigError unless 1 <= n_layers <= the target's layers."""
+    vc = VanillaConfig(n_layers)
+    vc.validate(target.cfg.n_layers)
+    return dataclasses.replace(target.cfg.without_layers(vc.resolved_layers(target.cfg.n_layers)),
+                               tie_embeddings=True)
 
 
 class VanillaDraftModel(Transformer):
@@ -97,12 +119,13 @@ class VanillaDraftModel(Transformer):
     tied to the embedding); its export an HF Llama folder (:func:`save_vanilla`)."""
 
     kind, default_loss, export_name = "vanilla", "hard", "draft"
+    config_class = VanillaConfig
     vocab = None  # always the target's whole vocabulary
 
     @classmethod
     def for_training(cls, target: Transformer, cfg, data=None) -> "VanillaDraftModel":
-        """:func:`build_vanilla` with the TrainConfig's ``vanilla_layers`` and ``seed``."""
-        return build_vanilla(target, cfg.vanilla_layers, cfg.seed)
+        """:func:`build_vanilla` with the TrainConfig's ``draft_config`` (:class:`VanillaConfig`) and ``seed``."""
+        return build_vanilla(target, cfg.draft_config.n_layers, cfg.seed)
 
     def target_layers(self) -> tuple[int, ...]:
         return ()

@@ -35,7 +35,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -51,6 +51,7 @@ from spire.drafts.base import TrainableDraft
 import spire.registry as registry
 from spire.drafts.eagle3 import Eagle3Config
 from spire.drafts.spire import SpireConfig
+from spire.drafts.vanilla import VanillaConfig
 from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.model import Transformer
 from spire.paths import atomic_write, existing_dir, replace_dir
@@ -87,25 +88,30 @@ PAPER_ABLATION_TAU = {"none": 3.401, "no-feedback": 3.352, "no-feedback-no-targe
 class TrainConfig:
     """Settings of one training run.
 
-    draft: "spire" or "vanilla". budget_s: training wall-clock seconds (evaluation and checkpoints
+    draft: a trainable kind ("spire", "eagle3" or "vanilla"). draft_config: that kind's own settings, an instance
+    of its ``config_class`` (:class:`spire.drafts.spire.SpireConfig`, :class:`spire.drafts.eagle3.Eagle3Config`,
+    :class:`spire.drafts.vanilla.VanillaConfig`); None: the kind's defaults. budget_s: training wall-clock seconds (evaluation and checkpoints
     excluded); max_steps: also stop after this many optimizer steps (and then the cosine schedule runs
     over steps, which makes resumed runs exact). batch_size: global batch (rows) per step; seq_len: tokens
     per row (a multiple of k). lr: AdamW peak learning rate. loss: "mixed" (MixedLoss(omega); omega = 1 is
     pure distillation), "hard" (HardTargetLoss) or "kl" (speculators' EAGLE-3 loss: the forward KL to the target
     renormalized over the draft vocabulary, :func:`spire.training.losses.kl_loss_logp`); None picks the method's
-    default (SPIRe: mixed, vanilla: hard, EAGLE-3: kl). eagle3: the EAGLE-3 draft's settings (:class:`Eagle3Config`;
-    read only when draft is "eagle3"). bf16: autocast (None: on where bf16 is fast). eval_every: steps between held-out
+    default (SPIRe: mixed, vanilla: hard, EAGLE-3: kl). bf16: autocast (None: on where bf16 is fast). eval_every: steps between held-out
     evaluations (0: at the end only). ablation: a name of :data:`ABLATIONS`, recorded in the checkpoint.
     data_steps: distinct batches in the run (step s trains on batch s mod data_steps, so a run longer than
     data_steps makes epochs over them); None: a fresh batch every step. target_cache: None runs the frozen
     target on every step; "float32" (exact) or "bfloat16" (compact) runs it once over the data_steps batches
     and trains from the stored outputs (:class:`spire.training.sources.TargetCache`; needs data_steps).
-    vanilla_layers: the vanilla draft's blocks (None: round(target layers / 8)). data: the training text's
+    data: the training text's
     identity (set by `spire train`; a resume on other text is refused). hidden_weight: beyond the paper, the
     weight of SPIRe's hidden-state matching term (:meth:`spire.drafts.spire.SpireDraftModel.hidden_mismatch`)
     added to the loss; 0 (the default) is the paper's loss. compile: the draft's teacher-forced forward and its
     backward through ``torch.compile`` (:func:`compile_draft`): the same computation with fused kernels, equal
     to float32 rounding; not part of a run's identity (a run resumes with or without it).
+
+    On disk (a run's ``train_config.json`` and checkpoint, which other tools read) the layout stays the one of
+    before the draft config classes: ``spire`` and ``eagle3`` objects and ``vanilla_layers``, each kind's defaults
+    for the kinds not trained (:meth:`to_dict`, :meth:`from_dict`).
     """
 
     draft: str = "spire"
@@ -125,14 +131,16 @@ class TrainConfig:
     checkpoint_every: float = defaults.CHECKPOINT_EVERY_S
     eval_every: int = 0
     ablation: str = "none"
-    spire: SpireConfig = field(default_factory=SpireConfig)
-    eagle3: Eagle3Config = field(default_factory=Eagle3Config)
-    vanilla_layers: int | None = None
+    draft_config: SpireConfig | Eagle3Config | VanillaConfig | None = None
     data_steps: int | None = None
     target_cache: str | None = None
     data: str | None = None  # identity of the training text (its cache key), recorded so a resume can check it
     hidden_weight: float = 0.0
     compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.draft_config is None and self.draft in DRAFT_KINDS:
+            self.draft_config = registry.trainable_class(self.draft).config_class()
 
     def resolved_loss(self) -> str:
         """The loss given, else the draft method's default (SPIRe: mixed, vanilla: hard)."""
@@ -144,6 +152,10 @@ class TrainConfig:
         """Raise ConfigError for impossible settings."""
         if self.draft not in DRAFT_KINDS:
             raise ConfigError(f"draft must be one of {', '.join(DRAFT_KINDS)}, got {self.draft!r}")
+        config_class = registry.trainable_class(self.draft).config_class
+        if not isinstance(self.draft_config, config_class):
+            raise ConfigError(f"a {self.draft} draft's settings are a {config_class.__name__}, got "
+                              f"{type(self.draft_config).__name__}")
         if not self.budget_s > 0:
             raise ConfigError(f"training budget must be positive, got {self.budget_s} s")
         if self.max_steps is not None and self.max_steps < 1:
@@ -177,18 +189,37 @@ class TrainConfig:
             raise ConfigError(f"--hidden-loss must be a finite number >= 0, got {self.hidden_weight}")
         if self.hidden_weight and self.draft != "spire":
             raise ConfigError("--hidden-loss applies to the SPIRe draft only")
-        if self.hidden_weight and (self.spire.n_draft_layers < 2 or not self.spire.target_activations):
+        if self.hidden_weight and (self.draft_config.n_draft_layers < 2 or not self.draft_config.target_activations):
             raise ConfigError("--hidden-loss needs target activations and at least 2 draft layers (it matches the "
                               "residual stream entering draft layers 1..n-1)")
         if self.ablation not in ABLATIONS:
             raise ConfigError(f"unknown ablation {self.ablation!r}; choose one of {', '.join(ABLATIONS)}")
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["spire"] = self.spire.to_dict()
-        d["eagle3"] = self.eagle3.to_dict()
+        """The settings as JSON holds them, in the on-disk layout (``spire``, ``eagle3``, ``vanilla_layers``; see
+        the class docstring): a run's identity and cache key are computed from it."""
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "draft_config"}
+        own = self.draft_config
+        d["spire"] = (own if self.draft == "spire" else SpireConfig()).to_dict()
+        d["eagle3"] = (own if self.draft == "eagle3" else Eagle3Config()).to_dict()
+        d["vanilla_layers"] = own.n_layers if self.draft == "vanilla" else None
         d["loss"] = self.resolved_loss()
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        """The TrainConfig of :meth:`to_dict`'s layout (a saved run's); fields it does not know raise
+        ConfigError."""
+        d = dict(d)
+        draft = d.get("draft", "spire")
+        spire, eagle3, vanilla_layers = d.pop("spire", None), d.pop("eagle3", None), d.pop("vanilla_layers", None)
+        known = {f.name for f in fields(cls)} - {"draft_config"}
+        if set(d) - known:
+            raise ConfigError(f"unknown training settings {', '.join(sorted(set(d) - known))}")
+        own = {"spire": lambda: SpireConfig(**(spire or {})),
+               "eagle3": lambda: Eagle3Config.from_dict(eagle3) if eagle3 else Eagle3Config(),
+               "vanilla": lambda: VanillaConfig(vanilla_layers)}.get(draft, lambda: None)()
+        return cls(**d, draft_config=own)
 
 
 def ablation_config(name: str, **train_kw) -> TrainConfig:
@@ -197,9 +228,9 @@ def ablation_config(name: str, **train_kw) -> TrainConfig:
     if name not in ABLATIONS:
         raise ConfigError(f"unknown ablation {name!r}; choose one of {', '.join(ABLATIONS)}")
     spire_kw, cfg_kw = ABLATIONS[name]
-    spire = train_kw.pop("spire", SpireConfig())
+    spire = train_kw.pop("draft_config", None) or SpireConfig()
     spire = SpireConfig(**{**spire.to_dict(), **spire_kw})
-    return TrainConfig(**{**cfg_kw, **train_kw, "draft": "spire", "ablation": name, "spire": spire})
+    return TrainConfig(**{**cfg_kw, **train_kw, "draft": "spire", "ablation": name, "draft_config": spire})
 
 
 def fast_bf16(device: torch.device) -> bool:
