@@ -11,7 +11,8 @@ variant's τ ratio to the base and to MagicDec as paired 95 % bootstrap CIs over
 
 A variant is NAME:KEY=VALUE[,KEY=VALUE]: keys omega, loss, lr, vocab (0 = the whole vocabulary; a draft vocabulary
 other than the base's changes only the draft's head), target_cache (float32 / bfloat16), eagle3 (1: train the main
-job's EAGLE-3 draft at the same steps). Trained runs are cached as the main job caches its drafts, and each draft's
+job's EAGLE-3 draft at the same steps), sink (attention-sink tokens), self_attend (0: a drafted position does not read
+its own layer input; sink=0,self_attend=0 is the variant vLLM's EAGLE-3 path runs, docs/serving.md). Trained runs are cached as the main job caches its drafts, and each draft's
 per-context τ is kept in OUT (a rerun with one more variant measures only that one). Writes OUT/recipes.json and
 prints one line per (draft, T).
 """
@@ -42,10 +43,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         kw[key.strip()] = value.strip()
-    unknown = set(kw) - {"omega", "loss", "lr", "vocab", "target_cache", "eagle3"}
+    unknown = set(kw) - {"omega", "loss", "lr", "vocab", "target_cache", "eagle3", "sink", "self_attend"}
     if not name or unknown:
         raise SystemExit(f"error: bad --variant {text!r} (NAME:KEY=VALUE,...; keys omega, loss, lr, vocab, "
-                         "target_cache, eagle3)")
+                         "target_cache, eagle3, sink, self_attend)")
     return name, kw
 
 
@@ -63,6 +64,10 @@ def variant_config(base, kw: dict, eagle3_cfg):
         cfg.draft_config.vocab_size = int(kw["vocab"]) or None
     if "target_cache" in kw:
         cfg.target_cache = kw["target_cache"]
+    if "sink" in kw:
+        cfg.draft_config.sink = int(kw["sink"])
+    if "self_attend" in kw:
+        cfg.draft_config.self_attend = kw["self_attend"] not in ("0", "false", "False")
     return cfg
 
 

