@@ -199,24 +199,45 @@ def test_a_windowed_eagle3_draft_is_exported_as_the_full_cache_variant_vllm_runs
     assert json.loads((out / vllm_export.SPEC_FILE).read_text())["num_speculative_tokens"] == 3
 
 
-def test_kinds_without_a_vllm_form(tmp_path, capsys):
-    """Only eagle3 and vanilla have a vLLM method; spire's is under way (its folder is written, without the JSON,
-    with a note); any other kind is refused."""
-    from spire.drafts.spire import SpireConfig, SpireDraftModel
-    from spire.export import export_draft
-
+def test_kinds_without_a_vllm_form(tmp_path):
+    """eagle3 and spire run as vLLM's eagle3 method (spire through its plugin), vanilla as draft_model; any other
+    kind is refused."""
     assert {k: vllm_export.method(k) for k in ("eagle3", "vanilla", "spire")} == {
-        "eagle3": "eagle3", "vanilla": "draft_model", "spire": None}
+        "eagle3": "eagle3", "vanilla": "draft_model", "spire": "eagle3"}
     for kind in ("ngram", "magicdec", "none"):
         with pytest.raises(ConfigError, match=f"vLLM 0.32.0 cannot run a '{kind}' draft"):
             vllm_export.method(kind)
     with pytest.raises(ConfigError, match="k must be >= 1"):
         vllm_export.speculative_config("eagle3", tmp_path, 0)
+
+
+def test_a_spire_export_is_the_variant_vllm_runs(tmp_path, capsys):
+    """A SPIRe draft trained with a sink and self-attention is exported as the variant spire's vLLM plugin runs
+    (sink 0, no self-attention), with one note line, in the draft file too (spire reads the folder back as vLLM
+    runs it); the vllm/ subfolder names the plugin's architecture, the source layers as aux hidden-state ids and a
+    buffer n_d x d wide; a draft the plugin cannot run (feature input) is refused, nothing written."""
+    from spire.drafts.spire import SpireConfig, SpireDraftModel, load_exported_spire
+    from spire.export import export_draft
+    from spire.integrations.vllm_plugin import ARCHITECTURE
+
     target = make_tiny()
     SpireDraftModel(target, SpireConfig(n_draft_layers=2)).save(tmp_path / "s.safetensors")
-    out = export_draft("spire", tmp_path / "s.safetensors", target, "tiny", tmp_path / "out")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    assert capsys.readouterr().err.strip().startswith("note: no vllm_speculative_config.json for --draft spire")
+    out = export_draft("spire", tmp_path / "s.safetensors", target, "tiny", tmp_path / "out", k=3)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("note: vLLM runs SPIRe without an attention sink")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "vllm", vllm_export.SPEC_FILE]
+    back = load_exported_spire(out, target)
+    assert (back.cfg.sink, back.cfg.self_attend) == (0, False)
+    v = json.loads((out / "vllm" / "config.json").read_text())
+    n, d = target.cfg.n_layers, target.cfg.d_model
+    assert v["architectures"] == [ARCHITECTURE] and v["eagle_aux_hidden_state_layer_ids"] == [n - 2, n - 1]
+    assert v["hidden_size"] == 2 * d and v["spire_vllm"]["window"] == 64
+    spec = json.loads((out / vllm_export.SPEC_FILE).read_text())
+    assert spec["method"] == "eagle3" and spec["model"] == str((tmp_path / "out" / "vllm").resolve())
+    SpireDraftModel(target, SpireConfig(n_draft_layers=2, feature_input=True)).save(tmp_path / "f.safetensors")
+    with pytest.raises(ConfigError, match="this draft uses feature_input: nothing exported"):
+        export_draft("spire", tmp_path / "f.safetensors", target, "tiny", tmp_path / "out2", k=3)
+    assert not (tmp_path / "out2").exists()
 
 
 # --- served by vLLM ----------------------------------------------------------------------------------------------
@@ -342,10 +363,25 @@ def _spire_side(target, tok, kind: str, folder: Path, ids: list[list[int]]) -> d
             "per_pos": [sum(a > i for a in accepted) / len(accepted) for i in range(K)]}
 
 
+def _pruned_spire(target, path: Path) -> None:
+    """A SPIRe draft in the form vLLM runs (sink 0, no self-attention), pruned from the target's last 4 layers with
+    a draft vocabulary of its 8,192 lowest ids (the columns map to target ids, as trained drafts' do): no training,
+    some acceptance. The mixing weights are drawn at random, so that every layer's memory mixes every activation."""
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+
+    torch.manual_seed(0)
+    m = SpireDraftModel(target, SpireConfig(n_draft_layers=4, sink=0, self_attend=False, vocab_size=8192),
+                        vocab=torch.arange(8192))
+    with torch.no_grad():
+        m.mix_logits.add_(torch.randn_like(m.mix_logits))
+    m.save(path)
+
+
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """Three vLLM servers one after another (without a draft, with the EAGLE-3 export, with the vanilla export)
-    over the same 16 prompts, and spire's own runs of both exports. Returns {name: results}."""
+    """Four vLLM servers one after another (without a draft, with the EAGLE-3, vanilla and SPIRe exports, SPIRe's
+    through spire's plugin) over the same 16 prompts, and spire's own runs of the exports. Returns {name:
+    results}."""
     if not VLLM_PY.exists():
         pytest.skip("no .venv-vllm here: run `make vllm`")
     from spire.export import export_draft
@@ -359,8 +395,10 @@ def served(tmp_path_factory):
     ids = [tok.encode(p) for p in PROMPTS]
     _train_eagle3(d / "e3-run")
     _pruned_vanilla(target, d / "vanilla", target_folder)
+    _pruned_spire(target, d / "spire.safetensors")
     exports = {"eagle3": export_draft("eagle3", d / "e3-run", target, str(target_folder), d / "e3", k=K),
-               "vanilla": export_draft("vanilla", d / "vanilla", target, str(target_folder), d / "van", k=K)}
+               "vanilla": export_draft("vanilla", d / "vanilla", target, str(target_folder), d / "van", k=K),
+               "spire": export_draft("spire", d / "spire.safetensors", target, str(target_folder), d / "sp", k=K)}
     times["train + export"] = time.monotonic() - t0
     out = {}
     for name, args in [("ad", ()), *[(kind, ("--speculative-config", (folder / vllm_export.SPEC_FILE).read_text()))
@@ -383,7 +421,7 @@ def served(tmp_path_factory):
 
 @needs_vllm
 @needs_smollm2
-@pytest.mark.parametrize("kind", ["eagle3", "vanilla"])
+@pytest.mark.parametrize("kind", ["eagle3", "vanilla", "spire"])
 def test_vllm_with_the_export_gives_vllms_greedy_output_without_a_draft(served, kind):
     """Greedy (T = 0) on 16 prompts of 1 to about 400 tokens, 64 new tokens each: the same token ids."""
     ad, sd = served["ad"]["tokens"], served[kind]["tokens"]
@@ -395,7 +433,7 @@ def test_vllm_with_the_export_gives_vllms_greedy_output_without_a_draft(served, 
 
 @needs_vllm
 @needs_smollm2
-@pytest.mark.parametrize("kind", ["eagle3", "vanilla"])
+@pytest.mark.parametrize("kind", ["eagle3", "vanilla", "spire"])
 def test_vllm_accepts_per_position_what_spire_accepts(served, kind):
     """vLLM's acceptance per drafted position (accepted at position i / drafts) equals spire's (rounds accepting
     at least i + 1 drafts / rounds) within 0.01, and its acceptance length (1 + accepted / drafts) spire's τ within
@@ -459,3 +497,38 @@ def test_vllm_stops_at_start_up_on_an_export_for_another_target(tmp_path, other,
                          timeout=600):
             pass
     assert named in str(e.value)
+
+
+@needs_vllm
+@needs_smollm2
+@pytest.mark.parametrize("other,named", [("layers", "num_hidden_layers 30 (export made for 8)"),
+                                         ("weights", "embedding differs"), ("format", "plugin format 1")])
+def test_vllm_stops_at_start_up_on_a_spire_export_it_cannot_run_as_made(tmp_path, other, named):
+    """Goal 4 for SPIRe, through spire's plugin: an export made for another target (8 layers of SmolLM2's width;
+    or SmolLM2's shape with other weights) or of a plugin format this spire does not know stops vLLM at start-up
+    with one message naming the mismatch (the weights: the target checkpoint's first embedding rows against the
+    export's, when vLLM loads the draft)."""
+    from spire.export import export_draft
+    from spire.loading import load_model, resolve_checkpoint
+
+    smol = resolve_checkpoint("smollm2-135m", progress=False).resolve()
+    shape = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+             "intermediate_size": 1536, "num_hidden_layers": 8 if other == "layers" else 30}
+    if other == "format":
+        made_for_folder = smol
+    else:
+        _other_target(tmp_path / "other", smol, **shape)
+        made_for_folder = tmp_path / "other"
+    made_for = load_model(made_for_folder)
+    _pruned_spire(made_for, tmp_path / "d.safetensors")
+    out = export_draft("spire", tmp_path / "d.safetensors", made_for, str(made_for_folder), tmp_path / "sp", k=K)
+    if other == "format":
+        cfg = json.loads((out / "vllm" / "config.json").read_text())
+        cfg["spire_vllm"]["plugin_format"] = 99
+        (out / "vllm" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(AssertionError, match="exited"):
+        with vllm_server(smol, tmp_path / "vllm.log", "--speculative-config", (out / vllm_export.SPEC_FILE).read_text(),
+                         timeout=600):
+            pass
+    log = (tmp_path / "vllm.log").read_text(errors="replace")
+    assert named in log, log[-3000:]  # the worker's ValueError, above vLLM's own "initialization failed" lines

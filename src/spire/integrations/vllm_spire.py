@@ -22,8 +22,9 @@ CPU kernel: a query at slot p sees slots p - W' + 1 .. p). These two switches ar
 vLLM runs (:mod:`spire.integrations.vllm_export` rewrites a draft trained otherwise to it, with a note).
 
 Start-up refusals (one ValueError line each; vLLM stops): a plugin format this module does not know, a target
-whose shape differs from the one the export was made for, and (at vLLM's warm-up run, when the target's embedding
-is shared into the draft) a target whose first 64 embedding rows differ from the export's.
+whose shape differs from the one the export was made for, and a target whose first 64 embedding rows differ from
+the export's (read from the target's safetensors files when the draft loads; for a target that is not a local
+folder, at the first forward, once vLLM has shared the target's embedding into the draft).
 """
 
 from __future__ import annotations
@@ -38,6 +39,26 @@ from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
 from spire.integrations.vllm_plugin import PLUGIN_FORMAT, PROBE_ROWS
+
+
+def _target_rows(model: str) -> torch.Tensor | None:
+    """The first :data:`PROBE_ROWS` embedding rows in the target checkpoint's safetensors files (float32), or None
+    when ``model`` is not a local folder holding them."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    for f in sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else ():
+        with safe_open(str(f), "pt") as h:
+            for key in ("model.embed_tokens.weight", "embed_tokens.weight"):
+                if key in h.keys():
+                    return h.get_slice(key)[:PROBE_ROWS].float()
+    return None
+
+
+def _same_rows(live: torch.Tensor, kept: torch.Tensor) -> bool:
+    """Equal as they are, or after rounding both to bfloat16 (one side loaded in another dtype)."""
+    return torch.equal(live.float(), kept.float()) or torch.equal(live.bfloat16(), kept.bfloat16())
 
 
 class _RMSNorm(nn.Module):
@@ -128,7 +149,7 @@ class SpireDraftForVllm(Eagle3LlamaForCausalLM):
         if have != want:
             diff = ", ".join(f"{k} {have[k]} (export made for {v})" for k, v in want.items() if have[k] != v)
             raise ValueError(f"this SPIRe export was made for another target: the served target has {diff}")
-        self.spire = s
+        self.spire, self.target_model = s, str(vllm_config.model_config.model)
         self.n_d, self.d, self.V = len(c["source_layers"]), c["d_model"], c["vocab_size"]
         self.model = _Body(c, s["window"], vllm_config.cache_config, c["n_target_layers"], f"{prefix}model")
         N = s["draft_vocab_size"]
@@ -154,8 +175,7 @@ class SpireDraftForVllm(Eagle3LlamaForCausalLM):
         w = self.model.embed_tokens.weight
         if w.shape[0] < PROBE_ROWS:
             raise ValueError("vLLM did not share the target's embedding with the SPIRe draft")
-        live, kept = w[:PROBE_ROWS].detach().float(), self.target_probe.float()
-        if not torch.equal(live.to(w.dtype), kept.to(w.dtype)):
+        if not _same_rows(w[:PROBE_ROWS].detach(), self.target_probe):
             raise ValueError("this SPIRe export was made for another target: the served target's embedding differs "
                              "from the one the draft was trained against (same shape, other weights)")
         self._probed = True
@@ -190,6 +210,7 @@ class SpireDraftForVllm(Eagle3LlamaForCausalLM):
         placeholder counts as loaded (the proposer replaces it with the target's). Raises ValueError for a tensor
         the model does not have or one of another shape."""
         params = dict(self.named_parameters()) | dict(self.named_buffers())
+        weights = list(weights)
         loaded = {"model.embed_tokens.weight"}
         for name, w in weights:
             if name not in params or params[name].shape != w.shape:
@@ -201,4 +222,10 @@ class SpireDraftForVllm(Eagle3LlamaForCausalLM):
         missing = {n for n in dict(self.named_parameters())} - loaded
         if missing:
             raise ValueError(f"the SPIRe export lacks tensors {sorted(missing)[:4]}")
+        rows = _target_rows(self.target_model)  # at start-up, from the target's files; else at the first forward
+        if rows is not None:
+            if not _same_rows(rows, self.target_probe):
+                raise ValueError("this SPIRe export was made for another target: the served target's embedding "
+                                 "differs from the one the draft was trained against (same shape, other weights)")
+            self._probed = True
         return loaded
