@@ -186,8 +186,13 @@ def test_resume_keeps_the_run_settings_and_refuses_changed_ones(tiny_folder, tex
               str(root / "resumed"), "--device", "cpu", "--lr", "0.5", "--window", "4"])
     assert e.value.code
     err = capsys.readouterr().err
-    assert "lr" in err and "spire.window" in err and "--resume" in err
+    assert "lr" in err and "--window" in err and "--resume" in err
     assert (root / "resumed" / "checkpoint" / "train_state.json").read_bytes() == before
+    with pytest.raises(SystemExit) as e:  # another kind's option: named as such, not as a changed setting
+        main(["train", "--resume", "--target", str(tiny_folder), "--data", str(text_file), "--out",
+              str(root / "resumed"), "--device", "cpu", "--vanilla-layers", "2"])
+    assert e.value.code
+    assert capsys.readouterr().err.strip() == "error: --vanilla-layers: an option of --draft vanilla, not of --draft spire"
     for flag, name in ((["--draft", "vanilla"], "draft"), (["--ablation", "omega1"], "ablation")):
         # a SPIRe run resumed as another draft or ablation: refused too (it used to be ignored silently)
         with pytest.raises(SystemExit) as e:
@@ -197,6 +202,27 @@ def test_resume_keeps_the_run_settings_and_refuses_changed_ones(tiny_folder, tex
         err = capsys.readouterr().err
         assert f"differ from them: {name}" in err and len(err.strip().splitlines()) == 1
         assert (root / "resumed" / "checkpoint" / "train_state.json").read_bytes() == before
+
+
+def test_a_run_saved_without_its_texts_identity_resumes(tiny_folder, text_file, trained, tmp_path, monkeypatch):
+    """A run saved with "data": null (as `spire reproduce` trains, and as runs older than the field were saved)
+    resumes with its settings as saved (it was refused as "a run with other settings (data)")."""
+    import shutil
+
+    root, _ = trained
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
+    shutil.copytree(root / "full", tmp_path / "old")
+    state_file = tmp_path / "old" / "checkpoint" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    state["config"]["data"] = None
+    state_file.write_text(json.dumps(state))
+    main_args = ["train", "--resume", "--target", str(tiny_folder), "--data", str(text_file), "--out",
+                 str(tmp_path / "old"), "--device", "cpu", "--max-steps", str(state["step"] + 1)]
+    with pytest.raises(SystemExit) as e:
+        main(main_args)
+    assert e.value.code in (0, None)
+    again = json.loads(state_file.read_text())
+    assert again["step"] == state["step"] + 1 and again["config"]["data"] is None
 
 
 def test_resume_on_other_text_and_damaged_checkpoints_are_one_error(tiny_folder, text_file, trained, tmp_path,

@@ -132,12 +132,15 @@ def args_from_options(params: dict, given: dict, log: Callable[[str], None] = pr
                         given=tuple(name for name in ("draft", "ablation") if name in given))
 
 
-def _refuse_foreign(args: TrainRunArgs) -> None:
-    """ConfigError naming the options given for another kind than ``args.draft``."""
+def _refuse_foreign(args: TrainRunArgs, draft: str | None = None) -> None:
+    """ConfigError naming the options given for another kind than ``draft`` (default ``args.draft``; a resumed
+    run's own kind on --resume)."""
+    draft = draft or args.draft
     for kind, kw in args.draft_overrides.items():
-        if kind != args.draft and kw:
+        if kind != draft and kw:
             names = ", ".join(draft_option(kind, k, v) for k, v in kw.items())
-            raise ConfigError(f"{names}: options of --draft {kind}, not of --draft {args.draft}")
+            one = "an option" if len(kw) == 1 else "options"
+            raise ConfigError(f"{names}: {one} of --draft {kind}, not of --draft {draft}")
 
 
 def build_config(args: TrainRunArgs) -> TrainConfig:
@@ -176,10 +179,10 @@ def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None) -> T
         changed = sorted(k for k, v in args.train_overrides.items()
                          if k not in RESUME_SETTINGS and _plain(getattr(saved, k)) != _plain(v))
         changed += [name for name in ("draft", "ablation") if name in args.given and getattr(args, name) != getattr(saved, name)]
-        for kind, kw in args.draft_overrides.items():
-            own = saved.draft_config if kind == saved.draft else None
-            changed += sorted(f"{kind}.{k}" for k, v in kw.items()
-                              if own is None or _plain(getattr(own, k)) != _plain(v))
+        _refuse_foreign(args, saved.draft)
+        own = saved.draft_config
+        changed += sorted(draft_option(saved.draft, k, v) for k, v in args.draft_overrides.get(saved.draft, {}).items()
+                          if _plain(getattr(own, k)) != _plain(v))
         if changed:
             raise ConfigError(f"--resume continues {out} with its saved settings; these options differ from them: "
                               f"{', '.join(changed)} (drop them, or train into another --out)")
@@ -251,7 +254,8 @@ def run(args: TrainRunArgs, log=print) -> dict:
     if args.resume and cfg.data is not None and cfg.data != data.manifest.get("key"):
         raise ConfigError(f"--resume: {out} was trained on other text than --data {' '.join(args.data)}: give it "
                           "the run's own --data again")
-    cfg.data = data.manifest.get("key")
+    if not (args.resume and cfg.data is None):  # a run saved without its text's identity (`spire reproduce`'s)
+        cfg.data = data.manifest.get("key")    # resumes as it was saved
     heldout = heldout_windows(data, cfg.seq_len, args.eval_windows)
     article = "an" if cfg.draft[0] in "aeiou" else "a"
     banner = (f"training {article} {cfg.draft} draft{'' if cfg.ablation == 'none' else f' (ablation {cfg.ablation})'} for "

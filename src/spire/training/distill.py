@@ -109,9 +109,9 @@ class TrainConfig:
     backward through ``torch.compile`` (:func:`compile_draft`): the same computation with fused kernels, equal
     to float32 rounding; not part of a run's identity (a run resumes with or without it).
 
-    On disk (a run's ``train_config.json`` and checkpoint, which other tools read) the layout stays the one of
-    before the draft config classes: ``spire`` and ``eagle3`` objects and ``vanilla_layers``, each kind's defaults
-    for the kinds not trained (:meth:`to_dict`, :meth:`from_dict`).
+    On disk (the "config" of a run folder's ``checkpoint/train_state.json``, which other tools read) the layout
+    stays the one of before the draft config classes: ``spire`` and ``eagle3`` objects and ``vanilla_layers``, each
+    kind's defaults for the kinds not trained (:meth:`to_dict`, :meth:`from_dict`).
     """
 
     draft: str = "spire"
