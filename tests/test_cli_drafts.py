@@ -114,7 +114,7 @@ def test_bad_eagle3_and_ngram_input_is_one_error_line(capsys, tiny_folder, text_
     state = (eagle3_run / "checkpoint" / "train_state.json").read_bytes()
     _one_error(*run_cli(capsys, "train", "--resume", "--draft", "eagle3", "--target", str(tiny_folder), "--data",
                         str(text_file), "--out", str(eagle3_run), "--device", "cpu", "--eagle3-layers",
-                        "0,1,1")[:3:2], "eagle3.layers")
+                        "0,1,1")[:3:2], "--eagle3-layers")
     assert (eagle3_run / "checkpoint" / "train_state.json").read_bytes() == state
     # the run was trained for the tiny target, not for SmolLM2-135M (same tokenizer, other weights)
     _one_error(*run_cli(capsys, "generate", "--file", str(prompts), "--max-new-tokens", "4", "--draft", "eagle3",
