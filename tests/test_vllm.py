@@ -478,15 +478,16 @@ def _other_target(folder: Path, like: Path, **shape) -> None:
 
 @needs_vllm
 @needs_smollm2
-@pytest.mark.xfail(strict=True, reason="vLLM 0.32 loads an EAGLE-3 folder without checking which target it was "
-                                       "made for (docs/serving.md): a start-up check needs spire's plugin (issue 41, "
-                                       "item 3)")
+@pytest.mark.xfail(strict=True, reason="vLLM 0.32 loads an EAGLE-3 folder with its own class, without checking "
+                                       "which target it was made for (docs/serving.md); spire's plugin checks the "
+                                       "SPIRe exports it serves, not EAGLE-3's")
 @pytest.mark.parametrize("other,named", [("width 128", "hidden size"), ("8 layers of width 576", "layers")])
 def test_vllm_stops_at_start_up_on_an_export_for_another_target(tmp_path, other, named):
     """Goal 4 of issue 41, as vLLM's own EAGLE-3 path stands today: a draft exported (correctly) for another target,
     served beside SmolLM2. Measured: with width 128 vLLM starts, answers /health, and fails the engine at the first
     request; with the same width it serves and only accepts less. This test asks for a stop at start-up with the
-    mismatch named, and fails until spire's plugin checks it."""
+    mismatch named; it fails as long as vLLM's own EAGLE-3 class serves the export (spire's plugin serves SPIRe
+    exports and checks them: test_vllm_stops_at_start_up_on_a_spire_export_it_cannot_run_as_made)."""
     from spire.drafts.eagle3 import Eagle3Config, Eagle3DraftModel
     from spire.export import export_draft
     from spire.loading import load_model, resolve_checkpoint
