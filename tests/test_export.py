@@ -44,8 +44,10 @@ def test_spire_export_round_trip(tmp_path):
     assert sc["verifier"]["name_or_path"] == "tiny-target" and sc["verifier"]["hidden_size"] == 48
     assert c["inputs"] == ["input_ids", "hidden_states.layer.2", "hidden_states.layer.3"]
     assert {k: c["spire"][k] for k in ("source_layers", "sink", "window", "k", "draft_vocab")} == {
-        "source_layers": [2, 3], "sink": 1, "window": 5, "k": 3, "draft_vocab": None}
+        "source_layers": [2, 3], "sink": 0, "window": 5, "k": 3, "draft_vocab": None}  # sink: the vLLM variant
     assert c["num_hidden_layers"] == 2 and c["architectures"] == ["SpireDraftModel"]
+
+    assert (c["spire"]["sink"], c["spire"]["self_attend"]) == (0, False)  # the variant vLLM runs
 
     back = make_draft("spire", target, path=str(out))  # --draft-path FOLDER
     for (name, a), (_, b) in zip(model.state_dict().items(), back.model.state_dict().items()):
@@ -53,8 +55,18 @@ def test_spire_export_round_trip(tmp_path):
     prompts = [[5, 17, 42, 8, 60], [3, 71, 9]]
     ad = generate(target, prompts, 16).tokens
     assert generate(target, prompts, 16, draft=back, k=3).tokens == ad
+    variant = SpireDraftModel(target, SpireConfig(n_draft_layers=2, sink=0, window=5, self_attend=False))
+    variant.load_state_dict(model.state_dict())
+    variant.save(tmp_path / "variant.safetensors")
+    as_vllm = generate(target, prompts, 16, draft=make_draft("spire", target, path=str(tmp_path / "variant.safetensors")),
+                       k=3)
+    assert generate(target, prompts, 16, draft=back, k=3).accepted_per_round == as_vllm.accepted_per_round
+
+    exact = export_draft("spire", path, target, "tiny-target", tmp_path / "exact", k=3, vllm=False)  # --no-vllm
+    assert sorted(p.name for p in exact.iterdir()) == ["config.json", "model.safetensors"]
     original = generate(target, prompts, 16, draft=make_draft("spire", target, path=str(path)), k=3)
-    assert generate(target, prompts, 16, draft=back, k=3).accepted_per_round == original.accepted_per_round  # the same draft
+    assert generate(target, prompts, 16, draft=make_draft("spire", target, path=str(exact)),
+                    k=3).accepted_per_round == original.accepted_per_round  # the same draft
 
 
 def test_export_refused_for_another_target(tmp_path):
@@ -88,9 +100,16 @@ def test_cli_export_for_a_family_target_and_vanilla(tmp_path, capsys):
     build_checkpoint("qwen3", tmp_path / "target")
     target = load_model(tmp_path / "target")
     model, path = _trained_spire(target, tmp_path)
-    with pytest.raises(SystemExit) as e:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # q/k norms: spire's vLLM plugin runs plain Llama blocks
         main(["export", "--target", str(tmp_path / "target"), "--draft-path", str(path), "--out",
               str(tmp_path / "out"), "-k", "5"])
+    assert e.value.code == 2 and not (tmp_path / "out").exists()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: vLLM 0.32.0 cannot run this SPIRe draft") and "--no-vllm" in err[0]
+    with pytest.raises(SystemExit) as e:
+        main(["export", "--target", str(tmp_path / "target"), "--draft-path", str(path), "--out",
+              str(tmp_path / "out"), "-k", "5", "--no-vllm"])
     assert e.value.code in (0, None)
     assert capsys.readouterr().out.strip() == str(tmp_path / "out")
     back = make_draft("spire", target, path=str(tmp_path / "out"))
@@ -167,7 +186,8 @@ def _export_round_trip(tmp_path, tiny, cfg, perturb):
     with torch.no_grad():
         perturb(model)
     model.save(tmp_path / "draft.safetensors")
-    out = export_draft("spire", tmp_path / "draft.safetensors", tiny, "tiny", tmp_path / "export", k=3)
+    out = export_draft("spire", tmp_path / "draft.safetensors", tiny, "tiny", tmp_path / "export", k=3,
+                       vllm=False)  # beyond the paper: spire's form alone (spire's vLLM plugin runs the paper's SPIRe)
     back = load_exported_spire(out, tiny)
     tokens = torch.randint(0, tiny.cfg.vocab_size, (1, 12))
     with torch.no_grad():

@@ -346,7 +346,8 @@ def test_tau_reads_an_exported_spire_folder(tmp_path):
     torch.manual_seed(0)
     model = SpireDraftModel(target, SpireConfig(n_draft_layers=2, window=6))
     model.save(tmp_path / "draft.safetensors")
-    out = export_draft("spire", tmp_path / "draft.safetensors", target, "tiny", tmp_path / "export", k=3)
+    out = export_draft("spire", tmp_path / "draft.safetensors", target, "tiny", tmp_path / "export", k=3,
+                       vllm=False)  # the draft as trained (the vLLM form drops sink and self-attention)
     (spec, draft), = build_drafts(target, None, TauArgs(drafts=[DraftSpec("spire", "x", str(out))]))
     tokens = torch.randint(0, target.cfg.vocab_size, (1, 12))
     with torch.no_grad():

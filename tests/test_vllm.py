@@ -212,23 +212,29 @@ def test_kinds_without_a_vllm_form(tmp_path):
 
 
 def test_a_spire_export_for_vllm(tmp_path, capsys):
-    """A SPIRe export stays the trained draft; its vllm/ subfolder names the plugin's architecture, the source
-    layers as aux hidden-state ids and a buffer n_d x d wide, and holds the variant vLLM runs (no sink, no
-    self-attention) with one note line when the draft was trained otherwise (none when it was trained so); a draft
-    the plugin cannot run (feature input) is exported for spire only, with a note and no vLLM form."""
+    """A SPIRe export is the draft vLLM runs: its vllm/ subfolder names the plugin's architecture, the source layers
+    as aux hidden-state ids and a buffer n_d x d wide; a draft trained with a sink and self-attention is exported
+    as the variant vLLM runs (no sink, no self-attention: the folder too, so spire reads back what vLLM runs), with
+    one note line (none for a draft trained so). `--no-vllm` exports the draft as trained; a draft the plugin
+    cannot run (feature input) is refused, nothing written, unless `--no-vllm`."""
     from spire.drafts.spire import SpireConfig, SpireDraftModel, load_exported_spire
     from spire.export import export_draft
     from spire.integrations.vllm_plugin import ARCHITECTURE
 
     target = make_tiny()
-    SpireDraftModel(target, SpireConfig(n_draft_layers=2)).save(tmp_path / "s.safetensors")
+    trained = SpireDraftModel(target, SpireConfig(n_draft_layers=2))
+    trained.save(tmp_path / "s.safetensors")
     out = export_draft("spire", tmp_path / "s.safetensors", target, "tiny", tmp_path / "out", k=3)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("note: vLLM runs SPIRe without an attention sink")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "vllm",
                                                      vllm_export.SPEC_FILE]
     back = load_exported_spire(out, target)
-    assert (back.cfg.sink, back.cfg.self_attend) == (1, True)  # the export is the trained draft
+    assert (back.cfg.sink, back.cfg.self_attend) == (0, False)  # the variant vLLM runs, the same weights
+    for (name, a), (_, b) in zip(trained.state_dict().items(), back.state_dict().items()):
+        assert torch.equal(a, b), name
+    c = json.loads((out / "config.json").read_text())
+    assert (c["spire"]["sink"], c["spire"]["self_attend"]) == (0, False)
     v = json.loads((out / "vllm" / "config.json").read_text())
     n, d = target.cfg.n_layers, target.cfg.d_model
     assert v["architectures"] == [ARCHITECTURE] and v["eagle_aux_hidden_state_layer_ids"] == [n - 2, n - 1]
@@ -236,15 +242,23 @@ def test_a_spire_export_for_vllm(tmp_path, capsys):
     assert v["spire_vllm"]["trained"] == {"sink": 1, "self_attend": True}
     spec = json.loads((out / vllm_export.SPEC_FILE).read_text())
     assert spec["method"] == "eagle3" and spec["model"] == str((tmp_path / "out" / "vllm").resolve())
+    exact = export_draft("spire", tmp_path / "s.safetensors", target, "tiny", tmp_path / "out-x", k=3, vllm=False)
+    assert capsys.readouterr().err == "" and sorted(p.name for p in exact.iterdir()) == ["config.json",
+                                                                                         "model.safetensors"]
+    assert (load_exported_spire(exact, target).cfg.sink, load_exported_spire(exact, target).cfg.self_attend) == (
+        1, True)
     SpireDraftModel(target, SpireConfig(n_draft_layers=2, sink=0, self_attend=False)).save(tmp_path / "v.safetensors")
     export_draft("spire", tmp_path / "v.safetensors", target, "tiny", tmp_path / "out-v", k=3)
     assert capsys.readouterr().err == ""
     SpireDraftModel(target, SpireConfig(n_draft_layers=2, feature_input=True)).save(tmp_path / "f.safetensors")
-    out = export_draft("spire", tmp_path / "f.safetensors", target, "tiny", tmp_path / "out-f", k=3)
-    assert capsys.readouterr().err.strip() == (f"note: no {vllm_export.SPEC_FILE} for this SPIRe draft (the plugin "
-                                               "runs the paper's SPIRe; this draft uses feature_input); the folder "
-                                               "serves in spire")
+    with pytest.raises(ConfigError, match=r"cannot run this SPIRe draft through spire's plugin \(the plugin runs the "
+                                          r"paper's SPIRe; this draft uses feature_input\): nothing exported; "
+                                          r"`spire export --no-vllm`"):
+        export_draft("spire", tmp_path / "f.safetensors", target, "tiny", tmp_path / "out-f", k=3)
+    assert not (tmp_path / "out-f").exists() and not list(tmp_path.glob(".out-f*"))
+    out = export_draft("spire", tmp_path / "f.safetensors", target, "tiny", tmp_path / "out-f", k=3, vllm=False)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert load_exported_spire(out, target).cfg.feature_input
 
 
 # --- served by vLLM ----------------------------------------------------------------------------------------------

@@ -59,15 +59,17 @@ def _check_out(out: Path, draft_path: Path, src: Path) -> None:
                               "replaced: choose an empty or new folder")
 
 
-def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, out: str | Path, k: int = 4) -> Path:
+def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, out: str | Path, k: int = 4,
+                 vllm: bool = True) -> Path:
     """Write the trained ``kind`` draft at ``draft_path`` (as ``--draft-path`` takes it) for ``target`` as the
     folder ``out`` (replaced atomically), in the format its kind declares (:class:`spire.registry.DraftImpl`
-    ``export``), with vLLM's ``vllm_speculative_config.json`` beside it (:mod:`spire.integrations.vllm_export`).
-    Returns ``out``.
+    ``export``), with vLLM's ``vllm_speculative_config.json`` beside it (:mod:`spire.integrations.vllm_export`;
+    the folder is then the variant vLLM runs, where vLLM cannot run the draft as trained). With ``vllm=False``
+    (``spire export --no-vllm``) the folder is spire's form alone, the draft exactly as trained. Returns ``out``.
 
     Raises:
-        ConfigError: k < 1, a kind with nothing to export, or a draft vLLM cannot run (its kind, its target's
-            family, its layer ids); nothing is written then.
+        ConfigError: k < 1, a kind with nothing to export, or (``vllm``) a draft vLLM cannot run (its kind, its
+            target's family, its layer ids, a SPIRe draft spire's plugin cannot run); nothing is written then.
         CheckpointError: a missing or unreadable draft.
         TokenizerMismatchError: a draft trained for another target.
     """
@@ -77,9 +79,11 @@ def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, o
     if exporter is None:
         raise ConfigError(f"spire export writes trained drafts: --draft {' or '.join(registry.names(trains=True))}, "
                           f"not {kind!r}")
-    vllm_form.check_target(kind, target)
+    if vllm:
+        vllm_form.check_target(kind, target)
     src = resolve_draft_path(kind, draft_path)
     out = Path(out)
     _check_out(out, Path(draft_path), src)
-    replace_dir(out, vllm_form.writer(kind, exporter(src, target, name_or_path, k), target, k, out))
+    write = exporter(src, target, name_or_path, k)
+    replace_dir(out, vllm_form.writer(kind, write, target, k, out) if vllm else write)
     return out

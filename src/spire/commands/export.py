@@ -28,6 +28,9 @@ def export(
                                              "folder.")] = "smollm2-135m",
     k: Annotated[int, typer.Option("--k", "-k", help="Speculative tokens per round recorded for serving.")]
     = defaults.K,
+    no_vllm: Annotated[bool, typer.Option("--no-vllm", help="Write spire's form alone (no vllm/ or "
+                                          "vllm_speculative_config.json): the draft exactly as trained, also one "
+                                          "vLLM cannot run.")] = False,
 ) -> None:
     """Write a trained draft as a folder serving engines can read (speculators-style config.json with
     speculators_config, and model.safetensors; docs/serving.md). spire reads it back with --draft-path FOLDER."""
@@ -40,5 +43,5 @@ def export(
     model = load_model(folder)
     # the verifier as engines load it: the checkpoint folder a preset resolves to (HF hub ids are not
     # reachable offline), else the folder or .gguf file given, as an absolute path
-    export_draft(draft, draft_path, model, str(Path(folder).resolve()), out, k)
+    export_draft(draft, draft_path, model, str(Path(folder).resolve()), out, k, vllm=not no_vllm)
     typer.echo(str(out))

