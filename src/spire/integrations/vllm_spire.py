@@ -38,27 +38,8 @@ from vllm.config import VllmConfig
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
+from spire.integrations.vllm_checks import check_format, check_target_rows, check_target_shape, target_rows
 from spire.integrations.vllm_plugin import PLUGIN_FORMAT, PROBE_ROWS
-
-
-def _target_rows(model: str) -> torch.Tensor | None:
-    """The first :data:`PROBE_ROWS` embedding rows in the target checkpoint's safetensors files (float32), or None
-    when ``model`` is not a local folder holding them."""
-    from pathlib import Path
-
-    from safetensors import safe_open
-
-    for f in sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else ():
-        with safe_open(str(f), "pt") as h:
-            for key in ("model.embed_tokens.weight", "embed_tokens.weight"):
-                if key in h.keys():
-                    return h.get_slice(key)[:PROBE_ROWS].float()
-    return None
-
-
-def _same_rows(live: torch.Tensor, kept: torch.Tensor) -> bool:
-    """Equal as they are, or after rounding both to bfloat16 (one side loaded in another dtype)."""
-    return torch.equal(live.float(), kept.float()) or torch.equal(live.bfloat16(), kept.bfloat16())
 
 
 class _RMSNorm(nn.Module):
@@ -136,19 +117,11 @@ class SpireDraftForVllm(Eagle3LlamaForCausalLM):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         nn.Module.__init__(self)
         self.config = vllm_config.speculative_config.draft_model_config.hf_config
-        s = getattr(self.config, "spire_vllm", None)
-        if not isinstance(s, dict) or s.get("plugin_format") != PLUGIN_FORMAT:
-            got = s.get("plugin_format") if isinstance(s, dict) else None
-            raise ValueError(f"spire's vLLM plugin reads plugin format {PLUGIN_FORMAT}; this export has {got!r}: "
-                             "export the draft again with this spire (`spire export --draft spire`)")
+        s = check_format(getattr(self.config, "spire_vllm", None), "SPIRe")
         c = s["shape"]
-        target = vllm_config.model_config.hf_config
-        want = {"num_hidden_layers": c["n_target_layers"], "hidden_size": c["d_model"], "vocab_size": c["vocab_size"],
-                "num_attention_heads": c["n_heads"], "num_key_value_heads": c["n_kv_heads"]}
-        have = {k: getattr(target, k, None) for k in want}
-        if have != want:
-            diff = ", ".join(f"{k} {have[k]} (export made for {v})" for k, v in want.items() if have[k] != v)
-            raise ValueError(f"this SPIRe export was made for another target: the served target has {diff}")
+        check_target_shape({"num_hidden_layers": c["n_target_layers"], "hidden_size": c["d_model"],
+                            "vocab_size": c["vocab_size"], "num_attention_heads": c["n_heads"],
+                            "num_key_value_heads": c["n_kv_heads"]}, vllm_config.model_config.hf_config, "SPIRe")
         self.spire, self.target_model = s, str(vllm_config.model_config.model)
         self.n_d, self.d, self.V = len(c["source_layers"]), c["d_model"], c["vocab_size"]
         self.model = _Body(c, s["window"], vllm_config.cache_config, c["n_target_layers"], f"{prefix}model")
@@ -175,9 +148,7 @@ class SpireDraftForVllm(Eagle3LlamaForCausalLM):
         w = self.model.embed_tokens.weight
         if w.shape[0] < PROBE_ROWS:
             raise ValueError("vLLM did not share the target's embedding with the SPIRe draft")
-        if not _same_rows(w[:PROBE_ROWS].detach(), self.target_probe):
-            raise ValueError("this SPIRe export was made for another target: the served target's embedding differs "
-                             "from the one the draft was trained against (same shape, other weights)")
+        check_target_rows(w[:PROBE_ROWS].detach(), self.target_probe, "SPIRe")
         self._probed = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden_states: torch.Tensor,
@@ -222,10 +193,8 @@ class SpireDraftForVllm(Eagle3LlamaForCausalLM):
         missing = {n for n in dict(self.named_parameters())} - loaded
         if missing:
             raise ValueError(f"the SPIRe export lacks tensors {sorted(missing)[:4]}")
-        rows = _target_rows(self.target_model)  # at start-up, from the target's files; else at the first forward
+        rows = target_rows(self.target_model)  # at start-up, from the target's files; else at the first forward
         if rows is not None:
-            if not _same_rows(rows, self.target_probe):
-                raise ValueError("this SPIRe export was made for another target: the served target's embedding "
-                                 "differs from the one the draft was trained against (same shape, other weights)")
+            check_target_rows(rows, self.target_probe, "SPIRe")
             self._probed = True
         return loaded

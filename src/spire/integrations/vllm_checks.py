@@ -1,0 +1,59 @@
+"""Start-up checks shared by spire's vLLM draft classes (:mod:`spire.integrations.vllm_spire`,
+:mod:`spire.integrations.vllm_eagle3`): the served target against the one an export was made for. Each raises
+ValueError with one line naming the mismatch, which stops vLLM at start-up. Imported inside vLLM's processes only.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from spire.integrations.vllm_plugin import PLUGIN_FORMAT, PROBE_ROWS
+
+TARGET_KEYS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
+"""The target's HF config keys an export records (``spire_vllm.target``) and the plugin compares."""
+
+
+def check_format(section, what: str) -> dict:
+    """The export's ``spire_vllm`` config section, if its plugin format is :data:`PLUGIN_FORMAT`; raises ValueError
+    otherwise (``what``: "SPIRe" or "EAGLE-3", for the message)."""
+    if not isinstance(section, dict) or section.get("plugin_format") != PLUGIN_FORMAT:
+        got = section.get("plugin_format") if isinstance(section, dict) else None
+        kind = "spire" if what == "SPIRe" else "eagle3"
+        raise ValueError(f"spire's vLLM plugin reads plugin format {PLUGIN_FORMAT}; this {what} export has {got!r}: "
+                         f"export the draft again with this spire (`spire export --draft {kind}`)")
+    return section
+
+
+def check_target_shape(want: dict, target_config, what: str) -> None:
+    """Refuse a served target (its HF config) whose :data:`TARGET_KEYS` differ from ``want``, the export's."""
+    have = {k: getattr(target_config, k, None) for k in want}
+    if have != want:
+        diff = ", ".join(f"{k} {have[k]} (export made for {v})" for k, v in want.items() if have[k] != v)
+        raise ValueError(f"this {what} export was made for another target: the served target has {diff}")
+
+
+def target_rows(model: str) -> torch.Tensor | None:
+    """The first :data:`PROBE_ROWS` embedding rows in the target checkpoint's safetensors files (float32), or None
+    when ``model`` is not a local folder holding them."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else ():
+        with safe_open(str(f), "pt") as h:
+            for key in ("model.embed_tokens.weight", "embed_tokens.weight"):
+                if key in h.keys():
+                    return h.get_slice(key)[:PROBE_ROWS].float()
+    return None
+
+
+def same_rows(live: torch.Tensor, kept: torch.Tensor) -> bool:
+    """Equal as they are, or after rounding both to bfloat16 (one side loaded in another dtype)."""
+    return torch.equal(live.float(), kept.float()) or torch.equal(live.bfloat16(), kept.bfloat16())
+
+
+def check_target_rows(rows: torch.Tensor, kept: torch.Tensor, what: str) -> None:
+    """Refuse a target whose first embedding rows ``rows`` are not the export's ``kept``."""
+    if not same_rows(rows, kept):
+        raise ValueError(f"this {what} export was made for another target: the served target's embedding differs "
+                         "from the one the draft was trained against (same shape, other weights)")
