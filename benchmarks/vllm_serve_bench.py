@@ -4,7 +4,7 @@ without a draft and with the same SPIRe export.
 
     python benchmarks/vllm_serve_bench.py --out measurements/vllm-serve-cpu \\
         [--spire RUN] [--eagle3 RUN] [--concurrency 1,4,16] [--requests 16] [--max-tokens 64] \\
-        [--servers vllm-ad,vllm-eagle3,vllm-spire,vllm-ngram,spire-ad,spire-spire] [--resume]
+        [--servers vllm-ad,vllm-eagle3,vllm-spire,vllm-ngram,spire-ad,spire-spire] [--vllm-bind auto|all] [--resume]
 
 It installs what it compares (vLLM's CPU build in .venv-vllm by `make vllm`, with spire's plugin; guidellm 0.8.1
 over the CPU torch in .venv-bench), exports the drafts (`spire export -k K`; --spire and --eagle3 default to the
@@ -195,6 +195,9 @@ def main() -> None:
     ap.add_argument("--min-prompt", type=int, default=128)
     ap.add_argument("--max-prompt", type=int, default=1700)
     ap.add_argument("--servers", default=",".join(SERVERS))
+    ap.add_argument("--vllm-bind", choices=("auto", "all"), default="auto",
+                    help="vLLM's CPU worker: auto (its default: compute on all cores but one, which it reserves for "
+                         "the front end) or all (compute threads bound to every core, none reserved)")
     ap.add_argument("--resume", action="store_true", help="keep the servers already in OUT/results.json")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
@@ -232,13 +235,15 @@ def main() -> None:
     results_path = a.out / "results.json"
     results = json.loads(results_path.read_text()) if a.resume and results_path.is_file() else {}
     results.setdefault("config", {})
-    results["config"].update({"command": " ".join(sys.argv), "k": a.k, "ngram": [lo, hi], "levels": levels,
+    results["config"].update({"command": " ".join(sys.argv), "k": a.k, "ngram": [lo, hi], "levels": levels, "vllm_bind": a.vllm_bind,
                               "max_tokens": a.max_tokens, "prompt_tokens": [len(p) for p in ids],
                               "drafts": {k: str(getattr(a, k) or newest_run(k)) for k in exports},
                               "cpus": os.cpu_count(), "host": os.uname().nodename})
     results.setdefault("servers", {})
     vllm_env = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4",
                 "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if a.vllm_bind == "all":
+        vllm_env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     max_len = a.max_prompt + a.max_tokens + 64
     for name in names:
         if name in results["servers"]:
