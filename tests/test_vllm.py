@@ -96,6 +96,9 @@ def test_eagle3_export_writes_the_speculative_config(tmp_path, monkeypatch):
 
     probe = load_file(out / "vllm" / "spire_probe.safetensors")["spire.target_probe"]
     assert torch.equal(probe, target.model.embed_tokens.weight.detach()[:64].float())
+    # readable by an engine running as another user (some writers create 0600 temporary files)
+    assert {f.name: f.stat().st_mode & 0o777 for f in out.rglob("*") if f.is_file()} == {
+        f.name: 0o644 for f in out.rglob("*") if f.is_file()}
 
 
 def test_vanilla_export_runs_as_vllms_draft_model_with_the_target_familys_class(tmp_path):

@@ -85,5 +85,11 @@ def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, o
     out = Path(out)
     _check_out(out, Path(draft_path), src)
     write = exporter(src, target, name_or_path, k)
-    replace_dir(out, vllm_form.writer(kind, write, target, k, out) if vllm else write)
+    write = vllm_form.writer(kind, write, target, k, out) if vllm else write
+
+    def readable(tmp: Path) -> None:  # an engine may run as another user: files 0644, folders 0755
+        write(tmp)
+        for p in Path(tmp).rglob("*"):
+            p.chmod(0o755 if p.is_dir() else 0o644)
+    replace_dir(out, readable)
     return out

@@ -18,8 +18,9 @@ from spire.paths import check_output_path
 
 
 def export(
-    out: Annotated[Path, typer.Option(help="Folder to write (replaced): config.json + model.safetensors, and vLLM's "
-                                                 "vllm_speculative_config.json (docs/serving.md).")],
+    out: Annotated[Path, typer.Option(help="Folder to write: config.json + model.safetensors, and vLLM's "
+                                                 "vllm_speculative_config.json (docs/serving.md). An earlier export "
+                                                 "there is replaced; any other non-empty folder is refused.")],
     draft_path: Annotated[str, typer.Option(help="The trained draft: a `spire train` run folder (any kind), a "
                                                  "SPIRe .safetensors, or a vanilla draft folder.")],
     draft: Annotated[str, typer.Option(**kinds(registry.names(trains=True)), help="Draft kind.")]
