@@ -536,3 +536,13 @@ def test_spire_reads_a_speculators_checkpoint(tmp_path, hf_target):
         for j in range(k):
             got = draft.step(tokens[:, c + j: c + j + 1], pos[:, c + j: c + j + 1])[0, m.vocab]
             torch.testing.assert_close(got, theirs[j][c - 1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_spire_draft_given_as_eagle3_is_named(tmp_path, target8):
+    """A SPIRe draft file given with --draft eagle3 is refused with the kind to give it with (a fresh user's report:
+    the message named only the missing eagle3_config)."""
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+
+    SpireDraftModel(target8, SpireConfig(n_draft_layers=2)).save(tmp_path / "s.safetensors")
+    with pytest.raises(CheckpointError, match="it is a SPIRe draft, give it with --draft spire"):
+        Eagle3DraftModel.load(tmp_path / "s.safetensors", target8)

@@ -459,7 +459,9 @@ class Eagle3DraftModel(DraftVocabulary, nn.Module):
         EAGLE-3 draft, unknown settings, tensors that do not fit) or TokenizerMismatchError (another target)."""
         meta, state = read_draft_file(path, target)
         if "eagle3_config" not in meta:
-            raise CheckpointError(f"{path} is not an EAGLE-3 draft checkpoint (no eagle3_config in its metadata)")
+            hint = ": it is a SPIRe draft, give it with --draft spire" if "spire_config" in meta else ""
+            raise CheckpointError(f"{path} is not an EAGLE-3 draft checkpoint (no eagle3_config in its metadata)"
+                                  f"{hint}")
         try:
             cfg = Eagle3Config.from_dict(meta["eagle3_config"])
             layer_cfg = ModelConfig(**meta["layer_config"])
