@@ -11,10 +11,6 @@ import torch
 
 from spire.integrations.vllm_plugin import PLUGIN_FORMAT, PROBE_ROWS
 
-TARGET_KEYS = ("num_hidden_layers", "hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads")
-"""The target's HF config keys an export records (``spire_vllm.target``) and the plugin compares."""
-
-
 def check_format(section, what: str) -> dict:
     """The export's ``spire_vllm`` config section, if its plugin format is :data:`PLUGIN_FORMAT`; raises ValueError
     otherwise (``what``: "SPIRe" or "EAGLE-3", for the message)."""
@@ -27,7 +23,8 @@ def check_format(section, what: str) -> dict:
 
 
 def check_target_shape(want: dict, target_config, what: str) -> None:
-    """Refuse a served target (its HF config) whose :data:`TARGET_KEYS` differ from ``want``, the export's."""
+    """Refuse a served target (its HF config) whose keys in ``want`` (the export's record, e.g.
+    :func:`spire.integrations.vllm_export.target_record`) hold other values."""
     have = {k: getattr(target_config, k, None) for k in want}
     if have != want:
         diff = ", ".join(f"{k} {have[k]} (export made for {v})" for k, v in want.items() if have[k] != v)

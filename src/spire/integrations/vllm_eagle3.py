@@ -32,21 +32,24 @@ class _Checked:
         self._spire_target = str(vllm_config.model_config.model)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]):
-        """The parent's, without :data:`PROBE`, which is compared with the target checkpoint's first embedding rows
-        when the target is a local folder (else only its shape was checked). Raises ValueError on a mismatch or an
-        export without the probe."""
-        probe, rest = None, []
-        for name, w in weights:
-            if name == PROBE:
-                probe = w
-            else:
-                rest.append((name, w))
-        if probe is None:
+        """The parent's, streamed past :data:`PROBE` (not a model weight), which is then compared with the target
+        checkpoint's first embedding rows when the target is a local folder (else only its shape was checked).
+        Raises ValueError on a mismatch or an export without the probe."""
+        probe: list[torch.Tensor] = []
+
+        def model_weights():
+            for name, w in weights:
+                if name == PROBE:
+                    probe.append(w)
+                else:
+                    yield name, w
+        loaded = super().load_weights(model_weights())
+        if not probe:
             raise ValueError(f"this EAGLE-3 export has no {PROBE}: export the draft again with this spire")
         rows = target_rows(self._spire_target)
         if rows is not None:
-            check_target_rows(rows, probe, "EAGLE-3")
-        return super().load_weights(rest)
+            check_target_rows(rows, probe[0], "EAGLE-3")
+        return loaded
 
 
 class CheckedEagle3Llama(_Checked, Eagle3LlamaForCausalLM):
