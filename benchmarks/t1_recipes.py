@@ -12,7 +12,9 @@ variant's τ ratio to the base and to MagicDec as paired 95 % bootstrap CIs over
 A variant is NAME:KEY=VALUE[,KEY=VALUE]: keys omega, loss, lr, vocab (0 = the whole vocabulary; a draft vocabulary
 other than the base's changes only the draft's head), target_cache (float32 / bfloat16), eagle3 (1: train the main
 job's EAGLE-3 draft at the same steps), sink (attention-sink tokens), self_attend (0: a drafted position does not read
-its own layer input; sink=0,self_attend=0 is the variant vLLM's EAGLE-3 path runs, docs/serving.md). Trained runs are cached as the main job caches its drafts, and each draft's
+its own layer input; sink=0,self_attend=0 is the variant vLLM's EAGLE-3 path runs, docs/serving.md), onpolicy
+(a file of `benchmarks/onpolicy_tails.py`: the same batches with the tail of every window replaced by the target's own
+continuation, the variant's own target cache). Trained runs are cached as the main job caches its drafts, and each draft's
 per-context τ is kept in OUT (a rerun with one more variant measures only that one). Writes OUT/recipes.json and
 prints one line per (draft, T).
 """
@@ -43,10 +45,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         kw[key.strip()] = value.strip()
-    unknown = set(kw) - {"omega", "loss", "lr", "vocab", "target_cache", "eagle3", "sink", "self_attend"}
+    unknown = set(kw) - {"omega", "loss", "lr", "vocab", "target_cache", "eagle3", "sink", "self_attend", "onpolicy"}
     if not name or unknown:
         raise SystemExit(f"error: bad --variant {text!r} (NAME:KEY=VALUE,...; keys omega, loss, lr, vocab, "
-                         "target_cache, eagle3, sink, self_attend)")
+                         "target_cache, eagle3, sink, self_attend, onpolicy)")
     return name, kw
 
 
@@ -68,7 +70,34 @@ def variant_config(base, kw: dict, eagle3_cfg):
         cfg.draft_config.sink = int(kw["sink"])
     if "self_attend" in kw:
         cfg.draft_config.self_attend = kw["self_attend"] not in ("0", "false", "False")
+    if "onpolicy" in kw:  # another text: keyed (run folder, target cache) apart from the base's
+        cfg.data = f"onpolicy:{Path(kw['onpolicy']).stem}"
     return cfg
+
+
+class OnPolicyTails:
+    """The training text of ``data`` with each window that ``benchmarks/onpolicy_tails.py`` generated for (the first
+    STEPS batches `spire train` draws) replaced by its version whose last G tokens the target wrote; its cache key
+    (``manifest["key"]``) gets the file's name. A window it has no version for raises KeyError."""
+
+    def __init__(self, data, path: str) -> None:
+        import torch
+
+        blob = torch.load(path)
+        self._data, self._table = data, {r.numpy().astype("int64").tobytes(): g
+                                         for r, g in zip(blob["natural"], blob["generated"])}
+        self.manifest = {**data.manifest, "key": f"{data.manifest['key']}-{Path(path).stem}"}
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # unpickling looks up dunders before _data exists
+            raise AttributeError(name)
+        return getattr(self._data, name)
+
+    def sample_train_batch(self, batch_size: int, seq_len: int, generator=None):
+        import torch
+
+        natural = self._data.sample_train_batch(batch_size, seq_len, generator)
+        return torch.stack([self._table[r.numpy().astype("int64").tobytes()] for r in natural])
 
 
 def main() -> None:
@@ -91,11 +120,12 @@ def main() -> None:
     shared_target_cache([("spire", base), ("eagle3", eagle3_cfg)], target, data, folder, True, print)
     n_procs, threads = training_processes(cfg, target.device)
     models, training = {}, {}
+    texts = {name: OnPolicyTails(data, kw["onpolicy"]) for name, kw in variants if "onpolicy" in kw}
     for name, tc in configs.items():
         label = "eagle3" if tc.draft == "eagle3" else "spire"
         run_dir = _draft_dir(cfg, tc, folder, label)
         t = time.time()
-        model, state = train_in_processes(target, data, run_dir, tc, n_procs, threads, heldout=windows,
+        model, state = train_in_processes(target, texts.get(name, data), run_dir, tc, n_procs, threads, heldout=windows,
                                           target_folder=folder, progress=True, log=print)
         models[name] = model
         training[name] = {"run_dir": str(run_dir), "steps": state["step"], "tokens": state["tokens"],

@@ -109,6 +109,29 @@ def test_sampled_expected_acceptance_estimates_the_acceptance(tiny):
     assert 0 <= d["draft_temperature"]["0"]["alpha"][0] <= 1
 
 
+def test_overlap_by_text_is_the_verified_pass_over_each_text(tiny):
+    """overlap_by_text: 1 − the mean verified-prefix TV over every position after the context, on the rounds' output
+    and on the given natural continuation, each equal to :func:`verified_tv` over that text (the same draft, the
+    same contexts); the two differ (other text); without ``natural`` there is none; a continuation of another
+    number of rows is refused."""
+    from spire.errors import ConfigError
+
+    ctx = _contexts(n=4, L=16, seed=2)
+    natural = torch.randint(0, 97, (4, 10), generator=torch.Generator().manual_seed(9))
+    res = diagnose_shared(tiny, {"d": _make("spire", tiny)}, ctx, G=10, k=2, params=SamplingParams(1.0),
+                          batch_size=4, progress=False, natural=natural)["d"]
+    o = res.to_dict()["overlap_by_text"]
+    nat = verified_tv(tiny, _make("spire", tiny), ctx.tolist(), natural.tolist(), (0, 1, 2, 3))
+    assert o["natural"]["positions"] == len(nat) == 40
+    assert o["natural"]["overlap"] == pytest.approx(1 - sum(nat.values()) / len(nat), abs=1e-6)
+    assert o["generated"]["positions"] == 40 and o["generated"]["overlap"] != pytest.approx(o["natural"]["overlap"])
+    plain = diagnose_shared(tiny, {"d": _make("spire", tiny)}, ctx, G=10, k=2, params=SamplingParams(1.0),
+                            batch_size=4, progress=False)["d"].to_dict()
+    assert plain["overlap_by_text"] is None
+    with pytest.raises(ConfigError, match="do not match"):
+        diagnose_shared(tiny, {"d": _make("spire", tiny)}, ctx, G=10, natural=natural[:3], progress=False)
+
+
 def test_diagnosis_sums_roll_up(tiny):
     d = Diagnosis("x", 1.0, 2)
     d.reached, d.sums["tv"] = [4, 2], [2.0, 0.5]

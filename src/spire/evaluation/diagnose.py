@@ -17,6 +17,11 @@ the rounds that reached it (the j - 1 tokens before it accepted), on the same he
 - ``entropy_draft`` / ``entropy_target``: H(q) and H(p) in nats (temperature 1): a draft flatter than the target
   (H(q) > H(p)) loses acceptance to sampling that a greedy draft would not.
 
+Per (draft, T), given the held-out text that follows each context, also ``overlap_by_text``: the mean 1 − TV
+(temperature 1) with every earlier token verified over every position after the context, on the rounds' own output
+(the target's text at T) and on the document's own continuation. A draft distilled on natural text that overlaps
+the target less on the target's sampled text than on natural text pays that gap at T > 0 (distribution shift).
+
 At T > 0 it also gives, per draft-side temperature factor c, the mean Σ min(p_T, q_c) at the reached positions with
 q_c = the draft's distribution at temperature c·T (c = 0: the draft's argmax, q one-hot), and the τ those per-position
 acceptances predict for independent positions, τ = 1 + Σ_j Π_{i ≤ j} α_i. Drafting from q_c instead of q stays
@@ -94,6 +99,7 @@ class Diagnosis:
     ci: tuple[float, float] = (float("nan"), float("nan"))
     rounds: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
+    text_sums: dict[str, list[float]] = field(default_factory=dict)  # "generated"/"natural": [Σ TV, positions]
 
     def __post_init__(self) -> None:
         for name in ("reached", "verified", "sampled"):
@@ -127,7 +133,15 @@ class Diagnosis:
                 "ci_low": self.ci[0], "ci_high": self.ci[1],
                 "tau_from_acceptance": predicted,
                 "positions": positions,
-                "draft_temperature": self.factor_means() if any(self.sampled) else None}
+                "draft_temperature": self.factor_means() if any(self.sampled) else None,
+                "overlap_by_text": {name: {"overlap": 1 - tv / n, "positions": int(n)}
+                                    for name, (tv, n) in self.text_sums.items() if n} or None}
+
+    def add_text(self, name: str, tvs) -> None:
+        """Add the verified-prefix TVs of every position of one kind of text ("generated" or "natural")."""
+        tv, n = self.text_sums.setdefault(name, [0.0, 0])
+        tvs = list(tvs)
+        self.text_sums[name] = [tv + sum(tvs), n + len(tvs)]
 
     def add_round(self, trace: RoundTrace, context_of_slot: list[int], record: dict) -> None:
         """Accumulate one round (see :class:`~spire.engine.runner.RoundTrace`); ``record[(context, position, j)]``
@@ -224,20 +238,25 @@ def verified_tv(target: Transformer, draft: Draft, rows: list[list[int]], genera
 
 def diagnose_shared(target: Transformer, drafts: dict[str, Draft], contexts: torch.Tensor, G: int = 64, k: int = 4,
                     params: SamplingParams = SamplingParams(), batch_size: int = 8, seed: int = 0,
-                    progress: bool = True) -> dict[str, Diagnosis]:
+                    progress: bool = True, natural: torch.Tensor | None = None) -> dict[str, Diagnosis]:
     """:func:`~spire.evaluation.tau.measure_tau_shared` with a diagnosis of every round (the same rounds, tokens and
-    τ), then the verified-prefix pass over each finished sequence.
+    τ), then the verified-prefix pass over each finished sequence (and over each context's natural continuation).
 
     Args:
         drafts: result name -> draft (re-started for the verified pass: a draft binds one generation at a time).
         contexts: (n, L) prompt ids; G, k, params, batch_size, seed: as measure_tau_shared.
+        natural: (n, >= 1) the held-out text that follows each context, or None: the diagnosis's
+            ``overlap_by_text`` compares the draft on it with the draft on the rounds' output.
     Raises:
-        ConfigError: G, k or batch_size < 1, no contexts or no drafts.
+        ConfigError: G, k or batch_size < 1, no contexts or no drafts, or ``natural`` with another number of rows.
     """
     if G < 1 or k < 1 or batch_size < 1:
         raise ConfigError("G, k and batch size must be >= 1")
     if contexts.dim() != 2 or contexts.shape[0] == 0 or not drafts:
         raise ConfigError("diagnose needs a non-empty (n, L) tensor of contexts and at least one draft")
+    if natural is not None and (natural.dim() != 2 or natural.shape[0] != contexts.shape[0] or natural.shape[1] < 1):
+        raise ConfigError(f"natural continuations {tuple(natural.shape)} do not match contexts "
+                          f"{tuple(contexts.shape)}: one row of at least one token per context")
     n = contexts.shape[0]
     hidden = tuple(sorted({j for d in drafts.values() for j in d.hidden_layers}))
     out = {name: Diagnosis(d.name, params.temperature, k) for name, d in drafts.items()}
@@ -256,7 +275,12 @@ def diagnose_shared(target: Transformer, drafts: dict[str, Draft], contexts: tor
                                    round_hook=lambda tr, d=diag, rec=record: d.add_round(tr, slot_ctx, rec))
             rounds[name] += res.rounds
             emitted[name] += res.emitted
-            diag.add_verified(record, verified_tv(target, draft, rows, res.tokens, hidden))
+            generated_tv = verified_tv(target, draft, rows, res.tokens, hidden)
+            diag.add_verified(record, generated_tv)
+            if natural is not None:  # the same draft over both texts, every position after the context
+                diag.add_text("generated", generated_tv.values())
+                cont = natural[i: i + batch_size, :G].tolist()
+                diag.add_text("natural", verified_tv(target, draft, rows, cont, hidden).values())
             bar.update(len(rows))
         state = None
     bar.close()
@@ -327,5 +351,14 @@ def diagnosis_markdown(rows: list[dict]) -> str:
                          f"{f(None if p['tv_verified'] is None else 1 - p['tv_verified'])} | "
                          f"{f(p['outside_mass'], '.4f')} | {f(p['entropy_draft'], '.2f')} | "
                          f"{f(p['entropy_target'], '.2f')} |")
+    texts = [r for r in rows if r["diagnosis"].get("overlap_by_text")]
+    if texts:  # the draft on the target's own text against the draft on natural text
+        lines += ["", "| draft | T | 1 − TV on the rounds' text | 1 − TV on the natural text | positions |",
+                  "|---|---|---|---|---|"]
+        for r in texts:
+            o = r["diagnosis"]["overlap_by_text"]
+            gen, nat = o.get("generated", {}), o.get("natural", {})
+            lines.append(f"| {r['name']} | {r['diagnosis']['temperature']:g} | {f(gen.get('overlap'))} | "
+                         f"{f(nat.get('overlap'))} | {gen.get('positions', 0)} / {nat.get('positions', 0)} |")
     return "\n".join(lines)
 

@@ -1,6 +1,7 @@
 """spire's vLLM plugin: the ``vllm.general_plugins`` entry point (pyproject.toml) that registers spire's draft
 architectures with vLLM's model registry, in every vLLM process, before any model config is read: SPIRe's, and
-vLLM's EAGLE-3 classes with spire's start-up checks. Light: vLLM imports a model class
+vLLM's EAGLE-3 classes with spire's start-up checks; and it applies spire's run-time fixes of vLLM
+(:mod:`spire.integrations.vllm_fixes`). Light: vLLM imports a model class
 (:mod:`spire.integrations.vllm_spire`, :mod:`spire.integrations.vllm_eagle3`) only when an export names it."""
 
 ARCHITECTURE = "Eagle3SpireDraftForCausalLM"
@@ -28,8 +29,13 @@ _CLASSES = {ARCHITECTURE: "spire.integrations.vllm_spire:SpireDraftForVllm",
 
 
 def register() -> None:
-    """Register spire's architectures (idempotent: vLLM calls every general plugin once per process)."""
+    """Register spire's architectures and apply spire's run-time fixes of vLLM
+    (:mod:`spire.integrations.vllm_fixes`); idempotent: vLLM calls every general plugin once per process."""
     from vllm import ModelRegistry
+
+    from spire.integrations import vllm_fixes
+
+    vllm_fixes.apply()
 
     for name, cls in _CLASSES.items():
         if name not in ModelRegistry.get_supported_archs():

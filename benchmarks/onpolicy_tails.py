@@ -1,0 +1,58 @@
+"""On-policy training windows for `benchmarks/t1_recipes.py --variant NAME:onpolicy=FILE` (issue "SPIRe at T = 1").
+
+The first STEPS training batches `spire train` draws (4 x 256 tokens, seed 0: the main job's cached batches), with
+the last G tokens of every window replaced by the target's own continuation of its first 256 - G tokens at
+temperature T (sampled losslessly with MagicDec speculation, sink 1 + window 64, k = 4, only to go faster; row i
+samples with seed 10,000 + its chunk's first row). Resumable: every chunk of rows is saved to FILE.part.
+
+    python benchmarks/onpolicy_tails.py --steps 500 -G 64 --temperature 1 --out onpol_t1_500_64.pt
+
+Writes FILE: {"natural": (4 STEPS, 256), "generated": (4 STEPS, 256) int64 token ids, "steps", "G"}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from spire.data import document_separator_id, prepare_data
+from spire.drafts import make_draft
+from spire.loading import load_target
+from spire.sampling import SamplingParams
+from spire.speculative import generate
+from spire.training.sources import step_generator
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=500, help="training batches (the main job caches 500)")
+    ap.add_argument("-G", type=int, default=64, help="tokens the target writes at the end of each 256-token window")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--chunk", type=int, default=100, help="rows generated at once (and saved)")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    B, T, G = 4, 256, args.G
+    target, tok, _ = load_target(progress=False)
+    data = prepare_data(tok, eos_id=document_separator_id(tok), progress=False)
+    natural = torch.cat([data.sample_train_batch(B, T, step_generator(0, s)) for s in range(args.steps)])
+    part = args.out + ".part"
+    saved = torch.load(part) if os.path.exists(part) else {"generated": natural.clone(), "done": 0}
+    generated, t0 = saved["generated"], time.time()
+    for i in range(saved["done"], len(natural), args.chunk):
+        rows = slice(i, i + args.chunk)
+        r = generate(target, natural[rows, :T - G], G, draft=make_draft("magicdec", target, sink=1, window=64), k=4,
+                     params=SamplingParams(temperature=args.temperature), seed=10_000 + i)
+        generated[rows, T - G:] = torch.tensor([x[:G] for x in r.tokens])  # no EOS ids given: G tokens a row
+        torch.save({"generated": generated, "done": i + args.chunk}, part)
+        print(f"rows {min(i + args.chunk, len(natural))}/{len(natural)} {time.time() - t0:.0f} s, tau {r.tau:.2f}",
+              flush=True)
+    torch.save({"natural": natural, "generated": generated, "steps": args.steps, "G": G}, args.out)
+    os.remove(part)
+    print(f"wrote {args.out}: {(generated != natural).float().mean().item():.3f} of the tokens changed")
+
+
+if __name__ == "__main__":
+    main()
