@@ -563,6 +563,33 @@ def test_vllm_accepts_at_t1_what_spire_accepts(served):
 
 
 @needs_vllm
+@needs_smollm2
+def test_a_spire_draft_with_the_whole_vocabulary_is_served(tmp_path):
+    """A SPIRe draft with no draft vocabulary (the head is the target's whole unembedding, `spire train`'s default)
+    is served: vLLM finds its head equal to the target's and shares the target's head module into the draft, which
+    the draft must not call (a fresh user's report: the first request failed and the server exited). Greedy output
+    on the first 4 prompts equals spire's autoregressive greedy output, and drafts are accepted."""
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+    from spire.export import export_draft
+    from spire.loading import load_target, resolve_checkpoint
+
+    folder = resolve_checkpoint("smollm2-135m", progress=False).resolve()
+    target, tok, _ = load_target(progress=False)
+    torch.manual_seed(0)
+    SpireDraftModel(target, SpireConfig(n_draft_layers=target.cfg.n_layers, sink=0, self_attend=False)).save(
+        tmp_path / "d.safetensors")
+    out = export_draft("spire", tmp_path / "d.safetensors", target, str(folder), tmp_path / "export", k=K)
+    ids = [tok.encode(p) for p in PROMPTS[:4]]
+    with vllm_server(folder, tmp_path / "vllm.log", "--speculative-config",
+                     (out / vllm_export.SPEC_FILE).read_text()) as port:
+        tokens, m = _complete(port, ids), _spec_metrics(port)
+    from tests.oracle import generate
+
+    assert tokens == generate(target, ids, NEW, eos_ids=target.cfg.eos_ids).tokens
+    assert m["drafts"] > 20 and m["accepted_tokens"] > 0.3 * m["drafts"], m
+
+
+@needs_vllm
 def test_the_vllm_functions_spire_patches_are_those_it_was_written_for():
     """Each vLLM function spire replaces or works around at run time (docs/serving.md, "Run-time patches") has the
     source the fix was written for; a new vLLM fails here, to be looked at. And the fault is real in the installed

@@ -494,18 +494,22 @@ def _measure_taus(cfg: ReproduceConfig, meter: _TauMeter, names: list[str], cont
     return taus, tau_vs_L, tau_vs_k
 
 
-def _diagnose(cfg: ReproduceConfig, meter: _TauMeter, names: list[str], contexts, log, timings: dict) -> list[dict]:
+def _diagnose(cfg: ReproduceConfig, meter: _TauMeter, names: list[str], contexts, log, timings: dict,
+              natural=None) -> list[dict]:
     """Step 5b: the T = 1 diagnosis (:mod:`spire.evaluation.diagnose`) of every draft but n-gram (its q is one-hot:
-    nothing to diagnose) on the first ``diagnose_contexts`` contexts at L; cached as τ rows are."""
+    nothing to diagnose) on the first ``diagnose_contexts`` contexts at L, with their held-out continuations
+    ``natural`` (n, G) for the overlap on natural text against the rounds' text; cached as τ rows are."""
     if not cfg.diagnose_contexts:
         return []
     ctx = contexts[: cfg.diagnose_contexts]
+    natural = None if natural is None else natural[: cfg.diagnose_contexts]
     names = [n for n in names if n != "ngram" and "-" not in n]  # the five kinds' drafts, no ablation
     log(f"      diagnosis at T = 1: {', '.join(names)} on {len(ctx)} contexts of L={cfg.L}")
     t = time.time()
     rows, todo = [], {}
     for name in names:
-        key = "diagnosis-" + _tau_key(meter.folder, meter.identity(name), ctx, cfg, 1.0, _tau_batch(cfg, cfg.L))
+        key = "diagnosis-" + ("" if natural is None else "texts-") + _tau_key(
+            meter.folder, meter.identity(name), ctx, cfg, 1.0, _tau_batch(cfg, cfg.L))
         cached = _tau_cache_get(key)
         if cached is not None:
             rows.append({"name": name, "diagnosis": cached})
@@ -514,7 +518,7 @@ def _diagnose(cfg: ReproduceConfig, meter: _TauMeter, names: list[str], contexts
     if todo:
         found = diagnose_shared(meter.target, {n: meter.draft(n) for n in todo}, ctx, G=cfg.G, k=cfg.k,
                                 params=SamplingParams(1.0), batch_size=_tau_batch(cfg, cfg.L), seed=cfg.seed,
-                                progress=meter.progress)
+                                progress=meter.progress, natural=natural)
         for name, key in todo.items():
             d = found[name].to_dict()
             _tau_cache_put(key, d)
@@ -581,7 +585,8 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
     names = [n for n in registry.names(drafts_only=True) if n in trained or not registry.kind(n).trains]
     names += [label for label, _ in runs if label not in names]
     taus, tau_vs_L, tau_vs_k = _measure_taus(cfg, meter, names, contexts, sweep, log, timings)
-    diagnosis = _diagnose(cfg, meter, names, contexts, log, timings)
+    natural = data.heldout_contexts(cfg.L, cfg.G, cfg.n_contexts, seed=cfg.seed)[:, cfg.L:]  # what follows each
+    diagnosis = _diagnose(cfg, meter, names, contexts, log, timings, natural)
 
     log("[6/6] throughput model and report")
     results = _results(cfg, target, folder, data, training, taus, tau_vs_L, tau_vs_k, timings)

@@ -512,8 +512,17 @@ def _diagnosis_lines(results: dict) -> list[str]:
             f"outside mass {sum(p['outside_mass'] for p in pos) / len(pos):.3f}"
             + (f"; drafting over its own tokens costs {sum(gap) / len(gap):.3f} of 1 − TV at j ≥ 2" if gap else "")
             + (f"; best draft temperature factor {best} (τ predicted {known[best]['tau_predicted']:.3f} against "
-               f"{known['1']['tau_predicted']:.3f} at 1)" if best and "1" in known else ""))
+               f"{known['1']['tau_predicted']:.3f} at 1)" if best and "1" in known else "")
+            + _text_gap(d.get("overlap_by_text")))
     return lines
+
+
+def _text_gap(o: dict | None) -> str:
+    """The overlap on the target's sampled text against natural text, as a clause (empty without both)."""
+    if not o or not o.get("generated") or not o.get("natural"):
+        return ""
+    g, n = o["generated"]["overlap"], o["natural"]["overlap"]
+    return f"; 1 − TV on the target's sampled text {g:.3f} against {n:.3f} on natural text ({g - n:+.3f})"
 
 
 def _markdown(results: dict, cfg) -> str:

@@ -170,8 +170,10 @@ class SpireDraftForVllm(Eagle3LlamaForCausalLM):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """(T, d) -> (T, V) float32 logits: the draft vocabulary's columns at their target ids, -inf elsewhere
-        (q = 0 there, as in spire)."""
-        logits = self.lm_head(hidden_states).float()
+        (q = 0 there, as in spire). The head's weight is read directly: with the whole vocabulary, vLLM finds it
+        equal to the target's and puts the target's head module in its place, which cannot be called."""
+        weight = self.lm_head.weight
+        logits = F.linear(hidden_states, weight[: self.vocab.shape[0]]).float()
         out = logits.new_full((logits.shape[0], self.V), float("-inf"))
         out[:, self.vocab] = logits
         return out
