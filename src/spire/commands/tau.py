@@ -179,10 +179,6 @@ def build_contexts(data, a: TauArgs) -> dict[int, Any]:
     return out
 
 
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(a[L].shape == b[L].shape and bool((a[L] == b[L]).all()) for L in a)
-
-
 def build_continuations(data, a: TauArgs) -> dict[int, Any]:
     """{L: (n_contexts, G) int64 tensor}: the held-out text that follows each context of :func:`build_contexts`
     (nested contexts all end where the longest does, so they share its continuation)."""
@@ -220,14 +216,15 @@ def build_drafts(target, tokenizer, a: TauArgs) -> list[tuple[DraftSpec, Any]]:
 
 def measure(target, data, drafts: list[tuple[DraftSpec, Any]], a: TauArgs, progress: bool = True,
             log: Callable[[str], None] | None = None, contexts: dict[int, Any] | None = None,
-            on_row: Callable[[list[dict]], None] | None = None) -> list[dict]:
+            on_row: Callable[[list[dict]], None] | None = None,
+            natural: dict[int, Any] | None = None) -> list[dict]:
     """Every (draft, L, temperature) measurement, in that nesting order (a run cut short has whole drafts
-    first); one row dict each. ``on_row(rows so far)`` is called after each measurement."""
+    first); one row dict each. ``on_row(rows so far)`` is called after each measurement. ``natural``: {L: (n, G)}
+    the held-out text after each context (:func:`build_continuations`) for a diagnosis's ``overlap_by_text``."""
     validate(a, target.cfg.max_positions)
-    natural = None
-    if a.diagnose and data is not None:  # the contexts' own continuations, where they are the held-out ones
-        natural = build_continuations(data, a) if contexts is None or _same(contexts, build_contexts(data, a)) else None
-    contexts = contexts if contexts is not None else build_contexts(data, a)
+    if contexts is None:  # the held-out contexts, and for a diagnosis the text that follows each
+        contexts = build_contexts(data, a)
+        natural = build_continuations(data, a) if a.diagnose and natural is None else natural
     jobs = [(L, t, spec, d) for spec, d in drafts for L in dict.fromkeys(a.Ls)
             for t in dict.fromkeys(a.temperatures)]
     rows = []
@@ -295,8 +292,9 @@ def run_tau(a: TauArgs, progress: bool = True, log: Callable[[str], None] | None
         }  # fmt: skip
 
     on_row = None if out is None else (lambda rows: write_json(out, result(rows, False)))
+    natural = build_continuations(data, a) if a.diagnose else None
     final = result(measure(target, data, drafts, a, progress=progress, log=log, contexts=contexts,
-                           on_row=on_row), True)
+                           on_row=on_row, natural=natural), True)
     if out is not None:
         write_json(out, final)
     return final
