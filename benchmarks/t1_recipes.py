@@ -10,11 +10,13 @@ variant's τ ratio to the base and to MagicDec as paired 95 % bootstrap CIs over
     python benchmarks/t1_recipes.py --steps 600 --train-only ...   # train (resumable), measure later
 
 A variant is NAME:KEY=VALUE[,KEY=VALUE]: keys omega, loss, lr, vocab (0 = the whole vocabulary; a draft vocabulary
-other than the base's changes only the draft's head), target_cache (float32 / bfloat16), eagle3 (1: train the main
+other than the base's changes only the draft's head), vocab_from (frequency / mass: how the draft vocabulary is
+chosen, SpireConfig.vocab_from), target_cache (float32 / bfloat16), eagle3 (1: train the main
 job's EAGLE-3 draft at the same steps), sink (attention-sink tokens), self_attend (0: a drafted position does not read
 its own layer input; sink=0,self_attend=0 is the variant vLLM's EAGLE-3 path runs, docs/serving.md), onpolicy
 (a file of `benchmarks/onpolicy_tails.py`: the same batches with the tail of every window replaced by the target's own
-continuation, the variant's own target cache). Trained runs are cached as the main job caches its drafts, and each draft's
+continuation, the variant's own target cache), mix (FILE.npz[:ROWS]: the last ROWS rows of every batch from another
+text, :class:`MixedText`; its own target cache). Trained runs are cached as the main job caches its drafts, and each draft's
 per-context τ is kept in OUT (a rerun with one more variant measures only that one). Writes OUT/recipes.json and
 prints one line per (draft, T).
 """
@@ -45,10 +47,11 @@ def parse_variant(text: str) -> tuple[str, dict]:
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
         kw[key.strip()] = value.strip()
-    unknown = set(kw) - {"omega", "loss", "lr", "vocab", "target_cache", "eagle3", "sink", "self_attend", "onpolicy"}
+    unknown = set(kw) - {"omega", "loss", "lr", "vocab", "target_cache", "eagle3", "sink", "self_attend", "onpolicy",
+                          "vocab_from", "mix"}
     if not name or unknown:
         raise SystemExit(f"error: bad --variant {text!r} (NAME:KEY=VALUE,...; keys omega, loss, lr, vocab, "
-                         "target_cache, eagle3, sink, self_attend, onpolicy)")
+                         "target_cache, eagle3, sink, self_attend, onpolicy, vocab_from, mix)")
     return name, kw
 
 
@@ -64,6 +67,8 @@ def variant_config(base, kw: dict, eagle3_cfg):
         cfg.lr = float(kw["lr"])
     if "vocab" in kw:
         cfg.draft_config.vocab_size = int(kw["vocab"]) or None
+    if "vocab_from" in kw:
+        cfg.draft_config.vocab_from = kw["vocab_from"]
     if "target_cache" in kw:
         cfg.target_cache = kw["target_cache"]
     if "sink" in kw:
@@ -72,6 +77,9 @@ def variant_config(base, kw: dict, eagle3_cfg):
         cfg.draft_config.self_attend = kw["self_attend"] not in ("0", "false", "False")
     if "onpolicy" in kw:  # another text: keyed (run folder, target cache) apart from the base's
         cfg.data = f"onpolicy:{Path(kw['onpolicy']).stem}"
+    if "mix" in kw:
+        path, _, rows = kw["mix"].partition(":")
+        cfg.data = f"mix:{Path(path).stem}:{rows or 2}"
     return cfg
 
 
@@ -100,6 +108,39 @@ class OnPolicyTails:
         return torch.stack([self._table[r.numpy().astype("int64").tobytes()] for r in natural])
 
 
+class MixedText:
+    """The training text of ``data`` with the last ``rows`` rows of every batch replaced by windows of another text
+    (``spec`` = FILE.npz[:ROWS], FILE with "tokens" and "offsets" as written by
+    `measurements/t1-recipes/broad-text/brown_tokens.py`; ROWS default 2), drawn uniformly over the valid starts of
+    its documents with the batch's own generator after the natural rows (which stay the base's first rows)."""
+
+    def __init__(self, data, spec: str) -> None:
+        path, _, rows = spec.partition(":")
+        blob = np.load(path)
+        self._data, self._rows = data, int(rows or 2)
+        self._tokens, self._offsets = blob["tokens"].astype(np.int64), blob["offsets"].astype(np.int64)
+        self.manifest = {**data.manifest, "key": f"{data.manifest['key']}-mix-{Path(path).stem}-{self._rows}"}
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._data, name)
+
+    def sample_train_batch(self, batch_size: int, seq_len: int, generator=None):
+        import torch
+
+        batch = self._data.sample_train_batch(batch_size, seq_len, generator)
+        ends = np.append(self._offsets[1:], len(self._tokens))
+        ok = np.nonzero(ends - self._offsets >= seq_len)[0]
+        cum = np.cumsum(ends[ok] - self._offsets[ok] - seq_len + 1)
+        for r in range(batch_size - self._rows, batch_size):
+            u = int(torch.randint(0, int(cum[-1]), (1,), generator=generator))
+            j = int(np.searchsorted(cum, u, side="right"))
+            start = self._offsets[ok[j]] + u - (cum[j - 1] if j else 0)
+            batch[r] = torch.from_numpy(self._tokens[start:start + seq_len])
+        return batch
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=600, help="optimizer steps of every run (1,024 tokens each)")
@@ -121,6 +162,7 @@ def main() -> None:
     n_procs, threads = training_processes(cfg, target.device)
     models, training = {}, {}
     texts = {name: OnPolicyTails(data, kw["onpolicy"]) for name, kw in variants if "onpolicy" in kw}
+    texts |= {name: MixedText(data, kw["mix"]) for name, kw in variants if "mix" in kw}
     for name, tc in configs.items():
         label = "eagle3" if tc.draft == "eagle3" else "spire"
         run_dir = _draft_dir(cfg, tc, folder, label)

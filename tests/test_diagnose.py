@@ -125,6 +125,16 @@ def test_overlap_by_text_is_the_verified_pass_over_each_text(tiny):
     assert o["natural"]["positions"] == len(nat) == 40
     assert o["natural"]["overlap"] == pytest.approx(1 - sum(nat.values()) / len(nat), abs=1e-6)
     assert o["generated"]["positions"] == 40 and o["generated"]["overlap"] != pytest.approx(o["natural"]["overlap"])
+    assert o["natural"]["outside_mass"] == 0 and o["generated"]["outside_mass"] == 0  # the whole vocabulary
+    v = diagnose_shared(tiny, {"d": _make("spire-vocab", tiny)}, ctx, G=10, k=2, params=SamplingParams(1.0),
+                        batch_size=4, progress=False, natural=natural)["d"].to_dict()["overlap_by_text"]
+    out: dict = {}
+    verified_tv(tiny, _make("spire-vocab", tiny), ctx.tolist(), natural.tolist(), (0, 1, 2, 3), out)
+    full = tiny(torch.cat([ctx, natural], 1), torch.arange(26)[None].expand(4, 26), tiny.new_cache(4, 32))
+    p = F.softmax(full.logits[:, 15:25].float(), -1)  # the target at the 10 positions after the context
+    want = float(1 - p[..., 20:80].sum(-1).mean())  # the 37 tokens outside the draft's 60 (ids 20..79)
+    assert v["natural"]["outside_mass"] == pytest.approx(want, abs=1e-5)
+    assert sum(out.values()) / len(out) == pytest.approx(want, abs=1e-5)
     plain = diagnose_shared(tiny, {"d": _make("spire", tiny)}, ctx, G=10, k=2, params=SamplingParams(1.0),
                             batch_size=4, progress=False)["d"].to_dict()
     assert plain["overlap_by_text"] is None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
-from spire.drafts.vocab import frequent_tokens
+from spire.drafts.vocab import frequent_tokens, probable_tokens
 from spire.errors import ConfigError, DataError
 from spire.sampling import SamplingParams, probs_from_logits
 from tests.oracle import generate
@@ -153,6 +153,34 @@ def test_frequent_tokens_by_count_then_id():
     assert frequent_tokens(np.array([3]), 3, 10).tolist() == [0, 1, 3]  # unseen ids fill in id order
     with pytest.raises(ConfigError):
         frequent_tokens(np.array([1]), 11, 10)
+
+
+def test_probable_tokens_are_the_targets_most_probable_ids(tiny):
+    """The N ids of largest Σ_t p(v | x_<t), against the same sum decoded one token at a time through the KV cache
+    (another code path than the full-attention forward probable_tokens runs)."""
+    windows = torch.randint(0, 97, (5, 12), generator=torch.Generator().manual_seed(3))
+    mass = torch.zeros(97, dtype=torch.float64)
+    cache = tiny.new_cache(5, 12)
+    for t in range(12):
+        logits = tiny(windows[:, t:t + 1], torch.full((5, 1), t), cache).logits
+        mass += torch.softmax(logits.double(), -1).sum((0, 1))
+    want = sorted(torch.argsort(mass, descending=True)[:20].tolist())
+    assert probable_tokens(tiny, windows, 20, rows=2).tolist() == want
+    assert probable_tokens(tiny, windows, 97).tolist() == list(range(97))
+    with pytest.raises(ConfigError):
+        probable_tokens(tiny, windows, 98)
+
+
+def test_a_mass_vocabulary_is_chosen_by_the_target_not_by_counts(tiny):
+    data = TokenLikeData()
+    cfg = config("spire", 1, 2)
+    cfg.draft_config.vocab_size, cfg.draft_config.vocab_from = 30, "mass"
+    model = SpireDraftModel.for_training(tiny, cfg, data)
+    windows = data.sample_train_batch(64, cfg.seq_len, torch.Generator().manual_seed(cfg.seed))
+    assert model.vocab.tolist() == probable_tokens(tiny, windows, 30).tolist()
+    assert model.vocab.tolist() != frequent_tokens(data.train.tokens, 30, 97).tolist()
+    with pytest.raises(ConfigError, match="vocab_from must be one of"):
+        SpireConfig(n_draft_layers=2, vocab_size=30, vocab_from="counts").validate(4, 97)
 
 
 def test_draft_vocabulary_head_and_maps(tiny):

@@ -37,7 +37,7 @@ import torch.nn as nn
 from spire import defaults, fastpath
 from spire.backend import of as backend_of
 from spire.drafts.base import Draft
-from spire.drafts.vocab import DraftVocabulary, frequent_tokens
+from spire.drafts.vocab import VOCAB_FROM, DraftVocabulary, frequent_tokens, probable_tokens
 from spire.formats.draft_file import (check_export, fingerprint, fingerprint_matches, read_draft_file, resolve_draft_path,
                                      run_finished, warn_if_unfinished, write_draft_file)
 from spire.formats.speculators import spire_export_config
@@ -49,6 +49,9 @@ from spire.paths import spire_cache_dir
 
 
 INIT_KINDS = ("pruned", "random")
+VOCAB_MASS_ROWS = 64
+"""Training windows over which a vocab_from="mass" draft vocabulary sums the target's probabilities (16,384
+positions at 256 tokens)."""
 
 BRIDGE_FIT_ROWS = 32
 """Training windows the bridge is fitted on (:meth:`SpireDraftModel.fit_bridge`): 32 x 256 tokens through the
@@ -70,6 +73,9 @@ class SpireConfig:
         token ids (the N most frequent in the training text, :func:`frequent_tokens`) and gives q = 0 to every
         other token; None = the target's whole vocabulary. Verification stays lossless (q is exactly the
         distribution drafts are drawn from); the head costs N/V of the full one in training and drafting.
+    vocab_from: how those N ids are chosen: "frequency" (the N most frequent in the training text) or "mass" (the
+        N with the largest target probability summed over VOCAB_MASS_ROWS training windows,
+        :func:`probable_tokens`).
     feature_input: beyond the paper (EAGLE's feature input, Li et al. 2024): a drafted position's residual
         stream gets a learned projection of the previous position's feature, the residual stream
         entering the last draft layer: the target's (entering target layer ``source_layers[-1]``) when the
@@ -97,6 +103,7 @@ class SpireConfig:
     target_activations: bool = True
     self_attend: bool = True
     vocab_size: int | None = None
+    vocab_from: str = "frequency"
     feature_input: bool = False
     feature_layer: int | None = None
     feature_from: int | None = None
@@ -118,6 +125,8 @@ class SpireConfig:
             raise ConfigError(f"draft layers must be distinct target layers in [0, {n_t - 1}], got {list(self.layers)}")
         if self.init not in INIT_KINDS:
             raise ConfigError(f"init must be one of {', '.join(INIT_KINDS)}, got {self.init!r}")
+        if self.vocab_from not in VOCAB_FROM:
+            raise ConfigError(f"vocab_from must be one of {', '.join(VOCAB_FROM)}, got {self.vocab_from!r}")
         if self.window is not None and self.window < 1 or self.sink < 0:
             raise ConfigError(f"sink must be >= 0 and window >= 1 (or None), got {self.sink}, {self.window}")
         if not self.target_activations and self.feedback_memory:
@@ -528,7 +537,11 @@ class SpireDraftModel(DraftVocabulary, nn.Module):
             if tokens is None:
                 raise ConfigError("a draft vocabulary is chosen from the training text's token counts: this data "
                                   "source has none (data.train.tokens)")
-            vocab = frequent_tokens(tokens, sc.vocab_size, target.cfg.vocab_size)
+            if sc.vocab_from == "mass":
+                windows = data.sample_train_batch(VOCAB_MASS_ROWS, cfg.seq_len, torch.Generator().manual_seed(cfg.seed))
+                vocab = probable_tokens(target, windows, sc.vocab_size, bf16=bool(cfg.bf16))
+            else:
+                vocab = frequent_tokens(tokens, sc.vocab_size, target.cfg.vocab_size)
         return cls(target, sc, vocab)
 
     def start_training(self, data, cfg) -> dict | None:

@@ -19,7 +19,9 @@ the rounds that reached it (the j - 1 tokens before it accepted), on the same he
 
 Per (draft, T), given the held-out text that follows each context, also ``overlap_by_text``: the mean 1 − TV
 (temperature 1) with every earlier token verified over every position after the context, on the rounds' own output
-(the target's text at T) and on the document's own continuation. A draft distilled on natural text that overlaps
+(the target's text at T) and on the document's own continuation, with the target's mean mass outside the draft
+vocabulary on each (``outside_mass``: a draft vocabulary chosen on natural text covers less of the target's sampled
+text). A draft distilled on natural text that overlaps
 the target less on the target's sampled text than on natural text pays that gap at T > 0 (distribution shift).
 
 At T > 0 it also gives, per draft-side temperature factor c, the mean Σ min(p_T, q_c) at the reached positions with
@@ -99,7 +101,8 @@ class Diagnosis:
     ci: tuple[float, float] = (float("nan"), float("nan"))
     rounds: list[int] = field(default_factory=list)
     emitted: list[int] = field(default_factory=list)
-    text_sums: dict[str, list[float]] = field(default_factory=dict)  # "generated"/"natural": [Σ TV, positions]
+    text_sums: dict[str, list[float]] = field(default_factory=dict)  # "generated"/"natural": [Σ TV, positions,
+    # Σ outside mass]
 
     def __post_init__(self) -> None:
         for name in ("reached", "verified", "sampled"):
@@ -134,14 +137,15 @@ class Diagnosis:
                 "tau_from_acceptance": predicted,
                 "positions": positions,
                 "draft_temperature": self.factor_means() if any(self.sampled) else None,
-                "overlap_by_text": {name: {"overlap": 1 - tv / n, "positions": int(n)}
-                                    for name, (tv, n) in self.text_sums.items() if n} or None}
+                "overlap_by_text": {name: {"overlap": 1 - tv / n, "positions": int(n), "outside_mass": out / n}
+                                    for name, (tv, n, out) in self.text_sums.items() if n} or None}
 
-    def add_text(self, name: str, tvs) -> None:
-        """Add the verified-prefix TVs of every position of one kind of text ("generated" or "natural")."""
-        tv, n = self.text_sums.setdefault(name, [0.0, 0])
+    def add_text(self, name: str, tvs, outside=()) -> None:
+        """Add the verified-prefix TVs of every position of one kind of text ("generated" or "natural") and the
+        target's mass outside the draft vocabulary there (``outside``, the same positions; none: 0)."""
+        tv, n, out = self.text_sums.setdefault(name, [0.0, 0, 0.0])
         tvs = list(tvs)
-        self.text_sums[name] = [tv + sum(tvs), n + len(tvs)]
+        self.text_sums[name] = [tv + sum(tvs), n + len(tvs), out + sum(outside)]
 
     def add_round(self, trace: RoundTrace, context_of_slot: list[int], record: dict) -> None:
         """Accumulate one round (see :class:`~spire.engine.runner.RoundTrace`); ``record[(context, position, j)]``
@@ -202,7 +206,7 @@ class Diagnosis:
 
 @torch.no_grad()
 def verified_tv(target: Transformer, draft: Draft, rows: list[list[int]], generated: list[list[int]],
-                hidden: tuple[int, ...]) -> dict[tuple[int, int], float]:
+                hidden: tuple[int, ...], outside: dict | None = None) -> dict[tuple[int, int], float]:
     """TV(p, q) (temperature 1) at every generated position with every earlier token verified: the draft is run over
     the sequence prompt + generated one token at a time (a one-token draft step at the pending position, then the
     target's forward there, which the draft observes: a k = 1 round whose drafted token is not fed back).
@@ -210,6 +214,7 @@ def verified_tv(target: Transformer, draft: Draft, rows: list[list[int]], genera
     Args:
         rows: the prompts (all the same length); generated: the tokens each row emitted.
         hidden: the target layers the prefill keeps (at least the draft's ``hidden_layers``).
+        outside: when given, filled with {(row index, position): the target's mass on tokens where q = 0}.
     Returns:
         {(row index, position): TV} for the positions of the generated tokens.
     """
@@ -229,10 +234,14 @@ def verified_tv(target: Transformer, draft: Draft, rows: list[list[int]], genera
         z = draft.step(tok, posv).float()  # (B, V): the draft at position pos + 1
         res = target(tok, posv, cache, hidden_layers=draft.hidden_layers)
         p = F.softmax(res.logits[:, -1].float(), -1)
-        tv = 0.5 * (p - F.softmax(z, -1)).abs().sum(-1)
+        q = F.softmax(z, -1)
+        tv = 0.5 * (p - q).abs().sum(-1)
+        mass = (p * (q == 0)).sum(-1)
         draft.observe(tok, posv, res)
         for b in range(B):
             out[(b, pos + 1)] = float(tv[b])
+            if outside is not None:
+                outside[(b, pos + 1)] = float(mass[b])
     return out
 
 
@@ -275,12 +284,14 @@ def diagnose_shared(target: Transformer, drafts: dict[str, Draft], contexts: tor
                                    round_hook=lambda tr, d=diag, rec=record: d.add_round(tr, slot_ctx, rec))
             rounds[name] += res.rounds
             emitted[name] += res.emitted
-            generated_tv = verified_tv(target, draft, rows, res.tokens, hidden)
+            gen_out, nat_out = {}, {}
+            generated_tv = verified_tv(target, draft, rows, res.tokens, hidden, gen_out)
             diag.add_verified(record, generated_tv)
             if natural is not None:  # the same draft over both texts, every position after the context
-                diag.add_text("generated", generated_tv.values())
+                diag.add_text("generated", generated_tv.values(), gen_out.values())
                 cont = natural[i: i + batch_size, :G].tolist()
-                diag.add_text("natural", verified_tv(target, draft, rows, cont, hidden).values())
+                diag.add_text("natural", verified_tv(target, draft, rows, cont, hidden, nat_out).values(),
+                              nat_out.values())
             bar.update(len(rows))
         state = None
     bar.close()
@@ -353,12 +364,14 @@ def diagnosis_markdown(rows: list[dict]) -> str:
                          f"{f(p['entropy_target'], '.2f')} |")
     texts = [r for r in rows if r["diagnosis"].get("overlap_by_text")]
     if texts:  # the draft on the target's own text against the draft on natural text
-        lines += ["", "| draft | T | 1 − TV on the rounds' text | 1 − TV on the natural text | positions |",
-                  "|---|---|---|---|---|"]
+        lines += ["", "| draft | T | 1 − TV on the rounds' text | 1 − TV on the natural text | outside mass on "
+                  "each | positions |", "|---|---|---|---|---|---|"]
         for r in texts:
             o = r["diagnosis"]["overlap_by_text"]
             gen, nat = o.get("generated", {}), o.get("natural", {})
             lines.append(f"| {r['name']} | {r['diagnosis']['temperature']:g} | {f(gen.get('overlap'))} | "
-                         f"{f(nat.get('overlap'))} | {gen.get('positions', 0)} / {nat.get('positions', 0)} |")
+                         f"{f(nat.get('overlap'))} | {f(gen.get('outside_mass'), '.4f')} / "
+                         f"{f(nat.get('outside_mass'), '.4f')} | {gen.get('positions', 0)} / "
+                         f"{nat.get('positions', 0)} |")
     return "\n".join(lines)
 

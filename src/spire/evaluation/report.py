@@ -522,7 +522,10 @@ def _text_gap(o: dict | None) -> str:
     if not o or not o.get("generated") or not o.get("natural"):
         return ""
     g, n = o["generated"]["overlap"], o["natural"]["overlap"]
-    return f"; 1 − TV on the target's sampled text {g:.3f} against {n:.3f} on natural text ({g - n:+.3f})"
+    out = [o[t].get("outside_mass") for t in ("generated", "natural")]
+    vocab = (f", the target's mass outside the draft vocabulary {out[0]:.3f} against {out[1]:.3f}"
+             if None not in out and max(out) > 0 else "")
+    return f"; 1 − TV on the target's sampled text {g:.3f} against {n:.3f} on natural text ({g - n:+.3f}){vocab}"
 
 
 def _markdown(results: dict, cfg) -> str:
