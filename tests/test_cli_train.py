@@ -362,7 +362,10 @@ def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp
               "--n-draft-layers, --full-kv, --draft-vocab, --no-feedback-memory: options of --draft spire, not of --draft vanilla"),
              (["--draft", "vanilla", "--ablation", "omega1"], "--ablation omega1 applies to --draft spire only"),
              (["--layers", "0,99"], "draft layers must be distinct target layers in [0, "),
-             (["--draft-vocab", "10000000"], "the draft vocabulary (10000000) is larger than the target's")]
+             (["--draft-vocab", "10000000"], "the draft vocabulary (10000000) is larger than the target's"),
+             (["--draft-vocab", "64", "--draft-vocab-from", "counts"],
+              "the draft vocabulary is chosen by frequency or mass (--draft-vocab-from), got 'counts'"),
+             (["--draft-vocab-from", "mass"], "--draft-vocab-from mass chooses a draft vocabulary: give its size")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "sees no CUDA device"))
     for bad, needle in cases:

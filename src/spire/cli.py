@@ -261,6 +261,9 @@ def train(
     draft_vocab: Annotated[Optional[int], _OPT(help="SPIRe: draft vocabulary, the N most frequent tokens of the "
                                                     "training text (q = 0 elsewhere; lossless) [the target's].")]
     = None,
+    draft_vocab_from: Annotated[Optional[str], _OPT(metavar="frequency|mass", help="SPIRe: choose the draft "
+                                                    "vocabulary's N tokens by their count in the training text or by "
+                                                    "the target's probability mass on it [frequency].")] = None,
     vocab_size: Annotated[Optional[int], _OPT(hidden=True, help="Deprecated name of --draft-vocab.")] = None,
     cache_steps: Annotated[Optional[int], _OPT(help="Distinct batches: step s trains on batch s mod N (epochs "
                                                     "over N batches) [a fresh batch every step].")] = None,

@@ -71,7 +71,7 @@ TRAIN_FIELDS = {"budget": "budget_s", "max_steps": "max_steps", "batch_size": "b
 """`spire train` option (parameter name) -> TrainConfig field."""
 DRAFT_FIELDS: dict[str, dict[str, str]] = {
     "spire": {"n_draft_layers": "n_draft_layers", "layers": "layers", "init": "init", "sink": "sink",
-              "window": "window", "draft_vocab": "vocab_size"},
+              "window": "window", "draft_vocab": "vocab_size", "draft_vocab_from": "vocab_from"},
     "eagle3": {"eagle3_layers": "layers", "eagle3_vocab": "draft_vocab"},
     "vanilla": {"vanilla_layers": "n_layers"},
 }

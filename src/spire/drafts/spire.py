@@ -126,7 +126,11 @@ class SpireConfig:
         if self.init not in INIT_KINDS:
             raise ConfigError(f"init must be one of {', '.join(INIT_KINDS)}, got {self.init!r}")
         if self.vocab_from not in VOCAB_FROM:
-            raise ConfigError(f"vocab_from must be one of {', '.join(VOCAB_FROM)}, got {self.vocab_from!r}")
+            raise ConfigError(f"the draft vocabulary is chosen by {' or '.join(VOCAB_FROM)} (--draft-vocab-from), "
+                              f"got {self.vocab_from!r}")
+        if self.vocab_from != "frequency" and self.vocab_size is None:
+            raise ConfigError(f"--draft-vocab-from {self.vocab_from} chooses a draft vocabulary: give its size "
+                              "(--draft-vocab N)")
         if self.window is not None and self.window < 1 or self.sink < 0:
             raise ConfigError(f"sink must be >= 0 and window >= 1 (or None), got {self.sink}, {self.window}")
         if not self.target_activations and self.feedback_memory:
