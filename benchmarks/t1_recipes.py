@@ -144,11 +144,14 @@ class MixedText:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=600, help="optimizer steps of every run (1,024 tokens each)")
-    ap.add_argument("--variant", action="append", default=[], help="NAME:KEY=VALUE[,KEY=VALUE]")
-    ap.add_argument("--n-contexts", type=int, default=48)
-    ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--train-only", action="store_true")
-    ap.add_argument("--out", type=Path, default=Path("t1-recipes"))
+    ap.add_argument("--variant", action="append", default=[],
+                    help="NAME:KEY=VALUE[,KEY=VALUE]; keys omega, loss, lr, vocab, vocab_from, target_cache, eagle3, "
+                         "sink, self_attend, onpolicy, mix (the module docstring says what each does)")
+    ap.add_argument("--n-contexts", type=int, default=48, help="held-out contexts of L = 512 for tau")
+    ap.add_argument("--temperatures", default="0,1", help="sampling temperatures of the tau runs, comma-separated")
+    ap.add_argument("--train-only", action="store_true", help="train (or find trained) and stop before tau")
+    ap.add_argument("--out", type=Path, default=Path("t1-recipes"),
+                    help="folder for recipes.json and each draft's per-context tau")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant]
 

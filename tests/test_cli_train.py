@@ -400,6 +400,8 @@ def test_vocab_size_is_a_deprecated_alias_of_draft_vocab(monkeypatch, capsys):
     assert seen[0].draft_overrides == seen[1].draft_overrides == {"spire": {"vocab_size": 1000}}
     _main(["train", "--draft-vocab", "2000", "--vocab-size", "1000"])  # the new name wins
     assert seen[2].draft_overrides == {"spire": {"vocab_size": 2000}}
+    _main(["train", "--draft-vocab", "0"])  # the whole vocabulary, as `spire reproduce --draft-vocab 0`
+    assert seen[3].draft_overrides == {"spire": {"vocab_size": None}}
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         main(["train", "--vocab-size", "1000", "--help"])

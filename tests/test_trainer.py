@@ -454,6 +454,25 @@ def test_resume_a_run_saved_before_a_setting_existed(tmp_path, tiny):
         train_draft(tiny, RepeatingData(), tmp_path, changed, resume=True, progress=False)
 
 
+def test_resume_a_run_saved_before_a_draft_setting_existed(tmp_path, tiny):
+    """A field added to the draft's own config (here SpireConfig.vocab_from) reads as its default in a checkpoint
+    written before it: the run resumes; resuming it with other draft settings is refused, naming them."""
+    import json as _json
+
+    train_draft(tiny, RepeatingData(), tmp_path, config("spire", 2, 2), progress=False)
+    state_file = tmp_path / "checkpoint" / "train_state.json"
+    saved = _json.loads(state_file.read_text())
+    assert saved["config"]["spire"]["vocab_from"] == "frequency"
+    del saved["config"]["spire"]["vocab_from"]
+    state_file.write_text(_json.dumps(saved))
+    _, state = train_draft(tiny, RepeatingData(), tmp_path, config("spire", 3, 2), resume=True, progress=False)
+    assert state["step"] == 3
+    changed = config("spire", 4, 2)
+    changed.draft_config.sink = 2
+    with pytest.raises(ConfigError, match=r"other settings \(spire\)"):
+        train_draft(tiny, RepeatingData(), tmp_path, changed, resume=True, progress=False)
+
+
 def test_spawned_processes_match_one_process(tmp_path, tiny):
     """spire.training.parallel (the main job's data parallelism, no torchrun): 2 spawned processes train on the
     same global batches as one process (weights equal up to float32 rounding), and the finished run loads

@@ -258,8 +258,9 @@ def train(
                                                  "mismatch between the draft's residual stream entering each draft "
                                                  "layer and the target's entering its source layer, at drafted "
                                                  "positions [0: the paper's loss].")] = None,
-    draft_vocab: Annotated[Optional[int], _OPT(help="SPIRe: draft vocabulary, the N most frequent tokens of the "
-                                                    "training text (q = 0 elsewhere; lossless) [the target's].")]
+    draft_vocab: Annotated[Optional[int], _OPT(help="SPIRe: draft vocabulary of N tokens, chosen by "
+                                                    "--draft-vocab-from (q = 0 elsewhere; lossless); 0: the "
+                                                    "target's whole vocabulary [the target's].")]
     = None,
     draft_vocab_from: Annotated[Optional[str], _OPT(metavar="frequency|mass", help="SPIRe: choose the draft "
                                                     "vocabulary's N tokens by their count in the training text or by "

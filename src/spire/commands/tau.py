@@ -439,4 +439,4 @@ def command(p: dict[str, Any], log: Callable[[str], None]) -> None:
     else:
         print_table(result)
     if diagnosed and p["fmt"] != "json":
-        typer.echo(diagnosis_markdown(diagnosed))
+        typer.echo("\n" + diagnosis_markdown(diagnosed))  # a blank line: Markdown would join the two tables

@@ -121,6 +121,8 @@ def args_from_options(params: dict, given: dict, log: Callable[[str], None] = pr
     for kind, options in DRAFT_FIELDS.items():
         kw = {f: values[name] for name, f in options.items() if values.get(name) is not None}
         kw.update(setting for flag, setting in DRAFT_SWITCHES.get(kind, {}).items() if params.get(flag))
+        if kind == "spire" and values.get("draft_vocab") == 0:  # 0: the whole vocabulary, as in `spire reproduce`
+            kw["vocab_size"] = None
         if kw:
             draft_kw[kind] = kw
     train_kw = {field: given[name] for name, field in TRAIN_FIELDS.items() if given.get(name) is not None}

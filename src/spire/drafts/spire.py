@@ -532,13 +532,14 @@ class SpireDraftModel(DraftVocabulary, nn.Module):
     @classmethod
     def for_training(cls, target: Transformer, cfg, data=None) -> "SpireDraftModel":
         """A fresh draft of ``cfg.draft_config`` (a TrainConfig's :class:`SpireConfig`); with a draft vocabulary, the most frequent tokens of
-        the training text (``data.train.tokens``). Raises ConfigError."""
+        the training text (``data.train.tokens``), or with ``vocab_from="mass"`` those of largest target probability
+        over VOCAB_MASS_ROWS training windows (``data.sample_train_batch``). Raises ConfigError."""
         torch.manual_seed(cfg.seed)  # the random-init ablation draws its weights here
         vocab = None
         sc = cfg.draft_config
         if sc.vocab_size is not None:
             tokens = getattr(getattr(data, "train", None), "tokens", None)
-            if tokens is None:
+            if sc.vocab_from == "frequency" and tokens is None:
                 raise ConfigError("a draft vocabulary is chosen from the training text's token counts: this data "
                                   "source has none (data.train.tokens)")
             if sc.vocab_from == "mass":

@@ -364,8 +364,8 @@ def diagnosis_markdown(rows: list[dict]) -> str:
                          f"{f(p['entropy_target'], '.2f')} |")
     texts = [r for r in rows if r["diagnosis"].get("overlap_by_text")]
     if texts:  # the draft on the target's own text against the draft on natural text
-        lines += ["", "| draft | T | 1 − TV on the rounds' text | 1 − TV on the natural text | outside mass on "
-                  "each | positions |", "|---|---|---|---|---|---|"]
+        lines += ["", "| draft | T | 1 − TV on the rounds' text | 1 − TV on the natural text | outside mass, "
+                  "rounds' / natural | positions |", "|---|---|---|---|---|---|"]
         for r in texts:
             o = r["diagnosis"]["overlap_by_text"]
             gen, nat = o.get("generated", {}), o.get("natural", {})
