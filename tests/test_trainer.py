@@ -455,15 +455,15 @@ def test_resume_a_run_saved_before_a_setting_existed(tmp_path, tiny):
 
 
 def test_resume_a_run_saved_before_a_draft_setting_existed(tmp_path, tiny):
-    """A field added to the draft's own config (here SpireConfig.vocab_from) reads as its default in a checkpoint
+    """A field added to the draft's own config (here SpireConfig.bridge) reads as its default in a checkpoint
     written before it: the run resumes; resuming it with other draft settings is refused, naming them."""
     import json as _json
 
     train_draft(tiny, RepeatingData(), tmp_path, config("spire", 2, 2), progress=False)
     state_file = tmp_path / "checkpoint" / "train_state.json"
     saved = _json.loads(state_file.read_text())
-    assert saved["config"]["spire"]["vocab_from"] == "frequency"
-    del saved["config"]["spire"]["vocab_from"]
+    assert saved["config"]["spire"]["bridge"] is False and "vocab_from" not in saved["config"]["spire"]
+    del saved["config"]["spire"]["bridge"]
     state_file.write_text(_json.dumps(saved))
     _, state = train_draft(tiny, RepeatingData(), tmp_path, config("spire", 3, 2), resume=True, progress=False)
     assert state["step"] == 3

@@ -225,7 +225,7 @@ def _draft_dir(cfg: ReproduceConfig, train_cfg, folder: Path, label: str = "spir
     train.pop("compile", None)  # how a step runs, not what it computes
     if train.get("draft") != "eagle3":  # another kind's settings: keyed as before the field existed
         train.pop("eagle3", None)
-    for field_name, off in (("vocab_size", None), ("bridge", False), ("vocab_from", "frequency")):  # off: keyed as before the field existed
+    for field_name, off in (("vocab_size", None), ("bridge", False)):  # off: keyed as before the field existed
         if train["spire"].get(field_name, off) == off:
             train["spire"].pop(field_name, None)
     key = hashlib.sha1(json.dumps({"target": str(Path(folder).resolve()), "train": train},

@@ -174,8 +174,12 @@ class SpireConfig:
         return self.junction_layer(n_target_layers) if self.feature_layer is None else self.feature_layer
 
     def to_dict(self) -> dict:
+        """The JSON form; ``vocab_from`` only when it is not the default "frequency", so that the saved settings
+        of runs from before the field existed read and write back unchanged."""
         d = asdict(self)
         d["layers"] = None if self.layers is None else list(self.layers)
+        if d["vocab_from"] == "frequency":
+            del d["vocab_from"]
         return d
 
 
