@@ -21,8 +21,8 @@ Per (draft, T), given the held-out text that follows each context, also ``overla
 (temperature 1) with every earlier token verified over every position after the context, on the rounds' own output
 (the target's text at T) and on the document's own continuation, with the target's mean mass outside the draft
 vocabulary on each (``outside_mass``: a draft vocabulary chosen on natural text covers less of the target's sampled
-text). A draft distilled on natural text that overlaps
-the target less on the target's sampled text than on natural text pays that gap at T > 0 (distribution shift).
+text). A draft distilled on natural text that overlaps the target less on the target's sampled text than on natural
+text pays that gap at T > 0 (distribution shift).
 
 At T > 0 it also gives, per draft-side temperature factor c, the mean Σ min(p_T, q_c) at the reached positions with
 q_c = the draft's distribution at temperature c·T (c = 0: the draft's argmax, q one-hot), and the τ those per-position
