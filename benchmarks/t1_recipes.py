@@ -16,7 +16,9 @@ job's EAGLE-3 draft at the same steps), sink (attention-sink tokens), self_atten
 its own layer input; sink=0,self_attend=0 is the variant vLLM's EAGLE-3 path runs, docs/serving.md), onpolicy
 (a file of `benchmarks/onpolicy_tails.py`: the same batches with the tail of every window replaced by the target's own
 continuation, the variant's own target cache), mix (FILE.npz[:ROWS]: the last ROWS rows of every batch from another
-text, :class:`MixedText`; its own target cache). Trained runs are cached as the main job caches its drafts, and each draft's
+text, :class:`MixedText`; its own target cache), init (a trained SPIRe run folder or draft file the variant starts
+from, ``TrainConfig.init_from``: fine-tuning; with --reference, variants fine-tuned from one draft are paired against
+each other). Trained runs are cached as the main job caches its drafts, and each draft's
 per-context τ is kept in OUT (a rerun with one more variant measures only that one). Writes OUT/recipes.json and
 prints one line per (draft, T).
 """
@@ -48,10 +50,10 @@ def parse_variant(text: str) -> tuple[str, dict]:
         key, _, value = item.partition("=")
         kw[key.strip()] = value.strip()
     unknown = set(kw) - {"omega", "loss", "lr", "vocab", "target_cache", "eagle3", "sink", "self_attend", "onpolicy",
-                          "vocab_from", "mix"}
+                          "vocab_from", "mix", "init"}
     if not name or unknown:
         raise SystemExit(f"error: bad --variant {text!r} (NAME:KEY=VALUE,...; keys omega, loss, lr, vocab, "
-                         "target_cache, eagle3, sink, self_attend, onpolicy, vocab_from, mix)")
+                         "target_cache, eagle3, sink, self_attend, onpolicy, vocab_from, mix, init)")
     return name, kw
 
 
@@ -77,6 +79,8 @@ def variant_config(base, kw: dict, eagle3_cfg):
         cfg.draft_config.self_attend = kw["self_attend"] not in ("0", "false", "False")
     if "onpolicy" in kw:  # another text: keyed (run folder, target cache) apart from the base's
         cfg.data = f"onpolicy:{Path(kw['onpolicy']).stem}"
+    if "init" in kw:
+        cfg.init_from = str(Path(kw["init"]).resolve())
     if "mix" in kw:
         path, _, rows = kw["mix"].partition(":")
         cfg.data = f"mix:{Path(path).stem}:{rows or 2}"
@@ -146,7 +150,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600, help="optimizer steps of every run (1,024 tokens each)")
     ap.add_argument("--variant", action="append", default=[],
                     help="NAME:KEY=VALUE[,KEY=VALUE]; keys omega, loss, lr, vocab, vocab_from, target_cache, eagle3, "
-                         "sink, self_attend, onpolicy, mix (the module docstring says what each does)")
+                         "sink, self_attend, onpolicy, mix, init (the module docstring says what each does)")
+    ap.add_argument("--reference", default="base",
+                    help="the recipe every other one is paired against (base, or a variant's NAME)")
     ap.add_argument("--n-contexts", type=int, default=48, help="held-out contexts of L = 512 for tau")
     ap.add_argument("--temperatures", default="0,1", help="sampling temperatures of the tau runs, comma-separated")
     ap.add_argument("--train-only", action="store_true", help="train (or find trained) and stop before tau")
@@ -154,6 +160,8 @@ def main() -> None:
                     help="folder for recipes.json and each draft's per-context tau")
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant]
+    if args.reference not in {"base"} | {name for name, _ in variants}:
+        raise SystemExit(f"error: --reference {args.reference!r} is neither base nor a --variant's NAME")
 
     cfg = ReproduceConfig(steps=args.steps, n_contexts=args.n_contexts, tau_Ls=(512,))
     target, folder, data, contexts, _, windows = _load(cfg, True, print, {})
@@ -200,18 +208,18 @@ def main() -> None:
                 atomic_write(args.out / f"tau-{name}-T{T:g}.json", None, text=json.dumps(
                     {"run": training.get(name, {}).get("run_dir"), "result": r.to_dict(per_context=True)}))
             res |= measured
-        ref, mdc = res["base"], res["magicdec"]
+        ref, mdc = res[args.reference], res["magicdec"]
         for name, r in res.items():
             e, n = np.array(r.emitted, float), np.array(r.rounds, float)
             row = {"recipe": name, "T": T, "tau": r.tau, "ci": [r.ci_low, r.ci_high],
                    "emitted": r.emitted, "rounds": r.rounds}
-            for other, o in (("base", ref), ("magicdec", mdc)):
+            for other, o in ((args.reference, ref), ("magicdec", mdc)):
                 if other != name:
                     lo, hi = paired_ratio_ci(e, n, np.array(o.emitted, float), np.array(o.rounds, float))
                     row[f"ratio_to_{other}"] = [r.tau / o.tau, lo, hi]
             rows.append(row)
             extra = "".join(f"  /{o} {row[f'ratio_to_{o}'][0]:.3f} [{row[f'ratio_to_{o}'][1]:.3f}, "
-                            f"{row[f'ratio_to_{o}'][2]:.3f}]" for o in ("base", "magicdec") if f"ratio_to_{o}" in row)
+                            f"{row[f'ratio_to_{o}'][2]:.3f}]" for o in (args.reference, "magicdec") if f"ratio_to_{o}" in row)
             print(f"T={T:g} {name:24s} tau {r.tau:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}]{extra}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out / "recipes.json", None, text=json.dumps(

@@ -301,6 +301,20 @@ def test_target_cache_none_is_the_live_target(tiny_folder, text_file, tmp_path, 
     assert state["config"]["target_cache"] is None and state["step"] == 1
 
 
+def test_init_from_fine_tunes_a_trained_run(tiny_folder, text_file, trained, tmp_path, monkeypatch):
+    """`spire train --init-from RUN` (given relative to the working folder): a fresh run whose saved settings hold
+    RUN's absolute path, which starts from RUN's last checkpoint (its log names the file) and trains its steps."""
+    root, _ = trained
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.chdir(root)
+    _main(_train_args(tiny_folder, text_file, tmp_path / "tuned", "--max-steps", "1", "--init-from", "full"))
+    state = json.loads((tmp_path / "tuned" / "checkpoint" / "train_state.json").read_text())
+    assert state["config"]["init_from"] == str(root / "full") and state["step"] == 1
+    log = [json.loads(ln) for ln in (tmp_path / "tuned" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["from"] for r in log if r.get("event") == "init"] == [str(root / "full" / "checkpoint" /
+                                                                         "draft.safetensors")]
+
+
 def test_compile_option_and_a_resume_that_changes_it(tiny_folder, text_file, tmp_path, monkeypatch):
     """`--compile` reaches the run (its saved settings and a "compile" log event before step 1); a resume may
     turn it off (it changes how a step runs, not what it computes: one of the limits a resume takes anew)."""
@@ -365,7 +379,9 @@ def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp
              (["--draft-vocab", "10000000"], "the draft vocabulary (10000000) is larger than the target's"),
              (["--draft-vocab", "64", "--draft-vocab-from", "counts"],
               "the draft vocabulary is chosen by frequency or mass (--draft-vocab-from), got 'counts'"),
-             (["--draft-vocab-from", "mass"], "--draft-vocab-from mass chooses a draft vocabulary: give its size")]
+             (["--draft-vocab-from", "mass"], "--draft-vocab-from mass chooses a draft vocabulary: give its size"),
+             (["--init-from", str(tmp_path / "nowhere")], "nowhere: the path does not exist"),
+             (["--init-from", str(tmp_path)], "folder holds no trained draft (checkpoint/draft.safetensors)")]
     if not torch.cuda.is_available():
         cases.append((["--device", "cuda"], "sees no CUDA device"))
     for bad, needle in cases:

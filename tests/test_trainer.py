@@ -526,3 +526,59 @@ def test_bridge_is_fitted_once_before_a_fresh_run_and_kept_on_resume(tmp_path, t
     cfg2.spire = SpireConfig(n_draft_layers=2, window=8, bridge=True, init="random")
     model, _ = train_draft(tiny, RepeatingData(), tmp_path / "random", cfg2, progress=False)  # fit_bridge raises
     assert not [r for r in _log(tmp_path / "random") if r["event"] == "bridge"]
+
+
+
+class _CountedData(RepeatingData):
+    """RepeatingData with the token counts a draft vocabulary is chosen from (``train.tokens``)."""
+
+    def __init__(self, vocab=97, seed=0):
+        super().__init__(vocab=vocab, seed=seed)
+        self.train = type("Split", (), {"tokens": self.seqs.flatten().numpy()})()
+
+
+def test_init_from_starts_a_fresh_run_from_a_trained_draft(tmp_path, tiny, one_thread):
+    """TrainConfig.init_from (`spire train --init-from`): a fresh run starts from a trained draft's weights and draft
+    vocabulary (a run folder's last checkpoint or a draft file), not from the target's layers, logs where from, and
+    trains on; its resume reads its own checkpoint (the source may be gone by then). The setting is left out of
+    the saved config when not given, so the identity (cache key) of every other run is unchanged. A draft of other
+    settings, another kind or a missing path is refused before anything is written."""
+    def spire_cfg(steps, window=8, init_from=None):
+        cfg = config("spire", steps, 2)
+        cfg.draft_config, cfg.init_from = SpireConfig(n_draft_layers=2, window=window, vocab_size=40), init_from
+        return cfg
+
+    first = spire_cfg(3)
+    trained, _ = train_draft(tiny, _CountedData(), tmp_path / "a", first, progress=False)
+    assert "init_from" not in first.to_dict()
+    other_text = _CountedData(vocab=60, seed=5)  # a fresh draft would take another vocabulary from it
+    assert not torch.equal(SpireDraftModel.for_training(tiny, first, other_text).vocab, trained.vocab)
+    for source in (tmp_path / "a", tmp_path / "a" / "draft.safetensors"):
+        trainer = distill.Trainer(tiny, other_text, tmp_path / f"b-{source.name}", spire_cfg(2, init_from=str(source)),
+                                  None, None, None, None)
+        start = trainer.model.state_dict()
+        for name, t in trained.state_dict().items():
+            assert torch.equal(start[name], t), name
+    cfg = spire_cfg(2, init_from=str(tmp_path / "a"))
+    model, state = train_draft(tiny, other_text, tmp_path / "b", cfg, progress=False)
+    events = [r for r in _log(tmp_path / "b") if r.get("event") == "init"]
+    assert len(events) == 1 and events[0]["from"] == str(tmp_path / "a" / "checkpoint" / "draft.safetensors")
+    assert state["step"] == 2 and not torch.equal(_weights(model), _weights(trained))
+    assert torch.equal(model.vocab, trained.vocab)
+    saved = json.loads((tmp_path / "b" / "checkpoint" / "train_state.json").read_text())["config"]
+    assert saved["init_from"] == str(tmp_path / "a")
+    shutil.rmtree(tmp_path / "a")
+    cfg.max_steps = 3
+    _, state = train_draft(tiny, other_text, tmp_path / "b", cfg, resume=True, progress=False)
+    assert state["step"] == 3
+
+    train_draft(tiny, _CountedData(), tmp_path / "a", first, progress=False)
+    with pytest.raises(CheckpointError, match=r"other SPIRe settings than the run: window 8 \(the run: 16\)"):
+        train_draft(tiny, _CountedData(), tmp_path / "c", spire_cfg(2, 16, str(tmp_path / "a")), progress=False)
+    vanilla = config("vanilla", 2, 2)
+    vanilla.init_from = str(tmp_path / "a")
+    with pytest.raises(CheckpointError, match="is not a vanilla draft"):
+        train_draft(tiny, _CountedData(), tmp_path / "c", vanilla, progress=False)
+    with pytest.raises(ConfigError, match="--init-from .*nowhere: the path does not exist"):
+        train_draft(tiny, _CountedData(), tmp_path / "c", spire_cfg(2, 8, str(tmp_path / "nowhere")), progress=False)
+    assert not (tmp_path / "c").exists()

@@ -20,7 +20,7 @@ from spire.errors import CheckpointError, ConfigError
 from spire.loading import load_target
 from spire.paths import check_output_path
 from spire.training.distill import (ABLATIONS, RESUME_SETTINGS, TrainConfig, ablation_config, init_distributed,
-                                    load_state, refuse_existing_run, train_draft)
+                                    init_weights_file, load_state, refuse_existing_run, train_draft)
 
 COMMAND_DEFAULTS = {"eval_every": defaults.EVAL_EVERY}
 """Where `spire train` differs from TrainConfig's defaults: it logs a held-out learning curve."""
@@ -67,7 +67,7 @@ TRAIN_FIELDS = {"budget": "budget_s", "max_steps": "max_steps", "batch_size": "b
                 "omega": "omega", "grad_clip": "grad_clip", "bf16": "bf16", "seed": "seed",
                 "checkpoint_every": "checkpoint_every", "eval_every": "eval_every",
                 "cache_steps": "data_steps", "target_cache": "target_cache", "hidden_loss": "hidden_weight",
-                "compile_step": "compile"}
+                "compile_step": "compile", "init_from": "init_from"}
 """`spire train` option (parameter name) -> TrainConfig field."""
 DRAFT_FIELDS: dict[str, dict[str, str]] = {
     "spire": {"n_draft_layers": "n_draft_layers", "layers": "layers", "init": "init", "sink": "sink",
@@ -126,6 +126,9 @@ def args_from_options(params: dict, given: dict, log: Callable[[str], None] = pr
         if kw:
             draft_kw[kind] = kw
     train_kw = {field: given[name] for name, field in TRAIN_FIELDS.items() if given.get(name) is not None}
+    if train_kw.get("init_from") is not None:  # the run's settings hold it: a folder-independent path
+        init_weights_file(train_kw["init_from"])
+        train_kw["init_from"] = str(Path(train_kw["init_from"]).resolve())
     if train_kw.get("target_cache") == "none":  # as in `spire reproduce`: the live target (the default)
         train_kw["target_cache"] = None
     return TrainRunArgs(draft=params["draft"], target=params["target"], data=params["data"], out=params["out"],

@@ -585,7 +585,14 @@ class SpireDraftModel(DraftVocabulary, nn.Module):
         self.save(path, meta)
 
     def load_checkpoint(self, path: Path, target: Transformer) -> None:
-        self.load_state_dict(type(self).load(path, target).state_dict())
+        """The weights and draft vocabulary of the draft file ``path`` (:meth:`save`'s). Raises CheckpointError
+        when its settings are not this draft's (or as :meth:`load`)."""
+        loaded = type(self).load(path, target)
+        if loaded.cfg.to_dict() != self.cfg.to_dict():
+            diff = {k: v for k, v in loaded.cfg.to_dict().items() if self.cfg.to_dict().get(k) != v}
+            raise CheckpointError(f"draft {path} has other SPIRe settings than the run: "
+                                  + ", ".join(f"{k} {v} (the run: {self.cfg.to_dict().get(k)})" for k, v in diff.items()))
+        self.load_state_dict(loaded.state_dict())
 
     def export(self, out_dir: Path, target: Transformer, meta: dict, target_folder: Path | None = None) -> Path:
         """``draft.safetensors`` (the same file as :meth:`save`)."""

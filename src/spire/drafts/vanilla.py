@@ -143,8 +143,15 @@ class VanillaDraftModel(Transformer):
         write_draft_file(path, {k: v for k, v in self.state_dict().items() if k != "lm_head.weight"}, meta)
 
     def load_checkpoint(self, path: Path, target: Transformer) -> None:
-        _, sd = read_draft_file(path, target)
-        self.load_state_dict(sd, strict=False)
+        """The weights of :meth:`save_checkpoint`'s file ``path`` (the head is the target's). Raises CheckpointError
+        for another kind's file, other settings or tensors (or as :func:`read_draft_file`)."""
+        meta, sd = read_draft_file(path, target)
+        if meta.get("vanilla_config", self.cfg.to_dict()) != self.cfg.to_dict() or "spire_config" in meta:
+            raise CheckpointError(f"draft {path} is not a vanilla draft of {self.cfg.to_dict()}")
+        loaded = self.load_state_dict(sd, strict=False)
+        if loaded.unexpected_keys or set(loaded.missing_keys) - {"lm_head.weight"}:
+            raise CheckpointError(f"draft {path} does not fit a vanilla draft of {self.cfg.to_dict()}: unexpected "
+                                  f"{loaded.unexpected_keys[:3]}, missing {loaded.missing_keys[:3]}")
 
     def export(self, out_dir: Path, target: Transformer, meta: dict, target_folder: Path | None = None) -> Path:
         """``draft/``, an HF Llama folder with the target's tokenizer files when ``target_folder`` is given."""

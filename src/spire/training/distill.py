@@ -107,7 +107,11 @@ class TrainConfig:
     weight of SPIRe's hidden-state matching term (:meth:`spire.drafts.spire.SpireDraftModel.hidden_mismatch`)
     added to the loss; 0 (the default) is the paper's loss. compile: the draft's teacher-forced forward and its
     backward through ``torch.compile`` (:func:`compile_draft`): the same computation with fused kernels, equal
-    to float32 rounding; not part of a run's identity (a run resumes with or without it).
+    to float32 rounding; not part of a run's identity (a run resumes with or without it). init_from: beyond the
+    paper, a trained draft of the same kind and settings (a run folder, whose last checkpoint is read, or a draft
+    file written by a run) whose weights and draft vocabulary a fresh run starts from instead of the target's
+    layers, e.g. to fine-tune a draft on other text; the optimizer and the schedule start anew; None: the kind's
+    own initialization (SPIRe: pruned from the target).
 
     On disk (the "config" of a run folder's ``checkpoint/train_state.json``, which other tools read) the layout
     stays the one of before the draft config classes: ``spire`` and ``eagle3`` objects and ``vanilla_layers``, each
@@ -137,6 +141,7 @@ class TrainConfig:
     data: str | None = None  # identity of the training text (its cache key), recorded so a resume can check it
     hidden_weight: float = 0.0
     compile: bool = False
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         if self.draft_config is None and self.draft in DRAFT_KINDS:
@@ -197,8 +202,11 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         """The settings as JSON holds them, in the on-disk layout (``spire``, ``eagle3``, ``vanilla_layers``; see
-        the class docstring): a run's identity and cache key are computed from it."""
+        the class docstring): a run's identity and cache key are computed from it. ``init_from`` only when given,
+        so that the settings of runs from before the field existed read and write back unchanged."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "draft_config"}
+        if d["init_from"] is None:
+            del d["init_from"]
         own = self.draft_config
         d["spire"] = (own if self.draft == "spire" else SpireConfig()).to_dict()
         d["eagle3"] = (own if self.draft == "eagle3" else Eagle3Config()).to_dict()
@@ -220,6 +228,21 @@ class TrainConfig:
                "eagle3": lambda: Eagle3Config.from_dict(eagle3) if eagle3 else Eagle3Config(),
                "vanilla": lambda: VanillaConfig(vanilla_layers)}.get(draft, lambda: None)()
         return cls(**d, draft_config=own)
+
+
+def init_weights_file(path: str | Path) -> Path:
+    """The draft file a run starts from for ``TrainConfig.init_from``: ``path`` itself when it is a file, else the
+    last checkpoint's draft file of the run folder ``path`` (``checkpoint/draft.safetensors``), else its
+    ``draft.safetensors`` (a SPIRe run's export, the same format). Raises ConfigError when there is none."""
+    path = Path(path)
+    if path.is_file():
+        return path
+    ckpt = existing_dir(path / CHECKPOINT_DIR)
+    for cand in ([ckpt / DRAFT_FILE] if ckpt is not None else []) + [path / DRAFT_FILE]:
+        if cand.is_file():
+            return cand
+    what = "folder holds no trained draft (checkpoint/draft.safetensors)" if path.is_dir() else "path does not exist"
+    raise ConfigError(f"--init-from {path}: the {what}")
 
 
 def ablation_config(name: str, **train_kw) -> TrainConfig:
@@ -443,12 +466,16 @@ class Trainer:
             _check_saved_config(out_dir, state, cfg_dict)
             model.load_checkpoint(existing_dir(out_dir / CHECKPOINT_DIR) / DRAFT_FILE, self.target)
         else:
+            source = None if cfg.init_from is None else self._init_from(model)  # before anything is written
             state = {"step": 0, "tokens": 0, "elapsed_s": 0.0, "finished": False, "history": [], "heldout": None}
             if self.rank == 0:
                 out_dir.mkdir(parents=True, exist_ok=True)
                 atomic_write(out_dir / LOG_FILE, None, "")
-            start = getattr(model, "start_training", None)  # e.g. SPIRe's bridge, fitted to the target
-            event = start(self.data, cfg) if start is not None else None
+            if source is not None:  # a trained draft's weights (its bridge, if any, came fitted with them)
+                event = {"event": "init", "from": str(source), "message": f"starting from the draft {source}"}
+            else:
+                start = getattr(model, "start_training", None)  # e.g. SPIRe's bridge, fitted to the target
+                event = start(self.data, cfg) if start is not None else None
             if event is not None:  # logged as an event; its "message" is shown after the banner
                 self.write_log({**{k: v for k, v in event.items() if k != "message"}, "step": 0})
                 self.started = event
@@ -460,6 +487,17 @@ class Trainer:
         if state["step"] == 0 or backend != self._logged_backend():
             self.write_log({"event": "backend", "step": state["step"], **backend})
         return model.train()
+
+    def _init_from(self, model: TrainableDraft) -> Path:
+        """Load ``cfg.init_from``'s weights into ``model``; returns the draft file read. Raises ConfigError (no
+        draft there) or CheckpointError (another kind, other settings or another target)."""
+        source = init_weights_file(self.cfg.init_from)
+        try:
+            model.load_checkpoint(source, self.target)
+        except (KeyError, RuntimeError) as e:  # another kind's file, or tensors of other shapes
+            raise CheckpointError(f"--init-from {source}: not a {self.cfg.draft} draft of this run's settings "
+                                  f"({' '.join(str(e).split())[:300]})") from None
+        return source
 
     def _logged_backend(self) -> dict | None:
         """The last backend the run's log records (without its event and step), or None."""
