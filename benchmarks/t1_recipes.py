@@ -11,13 +11,13 @@ variant's τ ratio to the base and to MagicDec as paired 95 % bootstrap CIs over
 
 A variant is NAME:KEY=VALUE[,KEY=VALUE]: keys omega, loss, lr, vocab (0 = the whole vocabulary; a draft vocabulary
 other than the base's changes only the draft's head), vocab_from (frequency / mass: how the draft vocabulary is
-chosen, SpireConfig.vocab_from), target_cache (float32 / bfloat16), eagle3 (1: train the main
+chosen, SpireConfig.vocab_from), target_cache (float32 / bfloat16 / none: the live target on the same batches), eagle3 (1: train the main
 job's EAGLE-3 draft at the same steps), sink (attention-sink tokens), self_attend (0: a drafted position does not read
 its own layer input; sink=0,self_attend=0 is the variant vLLM's EAGLE-3 path runs, docs/serving.md), onpolicy
 (a file of `benchmarks/onpolicy_tails.py`: the same batches with the tail of every window replaced by the target's own
 continuation, the variant's own target cache), mix (FILE.npz[:ROWS]: the last ROWS rows of every batch from another
 text, :class:`MixedText`; its own target cache), init (a trained SPIRe run folder or draft file the variant starts
-from, ``TrainConfig.init_from``: fine-tuning; with --reference, variants fine-tuned from one draft are paired against
+from with its own draft settings, ``TrainConfig.init_from``: fine-tuning; with --reference, variants fine-tuned from one draft are paired against
 each other). Trained runs are cached as the main job caches its drafts, and each draft's
 per-context τ is kept in OUT (a rerun with one more variant measures only that one). Writes OUT/recipes.json and
 prints one line per (draft, T).
@@ -71,16 +71,21 @@ def variant_config(base, kw: dict, eagle3_cfg):
         cfg.draft_config.vocab_size = int(kw["vocab"]) or None
     if "vocab_from" in kw:
         cfg.draft_config.vocab_from = kw["vocab_from"]
-    if "target_cache" in kw:
-        cfg.target_cache = kw["target_cache"]
+    if "target_cache" in kw:  # none: the live target on the same batches
+        cfg.target_cache = None if kw["target_cache"] == "none" else kw["target_cache"]
     if "sink" in kw:
         cfg.draft_config.sink = int(kw["sink"])
     if "self_attend" in kw:
         cfg.draft_config.self_attend = kw["self_attend"] not in ("0", "false", "False")
     if "onpolicy" in kw:  # another text: keyed (run folder, target cache) apart from the base's
         cfg.data = f"onpolicy:{Path(kw['onpolicy']).stem}"
-    if "init" in kw:
+    if "init" in kw:  # the trained draft's own settings (its layers may not be the main job's)
+        from spire.drafts.spire import SpireConfig
+        from spire.formats.draft_file import read_draft_file
+        from spire.training.distill import init_weights_file
+
         cfg.init_from = str(Path(kw["init"]).resolve())
+        cfg.draft_config = SpireConfig(**read_draft_file(init_weights_file(cfg.init_from))[0]["spire_config"])
     if "mix" in kw:
         path, _, rows = kw["mix"].partition(":")
         cfg.data = f"mix:{Path(path).stem}:{rows or 2}"
