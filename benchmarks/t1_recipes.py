@@ -80,12 +80,10 @@ def variant_config(base, kw: dict, eagle3_cfg):
     if "onpolicy" in kw:  # another text: keyed (run folder, target cache) apart from the base's
         cfg.data = f"onpolicy:{Path(kw['onpolicy']).stem}"
     if "init" in kw:  # the trained draft's own settings (its layers may not be the main job's)
-        from spire.drafts.spire import SpireConfig
-        from spire.formats.draft_file import read_draft_file
-        from spire.training.distill import init_weights_file
+        from spire.training.distill import init_draft_settings
 
         cfg.init_from = str(Path(kw["init"]).resolve())
-        cfg.draft_config = SpireConfig(**read_draft_file(init_weights_file(cfg.init_from))[0]["spire_config"])
+        cfg.draft_config = init_draft_settings(cfg.init_from, "spire")
     if "mix" in kw:
         path, _, rows = kw["mix"].partition(":")
         cfg.data = f"mix:{Path(path).stem}:{rows or 2}"

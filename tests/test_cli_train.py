@@ -301,18 +301,38 @@ def test_target_cache_none_is_the_live_target(tiny_folder, text_file, tmp_path, 
     assert state["config"]["target_cache"] is None and state["step"] == 1
 
 
-def test_init_from_fine_tunes_a_trained_run(tiny_folder, text_file, trained, tmp_path, monkeypatch):
+def test_init_from_fine_tunes_a_trained_run(tiny_folder, text_file, trained, tmp_path, monkeypatch, capsys):
     """`spire train --init-from RUN` (given relative to the working folder): a fresh run whose saved settings hold
-    RUN's absolute path, which starts from RUN's last checkpoint (its log names the file) and trains its steps."""
+    RUN's absolute path and RUN's draft settings (1 layer, window 8, not given again here), which starts from RUN's
+    last checkpoint (its log names the file) and trains its steps; an option that contradicts RUN is one error line
+    naming it; a resume does not need RUN any more."""
+    import shutil
+
     root, _ = trained
+    shutil.copytree(root / "full", tmp_path / "src")
     monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
-    monkeypatch.chdir(root)
-    _main(_train_args(tiny_folder, text_file, tmp_path / "tuned", "--max-steps", "1", "--init-from", "full"))
+    monkeypatch.chdir(tmp_path)
+    args = _train_args(tiny_folder, text_file, tmp_path / "tuned", "--max-steps", "1", "--init-from", "src")
+    for flag in ("--n-draft-layers", "--window"):
+        i = args.index(flag)
+        del args[i:i + 2]
+    _main(args)
     state = json.loads((tmp_path / "tuned" / "checkpoint" / "train_state.json").read_text())
-    assert state["config"]["init_from"] == str(root / "full") and state["step"] == 1
+    assert state["config"]["init_from"] == str(tmp_path / "src") and state["step"] == 1
+    assert (state["config"]["spire"]["n_draft_layers"], state["config"]["spire"]["window"]) == (1, 8)
     log = [json.loads(ln) for ln in (tmp_path / "tuned" / "train_log.jsonl").read_text().splitlines()]
-    assert [r["from"] for r in log if r.get("event") == "init"] == [str(root / "full" / "checkpoint" /
+    assert [r["from"] for r in log if r.get("event") == "init"] == [str(tmp_path / "src" / "checkpoint" /
                                                                          "draft.safetensors")]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        main(args + ["--window", "16", "--out", str(tmp_path / "other")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code and err.endswith("has other SPIRe settings than the run: window 8 (the run: 16)"), err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "other").exists()
+    shutil.rmtree(tmp_path / "src")
+    _main(["train", "--resume", "--target", str(tiny_folder), "--data", str(text_file), "--out", str(tmp_path / "tuned"),
+           "--device", "cpu", "--max-steps", "2", "--init-from", "src"])  # the saved value, its draft gone
+    assert json.loads((tmp_path / "tuned" / "checkpoint" / "train_state.json").read_text())["step"] == 2
 
 
 def test_compile_option_and_a_resume_that_changes_it(tiny_folder, text_file, tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from spire.drafts.spire import SpireConfig, SpireDraftModel
-from spire.drafts.vanilla import VanillaDraft
+from spire.drafts.vanilla import VanillaConfig, VanillaDraft
 from spire.errors import CheckpointError, ConfigError, DataError, TokenizerMismatchError, TrainingError
 from spire.loading import load_state_dict
 from spire.model import ModelConfig, Transformer
@@ -575,10 +575,25 @@ def test_init_from_starts_a_fresh_run_from_a_trained_draft(tmp_path, tiny, one_t
     train_draft(tiny, _CountedData(), tmp_path / "a", first, progress=False)
     with pytest.raises(CheckpointError, match=r"other SPIRe settings than the run: window 8 \(the run: 16\)"):
         train_draft(tiny, _CountedData(), tmp_path / "c", spire_cfg(2, 16, str(tmp_path / "a")), progress=False)
+    mass = spire_cfg(2, 8, str(tmp_path / "a"))
+    mass.draft_config.vocab_from = "mass"  # a setting saved only when it is not the default
+    with pytest.raises(CheckpointError, match=r"settings than the run: vocab_from frequency \(the run: mass\)$"):
+        train_draft(tiny, _CountedData(), tmp_path / "c", mass, progress=False)
     vanilla = config("vanilla", 2, 2)
     vanilla.init_from = str(tmp_path / "a")
-    with pytest.raises(CheckpointError, match="is not a vanilla draft"):
+    with pytest.raises(CheckpointError, match=r"a spire draft, not a vanilla one \(--draft spire\)"):
         train_draft(tiny, _CountedData(), tmp_path / "c", vanilla, progress=False)
+    train_draft(tiny, _CountedData(), tmp_path / "v", config("vanilla", 1, 2), progress=False)
+    two = config("vanilla", 2, 2)
+    two.draft_config, two.init_from = VanillaConfig(2), str(tmp_path / "v")
+    with pytest.raises(CheckpointError, match=r"other vanilla settings than the run: n_layers 1 \(the run: 2\)$"):
+        train_draft(tiny, _CountedData(), tmp_path / "c", two, progress=False)
+    export = tmp_path / "v" / "draft"  # the vanilla export (an HF folder), and its weights file: not a checkpoint
+    for bad, needle in ((export, "an exported draft folder; give the run folder"),
+                        (export / "model.safetensors", "not a draft file of spire's trainer")):
+        vanilla.init_from = str(bad)
+        with pytest.raises(ConfigError, match=needle):
+            train_draft(tiny, _CountedData(), tmp_path / "c", vanilla, progress=False)
     with pytest.raises(ConfigError, match="--init-from .*nowhere: the path does not exist"):
         train_draft(tiny, _CountedData(), tmp_path / "c", spire_cfg(2, 8, str(tmp_path / "nowhere")), progress=False)
     assert not (tmp_path / "c").exists()

@@ -231,8 +231,8 @@ def train(
                                                  "resumed run: its own].")]
     = None,
     seed: Annotated[int, _OPT(help="Seed of batches and initialization.")] = defaults.SEED,
-    init_from: Annotated[Optional[Path], _OPT(metavar="RUN|FILE", help="Start from a trained draft of the same kind "
-                                              "and settings (a run folder or its draft file) instead of the "
+    init_from: Annotated[Optional[Path], _OPT(metavar="RUN|FILE", help="Start from a trained draft (a run folder, or "
+                                              "its checkpoint's draft file) with its own settings, instead of the "
                                               "target's layers: fine-tuning on other text.")] = None,
     checkpoint_every: Annotated[float, _OPT(help="Seconds between checkpoints.")] = defaults.CHECKPOINT_EVERY_S,
     eval_every: Annotated[int, _OPT(help="Steps between held-out evaluations (0: at the end).")]

@@ -20,7 +20,8 @@ from spire.errors import CheckpointError, ConfigError
 from spire.loading import load_target
 from spire.paths import check_output_path
 from spire.training.distill import (ABLATIONS, RESUME_SETTINGS, TrainConfig, ablation_config, init_distributed,
-                                    init_weights_file, load_state, refuse_existing_run, train_draft)
+                                    init_draft_settings, init_weights_file, load_state, refuse_existing_run,
+                                    train_draft)
 
 COMMAND_DEFAULTS = {"eval_every": defaults.EVAL_EVERY}
 """Where `spire train` differs from TrainConfig's defaults: it logs a held-out learning curve."""
@@ -127,7 +128,8 @@ def args_from_options(params: dict, given: dict, log: Callable[[str], None] = pr
             draft_kw[kind] = kw
     train_kw = {field: given[name] for name, field in TRAIN_FIELDS.items() if given.get(name) is not None}
     if train_kw.get("init_from") is not None:  # the run's settings hold it: a folder-independent path
-        init_weights_file(train_kw["init_from"])
+        if not params["resume"]:  # (a resume reads its own checkpoint only)
+            init_weights_file(train_kw["init_from"])
         train_kw["init_from"] = str(Path(train_kw["init_from"]).resolve())
     if train_kw.get("target_cache") == "none":  # as in `spire reproduce`: the live target (the default)
         train_kw["target_cache"] = None
@@ -160,7 +162,10 @@ def build_config(args: TrainRunArgs) -> TrainConfig:
     else:
         cfg = TrainConfig(draft=args.draft, **args.settings())
     own = args.draft_overrides.get(args.draft)
-    if own and cfg.draft_config is not None:
+    if cfg.init_from is not None:  # the trained draft's own settings, then what the ablation and options set
+        ablation = ABLATIONS[args.ablation][0] if args.draft == "spire" else {}
+        cfg.draft_config = replace(init_draft_settings(cfg.init_from, args.draft), **{**ablation, **(own or {})})
+    elif own and cfg.draft_config is not None:
         cfg.draft_config = replace(cfg.draft_config, **own)
     cfg.validate()
     return cfg

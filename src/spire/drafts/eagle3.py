@@ -80,7 +80,8 @@ from safetensors.torch import save_file
 
 from spire import __version__, defaults, fastpath
 from spire.drafts.base import Draft
-from spire.formats.draft_file import FORMAT_VERSION, read_draft_file, warn_if_unfinished, write_draft_file
+from spire.formats.draft_file import (FORMAT_VERSION, draft_file_kind, read_draft_file, settings_diff,
+                                     warn_if_unfinished, write_draft_file)
 from spire.formats.draft_file import fingerprint as _fingerprint
 from spire.formats.draft_file import fingerprint_matches as _fingerprint_matches
 from spire.formats.speculators import verifier_config
@@ -459,7 +460,8 @@ class Eagle3DraftModel(DraftVocabulary, nn.Module):
         EAGLE-3 draft, unknown settings, tensors that do not fit) or TokenizerMismatchError (another target)."""
         meta, state = read_draft_file(path, target)
         if "eagle3_config" not in meta:
-            hint = ": it is a SPIRe draft, give it with --draft spire" if "spire_config" in meta else ""
+            kind = draft_file_kind(meta)
+            hint = f": it is a {'SPIRe' if kind == 'spire' else kind} draft, give it with --draft {kind}" if kind else ""
             raise CheckpointError(f"{path} is not an EAGLE-3 draft checkpoint (no eagle3_config in its metadata)"
                                   f"{hint}")
         try:
@@ -503,8 +505,8 @@ class Eagle3DraftModel(DraftVocabulary, nn.Module):
     def load_checkpoint(self, path: Path, target: Transformer) -> None:
         loaded = type(self).load(path, target)
         if loaded.cfg.to_dict() != self.cfg.to_dict():
-            raise CheckpointError(f"draft {path} has EAGLE-3 settings {loaded.cfg.to_dict()}, the run "
-                                  f"{self.cfg.to_dict()}")
+            raise CheckpointError(f"draft {path} has other EAGLE-3 settings than the run: "
+                                  f"{settings_diff(loaded.cfg.to_dict(), self.cfg.to_dict())}")
         if (self.vocab is None) != (loaded.vocab is None):
             raise CheckpointError(f"draft {path} has another draft vocabulary size than the run")
         self.load_state_dict(loaded.state_dict())

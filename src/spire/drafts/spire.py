@@ -39,7 +39,7 @@ from spire.backend import of as backend_of
 from spire.drafts.base import Draft
 from spire.drafts.vocab import VOCAB_FROM, DraftVocabulary, frequent_tokens, probable_tokens
 from spire.formats.draft_file import (check_export, fingerprint, fingerprint_matches, read_draft_file, resolve_draft_path,
-                                     run_finished, warn_if_unfinished, write_draft_file)
+                                     run_finished, settings_diff, warn_if_unfinished, write_draft_file)
 from spire.formats.speculators import spire_export_config
 from spire.registry import DraftImpl
 from spire.errors import CheckpointError, ConfigError
@@ -588,10 +588,9 @@ class SpireDraftModel(DraftVocabulary, nn.Module):
         """The weights and draft vocabulary of the draft file ``path`` (:meth:`save`'s). Raises CheckpointError
         when its settings are not this draft's (or as :meth:`load`)."""
         loaded = type(self).load(path, target)
-        if loaded.cfg.to_dict() != self.cfg.to_dict():
-            diff = {k: v for k, v in loaded.cfg.to_dict().items() if self.cfg.to_dict().get(k) != v}
-            raise CheckpointError(f"draft {path} has other SPIRe settings than the run: "
-                                  + ", ".join(f"{k} {v} (the run: {self.cfg.to_dict().get(k)})" for k, v in diff.items()))
+        saved, own = ({**asdict(c), "layers": c.to_dict()["layers"]} for c in (loaded.cfg, self.cfg))
+        if saved != own:
+            raise CheckpointError(f"draft {path} has other SPIRe settings than the run: {settings_diff(saved, own)}")
         self.load_state_dict(loaded.state_dict())
 
     def export(self, out_dir: Path, target: Transformer, meta: dict, target_folder: Path | None = None) -> Path:

@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from spire.drafts.base import Draft
-from spire.formats.draft_file import (check_export, fingerprint, read_draft_file, read_export, resolve_draft_path,
-                                     warn_if_unfinished, write_draft_file)
+from spire.formats.draft_file import (check_export, draft_file_kind, fingerprint, read_draft_file, read_export,
+                                     resolve_draft_path, settings_diff, warn_if_unfinished, write_draft_file)
 from spire.formats.speculators import independent_config
 from spire.registry import DraftImpl
 from spire.throughput.pricing import shape_of
@@ -146,8 +146,12 @@ class VanillaDraftModel(Transformer):
         """The weights of :meth:`save_checkpoint`'s file ``path`` (the head is the target's). Raises CheckpointError
         for another kind's file, other settings or tensors (or as :func:`read_draft_file`)."""
         meta, sd = read_draft_file(path, target)
-        if meta.get("vanilla_config", self.cfg.to_dict()) != self.cfg.to_dict() or "spire_config" in meta:
-            raise CheckpointError(f"draft {path} is not a vanilla draft of {self.cfg.to_dict()}")
+        kind = draft_file_kind(meta)
+        if kind not in (None, "vanilla"):  # (None: a file of before the kinds' keys)
+            raise CheckpointError(f"draft {path} is a {kind} draft, not a vanilla one")
+        if meta.get("vanilla_config", self.cfg.to_dict()) != self.cfg.to_dict():
+            raise CheckpointError(f"draft {path} has other vanilla settings than the run: "
+                                  f"{settings_diff(meta['vanilla_config'], self.cfg.to_dict())}")
         loaded = self.load_state_dict(sd, strict=False)
         if loaded.unexpected_keys or set(loaded.missing_keys) - {"lm_head.weight"}:
             raise CheckpointError(f"draft {path} does not fit a vanilla draft of {self.cfg.to_dict()}: unexpected "

@@ -67,23 +67,49 @@ def write_draft_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -
     atomic_write(path, lambda f: f.write(data))
 
 
-def read_draft_file(path: Path, target: Transformer | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(spire metadata, tensors) of a draft .safetensors written by spire. With ``target``, check that the
-    draft was trained for it. Raises CheckpointError (missing/unreadable, NaN or infinite weights) or
-    TokenizerMismatchError."""
+DRAFT_KIND_KEYS = {"spire": "spire_config", "eagle3": "eagle3_config", "vanilla": "vanilla_config"}
+"""The metadata key that holds each trainable kind's settings in its checkpoint's draft file."""
+
+
+def draft_file_kind(meta: dict) -> str | None:
+    """The trainable kind whose draft file carries ``meta`` (spire metadata), or None."""
+    return next((kind for kind, key in DRAFT_KIND_KEYS.items() if key in meta), None)
+
+
+def read_draft_meta(path: Path) -> dict | None:
+    """The spire metadata of the draft file ``path`` without reading its tensors; None when the file has none (not
+    written by spire's trainer: an export's weights, say). Raises CheckpointError when it is missing or unreadable."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"draft checkpoint not found: {path}")
     try:
         with safe_open(str(path), "pt") as f:
             meta = (f.metadata() or {}).get("spire")
-        if meta is None:
-            raise CheckpointError(f"{path} is not a spire draft checkpoint (no spire metadata; a vanilla draft's "
-                                  "weights? use --draft vanilla with its folder)")
-        meta = json.loads(meta)
+        return None if meta is None else json.loads(meta)
+    except Exception as e:
+        raise CheckpointError(f"cannot read draft checkpoint {path}: {e}".splitlines()[0]) from None
+
+
+def settings_diff(saved: dict, own: dict) -> str:
+    """The settings that differ between a draft file's ``saved`` settings and a run's ``own``, for an error message:
+    "window 64 (the run: 32), vocab_size 4096 (the run: unset)"; keys absent on one side read as unset."""
+    def show(v):
+        return "unset" if v is None else v
+    keys = sorted(k for k in set(saved) | set(own) if saved.get(k) != own.get(k))
+    return ", ".join(f"{k} {show(saved.get(k))} (the run: {show(own.get(k))})" for k in keys)
+
+
+def read_draft_file(path: Path, target: Transformer | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(spire metadata, tensors) of a draft .safetensors written by spire. With ``target``, check that the
+    draft was trained for it. Raises CheckpointError (missing/unreadable, NaN or infinite weights) or
+    TokenizerMismatchError."""
+    path = Path(path)
+    meta = read_draft_meta(path)
+    if meta is None:
+        raise CheckpointError(f"{path} is not a spire draft checkpoint (no spire metadata; a vanilla draft's "
+                              "weights? use --draft vanilla with its folder)")
+    try:
         state = load_file(str(path))
-    except CheckpointError:
-        raise
     except Exception as e:
         raise CheckpointError(f"cannot read draft checkpoint {path}: {e}".splitlines()[0]) from None
     check_finite(state, f"draft {path}")

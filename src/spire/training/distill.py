@@ -54,6 +54,7 @@ from spire.drafts.spire import SpireConfig
 from spire.drafts.vanilla import VanillaConfig
 from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.model import Transformer
+from spire.formats.draft_file import DRAFT_KIND_KEYS, draft_file_kind, read_draft_meta
 from spire.paths import atomic_write, existing_dir, replace_dir
 from spire.training.losses import acceptance_alpha_logp, hard_target_loss, kl_loss_logp, mixed_loss_logp
 from spire.training.sources import (STORAGE_DTYPES, CachedTarget, LiveTarget, TargetCache, TeacherBatch, autocast,
@@ -109,9 +110,10 @@ class TrainConfig:
     backward through ``torch.compile`` (:func:`compile_draft`): the same computation with fused kernels, equal
     to float32 rounding; not part of a run's identity (a run resumes with or without it). init_from: beyond the
     paper, a trained draft of the same kind and settings (a run folder, whose last checkpoint is read, or a draft
-    file written by a run) whose weights and draft vocabulary a fresh run starts from instead of the target's
-    layers, e.g. to fine-tune a draft on other text; the optimizer and the schedule start anew; None: the kind's
-    own initialization (SPIRe: pruned from the target).
+    file written by a run; `spire train` takes the settings from it, :func:`init_draft_settings`) whose weights and
+    draft vocabulary a fresh run starts from instead of the target's layers, e.g. to fine-tune a draft on other
+    text; the optimizer and the schedule start anew; None: the kind's own initialization (SPIRe: pruned from the
+    target).
 
     On disk (the "config" of a run folder's ``checkpoint/train_state.json``, which other tools read) the layout
     stays the one of before the draft config classes: ``spire`` and ``eagle3`` objects and ``vanilla_layers``, each
@@ -241,8 +243,31 @@ def init_weights_file(path: str | Path) -> Path:
     for cand in ([ckpt / DRAFT_FILE] if ckpt is not None else []) + [path / DRAFT_FILE]:
         if cand.is_file():
             return cand
+    if (path / "config.json").is_file():
+        raise ConfigError(f"--init-from {path}: an exported draft folder; give the run folder that holds its "
+                          "checkpoint/ (training reads the checkpoint's draft file)")
     what = "folder holds no trained draft (checkpoint/draft.safetensors)" if path.is_dir() else "path does not exist"
     raise ConfigError(f"--init-from {path}: the {what}")
+
+
+def init_draft_settings(path: str | Path, kind: str):
+    """The settings (an instance of ``kind``'s config class) of the trained draft that ``init_weights_file(path)``
+    names, for a run that starts from it. Raises ConfigError (no draft there; a file spire's trainer did not write)
+    or CheckpointError (a draft of another kind, naming it)."""
+    source = init_weights_file(path)
+    meta = read_draft_meta(source)
+    found = None if meta is None else draft_file_kind(meta)
+    if found is None:
+        raise ConfigError(f"--init-from {source}: not a draft file of spire's trainer (an export's weights?); give "
+                          "the run folder that holds its checkpoint/")
+    if found != kind:
+        raise CheckpointError(f"--init-from {source}: a {found} draft, not a {kind} one (--draft {found})")
+    saved = meta[DRAFT_KIND_KEYS[kind]]
+    if kind == "spire":
+        return SpireConfig(**{**saved, "layers": None if saved.get("layers") is None else tuple(saved["layers"])})
+    if kind == "eagle3":
+        return Eagle3Config.from_dict(saved)
+    return VanillaConfig(saved["n_layers"])
 
 
 def ablation_config(name: str, **train_kw) -> TrainConfig:
@@ -492,6 +517,7 @@ class Trainer:
         """Load ``cfg.init_from``'s weights into ``model``; returns the draft file read. Raises ConfigError (no
         draft there) or CheckpointError (another kind, other settings or another target)."""
         source = init_weights_file(self.cfg.init_from)
+        init_draft_settings(source, self.cfg.draft)  # a draft of this kind
         try:
             model.load_checkpoint(source, self.target)
         except (KeyError, RuntimeError) as e:  # another kind's file, or tensors of other shapes
