@@ -575,13 +575,16 @@ def test_init_from_starts_a_fresh_run_from_a_trained_draft(tmp_path, tiny, one_t
     train_draft(tiny, _CountedData(), tmp_path / "a", first, progress=False)
     with pytest.raises(CheckpointError, match=r"other SPIRe settings than the run: window 8 \(the run: 16\)"):
         train_draft(tiny, _CountedData(), tmp_path / "c", spire_cfg(2, 16, str(tmp_path / "a")), progress=False)
+    spelled = spire_cfg(1, 8, str(tmp_path / "a"))  # the default layers written out: the same draft
+    spelled.draft_config.layers = (tiny.cfg.n_layers - 2, tiny.cfg.n_layers - 1)
+    train_draft(tiny, _CountedData(), tmp_path / "spelled", spelled, progress=False)
     mass = spire_cfg(2, 8, str(tmp_path / "a"))
     mass.draft_config.vocab_from = "mass"  # a setting saved only when it is not the default
     with pytest.raises(CheckpointError, match=r"settings than the run: vocab_from frequency \(the run: mass\)$"):
         train_draft(tiny, _CountedData(), tmp_path / "c", mass, progress=False)
     vanilla = config("vanilla", 2, 2)
     vanilla.init_from = str(tmp_path / "a")
-    with pytest.raises(CheckpointError, match=r"a spire draft, not a vanilla one \(--draft spire\)"):
+    with pytest.raises(CheckpointError, match=r"a SPIRe draft, not vanilla \(--draft spire\)"):
         train_draft(tiny, _CountedData(), tmp_path / "c", vanilla, progress=False)
     train_draft(tiny, _CountedData(), tmp_path / "v", config("vanilla", 1, 2), progress=False)
     two = config("vanilla", 2, 2)

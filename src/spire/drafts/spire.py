@@ -588,7 +588,8 @@ class SpireDraftModel(DraftVocabulary, nn.Module):
         """The weights and draft vocabulary of the draft file ``path`` (:meth:`save`'s). Raises CheckpointError
         when its settings are not this draft's (or as :meth:`load`)."""
         loaded = type(self).load(path, target)
-        saved, own = ({**asdict(c), "layers": c.to_dict()["layers"]} for c in (loaded.cfg, self.cfg))
+        n = target.cfg.n_layers  # layers compared as resolved: unset is the last n_draft_layers
+        saved, own = ({**asdict(c), "layers": list(c.source_layers(n))} for c in (loaded.cfg, self.cfg))
         if saved != own:
             raise CheckpointError(f"draft {path} has other SPIRe settings than the run: {settings_diff(saved, own)}")
         self.load_state_dict(loaded.state_dict())

@@ -148,7 +148,7 @@ class VanillaDraftModel(Transformer):
         meta, sd = read_draft_file(path, target)
         kind = draft_file_kind(meta)
         if kind not in (None, "vanilla"):  # (None: a file of before the kinds' keys)
-            raise CheckpointError(f"draft {path} is a {kind} draft, not a vanilla one")
+            raise CheckpointError(f"draft {path} is {'a SPIRe' if kind == 'spire' else 'an EAGLE-3'} draft, not vanilla")
         if meta.get("vanilla_config", self.cfg.to_dict()) != self.cfg.to_dict():
             raise CheckpointError(f"draft {path} has other vanilla settings than the run: "
                                   f"{settings_diff(meta['vanilla_config'], self.cfg.to_dict())}")

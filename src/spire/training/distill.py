@@ -261,7 +261,8 @@ def init_draft_settings(path: str | Path, kind: str):
         raise ConfigError(f"--init-from {source}: not a draft file of spire's trainer (an export's weights?); give "
                           "the run folder that holds its checkpoint/")
     if found != kind:
-        raise CheckpointError(f"--init-from {source}: a {found} draft, not a {kind} one (--draft {found})")
+        name = {"spire": "a SPIRe", "eagle3": "an EAGLE-3"}.get(found, f"a {found}")
+        raise CheckpointError(f"--init-from {source}: {name} draft, not {kind} (--draft {found})")
     saved = meta[DRAFT_KIND_KEYS[kind]]
     if kind == "spire":
         return SpireConfig(**{**saved, "layers": None if saved.get("layers") is None else tuple(saved["layers"])})
