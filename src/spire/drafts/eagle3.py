@@ -80,7 +80,7 @@ from safetensors.torch import save_file
 
 from spire import __version__, defaults, fastpath
 from spire.drafts.base import Draft
-from spire.formats.draft_file import (FORMAT_VERSION, draft_file_kind, read_draft_file, settings_diff,
+from spire.formats.draft_file import (DRAFT_KIND_NAMES, FORMAT_VERSION, draft_file_kind, read_draft_file, settings_diff,
                                      warn_if_unfinished, write_draft_file)
 from spire.formats.draft_file import fingerprint as _fingerprint
 from spire.formats.draft_file import fingerprint_matches as _fingerprint_matches
@@ -461,7 +461,7 @@ class Eagle3DraftModel(DraftVocabulary, nn.Module):
         meta, state = read_draft_file(path, target)
         if "eagle3_config" not in meta:
             kind = draft_file_kind(meta)
-            hint = f": it is a {'SPIRe' if kind == 'spire' else kind} draft, give it with --draft {kind}" if kind else ""
+            hint = f": it is {DRAFT_KIND_NAMES[kind]} draft, give it with --draft {kind}" if kind else ""
             raise CheckpointError(f"{path} is not an EAGLE-3 draft checkpoint (no eagle3_config in its metadata)"
                                   f"{hint}")
         try:

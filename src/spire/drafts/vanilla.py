@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from spire.drafts.base import Draft
-from spire.formats.draft_file import (check_export, draft_file_kind, fingerprint, read_draft_file, read_export,
+from spire.formats.draft_file import (DRAFT_KIND_NAMES, check_export, draft_file_kind, fingerprint, read_draft_file, read_export,
                                      resolve_draft_path, settings_diff, warn_if_unfinished, write_draft_file)
 from spire.formats.speculators import independent_config
 from spire.registry import DraftImpl
@@ -148,7 +148,7 @@ class VanillaDraftModel(Transformer):
         meta, sd = read_draft_file(path, target)
         kind = draft_file_kind(meta)
         if kind not in (None, "vanilla"):  # (None: a file of before the kinds' keys)
-            raise CheckpointError(f"draft {path} is {'a SPIRe' if kind == 'spire' else 'an EAGLE-3'} draft, not vanilla")
+            raise CheckpointError(f"draft {path} is {DRAFT_KIND_NAMES[kind]} draft, not vanilla")
         if meta.get("vanilla_config", self.cfg.to_dict()) != self.cfg.to_dict():
             raise CheckpointError(f"draft {path} has other vanilla settings than the run: "
                                   f"{settings_diff(meta['vanilla_config'], self.cfg.to_dict())}")

@@ -71,6 +71,10 @@ DRAFT_KIND_KEYS = {"spire": "spire_config", "eagle3": "eagle3_config", "vanilla"
 """The metadata key that holds each trainable kind's settings in its checkpoint's draft file."""
 
 
+DRAFT_KIND_NAMES = {"spire": "a SPIRe", "eagle3": "an EAGLE-3", "vanilla": "a vanilla"}
+"""Each trainable kind as a message names a draft of it ("a SPIRe draft")."""
+
+
 def draft_file_kind(meta: dict) -> str | None:
     """The trainable kind whose draft file carries ``meta`` (spire metadata), or None."""
     return next((kind for kind, key in DRAFT_KIND_KEYS.items() if key in meta), None)

@@ -54,7 +54,7 @@ from spire.drafts.spire import SpireConfig
 from spire.drafts.vanilla import VanillaConfig
 from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.model import Transformer
-from spire.formats.draft_file import DRAFT_KIND_KEYS, draft_file_kind, read_draft_meta
+from spire.formats.draft_file import DRAFT_KIND_KEYS, DRAFT_KIND_NAMES, draft_file_kind, read_draft_meta
 from spire.paths import atomic_write, existing_dir, replace_dir
 from spire.training.losses import acceptance_alpha_logp, hard_target_loss, kl_loss_logp, mixed_loss_logp
 from spire.training.sources import (STORAGE_DTYPES, CachedTarget, LiveTarget, TargetCache, TeacherBatch, autocast,
@@ -261,8 +261,7 @@ def init_draft_settings(path: str | Path, kind: str):
         raise ConfigError(f"--init-from {source}: not a draft file of spire's trainer (an export's weights?); give "
                           "the run folder that holds its checkpoint/")
     if found != kind:
-        name = {"spire": "a SPIRe", "eagle3": "an EAGLE-3"}.get(found, f"a {found}")
-        raise CheckpointError(f"--init-from {source}: {name} draft, not {kind} (--draft {found})")
+        raise CheckpointError(f"--init-from {source}: {DRAFT_KIND_NAMES[found]} draft, not {kind} (--draft {found})")
     saved = meta[DRAFT_KIND_KEYS[kind]]
     if kind == "spire":
         return SpireConfig(**{**saved, "layers": None if saved.get("layers") is None else tuple(saved["layers"])})
@@ -518,12 +517,8 @@ class Trainer:
         """Load ``cfg.init_from``'s weights into ``model``; returns the draft file read. Raises ConfigError (no
         draft there) or CheckpointError (another kind, other settings or another target)."""
         source = init_weights_file(self.cfg.init_from)
-        init_draft_settings(source, self.cfg.draft)  # a draft of this kind
-        try:
-            model.load_checkpoint(source, self.target)
-        except (KeyError, RuntimeError) as e:  # another kind's file, or tensors of other shapes
-            raise CheckpointError(f"--init-from {source}: not a {self.cfg.draft} draft of this run's settings "
-                                  f"({' '.join(str(e).split())[:300]})") from None
+        init_draft_settings(source, self.cfg.draft)  # a draft of this kind (each kind's loader checks its settings)
+        model.load_checkpoint(source, self.target)
         return source
 
     def _logged_backend(self) -> dict | None:
