@@ -13,13 +13,13 @@ import spire.registry as registry
 from spire.backend import summary_of as backend_line
 from spire.evaluation.diagnose import diagnosis_markdown, plot_diagnosis
 from spire.evaluation.tau import paired_ratio_ci
+from spire.paper import PAPER_ABLATION_TAU
 from spire.paths import atomic_write, spire_cache_dir
 from spire.throughput import RowOptions, get_preset, throughput_rows
 from spire.throughput.cost_model import delta_t
 from spire.throughput.analysis import NO_SPARSE_KV, ablation_rows
 from spire.throughput.shapes import PAPER_TAUS, ModelShape, Preset
 from spire.throughput.plots import plot_ablation, plot_multiplier_heatmaps, plot_multiplier_vs_L
-from spire.training.distill import PAPER_ABLATION_TAU
 
 MEASURED = registry.names(drafts_only=True)  # the draft kinds whose τ the main job measures (those it has)
 PAPER_TAU = {n: registry.kind(n).paper_tau for n in MEASURED if registry.kind(n).paper_tau}  # 67M target, L = 512

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import spire.registry as registry
 from spire.errors import ConfigError
+from spire.paper import PAPER_ABLATION_TAU, PAPER_TAU_TABLE  # noqa: F401 (PAPER_TAU_TABLE: read here by callers)
 
 DRAFTS = registry.names(priced=True)
 """Draft kinds the cost model prices, in the registry's order (the order of every table and plot)."""
@@ -228,21 +229,14 @@ VANILLA_SMOLLM2 = SMOLLM2_135M.with_layers(4)  # ~1/8 of the target body (4/30)
 PAPER_TAUS = {name: registry.kind(name).paper_tau for name in PAPER_DRAFTS}  # vanilla 2.647, magicdec 3.891, spire 3.401
 """τ the paper measured at L = 512, k = 4 with its 67M target (SPIRE.md §2)."""
 
-PAPER_TAU_TABLE = {
-    256: {"vanilla": 2.637, "magicdec": 4.005, "spire": 3.427},
-    512: {"vanilla": 2.647, "magicdec": 3.891, "spire": 3.401},
-    960: {"vanilla": 2.644, "magicdec": 3.793, "spire": 3.382},
-}
-"""τ per context length L the paper measured (k = 4, 64 generated tokens, LongCrawl64 validation)."""
-
-ABLATION_TAUS = {
-    "SPIRe": 3.401,
-    "no feedback memory": 3.352,
-    "no feedback, no target activations": 2.959,
-    "MixedLoss ω=1 (distillation)": 3.375,
-    "HardTargetLoss": 3.069,
-    "random initialization": 3.105,
-}
+ABLATION_TAUS = {label: PAPER_ABLATION_TAU[name] for name, label in (
+    ("none", "SPIRe"),
+    ("no-feedback", "no feedback memory"),
+    ("no-feedback-no-target", "no feedback, no target activations"),
+    ("omega1", "MixedLoss ω=1 (distillation)"),
+    ("hard-loss", "HardTargetLoss"),
+    ("random-init", "random initialization"),
+)}
 """τ of the paper's ablated SPIRe drafts (Figure 5, L = 512, k = 4). All keep the sparse KV cache;
 "without sparse KV cache" is computed analytically (SPIRe's τ, full draft KV): see analysis.ablation_rows."""
 

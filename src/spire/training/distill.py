@@ -81,8 +81,6 @@ ABLATIONS: dict[str, tuple[dict, dict]] = {
     "random-init": ({"init": "random"}, {}),
     "full-kv": ({"window": None}, {}),
 }
-PAPER_ABLATION_TAU = {"none": 3.401, "no-feedback": 3.352, "no-feedback-no-target": 2.959, "omega1": 3.375,
-                      "hard-loss": 3.069, "random-init": 3.105}
 
 
 @dataclass
