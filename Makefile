@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 OUT ?= spire-out
 
-.PHONY: venv vllm demo quick test clean
+.PHONY: venv vllm demo quick test test-fast architecture clean
 
 venv: $(VENV)/.installed
 	@# put `spire` on PATH when a standard bin directory is writable (root, a container, CI); replace only a
@@ -70,8 +70,15 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	$(VLLM_VENV)/bin/python -c "import vllm, spire, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $@
 
-test: venv vllm $(VENV)/.speculators $(VENV)/.lm-eval  ## the whole test suite
+test: venv vllm $(VENV)/.speculators $(VENV)/.lm-eval  ## the whole test suite (CI)
 	$(BIN)/python -m pytest -q
+
+# a developer's loop: the tests not marked slow (pyproject's markers), without vLLM, lm-eval or speculators
+test-fast: venv  ## the fast tier (docs/architecture.md, "Test tiers")
+	$(BIN)/python -m pytest -q -m "not slow"
+
+architecture:  ## rewrite the generated sections of docs/architecture.md from the code
+	$(PYTHON) tools/architecture.py --write
 
 clean:
 	rm -rf $(OUT) $(OUT)-quick .pytest_cache
