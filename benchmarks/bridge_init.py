@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -20,6 +21,9 @@ from spire.drafts.spire import SpireConfig, SpireDraftModel
 from spire.loading import load_target
 from spire.paths import atomic_write
 from spire.training.distill import TrainConfig, evaluate_heldout
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import write_provenance  # benchmarks/_provenance.py
 
 
 def main() -> None:
@@ -50,6 +54,7 @@ def main() -> None:
     print(text)
     if args.out is not None:
         atomic_write(args.out, None, text + "\n")
+        write_provenance(args.out)
 
 
 if __name__ == "__main__":

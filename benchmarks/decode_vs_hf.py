@@ -19,7 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import write_provenance  # benchmarks/_provenance.py
 
 
 def random_pair(dtype: torch.dtype, device: torch.device, seed: int = 0):
@@ -168,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(a.json, "w") as f:
             json.dump({"config": vars(a), "threads": torch.get_num_threads(), "device": str(dev), "rows": rows}, f,
                       indent=1)
+        write_provenance(a.json)
     bad = [r for r in rows if not r["identical"]]
     if bad and a.dtype == "float32":
         print(f"outputs differ from HF generate: {[(r['B'], r['method']) for r in bad]}", file=sys.stderr)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -20,6 +21,9 @@ import torch
 from spire.data import document_separator_id, prepare_data
 from spire.drafts.vocab import frequent_tokens
 from spire.loading import load_target
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import write_provenance  # benchmarks/_provenance.py
 
 
 def main() -> None:
@@ -59,6 +63,7 @@ def main() -> None:
         print(f"{r['N']:7d} {r['p_mass_inside']:17.4f} {r['argmax_inside']:14.4f} {r['head_share']:18.3f}x")
     if a.out:
         a.out.write_text(json.dumps({"rows": rows, "windows": len(windows)}, indent=1))
+        write_provenance(a.out)
 
 
 if __name__ == "__main__":

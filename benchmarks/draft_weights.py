@@ -20,6 +20,10 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import write_provenance  # benchmarks/_provenance.py
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"config": vars(args), "bytes": nbytes, "rows": out}, fh, indent=1)
+        write_provenance(args.json)
     return 0
 
 

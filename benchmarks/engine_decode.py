@@ -3,6 +3,7 @@
 Engine decode speed, old vs new: generate_batch (the engine) at B = 1 and 8, AD and MagicDec k = 4, 128-token
 prompts, 24 new tokens, 1 torch thread, median of 3 timed runs after a warm-up. argv[1]: label."""
 import json, statistics, sys, time
+from pathlib import Path
 import torch
 torch.set_num_threads(1)
 try:
@@ -11,6 +12,9 @@ except ImportError:
     from spire.serving.engine import generate_batch
 from spire.drafts.magicdec import MagicDecDraft
 from spire.loading import load_target
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import provenance  # benchmarks/_provenance.py
 target, tok, _ = load_target(progress=False)
 out = {}
 for B in (1, 8):
@@ -22,4 +26,4 @@ for B in (1, 8):
         for _ in range(3):
             t = time.perf_counter(); r = run(); ts.append(time.perf_counter() - t)
         out[f"B={B} {name}"] = round(B * 24 / statistics.median(ts), 2)
-print(sys.argv[1], json.dumps(out), flush=True)
+print(sys.argv[1], json.dumps({**out, "provenance": provenance()}), flush=True)

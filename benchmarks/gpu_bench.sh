@@ -63,4 +63,5 @@ done
 
 "$PY" benchmarks/decode_vs_hf.py --device cuda --dtype bfloat16 "${HF_ARGS[@]}" -B 1 -B 8 -L 128 -G 64 \
   --json "$OUT_DIR/decode_vs_hf.json" 2>&1 | grep -v "round \|warm-up" | tee -a "$LOG"
+"$PY" -m spire.provenance "$OUT_DIR" -- benchmarks/gpu_bench.sh "$@" >/dev/null  # command, commit, machine, date
 echo "wrote $OUT_DIR" | tee -a "$LOG"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from spire.paths import atomic_write
 from spire.pipeline import ReproduceConfig, spire_architecture
 from spire.sampling import SamplingParams
 from spire.training.distill import TrainConfig, train_draft
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import write_provenance  # benchmarks/_provenance.py
 
 
 def main() -> None:
@@ -85,6 +89,7 @@ def main() -> None:
                      "heldout_alpha_per_position": state["heldout"]["alpha_per_position"]},
            "tau": taus, "total_s": time.time() - t_start}
     atomic_write(a.out / "gpu_spire.json", None, json.dumps(out, indent=1))
+    write_provenance(a.out)
     lines = [f"# SPIRe on {out['gpu'] or out['device']}", "",
              f"Draft: target layers {out['spire_layers']}, draft vocabulary {arch.vocab_size}; trained "
              f"{state['step']} steps x {a.batch_size} x {a.seq_len} = {state['tokens']:,} tokens in {train_s:.0f} s "

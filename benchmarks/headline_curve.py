@@ -29,6 +29,9 @@ import numpy as np
 from spire.evaluation.tau import paired_ratio_ci
 from spire.paths import atomic_write
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import portable, write_provenance  # benchmarks/_provenance.py
+
 
 def train_state(draft: Path) -> dict:
     """The saved training state of a run folder or checkpoint copy (its step, tokens and config)."""
@@ -150,8 +153,9 @@ def main() -> None:
               f"[{p['tau_ci'][0]:.3f}, {p['tau_ci'][1]:.3f}]  x MagicDec {p['vs_magicdec']:.3f} "
               f"[{p['vs_magicdec_ci'][0]:.3f}, {p['vs_magicdec_ci'][1]:.3f}]")
     atomic_write(a.out / "curve.json", None, text=json.dumps(
-        {"at": [B, L], "line": a.line, "results": str(a.results), "command": " ".join(sys.argv),
+        {"at": [B, L], "line": a.line, "results": portable(str(a.results)), "command": portable(" ".join(sys.argv)),
          "points": points}, indent=1))
+    write_provenance(a.out)
     plot(points, a.out / "curve.png", B, L, a.line)
     print(a.out / "curve.json")
 

@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from spire.paths import atomic_write
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import write_provenance  # benchmarks/_provenance.py
 
 
 def read_curve(run: Path) -> dict:
@@ -160,6 +164,7 @@ def main() -> None:
     meta = {"at": {"B": B, "L": L}, "preset": a.preset, "magicdec_tau": a.magicdec_tau,
             "magicdec_delta_t": md_dt, "ratio": a.ratio}
     atomic_write(a.out / "curves.json", None, json.dumps({**curves, "_model": meta}, indent=1))
+    write_provenance(a.out)
     for label, c in curves.items():
         e = c["eval"][-1] if c["eval"] else None
         print(f"{label}: {len(c['eval'])} evaluations, {c['tokens_per_s']:.0f} training tokens/s"

@@ -37,5 +37,7 @@ if [ ! -s smollm2-135m-f32.gguf ]; then
   build/bin/llama-quantize --allow-requantize "$SRC" smollm2-135m-f32.gguf.tmp F32 >quantize.log 2>&1
   mv smollm2-135m-f32.gguf.tmp smollm2-135m-f32.gguf
 fi
+PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)/src${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m spire.provenance "$DIR" -- \
+  benchmarks/llama_server.sh "$@" >/dev/null  # command, commit, machine, date
 echo "llama-server: $DIR/build/bin/llama-server"
 echo "gguf: $DIR/smollm2-135m-f32.gguf"

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +31,9 @@ from spire.loading import load_target
 from spire.sampling import SamplingParams
 from spire.speculative import generate
 from spire.training.sources import step_generator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import write_provenance  # benchmarks/_provenance.py
 
 
 def main() -> None:
@@ -74,6 +79,7 @@ def main() -> None:
                args.out)
     if os.path.exists(part):
         os.remove(part)
+    write_provenance(args.out)
     print(f"wrote {args.out}: {(generated != natural).float().mean().item():.3f} of the tokens changed")
 
 

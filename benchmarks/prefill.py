@@ -18,7 +18,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import write_provenance  # benchmarks/_provenance.py
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "torch": torch.__version__, "old": old.describe(), "new": new.describe()}, f,
                       indent=1)
+        write_provenance(args.json)
     return 0
 
 

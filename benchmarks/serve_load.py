@@ -40,6 +40,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import portable, write_provenance  # benchmarks/_provenance.py
+
 
 def free_port() -> int:
     s = socket.socket()
@@ -321,7 +324,8 @@ def main() -> None:
                 print(f"{name} c={c}: {row['output_tokens_per_s']:.1f} tok/s, TTFT {row['ttft_median_s']:.2f} s, "
                       f"ITL {1000 * row['itl_median_s']:.1f} ms" + (f", tau {row['tau']:.2f}" if row.get("tau") else ""),
                       flush=True)
-            entry = {"command": cmd, "levels": rows, "rss_mb_after_warmup": rss_warm, "rss_mb_after_levels": srv.rss_mb(),
+            entry = {"command": [portable(str(x)) for x in cmd], "levels": rows, "rss_mb_after_warmup": rss_warm,
+                     "rss_mb_after_levels": srv.rss_mb(),
                      "rss_peak_mb_after_levels": srv.rss_mb("VmHWM")}
             if a.faults and srv.kind == "spire" and (name == a.faults_server or a.faults_server is None
                                                      and "faults" not in json.dumps(results["servers"])):
@@ -348,6 +352,7 @@ def main() -> None:
                          f"{r['output_tokens_per_s']:.1f} | {r['ttft_median_s']:.2f} | {r['ttft_p90_s']:.2f} | "
                          f"{1000 * r['itl_median_s']:.1f} | |")
     (a.out / "results.md").write_text("\n".join(table) + "\n")
+    write_provenance(a.out)
     print("\n".join(table))
 
 

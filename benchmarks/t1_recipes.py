@@ -42,6 +42,9 @@ from spire.pipeline import (ReproduceConfig, _draft_dir, _load, shared_target_ca
 from spire.sampling import SamplingParams
 from spire.training.parallel import train_in_processes
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import portable, write_provenance  # benchmarks/_provenance.py
+
 
 def parse_variant(text: str) -> tuple[str, dict]:
     name, _, rest = text.partition(":")
@@ -226,8 +229,9 @@ def main() -> None:
             print(f"T={T:g} {name:24s} tau {r.tau:.3f} [{r.ci_low:.3f}, {r.ci_high:.3f}]{extra}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     atomic_write(args.out / "recipes.json", None, text=json.dumps(
-        {"command": " ".join(sys.argv), "steps": args.steps, "n_contexts": args.n_contexts, "L": cfg.L, "G": cfg.G,
+        {"command": portable(" ".join(sys.argv)), "steps": args.steps, "n_contexts": args.n_contexts, "L": cfg.L, "G": cfg.G,
          "k": cfg.k, "training": training, "tau": rows}, indent=1))
+    write_provenance(args.out)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 
@@ -34,6 +35,9 @@ from spire.timing import Stopwatch
 from spire.training.distill import TrainConfig, train_draft
 from spire.training.losses import mixed_loss_logp_reference
 from spire.training.sources import CachedTarget, LiveTarget, TargetCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import write_provenance  # benchmarks/_provenance.py
 
 
 OLD_PATH = backend.DEFAULT.replace(chunked_kpass=False, grouped_attention=False, autocast_copies=False)
@@ -234,6 +238,7 @@ def main() -> None:
         if a.out:
             a.out.write_text(json.dumps({"whole_machine": rows, "args": {k: str(v) for k, v in vars(a).items()}},
                                         indent=1))
+            write_provenance(a.out)
         return
     if a.levers:
         layers = [int(x) for x in a.layers.split(",")] if a.layers else None
@@ -249,6 +254,7 @@ def main() -> None:
               "batch and reused by every epoch, run and ablation)")
         if a.out:
             a.out.write_text(json.dumps({"levers": rows, "args": {k: str(v) for k, v in vars(a).items()}}, indent=1))
+            write_provenance(a.out)
         return
     if a.rate_only:
         rates = {kind: step_rate(target, data, TrainConfig(draft=kind, bf16=a.bf16), a.steps)
@@ -290,6 +296,7 @@ def main() -> None:
           f"{s['tau_T0'][0] / v['tau_T0'][0]:.2f}, tau T=1 {s['tau_T1'][0] / v['tau_T1'][0]:.2f}")
     if a.out:
         a.out.write_text(json.dumps({"rows": rows, "args": {k: str(v) for k, v in vars(a).items()}}, indent=1))
+        write_provenance(a.out)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import provenance  # benchmarks/_provenance.py
+
 ROOT = Path(__file__).resolve().parents[1]
 LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 30)
 CODE = "def f(x):\n    return x + 1\n\ndef g(x):\n    return f(x) * 2\n\ndef h(x):\n    return"
@@ -114,8 +117,8 @@ def main() -> None:
     same = sum(o["text"] == t for o, t in zip(out["outputs"], texts))
     print(json.dumps({"spec": spec, "vllm": {**m, "acceptance_length": 1 + m["accepted_tokens"] / m["drafts"],
                                              "tokens_per_step": len(PROMPTS) * (NEW - 1) / steps},
-                      "spire": {"draft": out["draft"], "tau": out["tau"]}, "greedy_equal": f"{same}/{len(PROMPTS)}"},
-                     indent=1))
+                      "spire": {"draft": out["draft"], "tau": out["tau"]}, "greedy_equal": f"{same}/{len(PROMPTS)}",
+                      "provenance": provenance()}, indent=1))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import free_port, heldout_prompts  # noqa: E402  (the same held-out prompts as the spire load test)
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
+from _provenance import portable, write_provenance  # benchmarks/_provenance.py
+
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 BENCH = ROOT / ".venv-bench"
@@ -283,7 +286,7 @@ def main() -> None:
                 print(f"{name} c={c}: {row['output_tokens_per_s']:.1f} tok/s, TTFT {row['ttft_median_ms']:.0f} ms, "
                       f"ITL {row['itl_median_ms']:.1f} ms, acceptance length {row.get('acceptance_length')}",
                       flush=True)
-            results["servers"][name] = {"command": cmd, "start_s": srv.start_s, "levels": rows}
+            results["servers"][name] = {"command": [portable(str(x)) for x in cmd], "start_s": srv.start_s, "levels": rows}
         finally:
             srv.stop()
         results_path.write_text(json.dumps(results, indent=1))
@@ -295,6 +298,7 @@ def main() -> None:
             table.append(f"| {name} | {r['concurrency']} | {r['output_tokens_per_s']:.1f} | {r['ttft_median_ms']:.0f} | "
                          f"{r['ttft_p90_ms']:.0f} | {r['itl_median_ms']:.1f} | {'' if al is None else f'{al:.3f}'} |")
     (a.out / "results.md").write_text("\n".join(table) + "\n")
+    write_provenance(a.out)
     print("\n".join(table))
 
 

@@ -64,6 +64,10 @@ def test_reproduce_end_to_end_tiny_budget(tmp_path, env, smollm2):
                 "--tau-L", "32,96", "--tau-L-contexts", "2"], env)
     assert res.returncode == 0, res.stderr[-2000:]
     results = json.loads((out / "results.json").read_text())
+    prov = results["provenance"]  # where the numbers came from, with no absolute path
+    assert prov["command"].startswith("python -m spire.cli reproduce --quick --out ") and "<tmp>/" in prov["command"]
+    assert prov["machine"]["cores"] >= 1 and prov["machine"]["torch"] and prov["date"].startswith("20")
+    assert str(tmp_path) not in json.dumps(prov)
     taus = {(t["draft"], t["temperature"]): t for t in results["tau"]}
     kinds = ("vanilla", "magicdec", "spire", "eagle3", "ngram")  # every draft kind, in the registry's order
     drafts = {*kinds, "spire-no-feedback", "spire-full-kv"}

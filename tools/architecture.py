@@ -327,11 +327,15 @@ def render_rooms(mods: dict[str, Module]) -> str:
     free_mods = set(torch_free(mods))
     rooms = sorted({m.room for m in mods.values()}, key=lambda r: room_label(r, mods))
     free = [r for r in rooms if all(n in free_mods for n, m in mods.items() if m.room == r)]
-    others = [mods[n].rel for n in sorted(free_mods, key=lambda n: mods[n].rel) if mods[n].room not in free]
-    text = ("Rooms that load no torch (their module-level imports, transitively, read statically; "
-            "tests/test_layers.py imports each to check): " + ", ".join(f"`{room_label(r, mods)}`" for r in free)
-            + "; in the other rooms, these modules: " + ", ".join(f"`{p}`" for p in others) + ".")
-    lines += ["", *textwrap.wrap(text, 116, break_on_hyphens=False)]
+    lines += ["", "Loaded without torch (module-level imports, transitively, read statically; tests/test_layers.py imports",
+              "each of them to check):", ""]
+    lines += _wrap("    whole rooms: ", ", ".join(room_label(r, mods) for r in free))
+    for room in rooms:
+        if room in free:
+            continue
+        some = sorted(mods[n].rel.split("/", 1)[1] for n in free_mods if mods[n].room == room)
+        if some:
+            lines += _wrap(f"    in {room_label(room, mods)}: ", ", ".join(some))
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from spire.evaluation.report import write_report
 from spire.evaluation.tau import measure_tau_shared
 from spire.loading import load_target
 from spire.paths import atomic_write, spire_cache_dir
+from spire.provenance import provenance
 from spire.sampling import SamplingParams
 from spire.training.distill import ABLATIONS, LOG_FILE, TrainConfig, ablation_config, fast_bf16, needs_teacher
 from spire.training.sources import TargetCache
@@ -549,6 +550,7 @@ def _results(cfg: ReproduceConfig, target, folder: Path, data, training: dict, t
         "tau_vs_L": tau_vs_L,
         "tau_vs_k": tau_vs_k,
         "timings": timings,
+        "provenance": provenance(),  # the command, the commit, the machine and the date (spire.provenance)
     }
 
 

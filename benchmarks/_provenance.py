@@ -1,0 +1,19 @@
+"""The benchmarks' access to :mod:`spire.provenance` (what each script writes beside its numbers: the command, the
+commit, the machine, the date), also when ``PYTHONPATH`` points at an older checkout without it (the before / after
+runs): then this checkout's module is loaded by its path, and it records the commit of the spire imported."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+try:
+    from spire.provenance import portable, provenance, write_provenance
+except ImportError:  # an older spire under test
+    _spec = importlib.util.spec_from_file_location(
+        "_spire_provenance", Path(__file__).resolve().parents[1] / "src" / "spire" / "provenance.py")
+    _mod = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_mod)
+    portable, provenance, write_provenance = _mod.portable, _mod.provenance, _mod.write_provenance
+
+__all__ = ["portable", "provenance", "write_provenance"]
