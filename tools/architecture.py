@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import functools
 import re
 import sys
 import textwrap
@@ -101,6 +102,19 @@ def _import_nodes(tree: ast.Module):
     yield from walk(tree, "load")
 
 
+@functools.lru_cache(maxsize=1024)
+def _raw_imports(text: str) -> tuple:
+    """The import statements of a module's source (cached by its text: the tests read mutated copies of src/spire,
+    where one file differs): (where, is ``from``, module, level, names, line) each."""
+    out = []
+    for node, where in _import_nodes(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            out.append((where, False, None, 0, tuple(a.name for a in node.names), node.lineno))
+        else:
+            out.append((where, True, node.module, node.level, tuple(a.name for a in node.names), node.lineno))
+    return tuple(out)
+
+
 def read_modules(src: Path = SRC) -> dict[str, Module]:
     """Every module under ``src`` (a ``spire`` package folder) with its imports resolved to spire modules.
 
@@ -114,17 +128,16 @@ def read_modules(src: Path = SRC) -> dict[str, Module]:
         name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
         mods[name] = Module(name, f, rel=f.relative_to(src).as_posix())
     for m in mods.values():
-        tree = ast.parse(m.path.read_text(), filename=str(m.path))
         pkg = m.name if m.path.name == "__init__.py" else m.name.rsplit(".", 1)[0]
-        for node, where in _import_nodes(tree):
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
+        for where, is_from, module, level, names, lineno in _raw_imports(m.path.read_text()):
+            if not is_from:
+                targets = list(names)
             else:
-                mod = node.module or ""
-                if node.level:
-                    parts = pkg.split(".")[: len(pkg.split(".")) - node.level + 1]
+                mod = module or ""
+                if level:
+                    parts = pkg.split(".")[: len(pkg.split(".")) - level + 1]
                     mod = ".".join(parts + ([mod] if mod else []))
-                targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
+                targets = [mod] + [f"{mod}.{a}" for a in names]
             for t in targets:
                 if t.split(".")[0] != "spire":
                     if where == "load" and t:
@@ -138,8 +151,8 @@ def read_modules(src: Path = SRC) -> dict[str, Module]:
                     m.loads.add(t)
                 elif where == "typing":
                     m.typing.add(t)
-                elif (t, node.lineno) not in m.local:
-                    m.local.append((t, node.lineno))
+                elif (t, lineno) not in m.local:
+                    m.local.append((t, lineno))
     for m in mods.values():
         m.typing -= m.loads
     return mods
@@ -310,8 +323,7 @@ def _rel(mods, name):
     return mods[name].rel
 
 
-def _sorted_targets(mods: dict[str, Module], names) -> list[str]:
-    rank = {m.name: i for i, m in enumerate(_module_order(mods))}
+def _sorted_targets(mods: dict[str, Module], names, rank: dict[str, int]) -> list[str]:
     return [_rel(mods, n) for n in sorted(names, key=lambda n: rank[n]) if n.rsplit(".", 1)[-1] not in LEFT_OUT]
 
 
@@ -345,15 +357,17 @@ def render_imports(mods: dict[str, Module]) -> str:
     listed together at the end of their room."""
     lines = []
     current, was_alone = None, False
-    for m in _module_order(mods):
+    order = _module_order(mods)
+    rank = {m.name: i for i, m in enumerate(order)}
+    for m in order:
         if m.room != current:
             alone = sum(1 for x in mods.values() if x.room == m.room) == 1
             if current is not None and not (alone and was_alone):
                 lines.append("")
             current, was_alone = m.room, alone
-        loads = _sorted_targets(mods, m.loads)
-        local = _sorted_targets(mods, {t for t, _ in m.local})
-        typing = _sorted_targets(mods, m.typing)
+        loads = _sorted_targets(mods, m.loads, rank)
+        local = _sorted_targets(mods, {t for t, _ in m.local}, rank)
+        typing = _sorted_targets(mods, m.typing, rank)
         body = _group(loads) if loads else "nothing"
         if local:
             body += f"    [in functions: {_group(local)}]"
