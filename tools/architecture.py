@@ -374,7 +374,8 @@ def render_imports(mods: dict[str, Module]) -> str:
         if typing:
             body += f"    [type hints: {_group(typing)}]"
         lines += _wrap(f"    {m.rel} ─► ", body)
-    local = sorted({f"{m.rel}:{line}" for m in mods.values() if m.room not in TOP_FLOOR for _, line in m.local})
+    local = [f"{r}:{n}" for r, n in sorted({(m.rel, line) for m in mods.values() if m.room not in TOP_FLOOR
+                                                 for _, line in m.local})]
     text = (f"Imports inside functions outside the top floor: {len(local)} (at most {MAX_LOCAL_IMPORTS}; "
             + (", ".join(f"`{x}`" for x in local) if local else "none") + ").")
     return "\n".join([*textwrap.wrap(text, 116, break_on_hyphens=False), "", *(l.rstrip() for l in lines)])
