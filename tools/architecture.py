@@ -374,10 +374,13 @@ def render_imports(mods: dict[str, Module]) -> str:
         if typing:
             body += f"    [type hints: {_group(typing)}]"
         lines += _wrap(f"    {m.rel} ─► ", body)
-    local = [f"{r}:{n}" for r, n in sorted({(m.rel, line) for m in mods.values() if m.room not in TOP_FLOOR
-                                                 for _, line in m.local})]
+    local = sorted({(m.rel, line) for m in mods.values() if m.room not in TOP_FLOOR for _, line in m.local})
+    per_file: dict[str, int] = {}
+    for rel, _ in local:
+        per_file[rel] = per_file.get(rel, 0) + 1
+    names = [f"`{rel}`" + (f" ({n})" if n > 1 else "") for rel, n in per_file.items()]
     text = (f"Imports inside functions outside the top floor: {len(local)} (at most {MAX_LOCAL_IMPORTS}; "
-            + (", ".join(f"`{x}`" for x in local) if local else "none") + ").")
+            + (", ".join(names) if names else "none") + ").")
     return "\n".join([*textwrap.wrap(text, 116, break_on_hyphens=False), "", *(l.rstrip() for l in lines)])
 
 
