@@ -368,12 +368,15 @@ def render_imports(mods: dict[str, Module]) -> str:
         loads = _sorted_targets(mods, m.loads, rank)
         local = _sorted_targets(mods, {t for t, _ in m.local}, rank)
         typing = _sorted_targets(mods, m.typing, rank)
-        body = _group(loads) if loads else "nothing"
-        if local:
-            body += f"    [in functions: {_group(local)}]"
-        if typing:
-            body += f"    [type hints: {_group(typing)}]"
-        lines += _wrap(f"    {m.rel} ─► ", body)
+        head = f"    {m.rel} ─► "
+        entry = _wrap(head, _group(loads) if loads else "nothing")
+        for bracket in ([f"[in functions: {_group(local)}]"] if local else []) + (
+                [f"[type hints: {_group(typing)}]"] if typing else []):
+            if len(entry[-1]) + 4 + len(bracket) <= 116:
+                entry[-1] += "    " + bracket
+            else:  # on lines of its own, under the entry's first target
+                entry += [" " * len(head) + line.lstrip() for line in _wrap(" " * len(head), bracket)]
+        lines += entry
     local = sorted({(m.rel, line) for m in mods.values() if m.room not in TOP_FLOOR for _, line in m.local})
     per_file: dict[str, int] = {}
     for rel, _ in local:
