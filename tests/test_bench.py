@@ -123,6 +123,7 @@ def test_bench_config_errors(tiny):
         run_bench(tiny, _contexts, {}, BenchConfig(Bs=[1], Ls=[1020], G=8, reps=1))
 
 
+@pytest.mark.slow
 def test_bench_refuses_a_long_L_before_drafts_and_calibration(monkeypatch):
     """L beyond the target's positions is refused as soon as the target is known: before the drafts load and the
     hardware is calibrated (it used to come after both)."""

@@ -48,6 +48,7 @@ def _generate(capsys, folder, prompts, *draft):
     return json.loads(out)
 
 
+@pytest.mark.slow
 def test_generate_with_eagle3_and_ngram_equals_ad(capsys, tiny_folder, eagle3_run, tmp_path):  # noqa: F811
     """Greedy SD with the trained EAGLE-3 run folder and with the n-gram draft gives AD's tokens for every prompt of
     a batch of mixed lengths, with the JSON fields of the contract."""
@@ -80,6 +81,7 @@ def test_export_names_a_loadable_verifier(capsys, tiny_folder, eagle3_run, tmp_p
     assert [o["token_ids"] for o in back["outputs"]] == [o["token_ids"] for o in ad["outputs"]]
 
 
+@pytest.mark.slow
 def test_export_of_the_preset_names_its_checkpoint_folder(capsys, text_file, tmp_path, smollm2):  # noqa: F811
     """For the embedded preset the verifier is the converted checkpoint folder, not the preset's name (which
     speculators would look up on the HF hub)."""

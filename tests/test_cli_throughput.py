@@ -18,6 +18,7 @@ def run(capsys, *args: str) -> tuple[int, str, str]:
     return exit_info.value.code or 0, out, err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", ["console script", "python -m spire"])
 def test_console_script_json_contract(entry):
     script = Path(sys.executable).with_name("spire")

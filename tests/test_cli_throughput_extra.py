@@ -68,6 +68,7 @@ def test_table_shows_extra_columns(capsys):
     assert code == 0 and "saving" in out and "SD tok/s" in out and "6.15" in out
 
 
+@pytest.mark.slow
 def test_throughput_figures(capsys, tmp_path):
     code, out, _ = run(capsys, "throughput-figures", "--out", str(tmp_path))
     assert code == 0 and "+104.1 % vs vanilla" in out and "+35.4 % vs MagicDec" in out

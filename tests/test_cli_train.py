@@ -106,6 +106,7 @@ def trained(tiny_folder, text_file, tmp_path_factory):
     return root, results
 
 
+@pytest.mark.slow
 def test_train_on_user_text_and_resume_exactly(trained):
     root, results = trained
     assert results["after_interrupt"]["step"] == 2
@@ -127,6 +128,7 @@ def test_train_on_user_text_and_resume_exactly(trained):
     assert [e["step"] for e in logged if e["event"] == "train"] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_generate_from_a_file_at_temperature(tiny_folder, trained, tmp_path, capsys):
     """`generate --file` with the trained SPIRe draft at T = 0.8, top-k 5: one output per non-empty line,
     every token among the target's 5 most likely at its context, the same seed gives the same output."""
@@ -159,6 +161,7 @@ def test_generate_from_a_file_at_temperature(tiny_folder, trained, tmp_path, cap
     assert "tau" in err
 
 
+@pytest.mark.slow
 def test_compare_reports_identical_in_float32(tiny_folder, trained, capsys):
     root, _ = trained
     code, out, err = run(capsys, "compare", "The river and the stone", "A letter", "--target", str(tiny_folder),
@@ -173,6 +176,7 @@ def test_compare_reports_identical_in_float32(tiny_folder, trained, capsys):
                         r"logit gap there \d+\.\d{4}) \(bfloat16\)\n", out), out
 
 
+@pytest.mark.slow
 def test_resume_keeps_the_run_settings_and_refuses_changed_ones(tiny_folder, text_file, trained, capsys):
     """A resumed run keeps its own intervals and held-out windows (not the command's defaults), and a resume
     that also changes a training setting is refused with one line naming it, the run left as it was."""
@@ -204,6 +208,7 @@ def test_resume_keeps_the_run_settings_and_refuses_changed_ones(tiny_folder, tex
         assert (root / "resumed" / "checkpoint" / "train_state.json").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_a_run_saved_without_its_texts_identity_resumes(tiny_folder, text_file, trained, tmp_path, monkeypatch):
     """A run saved with "data": null (as `spire reproduce` trains, and as runs older than the field were saved)
     resumes with its settings as saved (it was refused as "a run with other settings (data)")."""
@@ -225,6 +230,7 @@ def test_a_run_saved_without_its_texts_identity_resumes(tiny_folder, text_file, 
     assert again["step"] == state["step"] + 1 and again["config"]["data"] is None
 
 
+@pytest.mark.slow
 def test_resume_on_other_text_and_damaged_checkpoints_are_one_error(tiny_folder, text_file, trained, tmp_path,
                                                                      capsys):
     """A resume given other text than the run's is told to give the run's own --data (it said "use another --out
@@ -301,6 +307,7 @@ def test_target_cache_none_is_the_live_target(tiny_folder, text_file, tmp_path, 
     assert state["config"]["target_cache"] is None and state["step"] == 1
 
 
+@pytest.mark.slow
 def test_init_from_fine_tunes_a_trained_run(tiny_folder, text_file, trained, tmp_path, monkeypatch, capsys):
     """`spire train --init-from RUN` (given relative to the working folder): a fresh run whose saved settings hold
     RUN's absolute path and RUN's draft settings (1 layer, window 8, not given again here), which starts from RUN's
@@ -335,6 +342,7 @@ def test_init_from_fine_tunes_a_trained_run(tiny_folder, text_file, trained, tmp
     assert json.loads((tmp_path / "tuned" / "checkpoint" / "train_state.json").read_text())["step"] == 2
 
 
+@pytest.mark.slow
 def test_compile_option_and_a_resume_that_changes_it(tiny_folder, text_file, tmp_path, monkeypatch):
     """`--compile` reaches the run (its saved settings and a "compile" log event before step 1); a resume may
     turn it off (it changes how a step runs, not what it computes: one of the limits a resume takes anew)."""
@@ -377,6 +385,7 @@ def test_backend_option_reaches_the_run_log_and_a_resume_may_change_it(tiny_fold
     assert chosen == [(0, False, False, True), (3, True, True, True)]
 
 
+@pytest.mark.slow
 def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp_path, capsys, monkeypatch):
     """--out naming a file, --device cuda without CUDA, a --seq-len past the target's positions (the tiny target
     has 512) and negative --eval-windows: each one error line and a non-zero exit (they crashed with a traceback or

@@ -213,6 +213,7 @@ def test_split_bad_input():
 
 # -------------------------------------------------------------------------------------------- token data
 
+@pytest.mark.slow
 def test_prepare_data_contents(prepared, docs, word_tok):
     td = prepared
     eos = word_tok.token_to_id("<eos>")
@@ -254,6 +255,7 @@ def test_eos_appended_after_every_document(cache, tok, word_tok):
     assert td.manifest["eos_id"] == eos
 
 
+@pytest.mark.slow
 def test_cache_reused_without_tokenizing(cache, tok):
     kw = dict(cache_dir=cache, sources=("kjv", "stdlib"), max_stdlib_files=5, progress=False)
     first = D.prepare_data(tok, **kw)
@@ -344,6 +346,7 @@ def test_heldout_contexts_toy():
         td.heldout_contexts(L, G, 15)
 
 
+@pytest.mark.slow
 def test_heldout_contexts_real(prepared):
     td = prepared
     L, G, n = 256, 64, 48

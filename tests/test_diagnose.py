@@ -93,6 +93,7 @@ def test_verified_pass_equals_a_teacher_forced_recomputation(tiny):
             assert got[(b, pos)] == pytest.approx(float(tv[b]), abs=2e-5), (b, pos)
 
 
+@pytest.mark.slow
 def test_sampled_expected_acceptance_estimates_the_acceptance(tiny):
     """At T = 1 the share of accepted tokens at a position and the mean of Σ min(p, q) there estimate the same
     probability (the acceptance coin is fair): over ~400 drafted first positions they agree within 4 standard

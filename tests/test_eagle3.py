@@ -77,6 +77,7 @@ def _positions(tokens):
 
 # --- layer ids ------------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_layer_ids_are_hf_output_hidden_states(hf_target):
     """Id j < n: the residual stream entering layer j = HF's output_hidden_states[j] (hidden_states[0] is the
     embedding output), what spire's Transformer returns for hidden_layers; id n: the final residual stream before
@@ -277,6 +278,7 @@ def _accepting_draft(target, n_vocab=80):
 PIT_PARAMS = SamplingParams(0.8, top_p=0.95)
 
 
+@pytest.mark.slow
 def test_sampled_decoding_is_lossless_at_every_position_including_the_bonus_token():
     """The PIT chi-square of tests/test_sampling_positions.py (every emitted token's randomized probability
     integral transform under the target's exact p is uniform: all, per block position, the bonus token after a full

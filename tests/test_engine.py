@@ -105,6 +105,7 @@ def test_greedy_equals_per_request_ad_with_staggered_joins(tiny, kind):
         assert engine.stats.tau > 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", DRAFTS)
 def test_chunked_prefill_is_exact_and_leaves_the_draft_as_a_whole_prefill(tiny, kind):
     """With prefill_chunk 5 (and 1), prompts of up to 40 tokens are prefilled over several steps while the other
@@ -332,6 +333,7 @@ def _exact_marginals(target, prompt, params, depth: int) -> list[np.ndarray]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["magicdec", "ngram", "spire", "vanilla", "eagle3-full-vocab"])
 def test_sampling_is_lossless_with_rows_joining_mid_stream(kind):
     """T = 1, k = 2: tokens 1, 2 and 3 (3 is the bonus token when both drafts are accepted) of 1200 requests of one
@@ -407,6 +409,7 @@ def test_a_draft_equal_to_the_target_accepts_everything_after_ad_rounds(tiny, ki
     assert engine.stats.acceptance() == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["magicdec", "spire"])
 def test_sampling_is_lossless_with_k_chosen_per_round(kind):
     """T = 1 with a random k in 0..2 per round and rows joining mid-stream, their prompts prefilled in chunks of at
@@ -429,6 +432,7 @@ def test_sampling_is_lossless_with_k_chosen_per_round(kind):
     assert engine.stats.accepted[2] > 50 and engine.stats.rounds_by_k[0] > 50
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["none", "magicdec", "ngram", "spire"])
 def test_generate_batch_is_the_static_loop_on_the_engine(tiny, kind):
     """spire generate's decode path: greedy output, finish reasons and EOS cuts equal the static loop's
@@ -467,6 +471,7 @@ def sixty_four(tiny):
     return jobs, ad
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", DRAFTS)
 def test_sixty_four_requests_at_random_times_at_concurrency_16(tiny, kind, sixty_four):
     """Issue 31's goal 1 at the engine: 64 requests of mixed lengths arrive at random steps into 16 slots; each

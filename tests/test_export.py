@@ -29,6 +29,7 @@ def _trained_spire(target, tmp_path):
     return model, path
 
 
+@pytest.mark.slow
 def test_spire_export_round_trip(tmp_path):
     target = make_tiny()
     model, path = _trained_spire(target, tmp_path)
@@ -90,6 +91,7 @@ def test_unknown_format_version_refused(tmp_path):
         make_draft("spire", target, path=str(out))
 
 
+@pytest.mark.slow
 def test_cli_export_for_a_family_target_and_vanilla(tmp_path, capsys):
     """`spire export` with an HF folder target (Qwen3: q/k norms copied into the draft), then back; a vanilla
     draft folder exports with speculators_config added to its HF config and still loads."""

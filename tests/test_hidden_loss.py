@@ -45,6 +45,7 @@ def test_zero_where_the_draft_computes_what_the_target_does(tiny):
     assert float(mismatch.detach()) == pytest.approx(float(by_hand), rel=1e-4) and float(by_hand) > 0.01
 
 
+@pytest.mark.slow
 def test_loss_adds_the_weighted_term_and_trains_it_down(tiny, tmp_path):
     cfg = TrainConfig(batch_size=4, seq_len=32, k=4, bf16=False, draft_config=SpireConfig(layers=(0, 3), window=8))
     model = SpireDraftModel(tiny, cfg.draft_config)

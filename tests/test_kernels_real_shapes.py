@@ -97,6 +97,7 @@ def smol_text_ids(smollm2):
     return torch.tensor(tok(text).input_ids)
 
 
+@pytest.mark.slow
 def test_smollm2_fused_per_op_and_hf_agree(smollm2, smol_text_ids, monkeypatch):
     """SmolLM2's real shape and weights, B = 2 at ragged lengths (256 and 97 tokens): decode + verify logits
     of the fused and per-op paths equal HF transformers' to 1e-4; with MagicDec's view (sink 1, window 64)
@@ -120,6 +121,7 @@ def test_smollm2_fused_per_op_and_hf_agree(smollm2, smol_text_ids, monkeypatch):
     torch.testing.assert_close(got, _uncached_with_view(model, ids, lens, view), atol=ATOL, rtol=0)
 
 
+@pytest.mark.slow
 def test_smollm2_fused_equals_per_op_over_caches_of_thousands_of_tokens(smollm2, smol_text_ids, monkeypatch):
     """Caches of 3,900 and 2,301 tokens (B = 2, ragged): a real prefill of 160 tokens whose keys and values
     are repeated along the cache (what both paths read is the same; filling it by a real 3,900-token prefill
@@ -143,6 +145,7 @@ ROW1_PREFIX = [30613, 79, 99, 1002, 476, 686, 6872, 472, 6002, 100, 79, 47921, 2
 ROW_STEPS = ([5931, 595, 1004, 13707, 42, 448], [25, 567, 10049, 28, 7345, 43])
 
 
+@pytest.mark.slow
 def test_smollm2_fused_over_a_long_cache_on_the_input_it_drifted(smollm2, monkeypatch):
     ids = torch.zeros(2, 3910, dtype=torch.long)
     ids[0, :160], ids[1, :160] = torch.tensor(ROW0_PREFIX), torch.tensor(ROW1_PREFIX)
@@ -187,6 +190,7 @@ SHAPES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_odd_shapes_fused_per_op_and_hf_agree(shape, monkeypatch):
     """B = 3 rows at ragged lengths 3000, 1717 and 1 token (caches of thousands of tokens, really prefilled):

@@ -1,6 +1,7 @@
 """KV caches under random speculative append / rollback sequences, against a reference that recomputes the
 visible set from the committed tokens (hypothesis)."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -31,6 +32,7 @@ def _write(cache, pos_list, values, valid=None):
 @given(sink=st.integers(0, 2), window=st.integers(1, 9), k=st.integers(1, 5), prompt=st.integers(1, 30),
        pad=st.integers(0, 20), accepts=st.lists(st.integers(0, 5), min_size=1, max_size=25),
        ring=st.booleans())
+@pytest.mark.slow
 def test_round_loop_sequences_match_reference(sink, window, k, prompt, pad, accepts, ring):
     """Simulates the round loop's use of a draft cache: prefill (with right-padding), then rounds that
     write k draft positions (querying after each), overwrite k+1 verified positions, and accept a prefix.

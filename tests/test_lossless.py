@@ -36,6 +36,7 @@ def _chi2(samples, p):
     return chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=20, top_p=0.9)])
 def test_speculative_sampling_matches_target_distribution(params):
     target = make_tiny(seed=11)
@@ -64,6 +65,7 @@ def test_chi2_detects_a_wrong_distribution():
     assert _chi2(rng.choice(3, size=N, p=q), p) < 1e-6
 
 
+@pytest.mark.slow
 def test_smollm2_first_positions_follow_target(smollm2):
     """The real target at T = 1: the first generated token, and the second given the most likely first,
     are distributed as the target's p, for MagicDec (window 4) and an untrained SPIRe draft."""

@@ -11,6 +11,7 @@ from spire.loading import load_target
 from tests.helpers import with_backend
 
 
+@pytest.mark.slow
 def test_logits_match_hf_transformers(smollm2, monkeypatch):
     """Float32 logits equal HF LlamaForCausalLM's on the same tokens to 1e-4 (issue 2), with the float32 matmuls
     that HF runs too (torch's BLAS): the rounding of another GEMM library (oneDNN, the default for matmuls of more

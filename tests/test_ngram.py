@@ -236,6 +236,7 @@ def test_budget_and_context_limit(tiny):
         draft.step(torch.tensor([[3], [4]]), torch.tensor([[9], [2]]))
 
 
+@pytest.mark.slow
 def test_smollm2_repetitive_text(smollm2):
     """The real target on text that repeats: identical to AD, τ well above 1."""
     model, tok = smollm2
@@ -335,6 +336,7 @@ def _pit_groups(target, prompts, draft, params, seed):
     return {key: np.array(v) for key, v in groups.items()}, res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("params", PARAMS[:3])
 def test_sampling_is_lossless_at_every_position(peaked, params):
     target, prompts = peaked
@@ -345,6 +347,7 @@ def test_sampling_is_lossless_at_every_position(peaked, params):
     assert min(pvalues.values()) > 1e-3, pvalues
 
 
+@pytest.mark.slow
 def test_a_wrong_correction_is_caught(peaked, monkeypatch):
     """Power: drawing the correction from p instead of p without x (a one-hot q makes them differ at x) is
     rejected by the same statistic."""

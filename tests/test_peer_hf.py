@@ -17,6 +17,7 @@ def hf_model(smollm2):
     return AutoModelForCausalLM.from_pretrained(resolve_checkpoint(progress=False), dtype=torch.float32).eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("prompt", ["The history of the Roman Empire", "def quicksort(xs):\n"])
 def test_greedy_equals_hf_generate(smollm2, hf_model, prompt):
     model, tok = smollm2

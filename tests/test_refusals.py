@@ -48,6 +48,7 @@ REFUSED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("feature", list(REFUSED))
 def test_refused_at_load(tmp_path, feature):
     cfg, words = REFUSED[feature]
@@ -83,6 +84,7 @@ def test_missing_key_and_mismatched_weights(tmp_path):
         load_target(tmp_path)
 
 
+@pytest.mark.slow
 def test_non_finite_weights_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 

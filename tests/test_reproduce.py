@@ -57,6 +57,7 @@ def test_missing_checkpoint_for_data(tmp_path, env):
     assert res.returncode != 0 and res.stderr.strip().splitlines()[-1].startswith("error: checkpoint not found")
 
 
+@pytest.mark.slow
 def test_reproduce_end_to_end_tiny_budget(tmp_path, env, smollm2):
     out = tmp_path / "out"
     res = _run(["reproduce", "--quick", "--out", str(out), "--budget", "8", "--n-contexts", "2", "-L", "64",

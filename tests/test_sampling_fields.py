@@ -101,6 +101,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("kind", ["magicdec", "spire"])
 def test_each_transform_is_lossless_up_to_the_bonus_position(kind, case):
@@ -214,6 +215,7 @@ def test_logprobs_and_prompt_logprobs_equal_a_full_forward(tiny, kind):
             assert [a for a, _ in top] == ref[i].topk(2).indices.tolist()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["none", "magicdec", "spire", "ngram", "vanilla", "eagle3", "magicdec-all-rows"])
 def test_prompt_plus_max_tokens_up_to_max_len_with_any_draft(tiny, kind):
     """With k = 4 and max_len 48: requests with prompt + max_tokens = 48 exactly (the last rounds draft fewer
@@ -231,6 +233,7 @@ def test_prompt_plus_max_tokens_up_to_max_len_with_any_draft(tiny, kind):
         assert sum(engine.stats.rounds_by_k[:4]) > 0
 
 
+@pytest.mark.slow
 def test_min_tokens_holds_back_stop_strings_and_ignore_eos_keeps_going(smollm2):
     """On SmolLM2: a stop string is not checked before min_tokens tokens (the request ends at the first stop string
     completed by token min_tokens or later); ignore_eos with stop_token_ids [EOS] ends where EOS ends it."""

@@ -101,6 +101,7 @@ CASES = [  # (draft, params): temperature; temperature + top-k + top-p; an (untr
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_every_position_follows_the_target(soft_target, case):
     make_draft, params = CASES[case]
@@ -122,6 +123,7 @@ def _target_without_truncation(logits, params):
     ("correction-from-p", 1, "all"),  # the correction drawn from p instead of the residual
     ("bonus-residual", 2, "bonus"),
 ])
+@pytest.mark.slow
 def test_wrong_samplers_fail_this_statistic(soft_target, monkeypatch, mutant, case, group):
     """Power: with the mutant in the round loop, the same test rejects (p < 1e-3) in the group it corrupts."""
     make_draft, params = CASES[case]
@@ -130,6 +132,7 @@ def test_wrong_samplers_fail_this_statistic(soft_target, monkeypatch, mutant, ca
     assert _uniform_pvalue(groups[group]) < 1e-3
 
 
+@pytest.mark.slow
 def test_truncation_of_the_draft_only_is_caught(soft_target, monkeypatch):
     """Mutant: top-k / top-p applied to q but not to the target's p: tokens outside the target's nucleus
     are emitted (a mass-zero token is an immediate failure)."""

@@ -86,6 +86,7 @@ def _ad_text(parts, ids: list[int], n: int) -> str:
     return tok.decode(generate(model, [ids], n, eos_ids=[EOS]).tokens[0], skip_special_tokens=True)
 
 
+@pytest.mark.slow
 def test_completions_greedy_equal_ad_streamed_equal_non_streamed(parts, running):
     c, tok = running.client(), parts[1]
     for prompt in ["Hi", "Once upon a time, in a small village by the sea,", "def fibonacci(n):"]:
@@ -179,6 +180,7 @@ BAD = [  # (path, body, status, param)
 ]
 
 
+@pytest.mark.slow
 def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving(parts, running):
     for path, body, status, param in BAD:
         r = running.post(path, body)
@@ -290,6 +292,7 @@ def test_a_client_that_disconnects_frees_its_slot(parts):
         r.close()
 
 
+@pytest.mark.slow
 def test_trim_heap_gives_free_heap_pages_back_and_the_loop_trims_when_idle(parts):
     """trim_heap returns the free pages glibc keeps resident (in a fresh process with glibc in the state a
     server's heap reaches: blocks up to 16 MB from the heap, no trimming on free): 300 MB freed stay resident until
@@ -332,6 +335,7 @@ print(freed, rss())
         r.close()
 
 
+@pytest.mark.slow
 def test_spire_serve_command_exits_0_on_sigterm_after_finishing_in_flight_requests():
     """The real command on the embedded target (float32): /health, two requests in flight while SIGTERM arrives
     with an 8 s grace: the short streamed one finishes ("length"); the long one (1,500 tokens, ~30 s here) is
@@ -471,6 +475,7 @@ def _malformed(rng) -> tuple[str, bytes, str | None]:
     return path, json.dumps(body).encode(), field  # NaN and Infinity go out as the JSON literals
 
 
+@pytest.mark.slow
 def test_a_thousand_malformed_requests_get_4xx_naming_the_field(parts, running):
     """1,200 seeded malformed requests (broken or non-UTF-8 JSON, a prompt too long or with ids outside the
     vocabulary, max_tokens 0 / negative / huge / a string, temperature NaN / negative / a string, top_p outside
@@ -588,6 +593,7 @@ def _ids_of(pieces: list[str]) -> list[int]:
     return [int(p.split(":", 1)[1]) for p in pieces]
 
 
+@pytest.mark.slow
 def test_n_top_p_zero_and_the_vllm_fields_act(parts, running):
     """n = 3 returns three choices, choice i the single request with seed + i; top_p 0 is greedy; stop_token_ids,
     min_tokens, ignore_eos, include_stop_str_in_output, logit_bias, penalties and min_p act (their output differs
@@ -645,6 +651,7 @@ def test_n_top_p_zero_and_the_vllm_fields_act(parts, running):
     assert len(set(free)) < 30 and len(set(toks)) == 30 and rep.usage.completion_tokens == 30
 
 
+@pytest.mark.slow
 def test_max_tokens_up_to_the_context_and_missing_means_the_rest(parts, running):
     """/v1/models' max_model_len is usable with the draft: max_tokens = max_model_len - prompt tokens is served
     (the AD output), one more is a 400; without max_tokens a request runs to the end of the context."""

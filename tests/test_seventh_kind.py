@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.slow  # each test runs spire's commands on the embedded target in subprocesses
 ADD_THE_LINE = """
 import sys
 import spire.registry as registry

@@ -25,6 +25,7 @@ def _drafts(target):
             VanillaDraft(make_tiny(seed=3, n_layers=1))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lengths", [[1], [300], [1, 17, 300], [5, 5]])
 def test_greedy_identity_tiny(tiny, lengths):
     prompts = _prompts(97, lengths)
@@ -97,6 +98,7 @@ def test_context_filling_every_position(tiny):
         generate(tiny, [prompt.tolist() + [1]], new, draft=MagicDecDraft(sink=1, window=8), k=k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 3])
 def test_greedy_identity_smollm2(smollm2, batch):
     """Real target, float32: MagicDec and SPIRe greedy outputs equal greedy AD for batch 1 and 3."""
@@ -152,6 +154,7 @@ class _CheckingDraft:
         return self.inner.step(tokens, pos)
 
 
+@pytest.mark.slow
 def test_cache_holds_committed_tokens_after_every_round(tiny):
     """Window 4, sink 1, prompts longer than the window, k = 4: after rejections and full accepts the target
     cache equals a fresh prefill of the committed prefix."""
@@ -164,6 +167,7 @@ def test_cache_holds_committed_tokens_after_every_round(tiny):
         assert res.tokens == ad and draft.checked > 10
 
 
+@pytest.mark.slow
 def test_batch_five_mixed_lengths_and_per_row_accepts(tiny):
     """CASES.md 5: batch of 5 with mixed lengths equals each row's batch-1 run, including the per-row accept
     counts of every round (rows never influence each other)."""
@@ -190,6 +194,7 @@ def test_target_as_its_own_draft_accepts_everything(tiny):
         assert accepted / (4 * len(res.accepted_per_round) * 2) >= 0.99
 
 
+@pytest.mark.slow
 def test_compare_tool_reports_divergence(tiny):
     """CASES.md 11: float32 is identical; in bf16 a divergence is reported with the top-2 logit gap there,
     and it happens only at a near tie."""

@@ -55,6 +55,7 @@ def cache_root(tmp_path, monkeypatch):
     return tmp_path / "cache" / "target-cache"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("vocab_size", [None, 40])
 def test_training_from_a_float32_cache_equals_live_training_bit_for_bit(tmp_path, tiny, cache_root, vocab_size):
     """3 stored batches, 7 steps (epochs over them): every parameter, the AdamW state and every logged loss are
@@ -249,6 +250,7 @@ def test_greedy_sd_with_a_draft_vocabulary_equals_ad(tiny):
         assert sd.tokens == ad.tokens, n
 
 
+@pytest.mark.slow
 def test_sampling_with_a_draft_vocabulary_matches_the_target():
     """At T = 1 (and with top-k / top-p) the first two generated tokens follow the target's distribution when
     the draft gives q = 0 to most tokens (residual sampling must reach them)."""

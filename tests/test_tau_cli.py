@@ -199,6 +199,7 @@ def measured(tmp_path_factory):
     return json.loads(out.getvalue()), path
 
 
+@pytest.mark.slow
 def test_tau_command_json_rows(measured):
     result, path = measured
     assert json.loads(path.read_text()) == result and result["complete"] is True
@@ -213,6 +214,7 @@ def test_tau_command_json_rows(measured):
     assert result["target"]["max_positions"] == 8192 and result["settings"]["Ls"] == [24, 40]
 
 
+@pytest.mark.slow
 def test_tau_from_round_trip_of_a_measured_file(measured, capsys):
     _, path = measured
     got = _throughput(capsys, "-L", "40,512", "--tau-from", str(path))
@@ -224,6 +226,7 @@ def test_tau_from_round_trip_of_a_measured_file(measured, capsys):
         "measured tau.json: magicdec, T=0, L=40"}
 
 
+@pytest.mark.slow
 @needs_smollm2
 def test_tau_command_errors(capsys):
     for args, message in [(["-L", "8190"], "exceeds the target's 8192 positions"),
@@ -266,6 +269,7 @@ def test_show_merges_files_and_prints_markdown(tmp_path, capsys):
     assert code == 2 and err.startswith("error: --show: no such file")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_shared_prefill_equals_separate_runs(temperature):
     """measure_tau_shared (one prefill per batch, every draft from a copy) gives each draft exactly the

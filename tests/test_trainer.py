@@ -108,6 +108,7 @@ def assert_same_run(run: Path, ref: Path) -> None:
     assert exported.keys() == exported0.keys() and all(torch.equal(exported[n], exported0[n]) for n in exported0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft", ["spire", "vanilla"])
 def test_resume_continues_exactly(tmp_path, tiny, draft, one_thread, tick_clock, capsys):
     """An interrupted run resumed with --resume ends bit for bit where an uninterrupted run ends (weights,
@@ -214,6 +215,7 @@ def reference_runs(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("point", list(CRASH_POINTS))
 def test_sigkill_inside_a_checkpoint_resumes_bit_for_bit(tmp_path, reference_runs, point):
     """kill -9 (in a child process) at each point of the third checkpoint write: inside each file, between
@@ -228,6 +230,7 @@ def test_sigkill_inside_a_checkpoint_resumes_bit_for_bit(tmp_path, reference_run
     assert not (run / "checkpoint.old").exists() and not _temp_folders(run)  # replace_dir removed the leftovers
 
 
+@pytest.mark.slow
 def test_sigkill_in_a_time_limited_run_resumes_bit_for_bit(tmp_path, reference_runs):
     """A run limited only by time (5 s of the tick clock, no max_steps): its learning-rate schedule follows
     the saved elapsed time, so the resumed run equals the uninterrupted one bit for bit."""
@@ -387,6 +390,7 @@ def test_text_files_data(tmp_path):
 
 @pytest.mark.skipif(shutil.which("torchrun") is None and not (Path(sys.executable).parent / "torchrun").exists(),
                     reason="torchrun is not installed")
+@pytest.mark.slow
 def test_torchrun_two_processes_match_one_process(tmp_path):
     """Data parallel (gloo, 2 CPU processes, global batch 4 = 2 x 2): the processes stay in sync and their
     losses and weights equal a 1-process run with the same global batch."""
@@ -473,6 +477,7 @@ def test_resume_a_run_saved_before_a_draft_setting_existed(tmp_path, tiny):
         train_draft(tiny, RepeatingData(), tmp_path, changed, resume=True, progress=False)
 
 
+@pytest.mark.slow
 def test_spawned_processes_match_one_process(tmp_path, tiny):
     """spire.training.parallel (the main job's data parallelism, no torchrun): 2 spawned processes train on the
     same global batches as one process (weights equal up to float32 rounding), and the finished run loads

@@ -42,6 +42,7 @@ def test_mixed_loss_values():
     assert acceptance_alpha(q_logits, p_logits).item() == pytest.approx(0.9, abs=1e-6)
 
 
+@pytest.mark.slow
 def test_training_raises_alpha_and_resumes(tmp_path, tiny):
     data = RepeatingData()
     cfg = TrainConfig(budget_s=600.0, max_steps=30, batch_size=4, seq_len=32, k=4, lr=3e-3, bf16=False,
