@@ -38,6 +38,7 @@ def env(tmp_path, monkeypatch):
     (["-L", "9000"], "exceeds the target's 8192 positions"),
     (["--tau-L", "0,512"], "--tau-L takes positive context lengths"),
 ])
+@pytest.mark.slow  # `spire reproduce` in a subprocess
 def test_bad_input_one_line_nothing_written(tmp_path, env, args, message):
     from tests.conftest import smollm2_available
 
@@ -52,6 +53,7 @@ def test_bad_input_one_line_nothing_written(tmp_path, env, args, message):
     assert not out.exists()
 
 
+@pytest.mark.slow  # `spire reproduce` in a subprocess
 def test_missing_checkpoint_for_data(tmp_path, env):
     res = _run(["data", "--target", str(tmp_path / "nowhere")], env)
     assert res.returncode != 0 and res.stderr.strip().splitlines()[-1].startswith("error: checkpoint not found")
