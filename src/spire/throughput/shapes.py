@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import spire.registry as registry
 from spire.errors import ConfigError
-from spire.paper import PAPER_ABLATION_TAU, PAPER_TAU_TABLE  # noqa: F401 (PAPER_TAU_TABLE: read here by callers)
+from spire.paper import PAPER_ABLATION_TAU, PAPER_TAU_TABLE  # noqa: F401 (PAPER_TAU_TABLE re-exported here)
 
 DRAFTS = registry.names(priced=True)
 """Draft kinds the cost model prices, in the registry's order (the order of every table and plot)."""
