@@ -319,12 +319,8 @@ def _module_order(mods: dict[str, Module]) -> list[Module]:
     return order
 
 
-def _rel(mods, name):
-    return mods[name].rel
-
-
 def _sorted_targets(mods: dict[str, Module], names, rank: dict[str, int]) -> list[str]:
-    return [_rel(mods, n) for n in sorted(names, key=lambda n: rank[n]) if n.rsplit(".", 1)[-1] not in LEFT_OUT]
+    return [mods[n].rel for n in sorted(names, key=lambda n: rank[n]) if n.rsplit(".", 1)[-1] not in LEFT_OUT]
 
 
 def render_rooms(mods: dict[str, Module]) -> str:
