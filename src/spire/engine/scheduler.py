@@ -354,6 +354,8 @@ class Scheduler:
             choice = self.k_policy.choose(plan, plan.width, proposes)
             if choice.k > cap or len(choice.ks) != n or any(not 0 <= k <= choice.k for k in choice.ks):
                 raise ValueError(f"round policy chose k {choice.k} (ks {choice.ks}) for a cap of {cap} and {n} rows")
+            if not choice.used:  # nobody drafts: an AD round (one position per row, not k + 1)
+                choice = RoundChoice.uniform(n, 0)
         elif self.k_policy is not None:
             context = sum(r.committed for r in plan.running) / n
             choice = RoundChoice.uniform(n, min(max(int(self.k_policy.k_for(n, context)), 0), cap))
