@@ -213,7 +213,7 @@ def test_the_measured_policy_maximises_tokens_per_second(tiny):
     engine = Engine(tiny, None, k=3)
     reqs = _reqs(4, engine)
     acc = Acceptance(2, 3, [0.5, 0.9], half_life=1e12)
-    cheap = {(k, s): 1.0 + 0.1 * k * len(s) for k in (1, 2, 3) for s in draft_sets(2)}
+    cheap = {(k, s): 1.0 + 0.05 * k * len(s) for k in (1, 2, 3) for s in draft_sets(2)}
     policy = MeasuredPolicy(["a", "b"], _costs(1.0, cheap), acc, explore_every=0)
     plan = _Plan(reqs, 3)
     proposes = [None, [True, False, True, False]]
@@ -256,7 +256,12 @@ def test_step_costs_interpolate_and_learn_from_rounds():
     assert c.base(1, 600, 0, ()) == pytest.approx(1.5)
     assert c.base(2.5, 100, 0, ()) == pytest.approx(2.5)
     assert c.base(8, 100, 0, ()) == pytest.approx(8.0)  # extrapolated
-    assert c.base(1, 100, 2, (0, 1)) == pytest.approx(1.0 + 1.0 + (1.0 - 1.0) * 0 + (c.base(1, 100, 2, (1,)) - 1.0))
+    c.table["4:0"] = [[6.0, 7.0], [12.0, 13.0]]
+    c.table["2:1"] = [[1.5, 2.5], [5.0, 7.0]]
+    assert c.base(1, 100, 3, (0,)) == pytest.approx(4.0)  # linear in k between the profiled k = 2 and 4
+    assert c.base(1, 100, 2, (0, 1)) == pytest.approx(1.0 + (2.0 - 1.0) + (1.5 - 1.0))  # AD + each one's excess
+    with pytest.raises(ConfigError, match="never ran draft 2"):
+        c.base(1, 100, 2, (2,))
     for _ in range(3):
         c.observe(1, 100, 2, (0,), 4.0)  # twice the profile
     assert c.predict(1, 100, 2, (0,)) == pytest.approx(4.0)
@@ -272,7 +277,7 @@ def test_profiling_leaves_the_engine_as_new(tiny):
     engine = Engine(tiny, [_draft("ngram", tiny), _draft("spire", tiny)], k=2, max_running=3, max_len=96)
     costs = profile_rounds(engine, reps=1)
     assert costs.widths == [1, 2, 3] and len(costs.contexts) == 2
-    assert set(costs.table) == {"0", "1:0", "1:1", "1:0+1", "2:0", "2:1", "2:0+1"}
+    assert set(costs.table) == {"0", "1:0", "1:1", "2:0", "2:1"}
     assert all(t > 0 for v in costs.table.values() for row in v for t in row)
     engine.scheduler.k_policy = MeasuredPolicy(["ngram", "spire"], costs, Acceptance(2, 2, [0.6, 0.6]))
     jobs = [(i, p, RequestParams(max_tokens=12)) for i, p in enumerate(_prompts(6))]

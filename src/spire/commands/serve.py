@@ -124,7 +124,7 @@ def profile_identity(engine, target: str, weights: str, draft_weights: Optional[
             "device": str(engine.target.device), "target": [target, cfg.n_layers, cfg.d_model, cfg.vocab_size,
                                                             str(engine.target.dtype)],
             "weights": [weights, draft_weights], "drafts": drafts, "max_running": engine.max_running,
-            "max_len": engine.max_len, "k": engine.k, "version": 1}
+            "max_len": engine.max_len, "k": engine.k, "version": 2}
 
 
 def measured_policy(engine, target: str, weights: str, draft_weights: Optional[str], alpha_prior: float = 0.6):

@@ -5,8 +5,8 @@ vLLM's dynamic speculation prices a step with a *profiled* step time per (batch 
 (``vllm/v1/spec_decode/dynamic/manager.py``); spire does the same, per draft set too, and keeps learning from the
 rounds it serves. :func:`profile_rounds` times real rounds of an idle engine on dummy tokens: the target's forward
 over k + 1 positions, the proposing drafts' k steps and every draft's observe, Python included, at a few widths and
-contexts. :class:`StepCosts` interpolates that table (linear in the width and in the mean context, extrapolated
-past its edges) and corrects it with the rounds the engine then runs: an exponential moving average of measured /
+contexts. :class:`StepCosts` interpolates that table (linear in the width, the mean context and k, extrapolated
+past its edges; a set of drafts as AD plus each one's excess) and corrects it with the rounds the engine then runs: an exponential moving average of measured /
 predicted seconds per (k, drafts), and one over all rounds for a configuration not yet run.
 """
 
@@ -66,14 +66,25 @@ class StepCosts:
     runs: dict[str, int] = field(default_factory=dict)
     overall: float = 1.0
 
+    def _at(self, key: str, width: float, context: float) -> float:
+        rows = self.table[key]
+        return max(1e-6, _interp(self.widths, [_interp(self.contexts, row, context) for row in rows], width))
+
     def base(self, width: float, context: float, k: int, used: Sequence[int]) -> float:
-        """Profiled seconds of a round (interpolated in width and context)."""
+        """Profiled seconds of a round, interpolated in width and context: the table's configuration; for a k not
+        profiled with one draft, linear in k between the profiled ones; for several drafts not profiled together,
+        AD plus each draft's own excess over AD. Raises ConfigError for a draft the profile never ran."""
         key = config_key(k, used)
         if key in self.table:
-            rows = self.table[key]
-            at_w = [_interp(self.contexts, row, context) for row in rows]
-            return max(1e-6, _interp(self.widths, at_w, width))
-        ad = self.base(width, context, 0, ())
+            return self._at(key, width, context)
+        if not k:
+            raise ConfigError("the round-cost profile has no AD round")
+        if len(used) == 1:
+            ks = sorted(int(x.split(":")[0]) for x in self.table if x != "0" and x.split(":")[1] == str(used[0]))
+            if not ks:
+                raise ConfigError(f"the round-cost profile never ran draft {used[0]}")
+            return max(1e-6, _interp(ks, [self._at(config_key(x, used), width, context) for x in ks], k))
+        ad = self._at("0", width, context)
         return ad + sum(self.base(width, context, k, (d,)) - ad for d in used)
 
     def predict(self, width: float, context: float, k: int, used: Sequence[int]) -> float:
@@ -123,17 +134,17 @@ def profile_widths(max_running: int) -> list[int]:
 
 def profile_contexts(max_len: int, k: int) -> list[int]:
     """Mean contexts a profile times: 128 and 1,024 tokens, within what a slot of max_len positions holds with
-    k drafted tokens."""
+    k drafted tokens (for a short slot, half of it and all of it)."""
     top = max(1, max_len - k - 2)
-    return sorted({min(128, top), min(1024, top)})
+    return sorted({min(128, max(1, top // 2)), min(1024, top)})
 
 
 @torch.no_grad()
 def profile_rounds(engine, widths: Sequence[int] | None = None, contexts: Sequence[int] | None = None,
-                   reps: int = 2, progress: Callable[[str], object] | None = None) -> StepCosts:
+                   reps: int = 1, progress: Callable[[str], object] | None = None) -> StepCosts:
     """Time real rounds of an idle ``engine`` (:class:`~spire.engine.engine.Engine`) on dummy tokens: AD, and each
-    k in 1..engine.k with each draft set (:func:`draft_sets`), at each width and mean context; the fastest of
-    ``reps`` after one warm-up round. The engine is left as new (every slot free, every draft's rows restarted).
+    draft alone at k = 1 and k = engine.k, at each width and mean context; the fastest of ``reps`` after one
+    warm-up round. The engine is left as new (every slot free, every draft's rows restarted).
 
     Raises ConfigError when the engine has requests or no draft."""
     if engine.has_work():
@@ -144,7 +155,9 @@ def profile_rounds(engine, widths: Sequence[int] | None = None, contexts: Sequen
     widths = list(widths or profile_widths(engine.max_running))
     contexts = list(contexts or profile_contexts(engine.max_len, engine.k))
     params = RequestParams(max_tokens=1)
-    configs = [(0, ())] + [(k, s) for k in range(1, engine.k + 1) for s in draft_sets(len(engine.drafts))]
+    # AD, and each draft alone at k = 1 and the engine's k: other k and sets of drafts are interpolated
+    # (StepCosts.base), which keeps the profile to seconds
+    configs = [(0, ())] + [(k, (d,)) for d in range(len(engine.drafts)) for k in sorted({1, engine.k})]
     table: dict[str, list[list[float]]] = {config_key(k, s): [[0.0] * len(contexts) for _ in widths]
                                            for k, s in configs}
     try:
