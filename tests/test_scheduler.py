@@ -108,7 +108,9 @@ def test_k_is_cut_near_the_end_of_a_slot_and_follows_the_policy():
     s = _sched(max_running=2, max_len=64, k=4, k_policy=p)
     _add(s, [1] * 10)
     _add(s, [1] * 20)
-    assert s.schedule().k == 2 and p.seen == [(2, 15.0)]  # the running requests' mean committed length
+    plan = s.schedule()
+    assert plan.k == 4 and s.choose_round(plan).k == 2 and p.seen == [(2, 15.0)]  # their mean committed length
+    assert plan.choice.ks == [2, 2] and plan.choice.drafts == [0, 0]
 
 
 def test_requests_are_validated_by_field():

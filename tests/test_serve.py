@@ -20,6 +20,7 @@ import torch
 from spire.drafts import make_draft
 from spire.serving.api import Server, create_app
 from spire.engine.engine import Engine
+from spire.params import RequestParams
 from tests.oracle import generate
 from tests.conftest import make_tiny, smollm2_available
 from tests.helpers import free_port as _port
@@ -133,8 +134,38 @@ def test_models_health_metrics(running):
     for line in ["spire_requests_running 0", "spire_requests_waiting 0", "spire_requests_prefilling 0",
                  'spire_tau{draft="magicdec"}',
                  'spire_acceptance_rate{draft="magicdec",position="3"}', "spire_rounds_total",
-                 "spire_generation_tokens_total", 'spire_accepted_tokens_total{draft="magicdec"}']:
+                 "spire_generation_tokens_total", 'spire_accepted_tokens_total{draft="magicdec"}',
+                 'spire_request_rounds_by_draft_total{draft="magicdec",k="3"}',
+                 'spire_draft_acceptance_rate{draft="magicdec",position="1"}']:
         assert line in text, line
+
+
+def test_metrics_show_the_measured_policy_s_choices_and_acceptance(tiny):
+    """A portfolio served with the measured policy: /metrics counts request-rounds by draft and k and gives the
+    policy's acceptance per draft, mode and position."""
+    from spire.drafts import make_draft
+    from spire.engine.profile import profile_rounds
+    from spire.serving.policy import Acceptance, MeasuredPolicy
+
+    engine = Engine(tiny, [make_draft("ngram", tiny, n_min=1, n_max=2), make_draft("magicdec", tiny, window=4)],
+                    k=2, max_running=2, max_len=64)
+    engine.scheduler.k_policy = MeasuredPolicy(["ngram", "magicdec"], profile_rounds(engine, reps=1),
+                                               Acceptance(2, 2, [0.6, 0.6]))
+    server = Server(engine, None, "tiny", "ngram,magicdec")
+    for p in ([5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 1, 4]):
+        engine.add_request(p, RequestParams(max_tokens=12))
+    while engine.has_work():
+        engine.step()
+    text = server.metrics()
+    st = engine.stats
+    assert sum(sum(c) for c in st.row_rounds_by_draft.values()) == st.row_rounds
+    for name, counts in st.row_rounds_by_draft.items():
+        for k, c in enumerate(counts):
+            if c:
+                assert f'spire_request_rounds_by_draft_total{{draft="{name}",k="{k}"}} {float(c)}' in text
+    for d, name in enumerate(("ngram", "magicdec")):
+        rate = engine.k_policy.acceptance.rates(d, 0)[0]
+        assert f'spire_policy_acceptance_rate{{draft="{name}",mode="greedy",position="1"}} {round(rate, 6)}' in text
 
 
 BAD = [  # (path, body, status, param)
@@ -516,6 +547,12 @@ def test_a_thousand_malformed_requests_get_4xx_naming_the_field(parts, running):
     (["--port", "PORT_IN_USE"], "cannot listen on 127.0.0.1:"),
     (["--port", "0"], "--port must be in [1, 65535]"),
     (["--max-request-bytes", "10"], "--max-request-bytes must be >= 1024"),
+    (["--draft", "ngram,ngram"], "a kind may appear once in a portfolio"),
+    (["--draft", "none,spire"], "'none' cannot be part of a portfolio"),
+    (["--draft", "ngram,bogus"], "--draft: 'bogus' is not one of"),
+    (["--draft", "spire,eagle3", "--draft-path", "x"], "has 2 kinds that take a path"),
+    (["--draft", "ngram,spire", "--k-policy", "cost-model"], "a portfolio needs --k-policy measured or fixed"),
+    (["--k-policy", "bogus"], "--k-policy must be one of measured, fixed, cost-model"),
 ])
 def test_serve_refuses_bad_options_before_loading_the_target(tmp_path, capsys, args, words):
     """Each bad option is one ``error:`` line and exit 2, before the target loads (the target named here does

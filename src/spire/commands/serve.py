@@ -13,7 +13,7 @@ import typer
 
 import spire.registry as registry
 from spire import defaults
-from spire.commands.options import draft_options_for, kinds, with_draft_options
+from spire.commands.options import draft_options_for, with_draft_options
 from spire.errors import ConfigError
 
 
@@ -73,6 +73,92 @@ def cost_model_policy(model, draft, k: int, weights: str, draft_weights: Optiona
     return CostModelPolicy(rm, k)
 
 
+def parse_drafts(draft: Optional[str], draft_path: Optional[str]) -> list[tuple[str, Optional[str]]]:
+    """``--draft`` (one kind, or a comma-separated portfolio such as ``ngram,spire``) and ``--draft-path`` -> the
+    (kind, path) of each draft, in the order given. The path goes to the one kind of the list that takes a path.
+    Raises ConfigError naming an unknown or repeated kind, ``none`` in a portfolio, or a path that two kinds of
+    the list could take."""
+    kinds_ = [k.strip() for k in draft.split(",")] if draft else []
+    known = registry.names()
+    for kd in kinds_:
+        if kd not in known:
+            raise ConfigError(f"--draft: {kd!r} is not one of {', '.join(known)}")
+    if len(set(kinds_)) != len(kinds_):
+        raise ConfigError(f"--draft {draft}: a kind may appear once in a portfolio")
+    if len(kinds_) > 1 and "none" in kinds_:
+        raise ConfigError(f"--draft {draft}: 'none' cannot be part of a portfolio (the policy drafts nothing where "
+                          "no draft pays)")
+    if len(kinds_) <= 1:
+        return [(kinds_[0], draft_path)] if kinds_ else []
+    takers = [kd for kd in kinds_ if registry.kind(kd).path != "none"]
+    if draft_path and len(takers) != 1:
+        raise ConfigError(f"--draft-path: the portfolio {draft} has {len(takers)} kinds that take a path "
+                          f"({', '.join(takers) or 'none'}); it needs exactly one")
+    return [(kd, draft_path if kd in takers else None) for kd in kinds_]
+
+
+def profile_identity(engine, target: str, weights: str, draft_weights: Optional[str]) -> dict:
+    """What a round-cost profile depends on: this machine (CPU model, threads, torch), the target's shape and dtype,
+    each draft's kind and cost shape, the weight formats and the engine's slots, positions and k."""
+    import platform
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    from spire.throughput.pricing import shape_of
+
+    cfg = engine.target.cfg
+    drafts = []
+    for d in engine.drafts:
+        try:
+            shape = repr(d.cost_shape(shape_of(engine.target)))
+        except Exception:  # a draft without a cost shape: its class and settings
+            shape = repr(sorted((k, v) for k, v in vars(d).items() if isinstance(v, (int, float, str, bool))))
+        drafts.append([d.name, type(d).__name__, shape])
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "device": str(engine.target.device), "target": [target, cfg.n_layers, cfg.d_model, cfg.vocab_size,
+                                                            str(engine.target.dtype)],
+            "weights": [weights, draft_weights], "drafts": drafts, "max_running": engine.max_running,
+            "max_len": engine.max_len, "k": engine.k, "version": 2}
+
+
+def measured_policy(engine, target: str, weights: str, draft_weights: Optional[str], alpha_prior: float = 0.6):
+    """The --k-policy measured policy of ``engine``: round costs from a profile of this machine, target and drafts
+    (timed once, then read from the cache: ``$SPIRE_CACHE/profiles/``), acceptance measured as rounds run from a
+    prior of ``alpha_prior`` per position."""
+    import hashlib
+    import json
+
+    from spire.engine.profile import StepCosts, profile_rounds
+    from spire.paths import spire_cache_dir
+    from spire.serving.policy import Acceptance, MeasuredPolicy
+
+    ident = profile_identity(engine, target, weights, draft_weights)
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    path = spire_cache_dir() / "profiles" / f"{key}.json"
+    costs = None
+    if path.is_file():
+        try:
+            costs = StepCosts.from_dict(json.loads(path.read_text())["costs"])
+        except (ConfigError, ValueError, KeyError, OSError) as e:
+            typer.echo(f"spire serve: the round-cost profile {path} is unreadable ({e}); timing it again", err=True)
+    if costs is None:
+        typer.echo("spire serve: timing rounds for the round policy (once for this machine, target and drafts)",
+                   err=True)
+        costs = profile_rounds(engine, progress=lambda m: typer.echo(f"spire serve: profile: {m}", err=True))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"identity": ident, "costs": costs.to_dict()}, indent=1))
+        tmp.replace(path)
+    acceptance = Acceptance(len(engine.drafts), engine.k, [alpha_prior] * len(engine.drafts))
+    return MeasuredPolicy([d.name for d in engine.drafts], costs, acceptance)
+
+
 def pick_draft(draft: Optional[str], draft_path: Optional[str], model) -> tuple[str, Optional[str], str]:
     """(kind, path, why) of the draft to serve: the one named, else the newest trained SPIRe draft in the cache,
     else MagicDec."""
@@ -89,11 +175,14 @@ def pick_draft(draft: Optional[str], draft_path: Optional[str], model) -> tuple[
 @with_draft_options
 def serve(
     target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
-    draft: Annotated[Optional[str], typer.Option(**kinds(registry.names()), help=(
-        "Draft model [the newest trained SPIRe draft in the cache, else magicdec]."))] = None,
+    draft: Annotated[Optional[str], typer.Option(help=(
+        f"Draft: one of {', '.join(registry.names())}, or several comma-separated (a portfolio, e.g. ngram,spire: "
+        "each round, each request drafts with the one the policy picks) [the newest trained SPIRe draft in the "
+        "cache, else magicdec]."))] = None,
     draft_path: Annotated[Optional[str], typer.Option(help="SPIRe or EAGLE-3 draft: .safetensors, run folder or "
                                                            "exported folder; or vanilla draft model.")] = None,
-    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,
+    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round (with a policy: at most).")]
+    = defaults.K,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(help="Require `Authorization: Bearer KEY` on /v1 requests.")]
@@ -104,9 +193,10 @@ def serve(
         "Positions per slot: a request needs prompt + max_tokens <= max-len, with any draft (rounds near the end of "
         "a slot draft fewer tokens); at most the target's positions."))] = 2048,
     k_policy: Annotated[str, typer.Option(help=(
-        "fixed: every round drafts k. cost-model: each round drafts the k in 0..k (0 = AD) that the cost model "
-        "rates best for the running requests, with this device's calibration and the draft's measured acceptance "
-        "(docs/serving.md)."))] = "fixed",
+        "measured: per request the draft and k in 0..k (0 = none) that give the most tokens per second, from "
+        "round costs timed on this machine and acceptance measured per draft and position (docs/serving.md). "
+        "fixed: every round drafts k (a portfolio: the first draft that proposes). cost-model: one k per round "
+        "from the paper's cost model and one alpha."))] = "measured",
     weights: Annotated[str, typer.Option(help="fp32, or bf16: weight-only bf16 on the CPU (as spire generate).")]
     = "fp32",
     draft_weights: Annotated[Optional[str], typer.Option(help=(
@@ -126,13 +216,18 @@ def serve(
     """Serve the target with continuous batching and lossless speculative decoding (OpenAI-compatible API)."""
     _check(port, max_running, max_waiting, k, max_len, log_level, shutdown_grace, prefill_chunk,
            max_request_bytes)
-    for flag, value, allowed in (("--k-policy", k_policy, ("fixed", "cost-model")), ("--weights", weights, WEIGHTS),
+    for flag, value, allowed in (("--k-policy", k_policy, ("measured", "fixed", "cost-model")),
+                                 ("--weights", weights, WEIGHTS),
                                  ("--draft-weights", draft_weights or "fp32", (*WEIGHTS, "int8"))):
         if value not in allowed:
             raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
     draft_options = draft_options or {}
+    portfolio = parse_drafts(draft, draft_path)
+    if k_policy == "cost-model" and len(portfolio) > 1:
+        raise ConfigError("--k-policy cost-model prices one draft; a portfolio needs --k-policy measured or fixed")
     # checked before the model loads; without --draft the kind is picked after it, and the note comes then
-    draft_options_for(draft, draft_options, [draft] if draft else list(registry.names()))
+    for kd, _ in portfolio or [(None, None)]:
+        draft_options_for(kd, draft_options, [kd for kd, _ in portfolio] if portfolio else list(registry.names()))
     check_bind(host, port)
     from spire.commands.generate import round_weights
     from spire.drafts import make_draft
@@ -145,27 +240,37 @@ def serve(
         if max_len > model.cfg.max_positions:
             typer.echo(f"warning: --max-len {max_len} is more than the target's {model.cfg.max_positions} positions; "
                        f"using {model.cfg.max_positions}", err=True)
-        kind, path, why = pick_draft(draft, draft_path, model)
-        # the options noted above when --draft was given; a picked draft's get their note here
-        options = (registry.check_options(kind, draft_options.get(kind, {})) if draft
-                   else draft_options_for(kind, draft_options))
-        d = make_draft(kind, model, tokenizer, path, **options)
-        round_weights(model, d, kind, weights, draft_weights)
+        picked = None if portfolio else pick_draft(None, draft_path, model)
+        chosen = portfolio or [picked[:2]]
+        why = "as asked" if portfolio else picked[2]
+        drafts = []
+        for kind, path in chosen:
+            # the options noted above when --draft was given; a picked draft's get their note here
+            options = (registry.check_options(kind, draft_options.get(kind, {})) if portfolio
+                       else draft_options_for(kind, draft_options))
+            d = make_draft(kind, model, tokenizer, path, **options)
+            round_weights(model, d, kind, weights, draft_weights if d is not None else None)
+            if d is not None:
+                drafts.append(d)
+        kind = ",".join(kind for kind, _ in chosen)
         policy = None
-        if k_policy == "cost-model" and d is not None:
-            policy = cost_model_policy(model, d, k, weights, draft_weights)
+        if k_policy == "cost-model" and drafts:
+            policy = cost_model_policy(model, drafts[0], k, weights, draft_weights)
         eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
-        engine = Engine(model, d, k=k, max_running=max_running, max_len=min(max_len, model.cfg.max_positions),
-                        eos_ids=sorted(eos), decode=tokenizer.decode, k_policy=policy,
-                        prefill_chunk=prefill_chunk or None)
+        engine = Engine(model, drafts or None, k=k, max_running=max_running,
+                        max_len=min(max_len, model.cfg.max_positions), eos_ids=sorted(eos),
+                        decode=tokenizer.decode, k_policy=policy, prefill_chunk=prefill_chunk or None)
+        if k_policy == "measured" and drafts:
+            engine.scheduler.k_policy = policy = measured_policy(engine, target, weights, draft_weights)
         return engine, tokenizer, kind, why, policy
 
     runner = torch_thread()  # every torch call of the server on one thread (api.torch_thread says why)
     engine, tokenizer, kind, why, policy = runner.submit(build).result()
     server = Server(engine, tokenizer, target, kind, max_waiting=max_waiting, api_key=api_key, runner=runner,
                     max_request_bytes=max_request_bytes)
-    typer.echo(f"spire serve: target {target}, draft {kind} ({why}), k {engine.k}"
-               f"{' chosen per round by the cost model' if policy else ''}, {max_running} slots x "
+    how = {"measured": " at most, per request by measured costs and acceptance",
+           "cost-model": " chosen per round by the cost model"}.get(k_policy, "") if policy else ""
+    typer.echo(f"spire serve: target {target}, draft {kind} ({why}), k {engine.k}{how}, {max_running} slots x "
                f"{engine.max_len} positions, at most {max_waiting} waiting, prefill "
                f"{f'in chunks of {prefill_chunk} tokens' if prefill_chunk else 'whole'}; http://{host}:{port}/v1",
                err=True)

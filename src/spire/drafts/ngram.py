@@ -156,6 +156,7 @@ class NgramDraft(Draft):
         self.src: torch.Tensor | None = None
         self.last_pos: torch.Tensor | None = None
         self.last_tok: torch.Tensor | None = None
+        self._probe: tuple | None = None  # (pos, token, source) of the lookup :meth:`proposes` made
 
     def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int, k: int) -> None:
         """Fresh state for ``batch_size`` rows and positions < max_len: nothing of a previous generation stays."""
@@ -171,6 +172,7 @@ class NgramDraft(Draft):
         self.src = torch.full((n,), -1, dtype=torch.int64, device=dev)
         self.last_pos = torch.full((n,), -2, dtype=torch.int64, device=dev)
         self.last_tok = torch.full((n,), -1, dtype=torch.int64, device=dev)
+        self._probe = None
         return True
 
     def restart_rows(self, rows: torch.Tensor) -> None:
@@ -180,12 +182,29 @@ class NgramDraft(Draft):
         rows = rows.to(self.buf.device)
         self.buf[rows] = -1
         self.src[rows], self.last_pos[rows], self.last_tok[rows] = -1, -2, -1
+        self._probe = None
+
+    def proposes(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """(B,) bool: whether the lookup at the next :meth:`step` (``tokens``, ``pos`` (B, 1), a round's first) finds
+        an n-gram match in each row's context, i.e. proposes a token of the context rather than nothing. The lookup
+        is kept for that step (it is not made twice); the state is not changed."""
+        assert self.buf is not None, "call start() first"
+        tok = tokens[:, 0].to(self.buf.device, torch.int64)
+        p = pos[:, 0].to(self.buf.device, torch.int64)
+        width = min(int(p.max()) + 1, self.max_len)
+        rows = torch.arange(len(p), device=p.device)
+        buf = self.buf[:, :width].clone()
+        buf[rows, p.clamp_max(width - 1)] = tok
+        src = match_sources(buf, p, self.cfg.n_min, self.cfg.n_max)
+        self._probe = (p, tok, src)
+        return src >= 0
 
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
                 valid: torch.Tensor | None = None) -> None:
         """Write the tokens (B, T) the target ran on at positions (B, T) (right-padding, ``valid`` False, is not
         written); the next step looks up afresh (a new round)."""
         assert self.buf is not None, "call start() first"
+        self._probe = None
         tokens, pos = tokens.to(self.buf.device, torch.int64), pos.to(self.buf.device, torch.int64)
         if valid is not None:
             tokens = torch.where(valid.to(self.buf.device), tokens, self.buf.gather(1, pos))
@@ -208,7 +227,10 @@ class NgramDraft(Draft):
         cont = (self.src >= 0) & (p == self.last_pos + 1) & (tok == self.last_tok)
         src = torch.where(cont, self.src + 1, torch.full_like(self.src, -1))
         look = (~cont).nonzero()[:, 0]
-        if len(look):
+        probe, self._probe = self._probe, None
+        if len(look) and probe is not None and torch.equal(probe[0], p) and torch.equal(probe[1], tok):
+            src[look] = probe[2][look]  # the lookup :meth:`proposes` just made at these positions
+        elif len(look):
             lp = p[look]
             width = int(lp.max()) + 1
             src[look] = match_sources(self.buf[look, :width], lp, self.cfg.n_min, self.cfg.n_max)

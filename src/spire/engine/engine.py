@@ -13,8 +13,10 @@ aborted). Each :meth:`Engine.step` is plan, run, commit:
 3. commit: each running request's share of the round is cut at its budget, EOS, stop token ids and stop strings
    (:func:`spire.engine.output.cut_request`), finished requests free their slots, the others advance.
 
-With a k policy (:mod:`spire.serving.policy`), each round drafts the k the policy picks for the running requests
-(0..k): k = 0 is an AD round, in which the draft still observes what the target committed.
+Several drafts may be served at once (a portfolio, ``spire serve --draft ngram,spire``): each round, each running
+request drafts with the one the round policy picks for it (:mod:`spire.serving.policy`), or none, and how many
+tokens (:class:`~spire.engine.scheduler.RoundChoice`); a round of k = 0 is an AD round. Every draft observes every
+forward of the target, whether it proposed or not, so any of them can take over at the next round.
 
 Lossless per request: a greedy request's tokens are its own single-request AD output whatever else runs beside
 it, and a sampled request's tokens are distributed as the target's (the verification of :mod:`spire.verification`,
@@ -23,6 +25,7 @@ row by row, with the request's own transform and generator).
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -31,7 +34,7 @@ from spire.drafts.base import Draft
 from spire.engine.output import GenerationResult, cut_request
 from spire.engine.prefill import Prefilled, cache_length
 from spire.engine.runner import RoundTrace, Runner, top_logprobs
-from spire.engine.scheduler import EngineStats, Request, RequestOutput, Scheduler, StepPlan
+from spire.engine.scheduler import EngineStats, Request, RequestOutput, RoundChoice, Scheduler, StepPlan
 from spire.errors import ConfigError
 from spire.model import Transformer
 from spire.params import RequestParams, SamplingParams
@@ -43,7 +46,8 @@ class Engine:
 
     Args:
         target: the target model.
-        draft: an unstarted :class:`Draft` (from ``spire.drafts.make_draft``), or None for AD.
+        draft: an unstarted :class:`Draft` (from ``spire.drafts.make_draft``), a sequence of them (a portfolio: each
+            request drafts with the one the policy picks, round by round), or None for AD.
         k: draft tokens per round (>= 1; ignored for AD).
         max_running: slots, i.e. requests decoded together (a round's batch: the rows up to the highest occupied
             slot, or all of them for a draft whose ``use_rows`` returns False).
@@ -52,8 +56,9 @@ class Engine:
             the target's positions and 2048.
         eos_ids: token ids that end a request (emitted, then finish "stop"), unless its ``ignore_eos``.
         decode: token ids -> text, needed for stop strings.
-        k_policy: picks each round's k in 0..k from the running requests (:mod:`spire.serving.policy`); None:
-            every round drafts k.
+        k_policy: the round policy (:mod:`spire.serving.policy`; the protocols in
+            :class:`~spire.engine.scheduler.Scheduler`): per request the draft and k in 0..k; None: every request
+            drafts k with the first draft that proposes for it.
         prefill_chunk: prompt tokens prefilled per step at most, over all joining requests (chunked prefill, as
             vLLM's ``max_num_batched_tokens``). None: every joining prompt is prefilled whole at the step it joins.
     Raises:
@@ -61,7 +66,8 @@ class Engine:
             names the draft).
     """
 
-    def __init__(self, target: Transformer, draft: Draft | None = None, k: int = 4, max_running: int = 8,
+    def __init__(self, target: Transformer, draft: Draft | Sequence[Draft] | None = None, k: int = 4,
+                 max_running: int = 8,
                  max_len: int | None = None, eos_ids: Sequence[int] = (),
                  decode: Callable[[list[int]], str] | None = None, k_policy=None,
                  prefill_chunk: int | None = None) -> None:
@@ -69,18 +75,24 @@ class Engine:
             raise ConfigError(f"k and max_running must be >= 1, got k = {k}, max_running = {max_running}")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
             raise ConfigError(f"prefill_chunk must be >= 1 tokens (or None: whole prompts), got {prefill_chunk!r}")
-        self.target, self.draft, self.decode = target, draft, decode
-        self.k = k if draft is not None else 0
+        drafts = [] if draft is None else list(draft) if isinstance(draft, (list, tuple)) else [draft]
+        self.target, self.drafts, self.decode = target, drafts, decode
+        self.k = k if drafts else 0
         self.max_len = min(target.cfg.max_positions, 2048) if max_len is None else int(max_len)
         if not self.k + 2 <= self.max_len <= target.cfg.max_positions:
             raise ConfigError(f"max_len must be in [{self.k + 2}, {target.cfg.max_positions}] (the target's "
                               f"positions), got {self.max_len}")
         self.max_running, self.eos_ids = max_running, frozenset(int(t) for t in eos_ids)
-        self.runner = Runner(target, draft, k, max_running, self.max_len)
-        self.scheduler = Scheduler(max_running, self.max_len, self.k, k_policy if draft is not None else None,
+        self.runner = Runner(target, drafts, k, max_running, self.max_len)
+        self.scheduler = Scheduler(max_running, self.max_len, self.k, k_policy if drafts else None,
                                    self.runner.narrows, None if prefill_chunk is None else int(prefill_chunk))
 
     # ---- views -------------------------------------------------------------------------------------------------
+
+    @property
+    def draft(self) -> Draft | None:
+        """The first (with one draft, the only) served draft, or None for AD."""
+        return self.drafts[0] if self.drafts else None
 
     @property
     def stats(self) -> EngineStats:
@@ -199,8 +211,10 @@ class Engine:
         self.run_prefill(plan)
         if not plan.running:
             return outputs
-        n_acc, next_tok, block, lps = self.runner.round(plan.running, plan.k)
-        return outputs + self._commit(plan, n_acc, next_tok, block, lps)
+        choice = self.scheduler.choose_round(plan, self.runner.proposes(plan.running) if plan.k else ())
+        watch = time.perf_counter()
+        n_acc, next_tok, block, lps = self.runner.round(plan.running, choice)
+        return outputs + self._commit(plan, n_acc, next_tok, block, lps, watch)
 
     def run_prefill(self, plan: StepPlan) -> None:
         """The plan's joins and prefill pieces, on the rows [0, plan.width)."""
@@ -212,19 +226,21 @@ class Engine:
             self.runner.prefill_continue(reqs, s0, n)
 
     def _commit(self, plan: StepPlan, n_acc: torch.Tensor, next_tok: torch.Tensor, block: torch.Tensor,
-                lps: dict[int, torch.Tensor]) -> list[RequestOutput]:
-        """Each running request's share of the round (cut), the stats, the k policy's feedback; finished requests
-        free their slots, the others advance (:meth:`Runner.advance`)."""
-        k, st = plan.k, self.stats
-        accepted, block_l = n_acc.tolist(), block.tolist()
+                lps: dict[int, torch.Tensor], watch: float) -> list[RequestOutput]:
+        """Each running request's share of the round (cut), the stats, the round policy's feedback (the round's
+        acceptances and its wall time since ``watch``); finished requests free their slots, the others advance
+        (:meth:`Runner.advance`)."""
+        choice, st = plan.choice, self.stats
+        accepted, block_l = n_acc.tolist(), block.tolist()  # the round's one read of the device
+        seconds = time.perf_counter() - watch
         st.rounds += 1
-        st.rounds_by_k[k] += 1
-        if k and self.k_policy is not None:
-            self.k_policy.observe([accepted[r.slot] for r in plan.running], k)
+        st.rounds_by_k[choice.k] += 1
+        self.scheduler.update_from_output(plan, [accepted[r.slot] for r in plan.running], seconds)
         outputs, live, freed = [], [], []
-        for req in plan.running:
-            b = req.slot
-            out = self._emit(req, block_l[b][: accepted[b] + 1], accepted[b] if k else None, k, lps.get(b))
+        for i, req in enumerate(plan.running):
+            b, k = req.slot, choice.ks[i]
+            name = self.drafts[choice.drafts[i]].name if k else None
+            out = self._emit(req, block_l[b][: accepted[b] + 1], accepted[b] if k else None, k, lps.get(b), name)
             outputs.append(out)
             if out.finished:
                 freed.append(self.scheduler.release(req, out.finish_reason))
@@ -234,9 +250,10 @@ class Engine:
         return outputs
 
     def _emit(self, req: Request, toks: list[int], n_accepted: int | None, k: int,
-              lp: torch.Tensor | None) -> RequestOutput:
+              lp: torch.Tensor | None, draft: str | None = None) -> RequestOutput:
         """A running request's output of the round: its tokens cut at its budget, EOS, stop token ids and stop
-        strings, their logprobs (lp: (k+1, V) at the round's positions, when it asked), whether it finished."""
+        strings, their logprobs (lp: (k+1, V) at the round's positions, when it asked), whether it finished. k: the
+        tokens it drafted, with the draft named ``draft``."""
         p = req.params
         eos = (set() if p.ignore_eos else set(self.eos_ids)) | set(p.stop_token_ids)
         toks, stopped = cut_request(req.emitted, toks, p.max_tokens, eos, req.stop, p.min_tokens)
@@ -248,10 +265,11 @@ class Engine:
         st = self.stats
         st.row_rounds += 1
         st.generated_tokens += len(toks)
-        if n_accepted is not None:
+        if n_accepted is not None and k:
             st.accepted[n_accepted] += 1
             for j in range(k):
                 st.drafted[j] += 1
+        st.count_row(draft, k, n_accepted)
         reason = "stop" if stopped else "length" if len(req.emitted) >= p.max_tokens else None
         stop_token = toks[-1] if stopped and toks and toks[-1] in eos else None
         return RequestOutput(req.id, toks, reason is not None, reason, n_accepted, stop_token, logprobs, prompt_lp)

@@ -7,9 +7,11 @@ token (the last committed one, the next round's first input). It runs:
 - the prefill pieces: a piece that starts a prompt runs in a right-padded batch on a cache of its own, whose keys
   and values are copied into the slots' rows; a piece that continues a prompt runs on its slot's row; the draft
   observes each (the other rows masked out);
-- **one round** over the rows [0, width): the draft proposes k tokens per row (:meth:`Runner.round`), the target
-  verifies k + 1 positions in one forward, and :func:`_accept` keeps a prefix per row (greedy rows by argmax,
-  sampled rows by rejection sampling with their own transform and generator, :mod:`spire.verification`);
+- **one round** over the rows [0, width) (:meth:`Runner.round`, a :class:`~spire.engine.scheduler.RoundChoice`):
+  each draft that proposes for some row runs its k steps over the batch, each row takes the tokens of its own draft,
+  the target verifies k + 1 positions in one forward, and :func:`_accept` keeps a prefix per row of at most the
+  row's own k_i tokens (greedy rows by argmax, sampled rows by rejection sampling with their own transform and
+  generator, :mod:`spire.verification`); every draft then observes the verified positions;
 - the commit of the round's positions (:meth:`Runner.advance`) and the :func:`rollback` of rejected ones.
 
 A free slot below width runs a dummy token at positions 0..k, which the next request in that slot overwrites (its
@@ -28,7 +30,7 @@ import torch
 
 from spire.drafts.base import Draft
 from spire.engine.prefill import Prefilled, prefill, start_draft
-from spire.engine.scheduler import Piece, Request
+from spire.engine.scheduler import Piece, Request, RoundChoice
 from spire.errors import ConfigError
 from spire.kv_cache import KVCache
 from spire.model import ForwardOutput, Transformer
@@ -60,20 +62,23 @@ def rollback(n: torch.Tensor, live: torch.Tensor, n_accepted: torch.Tensor) -> t
 
 
 class Runner:
-    """The target, the draft and their caches over ``max_running`` slots of ``max_len`` positions.
+    """The target, the drafts and their caches over ``max_running`` slots of ``max_len`` positions.
 
-    draft: an unstarted :class:`Draft` (started here, the one place an engine starts one) or None for AD.
-    Raises ConfigError for a draft that cannot restart single rows (continuous batching)."""
+    drafts: unstarted :class:`Draft` s (started here, the one place an engine starts one; several: a portfolio,
+    each round's rows drafting with the one the round choice names), or none for AD. Raises ConfigError for a draft
+    that cannot restart single rows (continuous batching)."""
 
-    def __init__(self, target: Transformer, draft: Draft | None, k: int, max_running: int, max_len: int) -> None:
-        self.target, self.draft = target, draft
+    def __init__(self, target: Transformer, drafts: Sequence[Draft], k: int, max_running: int, max_len: int) -> None:
+        self.target, self.drafts = target, list(drafts)
         dev = target.device
         self.cache = target.new_cache(max_running, max_len)
-        self.narrows = draft is None
-        if draft is not None:
+        self.narrows = True
+        for draft in self.drafts:
             start_draft(draft, target, k, self.cache)
             draft.restart_rows(torch.arange(max_running, device=dev))  # refuses a draft that cannot
-            self.narrows = draft.use_rows(max_running)
+            self.narrows = draft.use_rows(max_running) and self.narrows
+        # the target layers any draft reads (prefill and verify keep them), in order
+        self.reads = tuple(sorted({j for d in self.drafts for j in d.hidden_layers}))
         self.width, self._cache_w = max_running, self.cache  # rows [0, width) run; the target cache's view
         self.n = torch.ones(max_running, dtype=torch.long, device=dev)  # (S,) committed length per slot
         self.pending = torch.zeros(max_running, dtype=torch.long, device=dev)  # (S,) the pending token per slot
@@ -94,8 +99,8 @@ class Runner:
         """Run the next rounds on rows [0, w): the target cache's view and the draft's rows."""
         if w and w != self.width:
             self.width, self._cache_w = w, self.cache.narrow(w)
-            if self.draft is not None:
-                self.draft.use_rows(w)
+            for draft in self.drafts:
+                draft.use_rows(w)
 
     def join(self, joiners: Sequence[Request]) -> None:
         """Requests that just took slots: the draft forgets those rows, and each slot's pending token is its prompt's
@@ -103,8 +108,8 @@ class Runner:
         if not joiners:
             return
         slots = torch.tensor([r.slot for r in joiners], device=self.n.device)
-        if self.draft is not None:
-            self.draft.restart_rows(slots)
+        for draft in self.drafts:
+            draft.restart_rows(slots)
         self.n[slots] = 1  # a one-token prompt has nothing to prefill: this is its state after the prefill too
         self.pending[slots] = torch.tensor([r.prompt[0] for r in joiners], device=self.n.device)
 
@@ -122,10 +127,10 @@ class Runner:
         if layout(state.cache) != layout(self.cache):
             raise ConfigError("add_prefilled: the prefill's cache has (layers, KV heads, head size, dtype) "
                               f"{layout(state.cache)}, this engine's target {layout(self.cache)}")
-        reads = set(self.draft.hidden_layers) if self.draft is not None else set()
-        if state.out is not None and not reads <= set(state.out.hidden):
-            raise ConfigError(f"add_prefilled: the prefill kept target layers {sorted(state.out.hidden)}, the "
-                              f"{self.draft.name} draft reads {sorted(self.draft.hidden_layers)}")
+        for draft in self.drafts:
+            if state.out is not None and not set(draft.hidden_layers) <= set(state.out.hidden):
+                raise ConfigError(f"add_prefilled: the prefill kept target layers {sorted(state.out.hidden)}, the "
+                                  f"{draft.name} draft reads {sorted(draft.hidden_layers)}")
 
     def add_prefilled(self, state: Prefilled, reqs: Sequence[Request]) -> None:
         """Copy a batch prefilled elsewhere (:meth:`check_prefilled`) into the requests' slots (row i to
@@ -133,7 +138,7 @@ class Runner:
         slots = torch.tensor([r.slot for r in reqs], device=self.n.device)
         if state.out is not None:
             self._copy_kv(slots, state.cache, state.tokens.shape[1])
-            if self.draft is not None:
+            if self.drafts:
                 self._observe_prefill(slots, state.tokens, state.pos, state.valid, state.out)
 
     # ---- prefill pieces ------------------------------------------------------------------------------------
@@ -156,7 +161,7 @@ class Runner:
         at = torch.tensor(src, device=dev)
         self._copy_kv(slots, state.cache, span, at if shared else None)
         out = _rows_of(state.out, at) if shared else state.out
-        if self.draft is not None:
+        if self.drafts:
             self._observe_prefill(slots, state.tokens[at], state.pos[at], state.valid[at], out)
         for i, (req, _, n) in enumerate(pieces):
             if req.prompt_lp is not None and n:
@@ -177,7 +182,7 @@ class Runner:
                 c[slots[1:], :, s0: s0 + n] = c[req.slot, :, s0: s0 + n]
             at = torch.zeros(len(reqs), dtype=torch.long, device=dev)
             out, tokens, pos = _rows_of(out, at), tokens[at], pos[at]
-        if self.draft is not None:
+        if self.drafts:
             self._observe_prefill(slots, tokens, pos, None, out)
         for i, r in enumerate(reqs):
             if r.prompt_lp is not None:
@@ -185,9 +190,8 @@ class Runner:
             self.prefilled(r, s0 + n)
 
     def _hidden(self, final: bool) -> tuple[int, ...]:
-        """The target layers a prefill keeps: the draft's, and the final residual stream when ``final``."""
-        layers = tuple(self.draft.hidden_layers) if self.draft is not None else ()
-        return layers + (self.target.cfg.n_layers,) if final else layers
+        """The target layers a prefill keeps: the drafts', and the final residual stream when ``final``."""
+        return self.reads + (self.target.cfg.n_layers,) if final else self.reads
 
     def _prompt_logprobs(self, req: Request, h: torch.Tensor, s0: int, chunk: int = 256) -> None:
         """Log-probabilities (the target's, untransformed, at temperature 1: vLLM's) of prompt tokens s0+1 .. s0+T
@@ -214,44 +218,74 @@ class Runner:
         full_pos = torch.arange(W, device=dev)[None].repeat(S, 1)
         full_tokens[slots], full_pos[slots] = tokens, pos
         full_valid[slots] = True if valid is None else valid
-        reads = set(self.draft.hidden_layers)  # not the final residual stream kept for prompt logprobs
+        reads = set(self.reads)  # not the final residual stream kept for prompt logprobs
         hidden = {j: _scatter(h, slots, S) for j, h in out.hidden.items() if j in reads}
-        self.draft.observe(full_tokens, full_pos,
-                           ForwardOutput(hidden=hidden, compute_logits=lambda: _scatter(out.logits, slots, S)),
-                           valid=full_valid)
+        full = ForwardOutput(hidden=hidden, compute_logits=lambda: _scatter(out.logits, slots, S))
+        for draft in self.drafts:
+            draft.observe(full_tokens, full_pos, full, valid=full_valid)
 
     # ---- one round -------------------------------------------------------------------------------------------
 
-    def round(self, running: Sequence[Request], k: int
+    def proposes(self, running: Sequence[Request]) -> list[list[bool] | None]:
+        """Per draft, whether it has a proposal for each running request's next position (None: it always has one;
+        the n-gram lookup has one only where the context matches, :meth:`Draft.proposes`). Read before the round
+        so that the round policy can give a request without one to another draft, or none."""
+        if not self.drafts:
+            return []
+        pending, pos0 = self.pending[: self.width], self.n[: self.width] - 1
+        out = []
+        for draft in self.drafts:
+            p = draft.proposes(pending[:, None], pos0[:, None])
+            out.append(None if p is None else [bool(v) for v in p[[r.slot for r in running]].tolist()])
+        return out
+
+    def round(self, running: Sequence[Request], choice: RoundChoice | int
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
-        """One round of k draft tokens (0: AD) over the slots [0, width) (S of them). Returns n_accepted (S,),
-        next_token (S,), the output block (S, k+1) and, per slot of a request that asked for logprobs, its (k+1, V)
-        log-probabilities at the round's positions."""
+        """One round over the slots [0, width) (S of them): ``choice`` says its depth k (0: AD), and per running
+        request the draft that proposes for it and how many of its k tokens it may accept (an int: every request
+        drafts that many with the first draft). Returns n_accepted (S,), next_token (S,), the output block (S, k+1)
+        and, per slot of a request that asked for logprobs, its (k+1, V) log-probabilities at the round's
+        positions."""
+        if isinstance(choice, int):
+            choice = RoundChoice.uniform(len(running), choice if self.drafts else 0)
+        k = choice.k
         special = [r for r in running if r.special]
         cache, pending, pos0 = self._cache_w, self.pending[: self.width], self.n[: self.width] - 1
-        if self.draft is None or k == 0:
-            hidden = self.draft.hidden_layers if self.draft is not None else ()
-            out = self.target(pending[:, None], pos0[:, None], cache, hidden_layers=hidden)
+        if not self.drafts or k == 0:
+            out = self.target(pending[:, None], pos0[:, None], cache, hidden_layers=self.reads)
             next_tok, _, rows = _choose(out.logits[:, -1], special, [], 0)  # (S,)
-            if self.draft is not None:  # the draft sees the committed token, so SD can resume next round
-                self.draft.observe(pending[:, None], pos0[:, None], out)
+            for draft in self.drafts:  # each draft sees the committed token, so SD can resume next round
+                draft.observe(pending[:, None], pos0[:, None], out)
             return torch.zeros_like(next_tok), next_tok, next_tok[:, None], _logprobs(special, rows)
-        tok, tokens, qs, zs = pending, [], [], []
-        for j in range(k):  # draft
-            z = self.draft.step(tok[:, None], (pos0 + j)[:, None])
-            tok, q, _ = _choose(z, special, tokens, j)
-            tokens.append(tok)
-            qs.append(q)
-            zs.append(z)
-        d_tokens = torch.stack(tokens, 1)  # (S, k)
+        row_draft = {r.slot: d for r, d in zip(running, choice.drafts)}
+        row_k = {r.slot: kk for r, kk in zip(running, choice.ks)}
+        proposals = {}  # draft index -> its tokens (S, k), distributions (k of (S, V) or None), raw logits (S, k, V)
+        for d in choice.used:
+            mine = [r for r in special if row_draft[r.slot] == d]
+            tok, tokens, qs, zs = pending, [], [], []
+            for j in range(k):  # draft
+                z = self.drafts[d].step(tok[:, None], (pos0 + j)[:, None])
+                tok, q, _ = _choose(z, mine, tokens, j)
+                tokens.append(tok)
+                qs.append(q)
+                zs.append(z)
+            proposals[d] = (torch.stack(tokens, 1), qs, zs)
+        d_tokens, qs, zs = _compose(proposals, row_draft, self.width)
         verify_in = torch.cat([pending[:, None], d_tokens], 1)  # (S, k+1)
         vpos = pos0[:, None] + torch.arange(k + 1, device=pos0.device)
-        out = self.target(verify_in, vpos, cache, hidden_layers=self.draft.hidden_layers)  # verify
-        n_acc, next_tok, rows = _accept(d_tokens, qs, out.logits, special)  # accept
+        out = self.target(verify_in, vpos, cache, hidden_layers=self.reads)  # verify
+        own_k = {slot: kk if row_draft[slot] is not None else 0 for slot, kk in row_k.items()}
+        ks = None
+        if any(kk < k for kk in own_k.values()):
+            ks = torch.full((self.width,), k, dtype=torch.long)
+            ks[list(own_k)] = torch.tensor(list(own_k.values()), dtype=torch.long)
+            ks = ks.to(d_tokens.device)
+        n_acc, next_tok, rows = _accept(d_tokens, qs, out.logits, special, ks, own_k)  # accept
         if self.round_hook is not None:
             self.round_hook(RoundTrace([(r.slot, r.sampling, r.params.max_tokens - len(r.emitted)) for r in running],
                                        pos0, d_tokens, torch.stack(zs, 1), out.logits, n_acc))
-        self.draft.observe(verify_in, vpos, out)
+        for draft in self.drafts:
+            draft.observe(verify_in, vpos, out)
         return n_acc, next_tok, output_tokens(d_tokens, n_acc, next_tok), _logprobs(special, rows)
 
     def advance(self, live_slots: Sequence[int], freed: Sequence[int], n_acc: torch.Tensor | None = None,
@@ -315,25 +349,62 @@ def _choose(logits: torch.Tensor, special: list[Request], drafted: list[torch.Te
     return tok, q, rows
 
 
+def _compose(proposals: dict[int, tuple[torch.Tensor, list, list]], row_draft: dict[int, int | None], S: int
+             ) -> tuple[torch.Tensor, list[torch.Tensor | None], list[torch.Tensor]]:
+    """Each row's proposal from its own draft: ``proposals`` maps a draft index to its tokens (S, k), its k
+    distributions ((S, V) or None) and its k raw logits (S, V); row_draft: slot -> the draft it takes (a row of none,
+    or a free slot, takes the first draft's). Returns the tokens (S, k), the k distributions and the k logits."""
+    first = min(proposals)
+    tokens, qs, zs = proposals[first][0].clone(), list(proposals[first][1]), list(proposals[first][2])
+    for d, (t, q, z) in proposals.items():
+        if d == first:
+            continue
+        rows = torch.tensor([s for s, x in row_draft.items() if x == d], dtype=torch.long, device=t.device)
+        tokens[rows] = t[rows]
+        for j in range(len(zs)):
+            zs[j] = zs[j].clone()
+            zs[j][rows] = z[j][rows]
+            if q[j] is not None or qs[j] is not None:
+                base = qs[j].clone() if qs[j] is not None else torch.zeros_like(q[j])
+                if q[j] is not None:
+                    base[rows] = q[j][rows]
+                qs[j] = base
+    return tokens, qs, zs
+
+
 def _accept(d_tokens: torch.Tensor, qs: list[torch.Tensor | None], logits: torch.Tensor,
-            special: list[Request]) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+            special: list[Request], ks: torch.Tensor | None = None, row_k: dict[int, int] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """Verification per row: greedy for every row (:func:`verify_greedy`), then for each special request's row
     with its processed logits (position t after the drafted tokens before it): greedy, or rejection sampling
     (:func:`verify`) with its transform and generator. d_tokens (S, k), qs: k (S, V) or None, logits (S, k+1, V).
-    Returns n_accepted (S,), next_token (S,) and the processed (k+1, V) logits of each special request's slot."""
-    n_acc, next_tok = verify_greedy(d_tokens, logits)
+    ks (S,): the most draft tokens each row may accept (default k): its tokens past that are not verified, as if it
+    had drafted only ks[b] (0: the row's next token is the target's at the round's first position); row_k: the
+    same per slot of a running request, as ints (default k). Returns n_accepted (S,), next_token (S,) and the processed
+    (k+1, V) logits of each special request's slot."""
+    k = d_tokens.shape[1]
+    row_k = row_k or {}
+    if ks is None:
+        n_acc, next_tok = verify_greedy(d_tokens, logits)
+    else:  # a token past a row's own k never equals the target's argmax (ids are >= 0)
+        past = torch.arange(k, device=d_tokens.device)[None] >= ks[:, None]
+        n_acc, next_tok = verify_greedy(torch.where(past, -1, d_tokens), logits)
     rows = {}
     if special:
         q = torch.stack(qs, 1) if any(x is not None for x in qs) else None  # (S, k, V)
         for req in special:
             b = req.slot
+            kb = row_k.get(b, k)
             row = _processed(req, logits[b], d_tokens[b].tolist(), 0)  # (k+1, V)
             rows[b] = row
             if req.sampling.greedy:
-                nb, xb = verify_greedy(d_tokens[b: b + 1], row[None])
+                nb, xb = verify_greedy(d_tokens[b: b + 1, :kb], row[None, : kb + 1])
             else:
-                p = probs_from_logits(row[None], req.sampling)  # (1, k+1, V)
-                nb, xb = verify(d_tokens[b: b + 1], q[b: b + 1], p, req.generator)
+                p = probs_from_logits(row[None, : kb + 1], req.sampling)  # (1, kb+1, V)
+                if kb:
+                    nb, xb = verify(d_tokens[b: b + 1, :kb], q[b: b + 1, :kb], p, req.generator)
+                else:  # it drafted nothing: the target's own draw at the round's first position, as an AD round
+                    nb, xb = torch.zeros(1, dtype=torch.long), sample(p[:, 0], req.generator)
             n_acc[b], next_tok[b] = nb[0], xb[0]
     return n_acc, next_tok, rows
 

@@ -9,6 +9,12 @@ its outputs back here (:meth:`Scheduler.release`).
 A request's committed length (its tokens in the target cache plus its pending token) is known here without reading
 a tensor: the prompt and the tokens it emitted once it runs, ``prefilled + 1`` while it prefills
 (:attr:`Request.committed`). So k near the end of a slot and the k policy's context cost no device sync.
+
+The round's draft tokens are chosen in two parts: :meth:`Scheduler.schedule` caps k (near the end of a slot a round
+drafts fewer tokens), then :meth:`Scheduler.choose_round` asks the round policy, per running request, which of the
+engine's drafts proposes and how many tokens (a :class:`RoundChoice`), given which drafts have a proposal for
+which request (the n-gram lookup's matches, read by the runner). Without a policy every request drafts the cap with
+the first draft that proposes for it.
 """
 
 from __future__ import annotations
@@ -49,8 +55,10 @@ class EngineStats:
     """Counters since start. rounds: engine rounds run; row_rounds: rounds summed over the requests that ran in
     them; prompt_tokens / generated_tokens: tokens in and out; accepted: accepted[i] counts row-rounds that
     accepted i draft tokens (i = 0..k; AD rounds not counted); drafted[j - 1]: row-rounds that drafted a token at
-    position j (j = 1..k); rounds_by_k[i]: rounds that drafted i tokens per row (i = 0: AD); finished: requests
-    ended, by reason."""
+    position j (j = 1..k); rounds_by_k[i]: rounds of depth i (the most any request drafted; i = 0: AD); finished:
+    requests ended, by reason. By draft (its name; "none" for a request that drafted nothing in a round):
+    row_rounds_by_draft[name][i]: row-rounds in which a request drafted i tokens with it;
+    accepted_by_draft[name][i]: row-rounds in which it drafted and verification accepted i of its tokens."""
 
     k: int
     rounds: int = 0
@@ -61,6 +69,23 @@ class EngineStats:
     drafted: list[int] = field(default_factory=list)
     rounds_by_k: list[int] = field(default_factory=list)
     finished: dict[str, int] = field(default_factory=dict)
+    row_rounds_by_draft: dict[str, list[int]] = field(default_factory=dict)
+    accepted_by_draft: dict[str, list[int]] = field(default_factory=dict)
+
+    def count_row(self, draft: str | None, k: int, accepted: int | None) -> None:
+        """One request's share of a round: it drafted k tokens with ``draft`` (None or k = 0: none) and ``accepted``
+        of them were accepted (None: an AD round)."""
+        name = draft if draft and k else "none"
+        self.row_rounds_by_draft.setdefault(name, [0] * (self.k + 1))[k] += 1
+        if name != "none" and accepted is not None:
+            self.accepted_by_draft.setdefault(name, [0] * (self.k + 1))[accepted] += 1
+
+    def draft_acceptance(self, draft: str) -> list[float]:
+        """:meth:`acceptance` of the row-rounds that drafted with ``draft``: element j-1 is the share of those that
+        drafted a token at position j which accepted it (0 where none did)."""
+        acc, rows = self.accepted_by_draft.get(draft, []), self.row_rounds_by_draft.get(draft, [])
+        reached = [sum(rows[j:]) for j in range(1, self.k + 1)] if rows else [0] * self.k
+        return [sum(acc[j:]) / max(1, reached[j - 1]) for j in range(1, self.k + 1)]
 
     def __post_init__(self) -> None:
         self.accepted = self.accepted or [0] * (self.k + 1)
@@ -76,6 +101,28 @@ class EngineStats:
         """Acceptance by drafted position: element j-1 is the share of the row-rounds that drafted a token at
         position j (j = 1..k) that accepted it, i.e. accepted at least j."""
         return [sum(self.accepted[j:]) / max(1, self.drafted[j - 1]) for j in range(1, self.k + 1)]
+
+
+@dataclass
+class RoundChoice:
+    """What one round drafts. k: the round's depth, the most any request drafts (the target verifies k + 1 positions
+    of every row; 0: an AD round); drafts[i]: the index, in the engine's drafts, of the draft that proposes for the
+    i-th running request of the plan (None: it drafts nothing); ks[i]: how many of the k drafted tokens it may
+    accept (0..k; 0 when drafts[i] is None). Rows of one round may so draft different k, 0 for some."""
+
+    k: int
+    drafts: list[int | None]
+    ks: list[int]
+
+    @classmethod
+    def uniform(cls, n: int, k: int, draft: int | None = 0) -> "RoundChoice":
+        """Every one of n requests drafts k tokens with the same draft (k = 0: an AD round)."""
+        return cls(k, [draft if k else None] * n, [k] * n)
+
+    @property
+    def used(self) -> list[int]:
+        """The drafts that propose for some request this round (each runs its k steps over the batch)."""
+        return sorted({d for d, k in zip(self.drafts, self.ks) if d is not None and k})
 
 
 @dataclass(eq=False)
@@ -136,13 +183,15 @@ class StepPlan:
     continues: list[tuple[list[Request], int, int]] = field(default_factory=list)
     running: list[Request] = field(default_factory=list)
     k: int = 0
+    choice: RoundChoice | None = None
 
 
 class Scheduler:
     """Queue and slots of an engine of ``max_running`` slots of ``max_len`` positions (see the module docstring).
 
-    k: the most draft tokens per round (0: AD); k_policy: an object with ``k_for(batch, context) -> int`` and
-    ``observe(accepted, k)`` (:mod:`spire.serving.policy`), or None; narrows: whether rounds may run on rows
+    k: the most draft tokens per round (0: AD); k_policy: the round policy, an object with ``choose(plan, width,
+    proposes) -> RoundChoice`` and ``update(plan, accepted, seconds)`` (:mod:`spire.serving.policy`), or one with
+    ``k_for(batch, context) -> int`` and ``observe(accepted, k)`` (one k for every request), or None; narrows: whether rounds may run on rows
     [0, highest occupied slot] only (the draft's ``use_rows``); prefill_chunk: prompt tokens prefilled per step at
     most (None: whole prompts). Thread-safe for :meth:`add`, :meth:`abort` and the counters; the rest runs on the
     stepping thread."""
@@ -282,16 +331,51 @@ class Scheduler:
                 req.prefilled += n
 
     def _round_k(self, running: list[Request], width: int) -> int:
-        """The round's k: the policy's pick for the running requests (0..k), then fewer near the end of a slot: a
-        round writes positions up to n - 1 + k, which must stay below max_len, for every row it computes."""
+        """The most draft tokens the round may have: k, fewer near the end of a slot (a round writes positions up to
+        n - 1 + k, which must stay below max_len, for every row it computes)."""
         k = self.k
-        if k and self.k_policy is not None:
-            context = sum(r.committed for r in running) / len(running)
-            k = min(max(int(self.k_policy.k_for(len(running), context)), 0), self.k)
         if k:
             top = max((r.committed for r in self.slots[:width] if r is not None), default=1)
             k = max(0, min(k, self.max_len - top))
         return k
+
+    def choose_round(self, plan: StepPlan, proposes: Sequence[Sequence[bool] | None] = ()) -> RoundChoice:
+        """Fill ``plan.choice``: what the round drafts for each running request, within ``plan.k``.
+
+        proposes: per draft of the engine, whether it has a proposal for each running request (None: always), as
+        :meth:`~spire.engine.runner.Runner.proposes` reads it. The policy decides (:attr:`k_policy`); a policy of
+        the older protocol (``k_for``) gives one k to every request, drafted by the first draft; without a policy
+        every request drafts ``plan.k`` with the first draft that proposes for it (the last one where none does).
+        Returns the choice (also set on the plan)."""
+        n, cap = len(plan.running), plan.k
+        if not cap or not n:
+            choice = RoundChoice.uniform(n, 0)
+        elif self.k_policy is not None and hasattr(self.k_policy, "choose"):
+            choice = self.k_policy.choose(plan, plan.width, proposes)
+            if choice.k > cap or len(choice.ks) != n or any(not 0 <= k <= choice.k for k in choice.ks):
+                raise ValueError(f"round policy chose k {choice.k} (ks {choice.ks}) for a cap of {cap} and {n} rows")
+            if not choice.used:  # nobody drafts: an AD round (one position per row, not k + 1)
+                choice = RoundChoice.uniform(n, 0)
+        elif self.k_policy is not None:
+            context = sum(r.committed for r in plan.running) / n
+            choice = RoundChoice.uniform(n, min(max(int(self.k_policy.k_for(n, context)), 0), cap))
+        else:
+            last = max(0, len(proposes) - 1)
+            drafts = [next((d for d, p in enumerate(proposes) if p is None or p[i]), last) for i in range(n)]
+            choice = RoundChoice(cap, drafts, [cap] * n)
+        plan.choice = choice
+        return choice
+
+    def update_from_output(self, plan: StepPlan, accepted: Sequence[int], seconds: float) -> None:
+        """The round of ``plan`` ran: ``accepted[i]`` of its i-th running request's drafted tokens were accepted,
+        in ``seconds`` (the round's wall time). The round policy learns from it (``update`` or ``observe``)."""
+        policy, choice = self.k_policy, plan.choice
+        if policy is None or choice is None:
+            return
+        if hasattr(policy, "update"):
+            policy.update(plan, accepted, seconds)
+        elif choice.k:
+            policy.observe(list(accepted), choice.k)
 
 
 def prefill_groups(spans: Sequence[int], slack: float = 1.25) -> list[list[int]]:

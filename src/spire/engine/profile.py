@@ -1,0 +1,190 @@
+"""Measured round costs: what one engine round costs on this machine, by its width, its rows' context, its depth k
+and the drafts that propose in it (``spire serve``'s round policy, :mod:`spire.serving.policy`).
+
+vLLM's dynamic speculation prices a step with a *profiled* step time per (batch size, k)
+(``vllm/v1/spec_decode/dynamic/manager.py``); spire does the same, per draft set too, and keeps learning from the
+rounds it serves. :func:`profile_rounds` times real rounds of an idle engine on dummy tokens: the target's forward
+over k + 1 positions, the proposing drafts' k steps and every draft's observe, Python included, at a few widths and
+contexts. :class:`StepCosts` interpolates that table (linear in the width, the mean context and k, extrapolated
+past its edges; a set of drafts as AD plus each one's excess) and corrects it with the rounds the engine then runs: an exponential moving average of measured /
+predicted seconds per (k, drafts), and one over all rounds for a configuration not yet run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from spire.engine.scheduler import Request, RoundChoice
+from spire.errors import ConfigError
+from spire.params import RequestParams
+
+
+def config_key(k: int, used: Sequence[int]) -> str:
+    """The table key of a round of depth k whose proposing drafts are ``used`` (indices): "0" for AD, else
+    "k:d1+d2"."""
+    return "0" if not k else f"{k}:" + "+".join(str(d) for d in sorted(used))
+
+
+def draft_sets(n: int) -> list[tuple[int, ...]]:
+    """The sets of drafts a round may run, of n drafts: every non-empty subset for up to 3, else each one alone and
+    all together."""
+    if n <= 3:
+        return [c for r in range(1, n + 1) for c in itertools.combinations(range(n), r)]
+    return [(d,) for d in range(n)] + [tuple(range(n))]
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear y(x) through (xs, ys) (xs increasing), extrapolated linearly past the ends; one point:
+    constant."""
+    if len(xs) == 1:
+        return ys[0]
+    i = max(1, min(len(xs) - 1, next((j for j, v in enumerate(xs) if v >= x), len(xs) - 1)))
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class StepCosts:
+    """Seconds of one round, measured (see the module docstring).
+
+    widths: the profiled widths (rows a round computes), increasing; contexts: the profiled mean committed lengths
+    (tokens), increasing; table: config key (:func:`config_key`) -> seconds[width index][context index];
+    smoothing: the weight of a new round in the moving averages (0..1).
+    """
+
+    widths: list[int]
+    contexts: list[int]
+    table: dict[str, list[list[float]]]
+    smoothing: float = 0.1
+    ratio: dict[str, float] = field(default_factory=dict)
+    runs: dict[str, int] = field(default_factory=dict)
+    overall: float = 1.0
+
+    def _at(self, key: str, width: float, context: float) -> float:
+        rows = self.table[key]
+        return max(1e-6, _interp(self.widths, [_interp(self.contexts, row, context) for row in rows], width))
+
+    def base(self, width: float, context: float, k: int, used: Sequence[int]) -> float:
+        """Profiled seconds of a round, interpolated in width and context: the table's configuration; for a k not
+        profiled with one draft, linear in k between the profiled ones; for several drafts not profiled together,
+        AD plus each draft's own excess over AD. Raises ConfigError for a draft the profile never ran."""
+        key = config_key(k, used)
+        if key in self.table:
+            return self._at(key, width, context)
+        if not k:
+            raise ConfigError("the round-cost profile has no AD round")
+        if len(used) == 1:
+            ks = sorted(int(x.split(":")[0]) for x in self.table if x != "0" and x.split(":")[1] == str(used[0]))
+            if not ks:
+                raise ConfigError(f"the round-cost profile never ran draft {used[0]}")
+            return max(1e-6, _interp(ks, [self._at(config_key(x, used), width, context) for x in ks], k))
+        ad = self._at("0", width, context)
+        return ad + sum(self.base(width, context, k, (d,)) - ad for d in used)
+
+    def predict(self, width: float, context: float, k: int, used: Sequence[int]) -> float:
+        """Expected seconds of a round: the profile, corrected by the rounds served (per configuration once it
+        has run 3 rounds, else by all rounds)."""
+        key = config_key(k, used)
+        r = self.ratio[key] if self.runs.get(key, 0) >= 3 else self.overall
+        return self.base(width, context, k, used) * r
+
+    def observe(self, width: float, context: float, k: int, used: Sequence[int], seconds: float) -> None:
+        """A round of this configuration took ``seconds``: update the moving averages of measured / profiled."""
+        if not seconds > 0 or not math.isfinite(seconds):
+            return
+        key = config_key(k, used)
+        r = seconds / self.base(width, context, k, used)
+        a = self.smoothing
+        n = self.runs.get(key, 0)
+        self.ratio[key] = r if n == 0 else (1 - a) * self.ratio[key] + a * r
+        self.runs[key] = n + 1
+        self.overall = (1 - a) * self.overall + a * r
+
+    def to_dict(self) -> dict:
+        return {"widths": self.widths, "contexts": self.contexts, "table": self.table}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StepCosts":
+        """Raises ConfigError for a table that is not one :meth:`to_dict` wrote."""
+        try:
+            widths, contexts = [int(w) for w in d["widths"]], [int(c) for c in d["contexts"]]
+            table = {str(k): [[float(x) for x in row] for row in v] for k, v in d["table"].items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"not a round-cost profile ({e})") from None
+        if "0" not in table or any(len(v) != len(widths) or any(len(r) != len(contexts) for r in v)
+                                   for v in table.values()):
+            raise ConfigError("not a round-cost profile (its table does not match its widths and contexts)")
+        return cls(widths, contexts, table)
+
+
+def profile_widths(max_running: int) -> list[int]:
+    """Widths a profile times: powers of two below ``max_running``, and it."""
+    out, w = [], 1
+    while w < max_running:
+        out.append(w)
+        w *= 2
+    return out + [max_running]
+
+
+def profile_contexts(max_len: int, k: int) -> list[int]:
+    """Mean contexts a profile times: 128 and 1,024 tokens, within what a slot of max_len positions holds with
+    k drafted tokens (for a short slot, half of it and all of it)."""
+    top = max(1, max_len - k - 2)
+    return sorted({min(128, max(1, top // 2)), min(1024, top)})
+
+
+@torch.no_grad()
+def profile_rounds(engine, widths: Sequence[int] | None = None, contexts: Sequence[int] | None = None,
+                   reps: int = 1, progress: Callable[[str], object] | None = None) -> StepCosts:
+    """Time real rounds of an idle ``engine`` (:class:`~spire.engine.engine.Engine`) on dummy tokens: AD, and each
+    draft alone at k = 1 and k = engine.k, at each width and mean context; the fastest of ``reps`` after one
+    warm-up round. The engine is left as new (every slot free, every draft's rows restarted).
+
+    Raises ConfigError when the engine has requests or no draft."""
+    if engine.has_work():
+        raise ConfigError("profile_rounds needs an idle engine (no requests)")
+    if not engine.drafts:
+        raise ConfigError("profile_rounds: an engine without a draft has only AD rounds")
+    runner = engine.runner
+    widths = list(widths or profile_widths(engine.max_running))
+    contexts = list(contexts or profile_contexts(engine.max_len, engine.k))
+    params = RequestParams(max_tokens=1)
+    # AD, and each draft alone at k = 1 and the engine's k: other k and sets of drafts are interpolated
+    # (StepCosts.base), which keeps the profile to seconds
+    configs = [(0, ())] + [(k, (d,)) for d in range(len(engine.drafts)) for k in sorted({1, engine.k})]
+    table: dict[str, list[list[float]]] = {config_key(k, s): [[0.0] * len(contexts) for _ in widths]
+                                           for k, s in configs}
+    try:
+        for wi, width in enumerate(widths):
+            runner.narrow(width)
+            rows = [Request(-1 - b, [0], params, None, params.sampling(), params.processing(()), slot=b)
+                    for b in range(width)]
+            for ci, context in enumerate(contexts):
+                for k, used in configs:
+                    # each row drafts k with one draft of the set, in turn, so every draft of it proposes
+                    choice = RoundChoice(k, [used[b % len(used)] if k else None for b in range(width)],
+                                         [k] * width)
+                    best = math.inf
+                    for _ in range(reps + 1):
+                        runner.n[:width] = context  # a round never advances without a commit
+                        t = time.perf_counter()
+                        n_acc, _, block, _ = runner.round(rows, choice)
+                        block.tolist()
+                        best = min(best, time.perf_counter() - t)
+                    table[config_key(k, used)][wi][ci] = best
+            if progress is not None:
+                progress(f"width {width} timed")
+    finally:
+        runner.narrow(engine.max_running)
+        runner.n.fill_(1)
+        runner.pending.fill_(0)
+        every = torch.arange(engine.max_running, device=runner.n.device)
+        for draft in engine.drafts:
+            draft.restart_rows(every)
+    return StepCosts(widths, contexts, table)
