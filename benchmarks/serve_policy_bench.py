@@ -19,16 +19,15 @@ The tests do not run this script.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _provenance import provenance, write_provenance  # noqa: E402  (benchmarks/_provenance.py)
 from serve_load import free_port, heldout_prompts  # noqa: E402
 from vllm_serve_bench import (BENCH, GUIDELLM, MODEL, ROOT, VLLM_PY, Server, newest_run, run,  # noqa: E402
                               spire_cmd, summarize)
@@ -81,21 +80,6 @@ def raw_metrics(server: Server) -> dict[str, float]:
             name, value = line.rsplit(" ", 1)
             out[name] = float(value)
     return out
-
-
-def provenance() -> dict:
-    """The command (relative to the repository), commit, machine and date of this run."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                           text=True)
-    cpu = platform.processor()
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    argv = [os.path.relpath(a, ROOT) if os.path.isabs(a) else a for a in sys.argv]
-    return {"command": "python " + " ".join(argv), "commit": commit.stdout.strip() + ("+dirty" if dirty.stdout else ""),
-            "machine": {"cpu": cpu, "cores": os.cpu_count()}, "date": datetime.date.today().isoformat()}
 
 
 def main() -> None:
@@ -188,6 +172,7 @@ def main() -> None:
                              f"{statistics.median(ratio):.2f} | {statistics.median(r['ttft_median_ms'] for r in rows):.0f} |"
                              if rows else f"| {name} | {t:g} | {c} | - | - | - |")
     (a.out / "results.md").write_text("\n".join(table) + "\n")
+    write_provenance(a.out)
     print("\n".join(table))
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import spire.registry as registry
+from spire.engine.scheduler import RoundChoice  # torch-free, as this module
 from spire.errors import ConfigError
 from spire.throughput.cost_model import CostOptions, forward_time, round_costs, tau_from_alpha
 from spire.throughput.pricing import draft_bytes, draft_kind_and_shape, shape_of
@@ -263,8 +264,6 @@ class MeasuredPolicy:
         return 0 if req.sampling.greedy else 1
 
     def choose(self, plan, width: int, proposes: Sequence[Sequence[bool] | None]):
-        from spire.engine.scheduler import RoundChoice
-
         running, cap = plan.running, plan.k
         n = len(running)
         context = sum(r.committed for r in running) / max(1, n)
