@@ -71,6 +71,7 @@ def test_greedy_equals_ad_with_a_portfolio_and_k_per_request(tiny, kinds):
 
 
 @pytest.mark.parametrize("kinds", [("ngram", "spire"), ("magicdec", "ngram")], ids=",".join)
+@pytest.mark.slow
 def test_sampling_is_lossless_with_a_portfolio_and_k_per_request(kinds):
     """T = 1: tokens 1-3 of 1200 requests of one prompt (repetitive, so the n-gram draft proposes), rows joining
     mid-stream beside greedy fillers, each round a random draft and k_i per request: the target's exact marginals."""
@@ -156,6 +157,7 @@ def _mean_ci(a: list[float], b: list[float]) -> tuple[float, float]:
     return d, 1.96 * math.sqrt(a.var(ddof=1) / len(a) + b.var(ddof=1) / len(b))
 
 
+@pytest.mark.slow
 def test_a_draft_resuming_after_ad_rounds_accepts_as_one_that_drafted_throughout():
     """TensorRT-LLM PR #16888: acceptance collapsed after phases of k = 0 because the drafter's state was not kept
     current, and output comparisons could not see it. Here the tokens after 12 AD rounds (with another request's
