@@ -65,6 +65,7 @@ def test_generate_with_eagle3_and_ngram_equals_ad(capsys, tiny_folder, eagle3_ru
         assert all(1.0 <= o["tau"] <= 5.0 for o in sd["outputs"])
 
 
+@pytest.mark.slow
 def test_export_names_a_loadable_verifier(capsys, tiny_folder, eagle3_run, tmp_path):  # noqa: F811
     """`spire export --draft eagle3` writes a speculators folder whose verifier is the target's checkpoint folder
     (absolute), which speculators can load without the network, and spire reads the export back."""
@@ -103,6 +104,7 @@ def _one_error(code, err, match):
     assert len(lines) == 1 and lines[0].startswith("error:") and match in lines[0], err
 
 
+@pytest.mark.slow
 def test_bad_eagle3_and_ngram_input_is_one_error_line(capsys, tiny_folder, text_file, eagle3_run,  # noqa: F811
                                                       tmp_path, smollm2):
     """Layer ids outside the target, a count other than three, a resume that changes the EAGLE-3 settings, an
