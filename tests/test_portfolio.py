@@ -273,6 +273,17 @@ def test_step_costs_interpolate_and_learn_from_rounds():
     assert StepCosts.from_dict(c.to_dict()).table == c.table
 
 
+def test_a_noisy_profile_is_made_monotone():
+    """A profile timed on a busy machine: a wider, longer or deeper round never comes out cheaper."""
+    from spire.engine.profile import monotone
+
+    table = {"0": [[2.0, 1.0], [1.5, 3.0]], "1:0": [[1.0, 4.0], [5.0, 2.0]], "2:0": [[3.0, 3.0], [4.0, 4.0]]}
+    monotone(table, [0, 1, 2], 1)
+    assert table["0"] == [[2.0, 2.0], [2.0, 3.0]]
+    assert table["1:0"] == [[2.0, 4.0], [5.0, 5.0]]
+    assert table["2:0"] == [[3.0, 4.0], [5.0, 5.0]]
+
+
 def test_profiling_leaves_the_engine_as_new(tiny):
     """profile_rounds times every configuration of a portfolio at each width and context, and the engine then
     serves exactly as one never profiled: greedy output is AD's."""

@@ -97,6 +97,27 @@ def parse_drafts(draft: Optional[str], draft_path: Optional[str]) -> list[tuple[
     return [(kd, draft_path if kd in takers else None) for kd in kinds_]
 
 
+def load_drafts(model, tokenizer, portfolio: list[tuple[str, Optional[str]]], draft_path: Optional[str],
+                draft_options: dict, weights: str, draft_weights: Optional[str]) -> tuple[list, str, str]:
+    """The drafts to serve (:func:`parse_drafts`' portfolio; empty: the newest trained SPIRe draft in the cache,
+    else MagicDec), each with its options and weight format. Returns (drafts, their kinds joined by commas, why)."""
+    from spire.commands.generate import round_weights
+    from spire.drafts import make_draft
+
+    picked = None if portfolio else pick_draft(None, draft_path, model)
+    chosen = portfolio or [picked[:2]]
+    drafts = []
+    for kind, path in chosen:
+        # the options noted before loading when --draft was given; a picked draft's get their note here
+        options = (registry.check_options(kind, draft_options.get(kind, {})) if portfolio
+                   else draft_options_for(kind, draft_options))
+        d = make_draft(kind, model, tokenizer, path, **options)
+        round_weights(model, d, kind, weights, draft_weights if d is not None else None)
+        if d is not None:
+            drafts.append(d)
+    return drafts, ",".join(kind for kind, _ in chosen), "as asked" if portfolio else picked[2]
+
+
 def profile_identity(engine, target: str, weights: str, draft_weights: Optional[str]) -> dict:
     """What a round-cost profile depends on: this machine (CPU model, threads, torch), the target's shape and dtype,
     each draft's kind and cost shape, the weight formats and the engine's slots, positions and k."""
@@ -229,8 +250,6 @@ def serve(
     for kd, _ in portfolio or [(None, None)]:
         draft_options_for(kd, draft_options, [kd for kd, _ in portfolio] if portfolio else list(registry.names()))
     check_bind(host, port)
-    from spire.commands.generate import round_weights
-    from spire.drafts import make_draft
     from spire.loading import load_target
     from spire.serving.api import Server, create_app, run, torch_thread
     from spire.engine.engine import Engine
@@ -240,19 +259,8 @@ def serve(
         if max_len > model.cfg.max_positions:
             typer.echo(f"warning: --max-len {max_len} is more than the target's {model.cfg.max_positions} positions; "
                        f"using {model.cfg.max_positions}", err=True)
-        picked = None if portfolio else pick_draft(None, draft_path, model)
-        chosen = portfolio or [picked[:2]]
-        why = "as asked" if portfolio else picked[2]
-        drafts = []
-        for kind, path in chosen:
-            # the options noted above when --draft was given; a picked draft's get their note here
-            options = (registry.check_options(kind, draft_options.get(kind, {})) if portfolio
-                       else draft_options_for(kind, draft_options))
-            d = make_draft(kind, model, tokenizer, path, **options)
-            round_weights(model, d, kind, weights, draft_weights if d is not None else None)
-            if d is not None:
-                drafts.append(d)
-        kind = ",".join(kind for kind, _ in chosen)
+        drafts, kind, why = load_drafts(model, tokenizer, portfolio, draft_path, draft_options, weights,
+                                        draft_weights)
         policy = None
         if k_policy == "cost-model" and drafts:
             policy = cost_model_policy(model, drafts[0], k, weights, draft_weights)

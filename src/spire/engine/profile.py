@@ -12,7 +12,6 @@ predicted seconds per (k, drafts), and one over all rounds for a configuration n
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -20,7 +19,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from spire.engine.scheduler import Request, RoundChoice
+from spire.engine.scheduler import Request, RoundChoice, draft_sets  # noqa: F401  (draft_sets: part of this API)
 from spire.errors import ConfigError
 from spire.params import RequestParams
 
@@ -29,14 +28,6 @@ def config_key(k: int, used: Sequence[int]) -> str:
     """The table key of a round of depth k whose proposing drafts are ``used`` (indices): "0" for AD, else
     "k:d1+d2"."""
     return "0" if not k else f"{k}:" + "+".join(str(d) for d in sorted(used))
-
-
-def draft_sets(n: int) -> list[tuple[int, ...]]:
-    """The sets of drafts a round may run, of n drafts: every non-empty subset for up to 3, else each one alone and
-    all together."""
-    if n <= 3:
-        return [c for r in range(1, n + 1) for c in itertools.combinations(range(n), r)]
-    return [(d,) for d in range(n)] + [tuple(range(n))]
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -123,6 +114,23 @@ class StepCosts:
         return cls(widths, contexts, table)
 
 
+def monotone(table: dict[str, list[list[float]]], ks: Sequence[int], n_drafts: int) -> None:
+    """Make a timed table obey what is true of rounds, against timing noise (in place): seconds do not fall as the
+    width or the context grows, and a round that drafts costs at least an AD round and no less than a shallower one
+    of the same draft (each entry raised to the running maximum along each axis)."""
+    for rows in table.values():
+        for i, row in enumerate(rows):
+            for j in range(len(row)):
+                row[j] = max(row[j], row[j - 1] if j else 0.0, rows[i - 1][j] if i else 0.0)
+    for d in range(n_drafts):
+        below = table["0"]
+        for k in sorted(set(ks) - {0}):
+            key = config_key(k, (d,))
+            if key in table:
+                table[key] = [[max(x, y) for x, y in zip(r, b)] for r, b in zip(table[key], below)]
+                below = table[key]
+
+
 def profile_widths(max_running: int) -> list[int]:
     """Widths a profile times: powers of two below ``max_running``, and it."""
     out, w = [], 1
@@ -141,7 +149,7 @@ def profile_contexts(max_len: int, k: int) -> list[int]:
 
 @torch.no_grad()
 def profile_rounds(engine, widths: Sequence[int] | None = None, contexts: Sequence[int] | None = None,
-                   reps: int = 1, progress: Callable[[str], object] | None = None) -> StepCosts:
+                   reps: int = 2, progress: Callable[[str], object] | None = None) -> StepCosts:
     """Time real rounds of an idle ``engine`` (:class:`~spire.engine.engine.Engine`) on dummy tokens: AD, and each
     draft alone at k = 1 and k = engine.k, at each width and mean context; the fastest of ``reps`` after one
     warm-up round. The engine is left as new (every slot free, every draft's rows restarted).
@@ -180,6 +188,7 @@ def profile_rounds(engine, widths: Sequence[int] | None = None, contexts: Sequen
                     table[config_key(k, used)][wi][ci] = best
             if progress is not None:
                 progress(f"width {width} timed")
+        monotone(table, [k for k, _ in configs], len(engine.drafts))
     finally:
         runner.narrow(engine.max_running)
         runner.n.fill_(1)

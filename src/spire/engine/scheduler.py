@@ -378,6 +378,14 @@ class Scheduler:
             policy.observe(list(accepted), choice.k)
 
 
+def draft_sets(n: int) -> list[tuple[int, ...]]:
+    """The sets of drafts a round may run, of n drafts (indices): every non-empty subset for up to 3, else each one
+    alone and all together."""
+    if n <= 3:
+        return [c for r in range(1, n + 1) for c in itertools.combinations(range(n), r)]
+    return [(d,) for d in range(n)] + [tuple(range(n))]
+
+
 def prefill_groups(spans: Sequence[int], slack: float = 1.25) -> list[list[int]]:
     """Indices of prefill spans (tokens) grouped for right-padded batches: sorted by length, a group grows while
     its padded size (members x longest) stays within ``slack`` x its real tokens (spans of 0 join any group).

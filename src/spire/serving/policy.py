@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import spire.registry as registry
-from spire.engine.scheduler import RoundChoice  # torch-free, as this module
+from spire.engine.scheduler import RoundChoice, draft_sets  # torch-free, as this module
 from spire.errors import ConfigError
 from spire.throughput.cost_model import CostOptions, forward_time, round_costs, tau_from_alpha
 from spire.throughput.pricing import draft_bytes, draft_kind_and_shape, shape_of
@@ -247,8 +247,6 @@ class MeasuredPolicy:
     """
 
     def __init__(self, names: Sequence[str], costs, acceptance: Acceptance, explore_every: int = 32) -> None:
-        from spire.engine.profile import draft_sets
-
         if explore_every < 0:
             raise ConfigError(f"explore_every must be >= 0, got {explore_every}")
         self.names, self.costs, self.acceptance = list(names), costs, acceptance
