@@ -120,7 +120,12 @@ class Phases:
 
 
 class SkipsAdUpdates(SpireDraft):
-    """The mutant: a SPIRe draft that ignores what the target commits in AD rounds (one position per row)."""
+    """A mutant: a SPIRe draft, observing every round as it happens, that ignores what the target commits in AD
+    rounds (one position per row)."""
+
+    def __init__(self, model) -> None:
+        super().__init__(model)
+        self.defer_observe = 0
 
     def observe(self, tokens, pos, target_out, valid=None):
         if tokens.shape[1] == 1 and valid is None:  # an AD round's commit (a prefill passes its valid mask)
@@ -158,11 +163,12 @@ def _mean_ci(a: list[float], b: list[float]) -> tuple[float, float]:
 
 
 @pytest.mark.slow
-def test_a_draft_resuming_after_ad_rounds_accepts_as_one_that_drafted_throughout():
+def test_a_draft_resuming_after_ad_rounds_accepts_as_one_that_drafted_throughout(monkeypatch):
     """TensorRT-LLM PR #16888: acceptance collapsed after phases of k = 0 because the drafter's state was not kept
     current, and output comparisons could not see it. Here the tokens after 12 AD rounds (with another request's
     prefill in between) are accepted as often as when the draft drafted throughout (the difference's 95 % CI holds
-    0); a draft that skips its updates in AD rounds accepts clearly less (its CI lies below 0)."""
+    0); a draft that skips its updates in AD rounds, or an engine that drops the AD rounds it deferred for the draft
+    (Draft.defer_observe), accepts clearly less (the CI lies below 0)."""
     throughout = _takeover(SpireDraft, 0)
     resumed = _takeover(SpireDraft, 12)
     d, h = _mean_ci(resumed, throughout)
@@ -170,6 +176,12 @@ def test_a_draft_resuming_after_ad_rounds_accepts_as_one_that_drafted_throughout
     assert np.mean(throughout) > 1.0  # the draft is good enough for a loss to show
     skipped = _takeover(SkipsAdUpdates, 12)
     d, h = _mean_ci(skipped, throughout)
+    assert d + h < 0, (d, h)
+    from spire.engine.runner import Runner
+
+    monkeypatch.setattr(Runner, "_defer", lambda self, *a, **k: None)
+    dropped = _takeover(SpireDraft, 12)
+    d, h = _mean_ci(dropped, throughout)
     assert d + h < 0, (d, h)
 
 
@@ -300,3 +312,34 @@ def test_profiling_leaves_the_engine_as_new(tiny):
     with pytest.raises(ConfigError, match="idle"):
         engine.add_request([1, 2], RequestParams(max_tokens=4))
         profile_rounds(engine)
+
+
+def test_deferred_observes_leave_the_draft_as_per_round_observes():
+    """A SPIRe draft takes the commits of AD rounds in batches (Draft.defer_observe: its window, 8 here, so a run
+    of 19 AD rounds is replayed as 8 + 8 + 3 positions, with requests joining between): every draft logit of every
+    SD round equals that of the same draft observing each AD round as it happens (float32, 1e-5)."""
+    target = make_tiny(seed=5)
+
+    def rounds(defer: bool) -> list[torch.Tensor]:
+        torch.manual_seed(7)
+        draft = SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=2, sink=1, window=8))
+                           .requires_grad_(False))
+        assert draft.defer_observe == 8
+        if not defer:
+            draft.defer_observe = 0
+        engine = Engine(target, draft, k=3, max_running=3, max_len=128, k_policy=Phases({0: 19, 1: 9, 2: 4}))
+        seen = []
+        engine.round_hook = lambda trace: seen.append(trace.draft_logits.clone())
+        jobs = [(0, _prompts(6, seed=3)[4], RequestParams(max_tokens=40)),
+                (5, _prompts(6, seed=4)[1], RequestParams(max_tokens=30)),
+                (11, _prompts(6, seed=5)[2], RequestParams(max_tokens=25))]
+        res = _run(engine, jobs)
+        for j, (_, p, params) in enumerate(jobs):
+            assert res[j]["tokens"] == generate(target, [p], params.max_tokens).tokens[0]
+        return seen
+
+    deferred, eager = rounds(True), rounds(False)
+    assert len(deferred) == len(eager) > 10
+    for a, b in zip(deferred, eager):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

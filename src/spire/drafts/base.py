@@ -28,6 +28,11 @@ class Draft(ABC):
 
     name: str = "draft"
     hidden_layers: tuple[int, ...] = ()
+    defer_observe: int = 0
+    """> 0: the observes of AD rounds (one position per row) may reach this draft late, up to this many at once,
+    as one :meth:`observe` of those positions with ``valid`` marking the rows that ran (the engine replays them
+    before the draft drafts or observes anything else). Its observe must then give the same state for T positions
+    at once as for T calls of one, and never read ``target_out.logits``. 0: every observe as it happens."""
 
     @abstractmethod
     def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int, k: int) -> None:

@@ -619,6 +619,10 @@ class SpireDraft(Draft):
     def __init__(self, model: SpireDraftModel) -> None:
         self.model = model
         self.hidden_layers = model.source_layers if model.cfg.target_activations else ()
+        # AD rounds' commits reach it in batches (Draft.defer_observe): with target activations an observe is
+        # per-position projections into its cache, the same for T positions at once; a windowed cache holds them
+        if model.cfg.target_activations and model.view is not None:
+            self.defer_observe = max(1, model.view.window)
         self._cache: BaseKVCache | None = None
         self._feature: torch.Tensor | None = None  # (B, R, d) recent positions' features (feature_input)
         self._feature_pos: torch.Tensor | None = None  # (B, R) the position each slot holds
