@@ -28,7 +28,7 @@ from spire.evaluation.tau import measure_tau_shared
 from spire.loading import load_target
 from spire.paths import atomic_write, spire_cache_dir
 from spire.sampling import SamplingParams
-from spire.training.distill import ABLATIONS, LOG_FILE, TrainConfig, ablation_config, fast_bf16, needs_teacher
+from spire.training.distill import ABLATIONS, LOG_FILE, TrainConfig, read_log, ablation_config, fast_bf16, needs_teacher
 from spire.training.sources import TargetCache
 from spire.training.parallel import train_in_processes
 
@@ -176,7 +176,7 @@ def training_processes(cfg: ReproduceConfig, device: torch.device, batch_size: i
 def _log_rows(run_dir: Path) -> list[dict]:
     """The rows of a run's train_log.jsonl ([] when it has none)."""
     path = Path(run_dir) / LOG_FILE
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+    return read_log(path)[0] if path.is_file() else []  # a torn last line (a crash) is dropped
 
 
 def heldout_curve(run_dir: Path) -> list[dict]:

@@ -145,11 +145,13 @@ class LiveTarget:
 
 
 def target_identity(target: Transformer, folder: Path | str | None) -> dict:
-    """What a cache of ``target``'s outputs depends on: its checkpoint and a checksum of its weights."""
-    with torch.no_grad():
-        probe = sum(float(p.double().flatten()[:4096].sum()) for p in target.parameters())
+    """What a cache of ``target``'s outputs depends on: its checkpoint, its configuration and the SHA-256 of every
+    weight tensor's content (:func:`spire.formats.draft_file.weights_digest`, computed once per target), so a
+    target changed in any value is another cache."""
+    from spire.formats.draft_file import weights_digest
+
     return {"checkpoint": None if folder is None else str(Path(folder).resolve()), "config": target.cfg.to_dict(),
-            "weights": round(probe, 6)}
+            "weights_sha256": weights_digest(target)}
 
 
 class TargetCache:
