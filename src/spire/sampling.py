@@ -21,7 +21,7 @@ from spire.params import LogitsProcessing, SamplingParams
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(..., V) logits -> (..., V) float32 probabilities after the transform (rows sum to 1)."""
-    logits = logits.float()
+    logits = raw = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     # subtract the row maximum first: logits / T overflows to inf for a tiny T (1e-38), and inf - inf is NaN;
@@ -40,7 +40,7 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
         logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
-    return _valid_rows(logits.softmax(-1), logits)
+    return _valid_rows(logits.softmax(-1), raw)
 
 
 def _valid_rows(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

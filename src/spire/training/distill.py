@@ -58,7 +58,7 @@ from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.model import Transformer
 from spire.formats.draft_file import DRAFT_KIND_KEYS, DRAFT_KIND_NAMES, draft_file_kind, read_draft_meta
 from spire.paths import atomic_write, existing_dir, replace_dir
-from spire.training.runfolder import RunLock, check_fresh_folder
+from spire.training.runfolder import RunLock, check_fresh_folder, remove_stale_temporaries
 from spire.training.losses import acceptance_alpha_logp, hard_target_loss, kl_loss_logp, mixed_loss_logp
 from spire.training.sources import (STORAGE_DTYPES, CachedTarget, LiveTarget, TargetCache, TeacherBatch, autocast,
                                     run_target)
@@ -499,6 +499,8 @@ class Trainer:
         self.ema_loss = self.ema_alpha = None
         self.hidden_mismatch: float | None = None  # the last step's hidden-state mismatch (hidden_weight > 0)
         self.started: dict | None = None  # what the draft did before a fresh run's first step (its log event)
+        if self.rank == 0:  # the lock is held: what a killed writer left half-written is removed
+            remove_stale_temporaries(self.out_dir)
         self.model = self._setup_model(resume)
         self.meta = {"ablation": cfg.ablation, "loss": cfg.resolved_loss(), "omega": cfg.omega, "k": cfg.k}
         self.params = [p for p in self.model.parameters() if p.requires_grad]

@@ -55,6 +55,21 @@ def check_fresh_folder(folder: str | os.PathLike, option: str = "--out") -> None
                           "only into a new or empty folder (or one of its own); choose another " + option)
 
 
+def remove_stale_temporaries(folder: str | os.PathLike) -> list[str]:
+    """Remove the temporary files and folders that a run killed while writing left in its run folder (names of
+    :data:`OWN_PATTERNS` only; the caller holds the folder's :class:`RunLock`, so no writer is using them).
+    Returns their names."""
+    import shutil
+
+    gone = []
+    folder = Path(folder)
+    for p in sorted(folder.iterdir()) if folder.is_dir() else ():
+        if p.name.endswith(".tmp") and p.name.startswith(".") and is_own(p.name):
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
+            gone.append(p.name)
+    return gone
+
+
 _HELD: dict[str, list] = {}  # resolved folder -> [open lock file, depth]: one process re-enters its own lock
 
 
