@@ -25,7 +25,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import spire
+
 ROOT = Path(__file__).resolve().parents[1]
+SPIRE_PATH = str(Path(spire.__file__).resolve().parents[1])  # the processes run the spire this test imported
 STEPS = 16
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "vocab.json", "merges.txt")
@@ -90,7 +93,7 @@ def _command(workspace: Path, kind: str, out: Path, resume: bool) -> list[str]:
 
 def _env(cache: Path) -> dict:
     return {**os.environ, "SPIRE_CACHE": str(cache), "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([SPIRE_PATH, os.environ.get("PYTHONPATH", "")]),
             "TOKENIZERS_PARALLELISM": "false"}
 
 

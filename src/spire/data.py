@@ -874,8 +874,8 @@ def prepare_text_files(tokenizer: Any, paths: Sequence[str | os.PathLike], cache
     """Token data from the user's own text files (folders are searched for :data:`TEXT_SUFFIXES`), split by
     document (files, or parts of long files) and cached under ``<cache>/data/files-<key>/`` keyed by the files'
     paths, sizes and contents (SHA-256; ``manifest["previous_key"]``, in memory only, is the key of spire versions
-    that keyed by modification times, which runs saved then recorded). Raises :class:`DataError` for a missing path, no text, or a split
-    that leaves no training or no held-out document."""
+    that keyed by modification times, which runs saved then recorded). Raises :class:`DataError` for a missing
+    path, no text, or a split that leaves no training or no held-out document."""
     files = _text_files(paths)
     if not files:
         raise DataError(f"no text files in {', '.join(map(str, paths))} (looked for {', '.join(TEXT_SUFFIXES)})")

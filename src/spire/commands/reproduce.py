@@ -33,7 +33,8 @@ def overrides(options: dict, ablations: str | None, tau_L: str | None, tau_k: st
               draft_vocab: int | None, target_cache: str | None) -> dict:
     """The ReproduceConfig fields the options set: ``options`` (the :data:`REPRODUCE_OPTIONS` the user gave, by
     parameter name) under their field names (--budget without --steps trains SPIRe and EAGLE-3 by time instead of
-    the default step counts; --eagle3-budget without --eagle3-steps EAGLE-3 alone), then the options parsed here (--ablations NAME,...|all, --tau-L,
+    the default step counts; --eagle3-budget without --eagle3-steps EAGLE-3 alone), then the options parsed here
+    (--ablations NAME,...|all, --tau-L,
     --tau-k with 0 for none, --draft-vocab with 0 for the whole vocabulary, --target-cache with none for the
     live target). Raises ConfigError for a malformed value."""
     from spire.training.distill import ABLATIONS

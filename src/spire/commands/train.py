@@ -218,8 +218,8 @@ def resume_notes(saved: TrainConfig, limits: dict, state: dict) -> list[str]:
     old_steps, new_steps = saved.max_steps, limits.get("max_steps", saved.max_steps)
     if new_steps != old_steps and new_steps is not None:
         was = (f"{old_steps} steps" if old_steps is not None else f"the {saved.budget_s:g} s time budget")
-        notes.append(f"note: --max-steps {new_steps} on resume: the learning-rate schedule's horizon changes from {was} "
-                     f"to {new_steps} steps; from step {step} on the cosine decay follows the new horizon (a run "
+        notes.append(f"note: --max-steps {new_steps} on resume: the learning-rate schedule's horizon changes from "
+                     f"{was} to {new_steps} steps; from step {step} on the cosine decay follows the new horizon (a run "
                      f"given --max-steps {new_steps} from the start would have decayed differently)")
     elif old_steps is None and "budget_s" in limits and limits["budget_s"] != saved.budget_s:
         notes.append(f"note: --budget {limits['budget_s']:g} on resume: the learning-rate schedule follows the time "

@@ -109,7 +109,8 @@ def fingerprint_matches(stored: dict, target: Transformer) -> bool:
         return True
     if "embedding_checksum_bf16" in stored:
         return (stored["embedding_checksum_bf16"] == checks["embedding_checksum_bf16"]
-                or (rows.dtype == torch.float16 and stored.get("embedding_checksum_fp16") == checks["embedding_checksum"]))
+                or (rows.dtype == torch.float16
+                    and stored.get("embedding_checksum_fp16") == checks["embedding_checksum"]))
     got = stored.get("embedding_checksum")
     tol = 6 * 2.0 ** -9 * float(rows.double().pow(2).sum().sqrt()) / 3 ** 0.5 + 2e-3
     return got is not None and abs(float(got) - checks["embedding_checksum"]) <= tol
