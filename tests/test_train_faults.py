@@ -378,7 +378,7 @@ class VocabData(RepeatingData):
 
     def __init__(self):
         super().__init__()
-        self.train = SimpleNamespace(tokens=self.seqs.flatten().numpy())
+        self.train = SimpleNamespace(tokens=self.seqs.flatten().numpy().copy())  # not a view: spawn moves seqs
 
 
 def test_processes_normalize_by_the_global_count_of_valid_targets(tmp_path, tiny):
