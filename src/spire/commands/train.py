@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -278,7 +279,8 @@ def run(args: TrainRunArgs, log=print) -> dict:
     out = check_output_path(args.out or default_out(args), "--out", folder=True)
     if args.eval_windows is not None and args.eval_windows < 0:
         raise ConfigError(f"--eval-windows must be >= 0, got {args.eval_windows}")
-    cfg = saved_config(out, args.resume_limits(), args, log) if args.resume else build_config(args)
+    notes = log if os.environ.get("RANK", "0") == "0" else (lambda _: None)  # under torchrun: rank 0 says it
+    cfg = saved_config(out, args.resume_limits(), args, notes) if args.resume else build_config(args)
     saved = load_state(out)
     if not args.resume:  # the Trainer checks it too; here it comes before the banner and any loading
         refuse_existing_run(out, saved)
