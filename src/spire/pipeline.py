@@ -29,20 +29,34 @@ from spire.loading import load_target
 from spire.paths import atomic_write, spire_cache_dir
 from spire.provenance import provenance
 from spire.sampling import SamplingParams
-from spire.training.distill import ABLATIONS, LOG_FILE, TrainConfig, ablation_config, fast_bf16, needs_teacher
+from spire.training.distill import ABLATIONS, LOG_FILE, TrainConfig, read_log, ablation_config, fast_bf16, needs_teacher
 from spire.training.sources import TargetCache
 from spire.training.parallel import train_in_processes
 
 PRESETS = {"smollm2-135m": "smollm2-135m"}  # reproduce preset -> target checkpoint spec
 
 
+DEFAULT_STEPS = 671
+"""SPIRe's optimizer steps in the main job by default (671 × 4 × 256 = 687,104 tokens): what the committed results
+(measurements/reproduce-cpu-five-drafts-clean) trained in their 600 s budget on 2 CPU cores, now a fixed amount,
+so the drafts and their τ are the recipe's, not the machine's speed's. The vanilla baseline trains half of
+SPIRe's tokens (vanilla_token_share: 336 steps)."""
+DEFAULT_EAGLE3_STEPS = 969
+"""EAGLE-3's optimizer steps by default (992,256 tokens): what the same committed run trained in the same 600 s."""
+VANILLA_BUDGET_S = 1100.0
+"""The vanilla baseline's seconds when the job trains by time (``--budget``) and no --vanilla-budget is given."""
+
+
 @dataclass
 class ReproduceConfig:
-    """Settings of the main job (budgets sized for 2 CPU cores by default; raise them by flag).
+    """Settings of the main job (sized for 2 CPU cores by default; raise them by flag).
 
-    budget_s: SPIRe training seconds; vanilla_budget_s: the vanilla baseline's; ablations: names of
+    steps: SPIRe's optimizer steps (default :data:`DEFAULT_STEPS`, a fixed amount of training: the same drafts on
+    a fast or a busy machine); None: train for budget_s seconds instead (``spire reproduce --budget`` alone).
+    vanilla_budget_s: the vanilla baseline's seconds (None: :data:`VANILLA_BUDGET_S` when SPIRe trains by time, no
+    limit when it trains by steps); ablations: names of
     :data:`spire.training.distill.ABLATIONS` to train (each for ablation_budget_s) and measure ("none" is the full
-    method at the ablation budget: the fair reference). steps / vanilla_steps / ablation_steps: train for that
+    method at the ablation budget: the fair reference). vanilla_steps / ablation_steps: train for that
     many optimizer steps instead of seconds. n_contexts:
     held-out contexts per τ at L; tau_Ls / tau_L_contexts: the τ-vs-L sweep (greedy, every draft).
 
@@ -59,23 +73,25 @@ class ReproduceConfig:
     compile: every draft's training step through torch.compile (TrainConfig.compile; the compile
     runs before each training clock starts; not part of a draft's cache key).
 
-    The drafts the field uses beside the paper's: eagle3 trains an EAGLE-3 draft for eagle3_budget_s (None: SPIRe's
-    budget_s, and SPIRe's steps when steps is set: equal training compute by the clock) on the same text and target
+    The drafts the field uses beside the paper's: eagle3 trains an EAGLE-3 draft for eagle3_steps (default
+    :data:`DEFAULT_EAGLE3_STEPS`, what it trained in SPIRe's 600 s in the committed results: equal training compute
+    by the clock there), or when that is None for eagle3_budget_s (None: SPIRe's budget_s, and SPIRe's steps when
+    steps is set) on the same text and target
     cache settings; the n-gram draft needs no training. tau_ks / tau_k_contexts: the τ-vs-k sweep (greedy, every
     draft, at L) from which the cost model picks the best k per (B, L) and draft; () skips it."""
 
     preset: str = "smollm2-135m"
     target: str | None = None  # a .gguf file or HF Llama-family folder instead of the preset's checkpoint
     out: Path = Path("spire-out")
-    budget_s: float = 600.0  # SPIRe's seconds, and EAGLE-3's: 2 x 600 s fits the 75-minute job with 5 drafts
-    vanilla_budget_s: float = 1100.0
+    budget_s: float = 600.0  # SPIRe's seconds when trained by time (steps None), and EAGLE-3's
+    vanilla_budget_s: float | None = None  # None: 1100 s when trained by time, no limit when by steps
     ablations: tuple[str, ...] = ()
     ablation_budget_s: float = 300.0
-    steps: int | None = None  # optimizer steps instead of seconds (then contention on the machine does not
-    vanilla_steps: int | None = None  # change what is trained); ablation_steps likewise
+    steps: int | None = DEFAULT_STEPS  # optimizer steps (the default: a fixed amount, whatever the machine's speed
+    vanilla_steps: int | None = None  # and load); None: budget_s seconds. ablation_steps likewise
     eagle3: bool = True
     eagle3_budget_s: float | None = None
-    eagle3_steps: int | None = None
+    eagle3_steps: int | None = DEFAULT_EAGLE3_STEPS
     ablation_steps: int | None = None
     L: int = 512
     G: int = 64
@@ -110,7 +126,8 @@ class ReproduceConfig:
     @classmethod
     def quick_config(cls, **kw) -> "ReproduceConfig":
         """Smoke-test settings: finishes in a few minutes on 2 CPU cores."""
-        base = dict(budget_s=60.0, vanilla_budget_s=30.0, ablation_budget_s=20.0, n_contexts=8, L=256, G=32,
+        base = dict(budget_s=60.0, vanilla_budget_s=30.0, ablation_budget_s=20.0, steps=None, eagle3_steps=None,
+                    n_contexts=8, L=256, G=32,
                     tau_Ls=(128, 256), tau_L_contexts=4, alpha_windows=4, cache_steps=8, quick=True, tau_ks=(1, 4),
                     tau_k_contexts=4, diagnose_contexts=2,
                     compile=False)
@@ -126,7 +143,7 @@ class ReproduceConfig:
                 raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
         if not self.budget_s > 0:
             raise ConfigError(f"training budget must be positive, got {self.budget_s} s")
-        if not (self.vanilla_budget_s > 0 and self.ablation_budget_s > 0):
+        if not ((self.vanilla_budget_s is None or self.vanilla_budget_s > 0) and self.ablation_budget_s > 0):
             raise ConfigError("the vanilla and ablation budgets must be positive")
         self.ablations = tuple(dict.fromkeys(self.ablations))  # each once, in the order given
         unknown = [a for a in self.ablations if a not in ABLATIONS]
@@ -144,7 +161,8 @@ class ReproduceConfig:
             raise ConfigError(f"vanilla_token_share must be positive, got {self.vanilla_token_share}")
         if not (math.isfinite(self.hidden_weight) and self.hidden_weight >= 0):
             raise ConfigError(f"--hidden-loss must be a finite number >= 0, got {self.hidden_weight}")
-        if any(x is not None and x < 1 for x in (self.steps, self.vanilla_steps, self.ablation_steps)):
+        if any(x is not None and x < 1 for x in (self.steps, self.vanilla_steps, self.ablation_steps,
+                                                 self.eagle3_steps)):
             raise ConfigError("step counts must be >= 1")
         if any(not t >= 0 for t in self.temperatures):
             raise ConfigError("temperatures must be >= 0")
@@ -177,7 +195,7 @@ def training_processes(cfg: ReproduceConfig, device: torch.device, batch_size: i
 def _log_rows(run_dir: Path) -> list[dict]:
     """The rows of a run's train_log.jsonl ([] when it has none)."""
     path = Path(run_dir) / LOG_FILE
-    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+    return read_log(path)[0] if path.is_file() else []  # a torn last line (a crash) is dropped
 
 
 def heldout_curve(run_dir: Path) -> list[dict]:
@@ -293,6 +311,14 @@ def _load(cfg: ReproduceConfig, progress: bool, log, timings: dict) -> tuple:
     return target, folder, data, contexts, sweep, windows
 
 
+def vanilla_seconds(cfg: ReproduceConfig) -> float:
+    """The vanilla baseline's time limit: --vanilla-budget, else :data:`VANILLA_BUDGET_S` when SPIRe trains by time,
+    else none (1e9 s: its steps, half of SPIRe's tokens, decide alone, whatever the machine's speed)."""
+    if cfg.vanilla_budget_s is not None:
+        return cfg.vanilla_budget_s
+    return VANILLA_BUDGET_S if cfg.steps is None else 1e9
+
+
 def _limits(budget: float, steps: int | None) -> dict:
     return {"budget_s": budget} if steps is None else {"budget_s": 1e9, "max_steps": steps}
 
@@ -310,7 +336,7 @@ def training_runs(cfg: ReproduceConfig, spire_arch: SpireConfig) -> list[tuple[s
     runs = [("spire", TrainConfig(k=cfg.k, seed=cfg.seed, draft_config=spire_arch, **cache, eval_every=cfg.eval_every,
                                   compile=cfg.compile, **_limits(cfg.budget_s, cfg.steps))),
             ("vanilla", TrainConfig(draft="vanilla", k=cfg.k, seed=cfg.seed, compile=cfg.compile,
-                                    **_limits(cfg.vanilla_budget_s, cfg.vanilla_steps)))]
+                                    **_limits(vanilla_seconds(cfg), cfg.vanilla_steps)))]
     if cfg.eagle3:  # the same budget as SPIRe (seconds, or steps when SPIRe trains by steps): equal training compute
         budget = cfg.budget_s if cfg.eagle3_budget_s is None else cfg.eagle3_budget_s
         steps = cfg.eagle3_steps if cfg.eagle3_steps is not None else (cfg.steps if cfg.eagle3_budget_s is None
@@ -575,7 +601,7 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
         f"{list(spire_arch.source_layers(target.cfg.n_layers))}"
         + (f", draft vocabulary {spire_arch.vocab_size}" if spire_arch.vocab_size else "")
         + (f", target cache of {cfg.cache_steps} batches ({cfg.target_cache})" if cfg.target_cache else "") + ", "
-        f"{_amount(cfg.budget_s, cfg.steps)}), vanilla ({_amount(cfg.vanilla_budget_s, cfg.vanilla_steps)})"
+        f"{_amount(cfg.budget_s, cfg.steps)}), vanilla ({_amount(vanilla_seconds(cfg), cfg.vanilla_steps)})"
         + "".join(f", {label} ({_amount(r.budget_s, r.max_steps)})" for label, r in runs if label == "eagle3")
         + (f", {len(cfg.ablations)} ablations ({_amount(cfg.ablation_budget_s, cfg.ablation_steps)} each)"
            if cfg.ablations else ""))

@@ -21,7 +21,7 @@ from spire.params import LogitsProcessing, SamplingParams
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """(..., V) logits -> (..., V) float32 probabilities after the transform (rows sum to 1)."""
-    logits = logits.float()
+    logits = raw = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     # subtract the row maximum first: logits / T overflows to inf for a tiny T (1e-38), and inf - inf is NaN;
@@ -40,7 +40,19 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         # drop a token when the mass strictly before it already reaches top_p (the top token always stays)
         drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
         logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
-    return logits.softmax(-1)
+    return _valid_rows(logits.softmax(-1), raw)
+
+
+def _valid_rows(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """``probs`` with each row that is not a distribution (logits with a NaN or +inf: a diverged draft) replaced by
+    the one-hot of the row's largest finite logit. Any distribution is lossless to verify against as long as the
+    token is drawn from it (Leviathan et al. 2023): the target accepts that token with probability p(x) and
+    otherwise draws from the residual, so decoding goes on with the target's distribution, never a traceback."""
+    bad = ~torch.isfinite(probs).all(-1, keepdim=True)
+    if not bool(bad.any()):
+        return probs
+    best = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("-inf")).argmax(-1)
+    return torch.where(bad, torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype), probs)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:

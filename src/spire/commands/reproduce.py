@@ -32,12 +32,18 @@ FIELDS = {"budget": "budget_s", "vanilla_budget": "vanilla_budget_s", "ablation_
 def overrides(options: dict, ablations: str | None, tau_L: str | None, tau_k: str | None,
               draft_vocab: int | None, target_cache: str | None) -> dict:
     """The ReproduceConfig fields the options set: ``options`` (the :data:`REPRODUCE_OPTIONS` the user gave, by
-    parameter name) under their field names, then the options parsed here (--ablations NAME,...|all, --tau-L,
+    parameter name) under their field names (--budget without --steps trains SPIRe and EAGLE-3 by time instead of
+    the default step counts; --eagle3-budget without --eagle3-steps EAGLE-3 alone), then the options parsed here
+    (--ablations NAME,...|all, --tau-L,
     --tau-k with 0 for none, --draft-vocab with 0 for the whole vocabulary, --target-cache with none for the
     live target). Raises ConfigError for a malformed value."""
     from spire.training.distill import ABLATIONS
 
     out = {FIELDS.get(name, name): value for name, value in options.items() if value is not None}
+    if "budget_s" in out and "steps" not in out:  # --budget alone: SPIRe, and EAGLE-3, train by time
+        out["steps"] = None
+    if ("budget_s" in out or "eagle3_budget_s" in out) and "eagle3_steps" not in out:
+        out["eagle3_steps"] = None
     if ablations is not None:
         names = [a.strip() for a in ablations.split(",") if a.strip()]
         out["ablations"] = tuple(ABLATIONS) if names == ["all"] else tuple(names)
@@ -61,14 +67,19 @@ def reproduce(
                                                       "of the preset's checkpoint.")] = None,
     out: Annotated[Path, typer.Option(help="Output folder for REPORT.md, results.json and PNGs.")] = Path("spire-out"),
     quick: Annotated[bool, typer.Option("--quick", help="Smoke-test settings: about 5 minutes on 2 cores.")] = False,
-    budget: Annotated[Optional[float], typer.Option(help="SPIRe training budget in seconds [600].")] = None,
-    vanilla_budget: Annotated[Optional[float], typer.Option(help="Vanilla draft training seconds, at most [1100].")] = None,
+    budget: Annotated[Optional[float], typer.Option(help="Train SPIRe (and EAGLE-3) for this many seconds instead of "
+                                                    "the default step counts (then what is trained depends on "
+                                                    "the machine's speed) [none: --steps; 60 with --quick].")] = None,
+    vanilla_budget: Annotated[Optional[float], typer.Option(help="Vanilla draft training seconds, at most [none; "
+                                                            "1100 with --budget].")] = None,
     ablations: Annotated[Optional[str], typer.Option(metavar="NAME[,NAME...]|all", help="Figure 5 ablations to "
                                                      "train and measure: none (full SPIRe at the ablation budget), "
                                                      "no-feedback, no-feedback-no-target, omega1, hard-loss, "
                                                      "random-init, full-kv, or all.")] = None,
     ablation_budget: Annotated[Optional[float], typer.Option(help="Training seconds per ablation [300].")] = None,
-    steps: Annotated[Optional[int], typer.Option(help="Train SPIRe for this many steps instead of --budget.")] = None,
+    steps: Annotated[Optional[int], typer.Option(help="SPIRe's optimizer steps of 4 x 256 tokens, what the "
+                                                  "committed results trained; the vanilla draft trains half its "
+                                                  "tokens [671].")] = None,
     vanilla_steps: Annotated[Optional[int], typer.Option(help="Vanilla: steps instead of seconds.")] = None,
     ablation_steps: Annotated[Optional[int], typer.Option(help="Ablations: steps instead of seconds (equal "
                                                                 "training for every variant).")] = None,
@@ -84,8 +95,9 @@ def reproduce(
                                                    "draft beside SPIRe [on].")] = None,
     eagle3_budget: Annotated[Optional[float], typer.Option(help="EAGLE-3 training seconds [SPIRe's --budget].")]
     = None,
-    eagle3_steps: Annotated[Optional[int], typer.Option(help="EAGLE-3: steps instead of seconds [SPIRe's --steps]."
-                                                        )] = None,
+    eagle3_steps: Annotated[Optional[int], typer.Option(help="EAGLE-3's optimizer steps, what the committed "
+                                                        "results trained (with --budget alone: SPIRe's seconds) "
+                                                        "[969].")] = None,
     n_contexts: Annotated[Optional[int], typer.Option(help="Held-out contexts per τ measurement [48].")] = None,
     L: Annotated[Optional[int], typer.Option("-L", "--context", help="Context length for τ (tokens) [512].")] = None,
     G: Annotated[Optional[int], typer.Option("-G", "--generate", help="Tokens generated per context [64].")] = None,

@@ -6,7 +6,9 @@ Works the same in one process and under ``torchrun --nproc_per_node N`` (data pa
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -18,10 +20,11 @@ from spire.commands.options import ints
 from spire.data import document_separator_id, prepare_data, prepare_text_files
 from spire.errors import CheckpointError, ConfigError
 from spire.loading import load_target
-from spire.paths import check_output_path
+from spire.paths import atomic_write, check_output_path
 from spire.training.distill import (ABLATIONS, RESUME_SETTINGS, TrainConfig, ablation_config, init_distributed,
                                     init_draft_settings, init_weights_file, load_state, refuse_existing_run,
                                     train_draft)
+from spire.training.runfolder import RunLock, check_fresh_folder
 
 COMMAND_DEFAULTS = {"eval_every": defaults.EVAL_EVERY}
 """Where `spire train` differs from TrainConfig's defaults: it logs a held-out learning curve."""
@@ -176,11 +179,13 @@ def _plain(v):
     return list(v) if isinstance(v, (tuple, list)) else v
 
 
-def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None) -> TrainConfig:
+def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None, log=print) -> TrainConfig:
     """The TrainConfig of the run saved in ``out`` (:meth:`TrainConfig.from_dict`: run folders of every spire
     version), with new limits (:data:`spire.training.distill.RESUME_SETTINGS`) applied. Raises CheckpointError when
     there is nothing to resume, ConfigError when ``args`` give settings other than the limits that differ from the
-    saved run's (a resume keeps its settings)."""
+    saved run's (a resume keeps its settings). How new limits change the run goes to ``log``, a line each
+    (:func:`resume_notes`); a run that ended at its time budget and is given more steps (--max-steps without
+    --budget) trains them: its budget is lifted."""
     state = load_state(out)
     if state is None:
         raise CheckpointError(f"nothing to resume: {out} holds no checkpoint")
@@ -196,9 +201,36 @@ def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None) -> T
         if changed:
             raise ConfigError(f"--resume continues {out} with its saved settings; these options differ from them: "
                               f"{', '.join(changed)} (drop them, or train into another --out)")
+    for note in resume_notes(saved, limits, state):
+        log(note)
     for k, v in limits.items():
         setattr(saved, k, v)
+    if ("max_steps" in limits and "budget_s" not in limits and state["elapsed_s"] >= saved.budget_s
+            and (limits["max_steps"] or 0) > state["step"]):
+        saved.budget_s = float("inf")  # the run ended at its time budget: the steps given now decide alone
     return saved
+
+
+def resume_notes(saved: TrainConfig, limits: dict, state: dict) -> list[str]:
+    """One line for each way new limits on a resume change the run (:func:`saved_config`): the learning-rate
+    schedule's horizon (cosine decay over ``max_steps`` steps, or over the time budget when no step count is set),
+    and a run that ended at its time budget given more steps."""
+    notes, step = [], state["step"]
+    old_steps, new_steps = saved.max_steps, limits.get("max_steps", saved.max_steps)
+    if new_steps != old_steps and new_steps is not None:
+        was = (f"{old_steps} steps" if old_steps is not None else f"the {saved.budget_s:g} s time budget")
+        notes.append(f"note: --max-steps {new_steps} on resume: the learning-rate schedule's horizon changes from "
+                     f"{was} to {new_steps} steps; from step {step} on the cosine decay follows the new horizon (a run "
+                     f"given --max-steps {new_steps} from the start would have decayed differently)")
+    elif old_steps is None and "budget_s" in limits and limits["budget_s"] != saved.budget_s:
+        notes.append(f"note: --budget {limits['budget_s']:g} on resume: the learning-rate schedule follows the time "
+                     f"budget, so its horizon changes from {saved.budget_s:g} s to {limits['budget_s']:g} s from "
+                     f"{state['elapsed_s']:.0f} s of training on")
+    if ("max_steps" in limits and "budget_s" not in limits and state["elapsed_s"] >= saved.budget_s
+            and (new_steps or 0) > step):
+        notes.append(f"note: the run ended at its {saved.budget_s:g} s time budget at step {step}: it now trains to "
+                     f"step {new_steps} without a time limit (give --budget too to keep one)")
+    return notes
 
 
 def load_data(spec: list[str], tokenizer, progress: bool):
@@ -247,13 +279,22 @@ def run(args: TrainRunArgs, log=print) -> dict:
     out = check_output_path(args.out or default_out(args), "--out", folder=True)
     if args.eval_windows is not None and args.eval_windows < 0:
         raise ConfigError(f"--eval-windows must be >= 0, got {args.eval_windows}")
-    cfg = saved_config(out, args.resume_limits(), args) if args.resume else build_config(args)
+    notes = log if os.environ.get("RANK", "0") == "0" else (lambda _: None)  # under torchrun: rank 0 says it
+    cfg = saved_config(out, args.resume_limits(), args, notes) if args.resume else build_config(args)
     saved = load_state(out)
     if not args.resume:  # the Trainer checks it too; here it comes before the banner and any loading
         refuse_existing_run(out, saved)
+        check_fresh_folder(out)  # a folder of the user's files is refused before anything is written
     if args.eval_windows is None:
         args.eval_windows = saved.get("heldout_windows", 16) if args.resume else 16
     rank, world = init_distributed()
+    with RunLock(out, log) if rank == 0 else contextlib.nullcontext():  # a second writer is refused here
+        return _run_locked(args, out, cfg, saved, rank, world, log)
+
+
+def _run_locked(args: TrainRunArgs, out: Path, cfg: TrainConfig, saved: dict | None, rank: int, world: int,
+                log) -> dict:
+    """:func:`run` once rank 0 holds the run folder's lock."""
     device = resolve_device(args.device, world)
     target, tokenizer, folder = load_target(args.target, device=device, progress=rank == 0)
     if cfg.seq_len > target.cfg.max_positions:
@@ -261,11 +302,13 @@ def run(args: TrainRunArgs, log=print) -> dict:
     cfg.draft_config.validate(target.cfg.n_layers, target.cfg.vocab_size)  # what the target decides, refused
     # before the banner and the data
     data = load_data(args.data, tokenizer, progress=rank == 0)
-    if args.resume and cfg.data is not None and cfg.data != data.manifest.get("key"):
-        raise ConfigError(f"--resume: {out} was trained on other text than --data {' '.join(args.data)}: give it "
-                          "the run's own --data again")
-    if not (args.resume and cfg.data is None):  # a run saved without its text's identity (`spire reproduce`'s)
-        cfg.data = data.manifest.get("key")    # resumes as it was saved
+    # a run saved by a spire that keyed text by modification times resumes on the same files, unchanged since
+    legacy = args.resume and cfg.data is not None and cfg.data == data.manifest.get("previous_key")
+    if args.resume and cfg.data is not None and cfg.data != data.manifest.get("key") and not legacy:
+        raise ConfigError(f"--resume: {out} was trained on other text than --data {' '.join(args.data)} (its "
+                          "content differs): give it the run's own --data again")
+    if not (args.resume and (cfg.data is None or legacy)):  # a run saved without its text's identity (`spire
+        cfg.data = data.manifest.get("key")                 # reproduce`'s) resumes as it was saved
     heldout = heldout_windows(data, cfg.seq_len, args.eval_windows)
     article = "an" if cfg.draft[0] in "aeiou" else "a"
     banner = (f"training {article} {cfg.draft} draft{'' if cfg.ablation == 'none' else f' (ablation {cfg.ablation})'} for "
@@ -286,7 +329,7 @@ def run(args: TrainRunArgs, log=print) -> dict:
         "heldout": state.get("heldout"), "rank": rank, "draft_path": str(out / model.export_name),
     }
     if rank == 0:
-        (Path(out) / "summary.json").write_text(json.dumps(summary, indent=1))
+        atomic_write(Path(out) / "summary.json", None, json.dumps(summary, indent=1))
     if world > 1:  # leave the process group cleanly (gloo aborts a peer that exits while others still talk)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -19,7 +19,8 @@ from spire.registry import DraftImpl
 from spire.throughput.pricing import shape_of
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.kv_cache import KVCache
-from spire.loading import load_model, load_target
+from spire.loading import (TOKENIZER_FILES, WEIGHTS_INDEX, check_finite, load_model, load_target, stored_dtype,
+                           weight_files)
 from spire.model import ForwardOutput, ModelConfig, Transformer
 from spire.paths import replace_dir
 
@@ -206,15 +207,20 @@ def save_vanilla(model: Transformer, folder, target_folder, meta: dict) -> None:
         if isinstance(cfg.get(key), list) and cfg[key]:
             cfg[key] = [cfg[key][i % len(cfg[key])] for i in range(n)]
     cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["torch_dtype"] = "float32"  # the stored tensors' dtype (a bf16 target's config said bfloat16)
+    if "dtype" in cfg:
+        cfg["dtype"] = "float32"
+
+    sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    check_finite(sd, f"draft {folder} not written")  # weights that could never load are never written
 
     def write(tmp: Path) -> None:
-        sd = {k: v.detach().float().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
         save_file(sd, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         (tmp / "spire_train.json").write_text(json.dumps(meta, indent=1, default=str))
-        for f in target_folder.iterdir() if target_folder else ():
-            if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "spire_train.json"):
-                shutil.copy2(f, tmp / f.name)
+        for name in TOKENIZER_FILES if target_folder else ():  # the tokenizer's files only: never the target's
+            if (target_folder / name).is_file():             # weights, index or other files
+                shutil.copy2(target_folder / name, tmp / name)
 
     replace_dir(folder, write)
 
@@ -252,11 +258,17 @@ def _export(src: Path, target: Transformer, name_or_path: str, k: int):
         raise TokenizerMismatchError(f"draft {src} has {model.cfg.vocab_size} vocabulary entries, the target "
                                      f"{target.cfg.vocab_size}")
     config = independent_config(json.loads((src / "config.json").read_text()), target, name_or_path, k)
+    weights = weight_files(src)  # what the loader read (an index's files), never a stray file beside them
+    config["torch_dtype"] = stored_dtype(weights) or config.get("torch_dtype")  # the stored tensors' dtype
+    if "dtype" in config:
+        config["dtype"] = config["torch_dtype"]
+    keep = [*weights, *(src / n for n in (*TOKENIZER_FILES, "spire_train.json") if (src / n).is_file())]
+    if (src / WEIGHTS_INDEX).is_file():
+        keep.append(src / WEIGHTS_INDEX)
 
     def write(tmp: Path) -> None:
-        for f in src.iterdir():
-            if f.is_file() and f.name != "config.json":
-                shutil.copy2(f, tmp / f.name)
+        for f in keep:
+            shutil.copy2(f, tmp / f.name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return write
 

@@ -330,10 +330,14 @@ def _training_lines(results: dict, cfg) -> list[str]:
     if "vanilla" in trs:
         shares = (f" Vanilla got {trs['vanilla']['tokens'] / max(tr['tokens'], 1):.2f}× SPIRe's training tokens "
                   f"({trs['vanilla']['tokens']:,} against {tr['tokens']:,}).")
+    by_steps = getattr(cfg, "steps", None) is not None
     if "eagle3" in trs:
         e3 = trs["eagle3"]
-        shares += (f" EAGLE-3 trained for {e3['elapsed_s']:.0f} s against SPIRe's {tr['elapsed_s']:.0f} s (the same "
-                   f"budget: equal training compute by the clock) and got {e3['tokens'] / max(tr['tokens'], 1):.2f}× "
+        how = ("(the step counts the main job fixes: each is what the draft trained in the same 600 s budget when the "
+               "job trained by time)" if by_steps else
+               "(the same budget: equal training compute by the clock)")
+        shares += (f" EAGLE-3 trained for {e3['elapsed_s']:.0f} s against SPIRe's {tr['elapsed_s']:.0f} s {how} and "
+                   f"got {e3['tokens'] / max(tr['tokens'], 1):.2f}× "
                    f"its tokens ({e3['tokens']:,}): one decoder layer over the fused target layers "
                    f"{e3.get('source_layers') or []}, random initialization but for the target's embedding, final "
                    "norm and head rows, full KV cache (speculators' Eagle3; arXiv 2503.01840).")
@@ -349,6 +353,14 @@ def _training_lines(results: dict, cfg) -> list[str]:
         + (f", data parallel in {tr['processes']} processes × {tr['threads_per_process']} thread(s)"
            if tr.get("processes", 1) > 1 else "")
         + f". α = E[Σ min(p, q)] on {cfg.alpha_windows} held-out windows." + shares,
+        "",
+        ("**Trained by step counts, not by time**: each draft trained the tokens of the table whatever this machine's "
+         "speed and load; the minutes are the wall time they took here. The same commit trains the same drafts on "
+         "any machine: bit for bit where the CPU's kernels and the process and thread counts are the same, "
+         "otherwise to float rounding, and τ then agrees within its CIs (expected; not measured across machines "
+         "by this run)." if by_steps else
+         "**Trained by time budgets** (`--budget`): the tokens each draft trained, and so its α and τ, depend on "
+         "this machine's speed and load (without `--budget` the job trains fixed step counts instead)."),
         "",
     ] + [f"- {b}" for b in beyond] + ([""] if beyond else []) + lines + [""]
 

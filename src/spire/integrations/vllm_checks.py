@@ -36,7 +36,16 @@ def target_rows(model: str) -> torch.Tensor | None:
     when ``model`` is not a local folder holding them."""
     from safetensors import safe_open
 
-    for f in sorted(Path(model).glob("*.safetensors")) if Path(model).is_dir() else ():
+    folder = Path(model)
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():  # the files the index names, as transformers reads them (never a stale shard beside them)
+        import json
+
+        files = [folder / n for n in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    elif (folder / "model.safetensors").is_file():
+        files = [folder / "model.safetensors"]
+    for f in files:
         with safe_open(str(f), "pt") as h:
             for key in ("model.embed_tokens.weight", "embed_tokens.weight"):
                 if key in h.keys():

@@ -31,6 +31,8 @@ Llama folder; ``--draft vanilla --draft-path``).
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import json
 import math
 import os
@@ -56,6 +58,7 @@ from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.model import Transformer
 from spire.formats.draft_file import DRAFT_KIND_KEYS, DRAFT_KIND_NAMES, draft_file_kind, read_draft_meta
 from spire.paths import atomic_write, existing_dir, replace_dir
+from spire.training.runfolder import RunLock, check_fresh_folder, remove_stale_temporaries
 from spire.training.losses import acceptance_alpha_logp, hard_target_loss, kl_loss_logp, mixed_loss_logp
 from spire.training.sources import (STORAGE_DTYPES, CachedTarget, LiveTarget, TargetCache, TeacherBatch, autocast,
                                     run_target)
@@ -342,11 +345,12 @@ def uncompile_draft(model: TrainableDraft) -> None:
 
 
 def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg: TrainConfig,
-              parts: dict | None = None) -> tuple[torch.Tensor, float]:
+              parts: dict | None = None, ce_scale: float = 1.0) -> tuple[torch.Tensor, float]:
     """The training loss of one batch and its alpha (nan when there is no teacher): teacher-forced draft logits
-    (under bf16 autocast when cfg.bf16), then MixedLoss(omega) against the teacher or HardTargetLoss, plus
-    cfg.hidden_weight × the hidden-state mismatch when that is on (its unweighted value goes to
-    ``parts["hidden"]`` when a dict is given)."""
+    (under bf16 autocast when cfg.bf16), then MixedLoss(omega) against the teacher or HardTargetLoss (times
+    ``ce_scale``: :meth:`Trainer._update` makes a process's mean over its own valid targets a share of the mean
+    over every process's), plus cfg.hidden_weight × the hidden-state mismatch when that is on (its unweighted
+    value goes to ``parts["hidden"]`` when a dict is given)."""
     extra = 0.0
     with autocast(bool(cfg.bf16), tb.tokens.device):
         if cfg.hidden_weight:
@@ -365,7 +369,7 @@ def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg:
         terms = (mixed_loss_logp(q_logits, logp, cfg.omega, kernel) if kind == "mixed"
                  else kl_loss_logp(q_logits, logp, kernel))
         return terms.loss + extra, terms.alpha
-    loss = hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tb.tokens[:, 1:]), kernel) + extra
+    loss = hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tb.tokens[:, 1:]), kernel) * ce_scale + extra
     if tb.final is None:
         return loss, float("nan")
     return loss, float(acceptance_alpha_logp(q_logits, logp).mean())
@@ -389,6 +393,24 @@ def load_state(out_dir: Path) -> dict | None:
                               "train into another --out") from e
 
 
+def read_log(path: Path) -> tuple[list[dict], int]:
+    """The entries of an append-only JSON-lines log and how many lines were dropped: a line that is not a whole
+    JSON object (torn by a crash or a full disk while it was appended) is dropped, with everything after it."""
+    rows: list[dict] = []
+    lines = Path(path).read_text(errors="replace").splitlines()
+    for i, ln in enumerate(lines):
+        if not ln.strip():
+            continue
+        try:
+            row = json.loads(ln)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict):
+            return rows, sum(1 for x in lines[i:] if x.strip())
+        rows.append(row)
+    return rows, 0
+
+
 def refuse_existing_run(out_dir: Path, state: dict | None) -> None:
     """Raise ConfigError when ``state`` (:func:`load_state` of ``out_dir``) is a saved run: a new run may not
     overwrite it."""
@@ -402,6 +424,23 @@ def _distributed():
     if dist.is_available() and dist.is_initialized():
         return dist, dist.get_rank(), dist.get_world_size()
     return None, 0, 1
+
+
+WAIT_DEADLINE = datetime.timedelta(days=7)
+"""How long a process waits for work that rank 0 does alone (a target cache build, an evaluation, a checkpoint
+write): far beyond any of them, where the process group's own default (30 minutes) is shorter than a cache
+build of a large target (Lightning #19266)."""
+_WAIT_GROUPS: dict = {}
+
+
+def wait_for_rank0(dist_module) -> None:
+    """A barrier over every process in a gloo group whose deadline is :data:`WAIT_DEADLINE` (created by the first
+    call, which every process makes at the same point), for waits on rank-0-only work."""
+    key = id(dist_module.distributed_c10d._get_default_group())
+    if key not in _WAIT_GROUPS:
+        _WAIT_GROUPS.clear()  # a group of an earlier process group is gone with it
+        _WAIT_GROUPS[key] = dist_module.new_group(backend="gloo", timeout=WAIT_DEADLINE)
+    dist_module.barrier(group=_WAIT_GROUPS[key])
 
 
 def init_distributed() -> tuple[int, int]:
@@ -458,6 +497,8 @@ class Trainer:
         self.ema_loss = self.ema_alpha = None
         self.hidden_mismatch: float | None = None  # the last step's hidden-state mismatch (hidden_weight > 0)
         self.started: dict | None = None  # what the draft did before a fresh run's first step (its log event)
+        if self.rank == 0:  # the lock is held: what a killed writer left half-written is removed
+            remove_stale_temporaries(self.out_dir)
         self.model = self._setup_model(resume)
         self.meta = {"ablation": cfg.ablation, "loss": cfg.resolved_loss(), "omega": cfg.omega, "k": cfg.k}
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -467,13 +508,17 @@ class Trainer:
             if not (ckpt / OPTIM_FILE).is_file():
                 raise CheckpointError(f"{ckpt} holds no {OPTIM_FILE}: the checkpoint is incomplete and cannot be "
                                       "resumed exactly")
-            self.opt.load_state_dict(torch.load(ckpt / OPTIM_FILE, weights_only=True))
+            # onto this run's device, whichever device wrote it (a GPU run resumed on a CPU, or the reverse)
+            self.opt.load_state_dict(torch.load(ckpt / OPTIM_FILE, map_location=target.device, weights_only=True))
             for group in self.opt.param_groups:  # a saved group names its implementation: keep this trainer's
                 group.update(fused=self.opt.defaults.get("fused"), foreach=self.opt.defaults.get("foreach"))
         if self.rank == 0 and (self.out_dir / LOG_FILE).is_file():  # drop log lines written after the checkpoint
-            lines = [ln for ln in (self.out_dir / LOG_FILE).read_text().splitlines()
-                     if ln.strip() and json.loads(ln)["step"] <= self.state["step"]]
-            atomic_write(self.out_dir / LOG_FILE, None, "".join(ln + "\n" for ln in lines))
+            rows, torn = read_log(self.out_dir / LOG_FILE)
+            if torn and log is not None:
+                log(f"      dropped {torn} torn line(s) at the end of {self.out_dir / LOG_FILE} (a crash or a full disk "
+                    "while it was written)")
+            atomic_write(self.out_dir / LOG_FILE, None,
+                         "".join(json.dumps(r) + "\n" for r in rows if r.get("step", 0) <= self.state["step"]))
 
     def _setup_model(self, resume: bool | None) -> TrainableDraft:
         """The draft, and ``self.state``: from the saved run (checked against the settings), or fresh."""
@@ -522,7 +567,7 @@ class Trainer:
     def _logged_backend(self) -> dict | None:
         """The last backend the run's log records (without its event and step), or None."""
         path = self.out_dir / LOG_FILE
-        rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.is_file() else []
+        rows = read_log(path)[0] if path.is_file() else []
         last = next((r for r in reversed(rows) if r.get("event") == "backend"), None)
         return None if last is None else {k: v for k, v in last.items() if k not in ("event", "step")}
 
@@ -606,21 +651,37 @@ class Trainer:
                 torch.set_num_threads(threads * self.world)
                 ev = evaluate_heldout(self.model, self.target, self.heldout, self.cfg)
                 torch.set_num_threads(threads)
-            self.dist.barrier()
+            wait_for_rank0(self.dist)
             if ev is None:
                 return
         else:
             ev = evaluate_heldout(self.model, self.target, self.heldout, self.cfg)
         self.model.train()
+        if not all(math.isfinite(v) for v in (ev["loss"], ev["alpha"])):  # a draft that cannot be used: no write
+            self.stop(f"non-finite held-out loss ({ev['loss']}) or alpha ({ev['alpha']}) at step {state['step']}",
+                      "lower --lr or check the data")
         state["heldout"] = {"step": state["step"], **ev}
         self.write_log({"event": "eval", "step": state["step"], "tokens": state["tokens"], **ev})
         if self.bar is not None:
             self.bar.write(f"step {state['step']}: held-out loss {ev['loss']:.4f}, alpha "
                            + " ".join(f"{a:.3f}" for a in ev["alpha_per_position"]))
 
+    def stop(self, what: str, advice: str) -> None:
+        """Raise TrainingError for ``what`` (a non-finite value): the run stops, its last good checkpoint kept."""
+        if self.bar is not None:
+            self.bar.close()
+        last = load_state(self.out_dir)
+        raise TrainingError(f"{what}; the last good checkpoint (step {last['step'] if last else 0}) in "
+                            f"{self.out_dir} is kept: {advice}")
+
     def checkpoint(self) -> None:
-        """Replace the checkpoint folder (weights, AdamW state, JSON state) and the exported draft (rank 0)."""
+        """Replace the checkpoint folder (weights, AdamW state, JSON state) and the exported draft (rank 0). Weights
+        with a NaN or infinite value are never written: TrainingError, the last good checkpoint kept."""
         model, target, state, meta = self.model, self.target, self.state, self.meta
+        bad = next((n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())), None)
+        if bad is not None:
+            self.stop(f"the draft's weight {bad!r} holds NaN or infinite values at step {state['step']}",
+                      "lower --lr or check the data")
         if self.rank == 0:
             def write(tmp: Path) -> None:
                 model.save_checkpoint(tmp / DRAFT_FILE, target, {"train": {"step": state["step"]}, **meta})
@@ -630,7 +691,7 @@ class Trainer:
             model.export(self.out_dir, target, {"train": {"step": state["step"], "tokens": state["tokens"],
                                                           "finished": state["finished"]}, **meta}, self.target_folder)
         if self.dist is not None:
-            self.dist.barrier()
+            wait_for_rank0(self.dist)
 
     def finish(self) -> tuple[TrainableDraft, dict]:
         """Mark the run finished (a last evaluation and checkpoint when it was not); the draft in eval mode."""
@@ -650,7 +711,16 @@ class Trainer:
         for g in self.opt.param_groups:
             g["lr"] = lr
         parts: dict = {}
-        loss, alpha = step_loss(self.model, self.target, tb, cfg, parts)
+        ce_scale = 1.0
+        if dist is not None and cfg.resolved_loss() == "hard" and self.model.vocab is not None:
+            # a draft vocabulary leaves each process its own count of valid targets: weigh its mean by its share
+            # of the global count, so the averaged gradient is that of the mean over every valid target (as one
+            # process computes it); a process without any contributes zero
+            mine = float((self.model.to_draft_ids(tb.tokens[:, 1:]) >= 0).sum())
+            total = torch.tensor([mine], dtype=torch.float64, device=self.target.device)
+            dist.all_reduce(total)
+            ce_scale = world * mine / max(float(total), 1.0)
+        loss, alpha = step_loss(self.model, self.target, tb, cfg, parts, ce_scale)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         stats = torch.tensor([loss.item(), alpha, parts.get("hidden", 0.0)], device=self.target.device)  # NCCL: CUDA
@@ -666,13 +736,12 @@ class Trainer:
         loss_value, alpha = float(stats[0]), float(stats[1])
         self.hidden_mismatch = float(stats[2]) if "hidden" in parts else None
         if not math.isfinite(loss_value):
-            if self.bar is not None:
-                self.bar.close()
-            last = load_state(self.out_dir)
-            raise TrainingError(f"non-finite loss ({loss_value}) at step {state['step'] + 1} (lr {lr:.2e}); the "
-                                f"last good checkpoint (step {last['step'] if last else 0}) in {self.out_dir} is "
-                                "kept: lower --lr or check the data")
+            self.stop(f"non-finite loss ({loss_value}) at step {state['step'] + 1} (lr {lr:.2e})",
+                      "lower --lr or check the data")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
+        if not math.isfinite(grad_norm):  # the update would write inf / NaN into the weights: stop before it
+            self.stop(f"non-finite gradient norm ({grad_norm}) at step {state['step'] + 1} (loss {loss_value:.4g}, "
+                      f"lr {lr:.2e})", "lower --lr or --grad-clip, or train without --bf16")
         self.opt.step()
         return loss_value, alpha, grad_norm
 
@@ -740,6 +809,16 @@ def train_draft(target: Transformer, data, out_dir: Path, cfg: TrainConfig | Non
         DataError: the data cannot give windows of seq_len tokens.
     """
     cfg = TrainConfig() if cfg is None else cfg
+    cfg.validate()  # impossible settings are refused before the folder is touched
+    _, rank, _ = _distributed()
+    if resume is not True and load_state(Path(out_dir)) is None:
+        check_fresh_folder(out_dir)  # before the lock file or anything else is written
+    with RunLock(out_dir, log) if rank == 0 else contextlib.nullcontext():
+        return _train_locked(target, data, out_dir, cfg, heldout, resume, target_folder, progress, log, banner)
+
+
+def _train_locked(target, data, out_dir, cfg, heldout, resume, target_folder, progress, log, banner):
+    """:func:`train_draft` while rank 0 holds the run folder's lock."""
     run = Trainer(target, data, out_dir, cfg, heldout, resume, target_folder, log)
     if banner is not None and log is not None and run.rank == 0:
         log(banner)
@@ -794,11 +873,11 @@ def make_source(target: Transformer, data, model: TrainableDraft, cfg: TrainConf
                                  cfg.data_steps, cfg.target_cache, folder=target_folder, bf16=bool(cfg.bf16),
                                  progress=show, log=log if show else None)
     if dist is not None and rank != 0:
-        dist.barrier()  # rank 0 builds first
+        wait_for_rank0(dist)  # rank 0 builds first (no deadline: a build may take hours)
         return CachedTarget(build(False), layers, teacher, target.device)
     cache = build(progress)
     if dist is not None:
-        dist.barrier()
+        wait_for_rank0(dist)
     return CachedTarget(cache, layers, teacher, target.device)
 
 

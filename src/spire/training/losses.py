@@ -117,7 +117,7 @@ class _HardTargetLoss(torch.autograd.Function):
         n_valid = int((y >= 0).sum())
         ctx.save_for_backward(grad if grad is not None else z.new_zeros(0))
         ctx.n = n_valid
-        return (loss_rows.sum() / n_valid).float() if n_valid else z.new_tensor(float("nan"))
+        return (loss_rows.sum() / n_valid).float() if n_valid else z.new_zeros(())  # no valid row: contributes 0
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
@@ -130,10 +130,14 @@ class _HardTargetLoss(torch.autograd.Function):
 def hard_target_loss(draft_logits: torch.Tensor, tokens: torch.Tensor, kernel: bool = True) -> torch.Tensor:
     """Cross-entropy of draft_logits (..., N) against the data tokens (...) as indices into the N columns
     (a draft vocabulary maps tokens outside it to -100, which is ignored): the mean over the rows not ignored,
-    as ``F.cross_entropy``. On float32 CPU rows with ``kernel`` it runs through the native row kernel (
-    :func:`spire.kernels.cross_entropy_rows`; equal to torch's to float32 rounding)."""
+    as ``F.cross_entropy``; 0 (with a zero gradient) when every row is ignored (a batch with no target in the draft
+    vocabulary contributes nothing, where ``F.cross_entropy`` gives NaN). On float32 CPU rows with ``kernel`` it
+    runs through the native row kernel (:func:`spire.kernels.cross_entropy_rows`; equal to torch's to float32
+    rounding)."""
     z = draft_logits.float().flatten(0, -2)
     y = tokens.flatten()
+    if not bool((y >= 0).any()):
+        return z.sum() * 0.0
     if kernel and bool((y != -100).eq(y >= 0).all()):  # only -100 is ignored, as F.cross_entropy
         need_grad = torch.is_grad_enabled() and z.requires_grad
         fused = kernels.cross_entropy_rows(z.detach().contiguous(), y, need_grad)

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from spire import fastpath
 from spire.errors import ConfigError, DataError
+from spire.formats.draft_file import weights_digest
 from spire.model import Transformer
 from spire.paths import atomic_write, spire_cache_dir
 
@@ -145,11 +146,11 @@ class LiveTarget:
 
 
 def target_identity(target: Transformer, folder: Path | str | None) -> dict:
-    """What a cache of ``target``'s outputs depends on: its checkpoint and a checksum of its weights."""
-    with torch.no_grad():
-        probe = sum(float(p.double().flatten()[:4096].sum()) for p in target.parameters())
+    """What a cache of ``target``'s outputs depends on: its checkpoint, its configuration and the SHA-256 of every
+    weight tensor's content (:func:`spire.formats.draft_file.weights_digest`, computed once per target), so a
+    target changed in any value is another cache."""
     return {"checkpoint": None if folder is None else str(Path(folder).resolve()), "config": target.cfg.to_dict(),
-            "weights": round(probe, 6)}
+            "weights_sha256": weights_digest(target)}
 
 
 class TargetCache:
