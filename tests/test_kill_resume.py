@@ -42,7 +42,7 @@ KINDS = {  # kind -> (its options, the kill points of its interrupted run, in or
     "vanilla": (["--vanilla-layers", "1"],
                 ["random", "checkpoint", "export", "random", "checkpoint", "random"]),
 }
-pytestmark = pytest.mark.kill_resume
+pytestmark = [pytest.mark.kill_resume, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -381,6 +381,7 @@ class VocabData(RepeatingData):
         self.train = SimpleNamespace(tokens=self.seqs.flatten().numpy().copy())  # not a view: spawn moves seqs
 
 
+@pytest.mark.slow
 def test_processes_normalize_by_the_global_count_of_valid_targets(tmp_path, tiny):
     """Hard loss and a draft vocabulary of 24 of the 97 tokens: each process holds another count of valid targets;
     2 spawned processes follow one process's trajectory."""
@@ -429,6 +430,7 @@ def _slow_cache_worker(rank: int, port: int, root: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_no_process_waits_on_rank_0s_cache_build_under_the_groups_deadline(tmp_path):
     import torch.multiprocessing as mp
 
