@@ -279,6 +279,9 @@ def train(
                                                  "entering residual streams it fuses [2, n/2, n-3].")] = None,
     eagle3_vocab: Annotated[Optional[int], _OPT(help="EAGLE-3: draft vocabulary size (d2t); 0: the target's [16384].")] = None,
     device: Annotated[str, _OPT(help="auto, cpu or cuda.")] = "auto",
+    device_memory: Annotated[Optional[str], _OPT(help="Memory the run may use on the device, e.g. 24GiB: a run whose "
+                                                 "memory plan exceeds it is refused before loading [cuda: the free "
+                                                 "memory; cpu: no check; env SPIRE_DEVICE_MEMORY].")] = None,
 ) -> None:
     """Train a draft (SPIRe, EAGLE-3 or vanilla) against the target; resumable; data parallel under torchrun."""
     from spire.commands.train import args_from_options, run, summary_line

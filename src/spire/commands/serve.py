@@ -73,6 +73,25 @@ def cost_model_policy(model, draft, k: int, weights: str, draft_weights: Optiona
     return CostModelPolicy(rm, k)
 
 
+def check_memory(target: str, device: str, stated: Optional[str], max_running: int, max_len: int, k: int,
+                 prefill_chunk: int, draft: Optional[str], draft_path: Optional[str]) -> None:
+    """Refuse, before loading, settings whose memory plan (spire.memory_plan: weights, KV caches of --max-running x
+    --max-len, a step's activations) exceeds the device's memory; the error names the largest --max-running that
+    fits. No check on a CPU unless --device-memory / $SPIRE_DEVICE_MEMORY states one."""
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    from spire.memory_plan import check_fits, device_memory, serve_planner
+    from spire.loading import read_model_config, resolve_checkpoint
+
+    memory = device_memory(device, stated)
+    if memory is None:
+        return
+    cfg = read_model_config(resolve_checkpoint(target, progress=False))
+    planner = serve_planner(cfg, min(max_len, cfg.max_positions), k, prefill_chunk, draft or registry.BASELINE,
+                            draft_path)
+    check_fits(planner, max_running, memory, device)
+
+
 def pick_draft(draft: Optional[str], draft_path: Optional[str], model) -> tuple[str, Optional[str], str]:
     """(kind, path, why) of the draft to serve: the one named, else the newest trained SPIRe draft in the cache,
     else MagicDec."""
@@ -121,6 +140,10 @@ def serve(
         "steps while the running requests keep decoding. 0: each prompt whole when it joins."))] = 512,
     max_request_bytes: Annotated[int, typer.Option(help=(
         "Request bodies larger than this (bytes) are refused with a 413 before they are read whole."))] = 4 << 20,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
+    device_memory: Annotated[Optional[str], typer.Option(help=(
+        "Memory the server may use on the device, e.g. 24GiB: settings whose memory plan exceeds it are refused "
+        "before loading [cuda: the free memory; cpu: no check; env SPIRE_DEVICE_MEMORY]."))] = None,
     draft_options: dict | None = None,
 ) -> None:
     """Serve the target with continuous batching and lossless speculative decoding (OpenAI-compatible API)."""
@@ -134,6 +157,7 @@ def serve(
     # checked before the model loads; without --draft the kind is picked after it, and the note comes then
     draft_options_for(draft, draft_options, [draft] if draft else list(registry.names()))
     check_bind(host, port)
+    check_memory(target, device, device_memory, max_running, max_len, k, prefill_chunk, draft, draft_path)
     from spire.commands.generate import round_weights
     from spire.drafts import make_draft
     from spire.loading import load_target
@@ -141,7 +165,7 @@ def serve(
     from spire.engine.engine import Engine
 
     def build():
-        model, tokenizer, _ = load_target(target, progress=False)
+        model, tokenizer, _ = load_target(target, device=device, progress=False)
         if max_len > model.cfg.max_positions:
             typer.echo(f"warning: --max-len {max_len} is more than the target's {model.cfg.max_positions} positions; "
                        f"using {model.cfg.max_positions}", err=True)
