@@ -218,7 +218,7 @@ def train(
     warmup_steps: Annotated[int, _OPT(help="Linear warmup steps.")] = defaults.WARMUP_STEPS,
     weight_decay: Annotated[float, _OPT(help="AdamW weight decay.")] = defaults.WEIGHT_DECAY,
     loss: Annotated[Optional[str], _OPT(help="mixed (MixedLoss(omega)), hard (HardTargetLoss) or kl (speculators' "
-                                             "KL over the draft vocabulary) [default: mixed for spire, hard for "
+                                             "KL over the draft vocabulary) or lk (−log acceptance, arXiv 2602.23881) [default: mixed for spire, hard for "
                                              "vanilla, kl for eagle3].")] = None,
     omega: Annotated[Optional[float], _OPT(help=f"MixedLoss weight of distillation (1 = pure distillation) "
                                                 f"[default: {defaults.OMEGA}].")] = None,
