@@ -18,6 +18,17 @@
 # target (`--random-weights`: the forward times, Δt and predictions are real, τ and SD tokens/s are not).
 # Environment: PYTHON (default python3), SPIRE_TARGET, GRID_B, GRID_L, G (tokens per row), DTYPES, TRAIN_BUDGET,
 # COMPILE (set: the SPIRe training step through torch.compile, compiled outside TRAIN_BUDGET).
+#
+# On a lent device machine (no network; each run carries at most 64 MiB of the working tree; git-ignored files a
+# run leaves stay for the next while the machine is warm), the target's 98 MB GGUF goes in two runs:
+#   here:   python benchmarks/gguf_parts.py split "$(python -c 'import spire.loading as l; print(l._embedded_gguf())')" #             gpu-carry --parts 2                              # gpu-carry/ is git-ignored
+#           run 1 carries gpu-carry/part-0 and gpu-carry/SHA256 (command: true)
+#           run 2 carries gpu-carry/part-1 and the gguf wheel (command below); there:
+#   there:  python benchmarks/gguf_parts.py join gpu-carry gpu-carry/target.gguf && \
+#           SPIRE_TARGET=gpu-carry/target.gguf benchmarks/gpu_bench.sh "$OUT"
+# docs/bench.md ("One prepared GPU run") gives the same steps. Not done yet (issue 53 item 7): the tokenized
+# text carried as arrays, the log-acceptance arm (spire train --loss lk) in gpu_spire.py, and the (64, 512),
+# (64, 4096), (16, 8000) bench cells in one JSON within 9 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -31,3 +31,21 @@ def test_gpu_spire_script_dry_run_on_cpu(tmp_path):
         assert ratio == pytest.approx(t["spire"]["tau"] / t["magicdec"]["tau"]) and lo <= ratio <= hi
     assert (tmp_path / "run" / "draft.safetensors").is_file()
     assert "SPIRe / MagicDec (paired CI)" in (tmp_path / "GPU_SPIRE.md").read_text()
+
+
+def test_gguf_parts_split_and_join(tmp_path):
+    """benchmarks/gguf_parts.py: a file split in two parts joins back byte for byte; a part changed in transit is
+    refused with one error line and leaves no joined file."""
+    src = tmp_path / "t.gguf"
+    src.write_bytes(os.urandom(100_001))
+    py = [sys.executable, str(ROOT / "benchmarks" / "gguf_parts.py")]
+    subprocess.run(py + ["split", str(src), str(tmp_path / "carry"), "--parts", "2"], check=True, capture_output=True)
+    parts = sorted((tmp_path / "carry").glob("part-*"))
+    assert [p.stat().st_size for p in parts] == [50_001, 50_000]
+    subprocess.run(py + ["join", str(tmp_path / "carry"), str(tmp_path / "j.gguf")], check=True, capture_output=True)
+    assert (tmp_path / "j.gguf").read_bytes() == src.read_bytes()
+    parts[1].write_bytes(b"x" + parts[1].read_bytes()[1:])
+    proc = subprocess.run(py + ["join", str(tmp_path / "carry"), str(tmp_path / "k.gguf")], capture_output=True,
+                          text=True)
+    assert proc.returncode == 1 and proc.stderr.strip().startswith("error: the joined file does not match")
+    assert not (tmp_path / "k.gguf").exists() and not (tmp_path / "k.gguf.partial").exists()
