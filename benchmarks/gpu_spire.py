@@ -19,7 +19,9 @@ Writes ``OUT/gpu_spire.json`` (every number) and ``OUT/GPU_SPIRE.md`` (the τ ta
 ``OUT/run[-lk]/draft.safetensors``.
 
     python benchmarks/gpu_spire.py --out gpu-out                                   # H100: about 7 minutes
-    python benchmarks/gpu_spire.py --device cpu --tiny --out /tmp/dry              # CPU dry run (tests/)
+    python benchmarks/gpu_spire.py --device cpu --tiny --out /tmp/dry              # CPU dry run (tests/): tiny
+                                                                                   # settings, a 10-layer random
+                                                                                   # target with SmolLM2's vocabulary
 """
 
 from __future__ import annotations
@@ -48,6 +50,23 @@ from spire.training.distill import TrainConfig, train_draft
 ARMS = {"spire": "mixed", "spire_lk": "lk"}
 """Result name -> TrainConfig.loss of each SPIRe arm."""
 CELLS = "64x512,64x4096,16x8000"
+
+
+def tiny_target(folder: Path) -> Path:
+    """A random 10-layer Llama folder (d 64, 4 query heads over 2 KV heads) with SmolLM2's tokenizer and
+    vocabulary: the --tiny dry run's target, so that it runs every step of the GPU run in seconds on a CPU."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from spire.loading import resolve_checkpoint
+
+    if not (folder / "config.json").is_file():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=10,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                          tie_word_embeddings=True, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+        LlamaForCausalLM(cfg).save_pretrained(folder)
+        AutoTokenizer.from_pretrained(resolve_checkpoint(progress=False)).save_pretrained(folder)
+    return folder
 
 
 def environment(device: str, cfg: TrainConfig, model_cfg) -> dict:
@@ -106,8 +125,10 @@ def main() -> None:
         raise SystemExit(f"error: --arms takes names of {', '.join(ARMS)}, got {a.arms!r}")
     if a.tiny:
         a.budget, a.max_steps, a.batch_size, a.seq_len, a.cache_steps = 60.0, 1, 2, 64, 1
-        a.n_contexts, a.L, a.G, a.bench_G, a.bench_reps = 2, 64, 8, 4, 1
-        a.cells = "2x64,1x96" if a.cells == CELLS else a.cells
+        a.n_contexts, a.L, a.G, a.bench_G, a.bench_reps = 2, 64, 4, 4, 1
+        a.cells = "2x64" if a.cells == CELLS else a.cells
+        if a.target == "smollm2-135m":  # (the GPU run's target: the dry run of gpu_bench.sh joins its GGUF)
+            a.target = str(tiny_target(a.out / "tiny-target"))
     if a.device.startswith("cuda"):  # exactness where it is asked for; bf16 autocast where it is not
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False

@@ -1,5 +1,6 @@
-"""The GPU script's CPU dry run: benchmarks/gpu_spire.py --device cpu --tiny goes through the same path as the
-H200 run (target cache, training, τ of MagicDec and SPIRe with the paired ratio CI) in well under a minute."""
+"""The GPU script's CPU dry run: benchmarks/gpu_bench.sh --dry-run goes through the same path as the GPU run (the
+target's GGUF split and joined, the environment check, target cache, two SPIRe arms, τ of MagicDec and both arms
+with paired ratio CIs, the bench cells) on a tiny target."""
 
 import json
 import os
@@ -29,8 +30,8 @@ def test_gpu_bench_dry_run_on_cpu(tmp_path):
     env_check = out["env"]
     assert env_check["torch"] == __import__("torch").__version__ and env_check["gguf"] == "importable"
     plan = env_check["train_memory_plan"]
-    assert plan["batch"] == 2 and plan["total_bytes"] == sum(plan["parts"].values()) > 5e8
-    assert out["spire_layers"] == [0, 1, 24, 25, 26, 27, 28, 29] and out["draft_vocab"] == 16384
+    assert plan["batch"] == 2 and plan["total_bytes"] == sum(plan["parts"].values()) > 0
+    assert out["spire_layers"] == [0, 1, 4, 5, 6, 7, 8, 9] and out["draft_vocab"] == 16384  # (its 10-layer target)
     for key, loss in (("train", "mixed"), ("train_lk", "lk")):
         t = out[key]
         assert t["loss"] == loss and t["steps"] == 1 and t["tokens"] == 2 * 64
@@ -41,7 +42,7 @@ def test_gpu_bench_dry_run_on_cpu(tmp_path):
         for x, y in (("spire", "magicdec"), ("spire_lk", "magicdec"), ("spire_lk", "spire")):
             ratio, lo, hi = t[f"{x}_over_{y}"]
             assert ratio == pytest.approx(t[x]["tau"] / t[y]["tau"]) and lo <= ratio <= hi
-    assert [(c["B"], c["L"], c["prefill_group_rows"]) for c in out["bench"]] == [(2, 64, 1), (1, 96, 1)]
+    assert [(c["B"], c["L"], c["prefill_group_rows"]) for c in out["bench"]] == [(2, 64, 1)]
     for cell in out["bench"]:
         assert {r["draft"] for r in cell["rows"]} == {"magicdec", "spire", "spire_lk"}
         assert all(r["tau"] >= 1.0 and r["t_verify_s"] > 0 for r in cell["rows"]) if "t_verify_s" in cell["rows"][0] \
