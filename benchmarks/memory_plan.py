@@ -5,7 +5,8 @@ builds a SmolLM2-135M-shaped target (float32, random weights: memory does not de
 read, whose file buffers would count), and
 
 - train: builds the SPIRe draft of the main recipe (or as set), its AdamW, and runs ``--steps`` training steps
-  (the live target's teacher batch, the loss, backward, clip, AdamW) at the setting's batch and length;
+  (the live target's teacher batch, the loss, backward, clip, AdamW) at the setting's batch and length, its
+  attention as ``--attention`` says (default: SDPA's math backend, the attention the plan counts);
 - serve: an engine of the setting's slots and positions with a MagicDec draft, every slot given a prompt of
   ``prompt`` tokens and decoded for ``G`` tokens;
 
@@ -22,6 +23,7 @@ instead of the heap's fragments.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -40,7 +42,7 @@ def rss(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
-def one(kind: str, s: dict, steps: int) -> dict:
+def one(kind: str, s: dict, steps: int, attention: str = "math") -> dict:
     import torch
 
     from spire.bench.run import SMOLLM2_CONFIG
@@ -64,15 +66,23 @@ def one(kind: str, s: dict, steps: int) -> dict:
         target = Transformer(cfg).eval().requires_grad_(False)
         data = types.SimpleNamespace(train=types.SimpleNamespace(tokens=np.arange(cfg.vocab_size)))
         model = _build_model(target, tc, data)
+        if attention == "math":  # the attention the plan counts (a GPU's SDPA; meta decomposes it to math)
+            from spire import backend
+
+            backend.use(model, backend.of(model).replace(grouped_attention=False))
         params = [p for p in model.parameters() if p.requires_grad]
         opt = make_optimizer(params, tc)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        ctx = sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
         for step in range(steps):
             tokens = torch.randint(0, cfg.vocab_size, (s["batch"], s["seq_len"]),
                                    generator=torch.Generator().manual_seed(step))
             tb = run_target(target, tokens, model.target_layers(), True, False)
-            loss, _ = step_loss(model, target, tb, tc)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            with ctx:
+                loss, _ = step_loss(model, target, tb, tc)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
             torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
             opt.step()
             del tb, loss
@@ -91,7 +101,7 @@ def one(kind: str, s: dict, steps: int) -> dict:
                                   RequestParams(max_tokens=s["G"])) for _ in range(s["slots"])]
         drain(engine, ids)
     measured = rss("VmHWM") - base
-    return {"command": kind, "settings": s, "plan_bytes": plan.total, "plan_parts": plan.parts,
+    return {"command": kind, "settings": s, "attention": attention if kind == "train" else None, "plan_bytes": plan.total, "plan_parts": plan.parts,
             "measured_peak_bytes": measured, "plan_over_measured": plan.total / measured}
 
 
@@ -100,11 +110,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="write the rows here as JSON")
     ap.add_argument("--steps", type=int, default=2, help="training steps per train setting")
     ap.add_argument("--quick", action="store_true", help="the smallest setting of each command only")
+    ap.add_argument("--attention", choices=("math", "grouped"), default="math", help=(
+        "the draft's training attention on the CPU: math (SDPA's math backend, what a GPU's SDPA computes and what "
+        "the plan counts on the meta device) or grouped (the CPU's own, spire.model.grouped_attention, which keeps "
+        "fewer bytes)"))
     ap.add_argument("--one", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
         kind, s = json.loads(a.one)
-        print(json.dumps(one(kind, s, a.steps)))
+        print(json.dumps(one(kind, s, a.steps, a.attention)))
         return
     env = {**os.environ, "SPIRE_KERNELS": "0", "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     rows = []
@@ -112,7 +126,8 @@ def main() -> None:
     if a.quick:
         settings = [("train", TRAIN[0]), ("serve", SERVE[0])]
     for kind, s in settings:
-        proc = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--one", json.dumps([kind, s])],
+        proc = subprocess.run([sys.executable, __file__, "--steps", str(a.steps), "--attention", a.attention,
+                               "--one", json.dumps([kind, s])],
                               env=env, capture_output=True, text=True)
         if proc.returncode:
             sys.exit(f"{kind} {s}: failed\n{proc.stderr[-3000:]}")

@@ -106,3 +106,37 @@ def test_cli_refuses_before_loading(smollm2, tmp_path, capsys, monkeypatch, comm
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: spire " + command), err
     best = int(err[0].rsplit(" ", 1)[1])
     assert f"the largest {flag} that fits is {best}" in err[0] and 1 <= best < 64
+
+
+def test_saved_activations_counted_on_meta_equal_the_real_ones():
+    """saved_activation_bytes (the draft's training forward on the meta device) equals the bytes autograd saves
+    when the same forward runs on real CPU tensors (each storage once, parameters and inputs left out), the CPU
+    taking the attention a GPU takes (SDPA, math backend: what meta decomposes to) instead of its own grouped one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from spire import backend
+    from spire.drafts.spire import SpireConfig
+    from spire.memory_plan import _trainable_draft_on_meta, saved_activation_bytes
+    from spire.training.distill import TrainConfig, _build_model
+
+    cfg = tiny_config()
+    tc = TrainConfig(batch_size=3, seq_len=32, bf16=False, draft_config=SpireConfig(n_draft_layers=2, vocab_size=64))
+    data = types.SimpleNamespace(train=types.SimpleNamespace(tokens=np.arange(cfg.vocab_size)))
+    real = _build_model(make_tiny(), tc, data)
+    backend.use(real, backend.of(real).replace(grouped_attention=False))
+    tokens = torch.randint(0, cfg.vocab_size, (3, 32), generator=torch.Generator().manual_seed(0))
+    hidden = {j: torch.randn(3, 32, cfg.d_model) for j in real.target_layers()}
+    skip = {p.untyped_storage().data_ptr() for p in real.parameters()}
+    skip |= {h.untyped_storage().data_ptr() for h in hidden.values()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), sdpa_kernel(SDPBackend.MATH):
+        real.train_logits(tokens, hidden, tc.k)
+    meta = _trainable_draft_on_meta(meta_target(cfg), tc)
+    assert saved_activation_bytes(meta, cfg, 3, 32, tc.k) == sum(seen.values()) > 0

@@ -16,8 +16,10 @@ A plan is a sum of named parts, in bytes:
 - serving: one engine step's transients, the verify logits (slots x (k + 1) x V float32, and the probabilities
   made from them) and a prefill chunk's (:func:`serve_activation_bytes`).
 
-Weights and caches are exact byte counts; activations are an estimate from the tensors each layer keeps (a
-Llama block under eager attention), stated per token in the functions below. ``benchmarks/memory_plan.py``
+Weights and caches are exact byte counts. A training step's draft activations are counted, not estimated: the
+draft's teacher-forced forward runs on the meta device under saved-tensor hooks (:func:`saved_activation_bytes`);
+the loss's and the serving step's transients are estimates from the tensors they keep, stated per token in the
+functions below. ``benchmarks/memory_plan.py``
 compares the plan with the peak measured on CPU (measurements/memory-plan-cpu/).
 
 The device's memory: ``--device-memory`` (or ``SPIRE_DEVICE_MEMORY``) when stated, e.g. ``24GiB`` or a byte
@@ -134,21 +136,53 @@ def block_activation_values(cfg: ModelConfig, T_keys: int) -> int:
     return 6 * d + 2 * kv + 2 * cfg.n_heads * T_keys + 4 * cfg.d_ff
 
 
+def saved_activation_bytes(draft, cfg: ModelConfig, batch: int, seq_len: int, k: int) -> int | None:
+    """Bytes autograd keeps for the backward of the draft's teacher-forced forward (``train_logits``) at ``batch``
+    rows of ``seq_len`` tokens, counted by running it on the meta device (nothing allocated) under
+    ``torch.autograd.graph.saved_tensors_hooks``: every saved tensor that is not a parameter or an input (the
+    teacher's hidden states: the teacher batch), each storage once; the logits it returns are the loss's. None when
+    the forward does not run on meta (a CPU-only path)."""
+    seen: dict[int, int] = {}
+
+    def storage(t: torch.Tensor):
+        st = t.untyped_storage()
+        return st._cdata, st.nbytes()  # the StorageImpl: one for a tensor and all its views, on meta too
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key, nbytes = storage(t)
+        if key not in params:
+            seen[key] = nbytes
+        return t
+
+    tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    hidden = {j: torch.zeros(batch, seq_len, cfg.d_model, device="meta") for j in draft.target_layers()}
+    params = {storage(t)[0] for t in (*draft.parameters(), *hidden.values())}
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            draft.train_logits(tokens, hidden, k)
+    except (RuntimeError, NotImplementedError):
+        return None
+    return sum(seen.values())
+
+
 def train_activation_bytes(cfg: ModelConfig, n_draft_layers: int, draft_vocab: int, batch: int, seq_len: int,
-                           source_layers: int, live: bool, bf16: bool) -> dict[str, int]:
+                           source_layers: int, live: bool, bf16: bool, draft_saved: int | None = None
+                           ) -> dict[str, int]:
     """The transient bytes of one training step at ``batch`` rows of ``seq_len`` tokens (n = batch x seq_len):
 
     - teacher: per token the residual streams of the ``source_layers`` layers the draft reads, the final normed
       hidden state (d each) and log Z, float32; with the live target also its V logits;
-    - draft activations: ``n_draft_layers`` x :func:`block_activation_values` (seq_len keys), float32 (bf16
-      autocast: the matmul outputs in bf16, counted at 2 bytes);
+    - draft activations: ``draft_saved`` (:func:`saved_activation_bytes`, counted on the meta device) when given,
+      else ``n_draft_layers`` x :func:`block_activation_values` (seq_len keys) float32 per token (bf16 autocast:
+      2 bytes). The meta count is of float32 tensors also under bf16 autocast (an upper bound);
     - loss: 6 float32 (n, N) arrays over the draft vocabulary N: the draft's logits, log-softmax, q, the teacher's
       log p and p, and the gradient of the logits.
     """
     n = batch * seq_len
     d = cfg.d_model
     teacher = n * ((source_layers + 1) * d + 1) * F32 + (n * cfg.vocab_size * F32 if live else 0)
-    act = n * n_draft_layers * block_activation_values(cfg, seq_len) * (2 if bf16 else F32)
+    act = (draft_saved if draft_saved is not None else
+           n * n_draft_layers * block_activation_values(cfg, seq_len) * (2 if bf16 else F32))
     loss = 6 * n * draft_vocab * F32
     return {"teacher batch": teacher, "activations": act, "loss": loss}
 
@@ -193,14 +227,19 @@ def train_planner(cfg: ModelConfig, train_cfg) -> Callable[[int], MemoryPlan]:
     vocab = getattr(draft, "vocab", None)
     draft_vocab = int(vocab.numel()) if isinstance(vocab, torch.Tensor) else cfg.vocab_size
     sources = len(draft.target_layers())
+    # the draft's saved activations, counted on meta at 1 and 2 rows: a constant part (e.g. gathered head rows)
+    # and a part per row
+    one, two = (saved_activation_bytes(draft, cfg, b, train_cfg.seq_len, train_cfg.k) for b in (1, 2))
+    per_row = None if one is None or two is None else two - one
     fixed = {"target weights": module_bytes(target, torch.float32), "fused weight copies": fused_copy_bytes(cfg),
              "draft weights": (n_train + frozen_own) * F32,
              "gradients": n_train * F32, "AdamW state": 2 * n_train * F32}
 
     def plan(batch: int) -> MemoryPlan:
         parts = dict(fixed)
+        saved = None if per_row is None else one + per_row * (batch - 1)
         parts.update(train_activation_bytes(cfg, n_layers, draft_vocab, batch, train_cfg.seq_len, sources,
-                                            train_cfg.target_cache is None, bool(train_cfg.bf16)))
+                                            train_cfg.target_cache is None, bool(train_cfg.bf16), saved))
         return MemoryPlan("spire train", batch, "--batch-size", parts)
 
     return plan
