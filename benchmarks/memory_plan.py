@@ -74,12 +74,14 @@ def one(kind: str, s: dict, steps: int, attention: str = "math") -> dict:
         opt = make_optimizer(params, tc)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        ctx = sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
+        def ctx():
+            return sdpa_kernel(SDPBackend.MATH) if attention == "math" else contextlib.nullcontext()
+
         for step in range(steps):
             tokens = torch.randint(0, cfg.vocab_size, (s["batch"], s["seq_len"]),
                                    generator=torch.Generator().manual_seed(step))
             tb = run_target(target, tokens, model.target_layers(), True, False)
-            with ctx:
+            with ctx():
                 loss, _ = step_loss(model, target, tb, tc)
                 opt.zero_grad(set_to_none=True)
                 loss.backward()

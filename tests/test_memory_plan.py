@@ -140,3 +140,16 @@ def test_saved_activations_counted_on_meta_equal_the_real_ones():
         real.train_logits(tokens, hidden, tc.k)
     meta = _trainable_draft_on_meta(meta_target(cfg), tc)
     assert saved_activation_bytes(meta, cfg, 3, 32, tc.k) == sum(seen.values()) > 0
+
+
+def test_serve_refuses_cuda_without_a_gpu(capsys):
+    """`spire serve --device cuda` on a torch without CUDA: one error line, before loading."""
+    from spire.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--device", "cuda", "--draft", "magicdec", "--port", "8762"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"error: --device cuda, but this torch ({torch.__version__}) sees no CUDA "
+                                         "device"], err

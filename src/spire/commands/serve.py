@@ -80,6 +80,10 @@ def check_memory(target: str, device: str, stated: Optional[str], max_running: i
     fits. No check on a CPU unless --device-memory / $SPIRE_DEVICE_MEMORY states one."""
     if device != "cpu" and not device.startswith("cuda"):
         raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    import torch
+
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}, but this torch ({torch.__version__}) sees no CUDA device")
     from spire.memory_plan import check_fits, device_memory, serve_planner
     from spire.loading import read_model_config, resolve_checkpoint
 
