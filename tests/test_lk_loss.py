@@ -15,7 +15,7 @@ def test_value_gradient_and_one_hot_limit():
     p = torch.tensor([[0.5, 0.3, 0.2]])
     z = torch.tensor([[0.0, math.log(2.0), 0.0]], requires_grad=True)
     terms = log_acceptance_loss_logp(z, p.log())
-    assert float(terms.loss) == pytest.approx(-math.log(0.75), abs=1e-6) and terms.alpha == pytest.approx(0.75)
+    assert terms.loss.item() == pytest.approx(-math.log(0.75), abs=1e-6) and terms.alpha == pytest.approx(0.75)
     assert terms.distill == pytest.approx(-(0.5 * math.log(0.25) + 0.3 * math.log(0.5) + 0.2 * math.log(0.25)))
     terms.loss.backward()
     z2 = z.detach().clone().requires_grad_(True)
