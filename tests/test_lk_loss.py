@@ -47,6 +47,6 @@ def test_step_loss_uses_it(tiny):
     tb = run_target(tiny, tokens, model.target_layers(), True, False)
     loss, alpha = step_loss(model, tiny, tb, tc)
     want = log_acceptance_loss_logp(model.train_logits(tokens, tb.hidden, tc.k), tb.target_logp(tiny, model.vocab))
-    assert float(loss) == pytest.approx(float(want.loss), rel=1e-5) and alpha == pytest.approx(want.alpha, rel=1e-5)
+    assert loss.item() == pytest.approx(want.loss.item(), rel=1e-5) and alpha == pytest.approx(want.alpha, rel=1e-5)
     loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
