@@ -281,3 +281,24 @@ def test_exactness_tests_run_without_tf32():
     """tests/conftest.py turns TF32 off for the suite (issue 53): float32 matmuls at full precision on a GPU."""
     assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.allow_tf32 is False
     assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_bench_rows_classify_bf16_divergences():
+    """run_bench on a bf16 target with flat logits (near ties within a few tokens): every row where SD left AD carries
+    its first divergence, all near-ties (real_divergences 0); float32 rows have none."""
+    from spire.bench.run import BenchConfig, run_bench
+    from tests.conftest import make_tiny
+
+    low = make_tiny()
+    with torch.no_grad():
+        low.lm_head.weight.mul_(0.1)
+    g = torch.Generator().manual_seed(0)
+    windows = torch.randint(0, 97, (5, 80), generator=g)
+    cfg = BenchConfig(Bs=[5], Ls=[24], G=48, reps=1)
+    rows = run_bench(low.to(torch.bfloat16), lambda L, n: windows[:n], {"magicdec": MagicDecDraft(1, 4)}, cfg,
+                     dtype_name="bf16")["rows"]
+    (row,) = rows
+    assert not row["identical_to_ad"] and row["divergences"], row  # this model diverges in bf16 (a near tie)
+    assert row["real_divergences"] == 0 and all(d["near_tie"] and d["index"] is not None for d in row["divergences"])
+    f32 = run_bench(make_tiny(), lambda L, n: windows[:n], {"magicdec": MagicDecDraft(1, 4)}, cfg)["rows"][0]
+    assert f32["identical_to_ad"] and f32["divergences"] == [] and f32["real_divergences"] == 0

@@ -74,28 +74,33 @@ def classify(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, ad_tok
 
 
 @torch.no_grad()
+def first_divergence(target: Transformer, row: int, prompt: list[int], ad: list[int], sd: list[int]) -> Divergence:
+    """Row ``row``'s :class:`Divergence`: identical, or the first index where the AD tokens ``ad`` and the SD tokens
+    ``sd`` (both generated after ``prompt``) differ, the target's top-2 gap there and :func:`classify` of the two
+    tokens, the target re-scoring ``prompt + ad[:index]`` in its own dtype (one forward over that prefix)."""
+    i = next((i for i, (u, v) in enumerate(zip(ad, sd)) if u != v), None)
+    if i is None and len(ad) == len(sd):
+        return Divergence(row, True)
+    i = min(len(ad), len(sd)) if i is None else i
+    n = target.cfg.n_layers
+    ids = torch.tensor([list(prompt) + list(ad[:i])], device=target.device)
+    fwd = target(ids, torch.arange(ids.shape[1], device=target.device)[None], hidden_layers=[n])
+    logits = fwd.logits[0, -1].float()
+    top2 = logits.topk(2).values
+    div = Divergence(row, False, i, float(top2[0] - top2[1]))
+    if i < len(ad) and i < len(sd):  # (an output that ended first has no token to compare)
+        h = target.model.norm(fwd.hidden[n][:, -1:])[0, 0]
+        div.ad_token, div.sd_token = int(ad[i]), int(sd[i])
+        div.gap, div.bound, div.near_tie = classify(logits, h, target.lm_head.weight, div.ad_token, div.sd_token,
+                                                    target.dtype)
+    return div
+
+
+@torch.no_grad()
 def compare_greedy(target: Transformer, draft: Draft, prompts: list[list[int]], max_new_tokens: int,
                    k: int = 4) -> list[Divergence]:
     """Run greedy AD and greedy SD on the same prompts (on the serving engine, as ``spire generate``) and report
-    the first divergence of each row, classified near-tie or real (:func:`classify`)."""
+    the first divergence of each row, classified near-tie or real (:func:`first_divergence`)."""
     ad = generate_batch(target, prompts, max_new_tokens).tokens
     sd = generate_batch(target, prompts, max_new_tokens, draft=draft, k=k).tokens
-    out = []
-    n = target.cfg.n_layers
-    for b, (x, y) in enumerate(zip(ad, sd)):
-        i = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
-        if i is None and len(x) == len(y):
-            out.append(Divergence(b, True))
-            continue
-        i = min(len(x), len(y)) if i is None else i
-        ids = torch.tensor([prompts[b] + x[:i]], device=target.device)
-        fwd = target(ids, torch.arange(ids.shape[1], device=target.device)[None], hidden_layers=[n])
-        logits = fwd.logits[0, -1].float()
-        top2 = logits.topk(2).values
-        div = Divergence(b, False, i, float(top2[0] - top2[1]))
-        if i < len(x) and i < len(y):  # (an output that ended first has no token to compare)
-            h = target.model.norm(fwd.hidden[n][:, -1:])[0, 0]
-            div.ad_token, div.sd_token = x[i], y[i]
-            div.gap, div.bound, div.near_tie = classify(logits, h, target.lm_head.weight, x[i], y[i], target.dtype)
-        out.append(div)
-    return out
+    return [first_divergence(target, b, prompts[b], x, y) for b, (x, y) in enumerate(zip(ad, sd))]
