@@ -276,6 +276,18 @@ def write_markdown(a, out: dict, arch) -> None:
         lines += ["", "spire_lk / spire (paired CI): " + "; ".join(
             f"{k}: {t['spire_lk_over_spire'][0]:.3f} [{t['spire_lk_over_spire'][1]:.3f}, "
             f"{t['spire_lk_over_spire'][2]:.3f}]" for k, t in out["tau"].items())]
+    if out["bench"]:
+        lines += ["", f"Bench cells ({a.bench_dtype}, G = {a.bench_G}, k = 4): measured vs predicted Δt, τ, SD / AD "
+                  "tokens/s; greedy SD against AD (near-ties are rounding; a real divergence is a bug):", "",
+                  "| B | L | draft | Δt measured | Δt predicted | τ | SD/AD measured | SD = AD | real divergences |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for cell in out["bench"]:
+            for r in cell["rows"]:
+                mult = r["multiplier_measured"]
+                lines.append(f"| {r['B']} | {r['L']} | {r['draft']} | {r['delta_t_measured']:.3f} | "
+                             f"{r['delta_t_predicted']:.3f} | {r['tau']:.3f} | "
+                             f"{'-' if mult is None else f'{mult:.3f}'} | {'yes' if r['identical_to_ad'] else 'no'} | "
+                             f"{r['real_divergences']} |")
     atomic_write(a.out / "GPU_SPIRE.md", None, "\n".join(lines) + "\n")
     print("\n".join(lines))
 
