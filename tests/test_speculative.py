@@ -302,3 +302,32 @@ def test_bench_rows_classify_bf16_divergences():
     assert row["real_divergences"] == 0 and all(d["near_tie"] and d["index"] is not None for d in row["divergences"])
     f32 = run_bench(make_tiny(), lambda L, n: windows[:n], {"magicdec": MagicDecDraft(1, 4)}, cfg)["rows"][0]
     assert f32["identical_to_ad"] and f32["divergences"] == [] and f32["real_divergences"] == 0
+
+
+def test_compare_cli_json_reports_near_ties(monkeypatch, capsys):
+    """`spire compare --format json`: one object, a row per prompt with the fields of Divergence (near_tie among
+    them), on a bf16 target whose divergences are near-ties (the target and tokenizer stubbed in)."""
+    import json
+    import types
+
+    import spire.loading
+    from spire.cli import main
+    from tests.conftest import make_tiny
+
+    low = make_tiny()
+    with torch.no_grad():
+        low.lm_head.weight.mul_(0.1)
+    low = low.to(torch.bfloat16)
+    prompts = {"a": [5, 40, 12], "b": [19, 7, 3, 88], "c": [1, 2, 3]}
+    tok = lambda text: types.SimpleNamespace(input_ids=prompts[text])  # noqa: E731
+    monkeypatch.setattr(spire.loading, "load_target", lambda *a, **kw: (low, tok, None))
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "a", "b", "c", "--draft", "magicdec", "--dtype", "bfloat16", "--max-new-tokens", "64",
+              "--format", "json"])
+    assert e.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["dtype"] == "bfloat16" and out["draft"] == "magicdec" and len(out["rows"]) == 3
+    for r in out["rows"]:
+        assert set(r) == {"row", "identical", "index", "top2_gap", "ad_token", "sd_token", "gap", "bound", "near_tie"}
+        assert r["identical"] or (r["near_tie"] is True and abs(r["gap"]) <= r["bound"]), r
+    assert not all(r["identical"] for r in out["rows"]), out  # (a bf16 near tie within 64 tokens on this model)
