@@ -9,6 +9,12 @@ import torch
 
 from spire.model import ModelConfig, Transformer
 
+# Exactness tests run in full float32: no TF32 in matmuls or convolutions where a GPU runs them (torch's defaults
+# differ by version; a TF32 matmul keeps 10 mantissa bits and breaks greedy identity). No effect on a CPU.
+torch.backends.cuda.matmul.allow_tf32 = False
+torch.backends.cudnn.allow_tf32 = False
+torch.set_float32_matmul_precision("highest")
+
 
 def tiny_config(**kw) -> ModelConfig:
     base = dict(vocab_size=97, d_model=48, n_layers=4, n_heads=4, n_kv_heads=2, d_head=12, d_ff=96,

@@ -210,6 +210,48 @@ def test_compare_tool_reports_divergence(tiny):
     diverged = [r for r in reports if not r.identical]
     assert diverged, "expected at least one bf16 divergence on this model"
     assert all(r.index is not None and 0 <= r.top2_gap < 0.05 for r in diverged), diverged
+    # each is classified a near-tie: the two tokens' gap within the bf16 rounding bound (issue 53, item 4)
+    assert all(r.near_tie and abs(r.gap) <= r.bound and r.ad_token != r.sd_token for r in diverged), diverged
+
+
+def test_rounding_bound_value_and_classification():
+    """The bound is ρ(|h|ᵀ|W_a| + |h|ᵀ|W_b|) with ρ = torch.testing's rtol for the dtype: crafted logits with
+    a gap inside it are a near-tie, one outside it a real divergence, and float32's bound is 4 orders tighter."""
+    from spire.evaluation.compare import classify, rounding_bound
+
+    h = torch.tensor([1.0, -2.0, 0.5])
+    w = torch.tensor([[2.0, 1.0, -4.0], [2.0, 1.0, 4.0], [-1.0, 0.0, 0.0]])
+    # |h|ᵀ|W_0| = 2 + 2 + 2 = 6, |h|ᵀ|W_1| = 6: bound = 1.6e-2 * 12 = 0.192 in bf16
+    assert rounding_bound(h, w, 0, 1, torch.bfloat16) == pytest.approx(0.192)
+    assert rounding_bound(h, w, 0, 1, torch.float32) == pytest.approx(1.3e-6 * 12)
+    logits = torch.tensor([10.0, 9.9, 3.0])
+    assert classify(logits, h, w, 0, 1, torch.bfloat16) == (pytest.approx(0.1, rel=1e-5), pytest.approx(0.192), True)
+    assert classify(logits, h, w, 0, 1, torch.float32)[2] is False  # in float32 the same gap is no tie
+    gap, bound, near = classify(torch.tensor([10.0, 9.5, 3.0]), h, w, 0, 1, torch.bfloat16)
+    assert gap == pytest.approx(0.5) and not near
+
+
+def test_compare_reports_a_real_divergence_as_such(tiny, monkeypatch):
+    """A real divergence (SD emitting a token far below the target's argmax, as a broken verifier would) is
+    reported with near_tie False and a gap beyond the bound; the bf16 near-ties above are True."""
+    import spire.evaluation.compare as compare
+    from spire.engine.engine import generate_batch
+
+    prompts = _prompts(97, [5, 40])
+
+    def broken(target, rows, n, draft=None, k=4):
+        res = generate_batch(target, rows, n, draft=draft, k=k)
+        if draft is not None:  # SD's token 3 of row 1 replaced by the target's least likely one there
+            toks = res.tokens[1]
+            ids = torch.tensor([rows[1] + toks[:3]])
+            worst = int(target(ids, torch.arange(ids.shape[1])[None]).logits[0, -1].argmin())
+            res.tokens[1] = toks[:3] + [worst] + toks[4:]
+        return res
+
+    monkeypatch.setattr(compare, "generate_batch", broken)
+    r0, r1 = compare.compare_greedy(tiny, MagicDecDraft(1, 4), prompts, 16)
+    assert r0.identical and not r1.identical and r1.index == 3
+    assert r1.near_tie is False and r1.gap > r1.bound > 0 and r1.top2_gap > 0
 
 
 def test_stop_string_inside_accepted_block(tiny):
@@ -238,3 +280,59 @@ def test_stop_string_inside_accepted_block(tiny):
     else:
         assert sd.tokens[1] == ad[1] and sd.finish_reasons[1] == "length"
     assert stopper.trim(decode(sd.tokens[0])) == text0[: text0.index(stop)]
+
+
+def test_exactness_tests_run_without_tf32():
+    """tests/conftest.py turns TF32 off for the suite (issue 53): float32 matmuls at full precision on a GPU."""
+    assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.allow_tf32 is False
+    assert torch.get_float32_matmul_precision() == "highest"
+
+
+def test_bench_rows_classify_bf16_divergences():
+    """run_bench on a bf16 target with flat logits (near ties within a few tokens): every row where SD left AD carries
+    its first divergence, all near-ties (real_divergences 0); float32 rows have none."""
+    from spire.bench.run import BenchConfig, run_bench
+    from tests.conftest import make_tiny
+
+    low = make_tiny()
+    with torch.no_grad():
+        low.lm_head.weight.mul_(0.1)
+    g = torch.Generator().manual_seed(0)
+    windows = torch.randint(0, 97, (5, 80), generator=g)
+    cfg = BenchConfig(Bs=[5], Ls=[24], G=48, reps=1)
+    rows = run_bench(low.to(torch.bfloat16), lambda L, n: windows[:n], {"magicdec": MagicDecDraft(1, 4)}, cfg,
+                     dtype_name="bf16")["rows"]
+    (row,) = rows
+    assert not row["identical_to_ad"] and row["divergences"], row  # this model diverges in bf16 (a near tie)
+    assert row["real_divergences"] == 0 and all(d["near_tie"] and d["index"] is not None for d in row["divergences"])
+    f32 = run_bench(make_tiny(), lambda L, n: windows[:n], {"magicdec": MagicDecDraft(1, 4)}, cfg)["rows"][0]
+    assert f32["identical_to_ad"] and f32["divergences"] == [] and f32["real_divergences"] == 0
+
+
+def test_compare_cli_json_reports_near_ties(monkeypatch, capsys):
+    """`spire compare --format json`: one object, a row per prompt with the fields of Divergence (near_tie among
+    them), on a bf16 target whose divergences are near-ties (the target and tokenizer stubbed in)."""
+    import json
+    import types
+
+    import spire.loading
+    from spire.cli import main
+    from tests.conftest import make_tiny
+
+    low = make_tiny()
+    with torch.no_grad():
+        low.lm_head.weight.mul_(0.1)
+    low = low.to(torch.bfloat16)
+    prompts = {"a": [5, 40, 12], "b": [19, 7, 3, 88], "c": [1, 2, 3]}
+    tok = lambda text: types.SimpleNamespace(input_ids=prompts[text])  # noqa: E731
+    monkeypatch.setattr(spire.loading, "load_target", lambda *a, **kw: (low, tok, None))
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "a", "b", "c", "--draft", "magicdec", "--dtype", "bfloat16", "--max-new-tokens", "64",
+              "--format", "json"])
+    assert e.value.code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["dtype"] == "bfloat16" and out["draft"] == "magicdec" and len(out["rows"]) == 3
+    for r in out["rows"]:
+        assert set(r) == {"row", "identical", "index", "top2_gap", "ad_token", "sd_token", "gap", "bound", "near_tie"}
+        assert r["identical"] or (r["near_tie"] is True and abs(r["gap"]) <= r["bound"]), r
+    assert not all(r["identical"] for r in out["rows"]), out  # (a bf16 near tie within 64 tokens on this model)

@@ -218,7 +218,7 @@ def train(
     warmup_steps: Annotated[int, _OPT(help="Linear warmup steps.")] = defaults.WARMUP_STEPS,
     weight_decay: Annotated[float, _OPT(help="AdamW weight decay.")] = defaults.WEIGHT_DECAY,
     loss: Annotated[Optional[str], _OPT(help="mixed (MixedLoss(omega)), hard (HardTargetLoss) or kl (speculators' "
-                                             "KL over the draft vocabulary) [default: mixed for spire, hard for "
+                                             "KL over the draft vocabulary) or lk (−log acceptance, arXiv 2602.23881) [default: mixed for spire, hard for "
                                              "vanilla, kl for eagle3].")] = None,
     omega: Annotated[Optional[float], _OPT(help=f"MixedLoss weight of distillation (1 = pure distillation) "
                                                 f"[default: {defaults.OMEGA}].")] = None,
@@ -279,6 +279,9 @@ def train(
                                                  "entering residual streams it fuses [2, n/2, n-3].")] = None,
     eagle3_vocab: Annotated[Optional[int], _OPT(help="EAGLE-3: draft vocabulary size (d2t); 0: the target's [16384].")] = None,
     device: Annotated[str, _OPT(help="auto, cpu or cuda.")] = "auto",
+    device_memory: Annotated[Optional[str], _OPT(help="Memory the run may use on the device, e.g. 24GiB: a run whose "
+                                                 "memory plan exceeds it is refused before loading [cuda: the free "
+                                                 "memory; cpu: no check; env SPIRE_DEVICE_MEMORY].")] = None,
 ) -> None:
     """Train a draft (SPIRe, EAGLE-3 or vanilla) against the target; resumable; data parallel under torchrun."""
     from spire.commands.train import args_from_options, run, summary_line

@@ -10,6 +10,10 @@ serving engine, :func:`spire.engine.engine.decode_prefilled`, each on a copy) an
   each is the median of ``reps`` device-synchronized calls after a warm-up (logits included);
 - measured Δt = (k·t_draft + t_verify) / t_AD (the paper's definition, SPIRE.md §2, with measured times);
 - τ: tokens per round of a real greedy SD run of G tokens per row from the same contexts;
+- identical_to_ad: greedy SD gave AD's tokens in every row; divergences: for each row where it did not, the first
+  divergence classified a near-tie (the two tokens' gap within the target's rounding bound, as ``spire compare``
+  reports it, spire.evaluation.compare) or not; real_divergences: the count of those that are not near-ties
+  (in bf16 on a GPU near-ties are expected; a real divergence is a bug);
 - tokens/s of that SD run and of an AD run (round loop only: emitted tokens / decode seconds; the prefill is
   excluded); measured multiplier = SD tokens/s ÷ AD tokens/s;
 - with ``contexts`` = n > 1 the AD and SD runs (not the timed forwards) repeat over n groups of B held-out
@@ -255,6 +259,8 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
                     f"delta_t_predicted_{other}": alt["delta_t"],
                     "delta_t_paper_conventions": paper["delta_t"],
                     "identical_to_ad": m["identical"],
+                    "divergences": m["divergences"],
+                    "real_divergences": sum(d["near_tie"] is not True for d in m["divergences"]),
                     "contexts": B * cfg.contexts,
                     "draft_weight_bytes": d_bytes,
                 }  # fmt: skip
@@ -314,8 +320,21 @@ def _measure_cell(target: Transformer, state: Prefilled, drafts: dict[str, Draft
         tot = totals(name, sd)
         out["drafts"][name] = {"t_draft": t_draft, "tau": tot[0] / max(1, tot[1]), "sd_tps": tot[0] / tot[2],
                                "totals": tot, "identical": sd.tokens == ad.tokens
-                               and (before is None or before["drafts"][name]["identical"])}
+                               and (before is None or before["drafts"][name]["identical"]),
+                               "divergences": (before["drafts"][name]["divergences"] if before else [])
+                               + _divergences(target, state.rows, ad.tokens, sd.tokens)}
     return out
+
+
+def _divergences(target: Transformer, contexts: list[list[int]], ad: list[list[int]], sd: list[list[int]]
+                 ) -> list[dict]:
+    """The rows where greedy SD left greedy AD: each one's first divergence classified a near-tie (within the
+    target's rounding) or a real divergence (:func:`spire.evaluation.compare.first_divergence`). Empty when the
+    outputs are identical (float32)."""
+    from spire.evaluation.compare import first_divergence
+
+    return [first_divergence(target, b, contexts[b], x, y).to_dict() for b, (x, y) in enumerate(zip(ad, sd))
+            if x != y]
 
 
 def summarize(result: dict[str, Any], tolerance: float = 0.2) -> dict[str, Any]:

@@ -180,6 +180,29 @@ def measured_policy(engine, target: str, weights: str, draft_weights: Optional[s
     return MeasuredPolicy([d.name for d in engine.drafts], costs, acceptance)
 
 
+def check_memory(target: str, device: str, stated: Optional[str], max_running: int, max_len: int, k: int,
+                 prefill_chunk: int, draft: Optional[str], draft_path: Optional[str]) -> None:
+    """Refuse, before loading, settings whose memory plan (spire.memory_plan: weights, KV caches of --max-running x
+    --max-len, a step's activations) exceeds the device's memory; the error names the largest --max-running that
+    fits. No check on a CPU unless --device-memory / $SPIRE_DEVICE_MEMORY states one."""
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    import torch
+
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}, but this torch ({torch.__version__}) sees no CUDA device")
+    from spire.memory_plan import check_fits, device_memory, serve_planner
+    from spire.loading import read_model_config, resolve_checkpoint
+
+    memory = device_memory(device, stated)
+    if memory is None:
+        return
+    cfg = read_model_config(resolve_checkpoint(target, progress=False))
+    planner = serve_planner(cfg, min(max_len, cfg.max_positions), k, prefill_chunk, draft or registry.BASELINE,
+                            draft_path)
+    check_fits(planner, max_running, memory, device)
+
+
 def pick_draft(draft: Optional[str], draft_path: Optional[str], model) -> tuple[str, Optional[str], str]:
     """(kind, path, why) of the draft to serve: the one named, else the newest trained SPIRe draft in the cache,
     else MagicDec."""
@@ -232,6 +255,10 @@ def serve(
         "steps while the running requests keep decoding. 0: each prompt whole when it joins."))] = 512,
     max_request_bytes: Annotated[int, typer.Option(help=(
         "Request bodies larger than this (bytes) are refused with a 413 before they are read whole."))] = 4 << 20,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N.")] = "cpu",
+    device_memory: Annotated[Optional[str], typer.Option(help=(
+        "Memory the server may use on the device, e.g. 24GiB: settings whose memory plan exceeds it are refused "
+        "before loading [cuda: the free memory; cpu: no check; env SPIRE_DEVICE_MEMORY]."))] = None,
     draft_options: dict | None = None,
 ) -> None:
     """Serve the target with continuous batching and lossless speculative decoding (OpenAI-compatible API)."""
@@ -250,12 +277,14 @@ def serve(
     for kd, _ in portfolio or [(None, None)]:
         draft_options_for(kd, draft_options, [kd for kd, _ in portfolio] if portfolio else list(registry.names()))
     check_bind(host, port)
+    trained = next((kd for kd, p in portfolio if p), portfolio[-1][0] if portfolio else None)
+    check_memory(target, device, device_memory, max_running, max_len, k, prefill_chunk, trained, draft_path)
     from spire.loading import load_target
     from spire.serving.api import Server, create_app, run, torch_thread
     from spire.engine.engine import Engine
 
     def build():
-        model, tokenizer, _ = load_target(target, progress=False)
+        model, tokenizer, _ = load_target(target, device=device, progress=False)
         if max_len > model.cfg.max_positions:
             typer.echo(f"warning: --max-len {max_len} is more than the target's {model.cfg.max_positions} positions; "
                        f"using {model.cfg.max_positions}", err=True)

@@ -46,6 +46,7 @@ class TrainRunArgs:
     ablation: str = "none"
     resume: bool = False
     device: str = "auto"
+    device_memory: str | None = None  # --device-memory (spire.memory_plan.device_memory)
     eval_windows: int | None = None  # None: 16, or a resumed run's own
     draft_overrides: dict[str, dict] = field(default_factory=dict)
     train_overrides: dict = field(default_factory=dict)
@@ -138,6 +139,7 @@ def args_from_options(params: dict, given: dict, log: Callable[[str], None] = pr
         train_kw["target_cache"] = None
     return TrainRunArgs(draft=params["draft"], target=params["target"], data=params["data"], out=params["out"],
                         ablation=params["ablation"], resume=params["resume"], device=params["device"],
+                        device_memory=params.get("device_memory"),
                         eval_windows=params["eval_windows"], draft_overrides=draft_kw, train_overrides=train_kw,
                         given=tuple(name for name in ("draft", "ablation") if name in given))
 
@@ -260,6 +262,28 @@ def resolve_device(device: str, world: int) -> str:
     return device
 
 
+def check_memory(args: TrainRunArgs, cfg: TrainConfig, device: str, world: int) -> None:
+    """Refuse, before anything loads, a run whose memory plan (:mod:`spire.memory_plan`: target and draft weights,
+    gradients, AdamW, activations at this process's rows per step) exceeds the device's memory (--device-memory,
+    $SPIRE_DEVICE_MEMORY, else a CUDA device's free memory; none on a CPU unless stated). Raises ConfigError naming
+    the largest --batch-size that fits."""
+    from spire.loading import read_model_config, resolve_checkpoint
+    from spire.memory_plan import check_fits, device_memory, train_planner
+
+    memory = device_memory(device, args.device_memory)
+    if memory is None:
+        return
+    model_cfg = read_model_config(resolve_checkpoint(args.target, progress=False))
+    rows = max(1, cfg.batch_size // world)
+    planner = train_planner(model_cfg, cfg)
+    try:
+        check_fits(planner, rows, memory, device)
+    except ConfigError as e:
+        if world > 1:  # the plan is per process; the option is the global batch
+            raise ConfigError(f"{e} rows per process ({world} processes)") from None
+        raise
+
+
 def interrupted_note(out: Path) -> str:
     """What an interrupted run left: its last checkpoint's step and how to go on from it."""
     try:
@@ -296,6 +320,7 @@ def _run_locked(args: TrainRunArgs, out: Path, cfg: TrainConfig, saved: dict | N
                 log) -> dict:
     """:func:`run` once rank 0 holds the run folder's lock."""
     device = resolve_device(args.device, world)
+    check_memory(args, cfg, device, world)
     target, tokenizer, folder = load_target(args.target, device=device, progress=rank == 0)
     if cfg.seq_len > target.cfg.max_positions:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the target's {target.cfg.max_positions} positions")

@@ -59,7 +59,8 @@ from spire.model import Transformer
 from spire.formats.draft_file import DRAFT_KIND_KEYS, DRAFT_KIND_NAMES, draft_file_kind, read_draft_meta
 from spire.paths import atomic_write, existing_dir, replace_dir
 from spire.training.runfolder import RunLock, check_fresh_folder, remove_stale_temporaries
-from spire.training.losses import acceptance_alpha_logp, hard_target_loss, kl_loss_logp, mixed_loss_logp
+from spire.training.losses import (acceptance_alpha_logp, hard_target_loss, kl_loss_logp, log_acceptance_loss_logp,
+                                   mixed_loss_logp)
 from spire.training.sources import (STORAGE_DTYPES, CachedTarget, LiveTarget, TargetCache, TeacherBatch, autocast,
                                     run_target)
 
@@ -71,7 +72,7 @@ LOG_FILE = "train_log.jsonl"
 """TrainConfig.draft -> the draft class trained for it (each implements :class:`spire.drafts.base.TrainableDraft`)."""
 DRAFT_KINDS = registry.names(trains=True)
 """The kinds `spire train` trains (their ``KIND.model`` classes: :func:`spire.registry.trainable_class`)."""
-LOSSES = ("mixed", "hard", "kl")
+LOSSES = ("mixed", "hard", "kl", "lk")
 
 # The paper's Figure 5 ablations: name -> (SpireConfig overrides, TrainConfig overrides), and the paper's
 # tau for each (SPIRE.md §3.7; full-kv changes the cost, not tau, in the paper's figure).
@@ -97,7 +98,8 @@ class TrainConfig:
     over steps, which makes resumed runs exact). batch_size: global batch (rows) per step; seq_len: tokens
     per row (a multiple of k). lr: AdamW peak learning rate. loss: "mixed" (MixedLoss(omega); omega = 1 is
     pure distillation), "hard" (HardTargetLoss) or "kl" (speculators' EAGLE-3 loss: the forward KL to the target
-    renormalized over the draft vocabulary, :func:`spire.training.losses.kl_loss_logp`); None picks the method's
+    renormalized over the draft vocabulary, :func:`spire.training.losses.kl_loss_logp`) or "lk" (the negative
+    log-acceptance loss, arXiv 2602.23881, :func:`spire.training.losses.log_acceptance_loss_logp`); None picks the method's
     default (SPIRe: mixed, vanilla: hard, EAGLE-3: kl). bf16: autocast (None: on where bf16 is fast). eval_every: steps between held-out
     evaluations (0: at the end only). ablation: a name of :data:`ABLATIONS`, recorded in the checkpoint.
     data_steps: distinct batches in the run (step s trains on batch s mod data_steps, so a run longer than
@@ -361,12 +363,13 @@ def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg:
         else:
             q_logits = model.train_logits(tb.tokens, tb.hidden, cfg.k)
     kind = cfg.resolved_loss()
-    if kind in ("mixed", "kl") or tb.final is not None:
+    if kind in ("mixed", "kl", "lk") or tb.final is not None:
         with autocast(bool(cfg.bf16), tb.tokens.device):  # the teacher's head as the live target computes it
             logp = tb.target_logp(target, model.vocab)
     kernel = loss_kernel(model)
-    if kind in ("mixed", "kl"):
+    if kind in ("mixed", "kl", "lk"):
         terms = (mixed_loss_logp(q_logits, logp, cfg.omega, kernel) if kind == "mixed"
+                 else log_acceptance_loss_logp(q_logits, logp) if kind == "lk"
                  else kl_loss_logp(q_logits, logp, kernel))
         return terms.loss + extra, terms.alpha
     loss = hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tb.tokens[:, 1:]), kernel) * ce_scale + extra
@@ -851,7 +854,7 @@ def _train_locked(target, data, out_dir, cfg, heldout, resume, target_folder, pr
 def needs_teacher(model: TrainableDraft, cfg: TrainConfig) -> bool:
     """Whether a step needs the teacher distribution: for MixedLoss, and for the logged alpha whenever the
     target runs anyway (a SPIRe draft reading its activations)."""
-    return cfg.resolved_loss() in ("mixed", "kl") or bool(model.target_layers())
+    return cfg.resolved_loss() in ("mixed", "kl", "lk") or bool(model.target_layers())
 
 
 def make_source(target: Transformer, data, model: TrainableDraft, cfg: TrainConfig,
@@ -902,6 +905,7 @@ def evaluate_heldout(model: TrainableDraft, target: Transformer, windows: torch.
         ce = float(hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tokens[:, 1:]), kernel))
         kind = cfg.resolved_loss()
         loss = (ce if kind == "hard" else float(kl_loss_logp(q_logits, logp, kernel).loss) if kind == "kl"
+                else float(log_acceptance_loss_logp(q_logits, logp).loss) if kind == "lk"
                 else float(mixed_loss_logp(q_logits, logp, cfg.omega, kernel).loss))
         a = acceptance_alpha_logp(q_logits, logp)  # (B, T)
         sums += a.view(a.shape[0], -1, k).sum((0, 1)).cpu()

@@ -170,3 +170,30 @@ def kl_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor, kernel: 
     kl = terms.loss - entropy
     alpha = float(acceptance_alpha_logp(draft_logits.detach(), logp).mean())
     return LossTerms(kl, float(kl.detach()), alpha)
+
+
+LK_EPS = 1e-8
+"""Floor of α before the log in :func:`log_acceptance_loss_logp` (speculators' ``neg_log_acceptance_loss`` floors
+it likewise), so a position with no overlap gives a finite loss."""
+
+
+def log_acceptance_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor) -> LossTerms:
+    """The negative log-acceptance loss, LK^α of Samarin et al., "LK Losses: Direct Acceptance Rate Optimization
+    for Speculative Decoding" (arXiv 2602.23881; SpecForge PR #492, speculators' ``nla``):
+
+        loss = mean over positions of −log max(α, LK_EPS),   α = Σ_i min(p_i, q_i)
+
+    the acceptance probability of one drafted token itself (α = 1 − TV(p, q)), so the gradient is (1/α)·∇α: the
+    TV gradient scaled up where overlap is low. At a one-hot p it is the cross-entropy of q at that token.
+
+    draft_logits: (..., N); target_logp: (..., N) the target's log-probabilities of the draft's N tokens normalized
+    over its whole vocabulary (q = 0 outside the N tokens, so α over them is the exact acceptance). Float32.
+    Returns the loss (gradient to draft_logits through autograd: torch.minimum gives 1/2 to each side at a tie),
+    ``distill`` = the mean −Σ p log q (for the log, as the other losses), ``alpha`` = mean α."""
+    p = target_logp.detach().float().exp()
+    log_q = F.log_softmax(draft_logits.float(), -1)
+    alpha_rows = torch.minimum(p, log_q.exp()).sum(-1)
+    loss = -alpha_rows.clamp_min(LK_EPS).log().mean()
+    with torch.no_grad():
+        distill = float(-(p * log_q).sum(-1).mean())
+    return LossTerms(loss, distill, float(alpha_rows.detach().mean()))
