@@ -30,6 +30,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py
+from _provenance import write_provenance  # noqa: E402
+
 TRAIN = [dict(batch=2, seq_len=64), dict(batch=8, seq_len=128), dict(batch=16, seq_len=256)]
 SERVE = [dict(slots=2, max_len=512, prompt=64, G=8), dict(slots=8, max_len=2048, prompt=256, G=8),
          dict(slots=16, max_len=4096, prompt=512, G=8)]
@@ -140,6 +143,7 @@ def main() -> None:
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps({"rows": rows, "command": " ".join(sys.argv)}, indent=1))
+        write_provenance(a.out.parent)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,10 @@ def test_every_benchmark_script_writes_its_provenance():
     """Each script in benchmarks/ records the command, commit, machine and date: a Python script through
     benchmarks/_provenance.py, a shell script through `python -m spire.provenance`."""
     missing = []
+    tools = {"gguf_parts.py"}  # a file tool of the GPU run's carry (split / join), which measures nothing
     for f in sorted((ROOT / "benchmarks").glob("*.*")):
+        if f.name in tools:
+            continue
         text = f.read_text()
         if f.suffix == ".py" and f.name != "_provenance.py":
             if "from _provenance import" not in text or not re.search(r"\b(write_provenance|provenance)\(", text):

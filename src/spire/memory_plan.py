@@ -36,7 +36,9 @@ from typing import Callable
 
 import torch
 
+from spire import defaults, registry
 from spire.errors import ConfigError
+from spire.loading import read_model_config
 from spire.model import ModelConfig, Transformer
 
 ENV = "SPIRE_DEVICE_MEMORY"
@@ -203,8 +205,6 @@ def _trainable_draft_on_meta(target: Transformer, train_cfg):
     import numpy as np
     import types
 
-    from spire import registry
-
     dc = train_cfg.draft_config
     if getattr(dc, "vocab_from", None) == "mass":  # its ids need the target's values; their count does not
         dc = replace(dc, vocab_from="frequency")
@@ -334,8 +334,6 @@ def serve_planner(cfg: ModelConfig, max_len: int, k: int, prefill_chunk: int, ki
     """:func:`serve_plan` as a function of the slots (--max-running), for `spire serve`'s settings: the draft's
     weights from its safetensors headers (``draft_path``, nothing read but the headers; a vanilla draft's cache from
     its config.json); a SPIRe draft's ring at the default 8 layers and sink 1 + window 64."""
-    from spire import defaults
-
     weights, dcfg = 0, None
     if draft_path is not None and kind in ("spire", "eagle3", "vanilla"):
         path = Path(draft_path)
@@ -344,8 +342,6 @@ def serve_planner(cfg: ModelConfig, max_len: int, k: int, prefill_chunk: int, ki
         except Exception:  # an unreadable file is reported by the draft's own loader, after this
             weights = 0
         if kind == "vanilla" and path.is_dir():
-            from spire.loading import read_model_config
-
             v = read_model_config(path)
             dcfg = {"n_layers": v.n_layers, "n_kv_heads": v.n_kv_heads, "d_head": v.d_head}
     if kind == "vanilla" and dcfg is None:

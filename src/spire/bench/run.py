@@ -209,15 +209,7 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
     rows: list[dict[str, Any]] = []
     ad_rows: list[dict[str, Any]] = []
     for L in cfg.Ls:
-        try:
-            windows = contexts_for(L, max(cfg.Bs) * cfg.contexts)
-        except DataError as e:
-            raise DataError(f"{e} (B = {max(cfg.Bs)} x --contexts {cfg.contexts} contexts of L = {L} asked)") from None
-        if windows.shape[1] < L:
-            raise ConfigError(f"contexts of {windows.shape[1]} tokens given for L={L}")
-        if windows.shape[0] < max(cfg.Bs) * cfg.contexts:
-            raise ConfigError(f"{windows.shape[0]} held-out contexts of L={L} tokens, {max(cfg.Bs) * cfg.contexts} "
-                              f"needed (B x contexts)")
+        windows = _contexts(contexts_for, L, cfg)
         for B in cfg.Bs:
             cell = None
             for group in range(cfg.contexts):
@@ -270,6 +262,21 @@ def run_bench(target: Transformer, contexts_for: Callable[[int, int], torch.Tens
     return {"config": asdict(cfg), "hoi": hoi_used, "flops_per_s": flops_per_s, "dtype": dtype_name,
             "weight_bytes": weight_bytes or bytes_per, "draft_weight_bytes": own_bytes,
             "device": str(dev), "backend": backend_of(target).describe(), "rows": rows, "ad": ad_rows}
+
+
+def _contexts(contexts_for: Callable[[int, int], torch.Tensor], L: int, cfg: BenchConfig) -> torch.Tensor:
+    """The held-out windows of the grid's column L: max(B) x --contexts rows of at least L tokens. Raises DataError /
+    ConfigError naming what is short."""
+    try:
+        windows = contexts_for(L, max(cfg.Bs) * cfg.contexts)
+    except DataError as e:
+        raise DataError(f"{e} (B = {max(cfg.Bs)} x --contexts {cfg.contexts} contexts of L = {L} asked)") from None
+    if windows.shape[1] < L:
+        raise ConfigError(f"contexts of {windows.shape[1]} tokens given for L={L}")
+    if windows.shape[0] < max(cfg.Bs) * cfg.contexts:
+        raise ConfigError(f"{windows.shape[0]} held-out contexts of L={L} tokens, {max(cfg.Bs) * cfg.contexts} "
+                          f"needed (B x contexts)")
+    return windows
 
 
 def _measure_cell(target: Transformer, state: Prefilled, drafts: dict[str, Draft], cfg: BenchConfig, B: int,
