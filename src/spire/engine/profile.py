@@ -194,6 +194,7 @@ def profile_rounds(engine, widths: Sequence[int] | None = None, contexts: Sequen
         runner.n.fill_(1)
         runner.pending.fill_(0)
         every = torch.arange(engine.max_running, device=runner.n.device)
+        runner.drop_deferred()
         for draft in engine.drafts:
             draft.restart_rows(every)
     return StepCosts(widths, contexts, table)

@@ -311,6 +311,11 @@ class Runner:
         if len(self._lag[d]) >= self.drafts[d].defer_observe:
             self.catch_up(d)
 
+    def drop_deferred(self) -> None:
+        """Forget the deferred observes (every row is about to restart: nothing of them may reach a draft)."""
+        for log in self._lag.values():
+            log.clear()
+
     def catch_up(self, draft: int | None = None) -> None:
         """Replay the deferred observes of one draft (default every draft that defers) as one observe over the
         positions kept: the state is the one per-round observes would have left, at the cost of one call."""
