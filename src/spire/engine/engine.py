@@ -25,7 +25,6 @@ row by row, with the request's own transform and generator).
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Sequence
 
 import torch
@@ -33,8 +32,8 @@ import torch
 from spire.drafts.base import Draft
 from spire.engine.output import GenerationResult, cut_request
 from spire.engine.prefill import Prefilled, cache_length
-from spire.engine.runner import RoundTrace, Runner, top_logprobs
-from spire.engine.scheduler import EngineStats, Request, RequestOutput, RoundChoice, Scheduler, StepPlan
+from spire.engine.runner import RoundTrace, Runner
+from spire.engine.scheduler import EngineStats, Request, RequestOutput, Scheduler, StepPlan
 from spire.errors import ConfigError
 from spire.model import Transformer
 from spire.params import RequestParams, SamplingParams
@@ -85,7 +84,8 @@ class Engine:
         self.max_running, self.eos_ids = max_running, frozenset(int(t) for t in eos_ids)
         self.runner = Runner(target, drafts, k, max_running, self.max_len)
         self.scheduler = Scheduler(max_running, self.max_len, self.k, k_policy if drafts else None,
-                                   self.runner.narrows, None if prefill_chunk is None else int(prefill_chunk))
+                                   self.runner.narrows, None if prefill_chunk is None else int(prefill_chunk),
+                                   [d.name for d in drafts])
 
     # ---- views -------------------------------------------------------------------------------------------------
 
@@ -174,22 +174,11 @@ class Engine:
             raise ConfigError(f"add_prefilled: {len(params)} request settings for {len(state.rows)} prefilled rows")
         self.runner.check_prefilled(state)
         reqs = [self._new_request(r, p) for r, p in zip(state.rows, params)]
-        free = sum(s is None for s in self.slots)
-        if free < len(reqs):
-            raise ConfigError(f"add_prefilled: {len(reqs)} rows, {free} free slots")
-        self.scheduler.admit(reqs)
-        self.runner.narrow(self.scheduler.width())
-        self.runner.join(reqs)
-        self.runner.add_prefilled(state, reqs)
-        for req in reqs:
-            req.prefilled = len(req.prompt) - 1
-            self.runner.prefilled(req, req.prefilled)
+        self.run_prefill(self.scheduler.admit(reqs, state))
         return [r.id for r in reqs]
 
     def _new_request(self, prompt_ids: Sequence[int], params: RequestParams) -> Request:
-        req = self.scheduler.new_request(prompt_ids, params, self.target.cfg.vocab_size, self.eos_ids, self.decode)
-        self.runner.attach(req)
-        return req
+        return self.scheduler.new_request(prompt_ids, params, self.target.cfg.vocab_size, self.eos_ids, self.decode)
 
     def abort(self, request_id: int) -> None:
         """End a waiting or running request at the next :meth:`step` (its slot is freed there, finish "abort");
@@ -205,74 +194,28 @@ class Engine:
         Returns one :class:`RequestOutput` per request that got tokens or finished."""
         plan = self.scheduler.schedule()
         outputs = [RequestOutput(r.id, [], True, "abort") for r in plan.aborted]
-        self.runner.advance((), plan.freed)
+        self.runner.free(plan.freed, [r.id for r in plan.aborted])
         if not plan.width:
             return outputs
         self.run_prefill(plan)
         if not plan.running:
             return outputs
         choice = self.scheduler.choose_round(plan, self.runner.proposes(plan.running) if plan.k else ())
-        watch = time.perf_counter()
-        n_acc, next_tok, block, lps = self.runner.round(plan.running, choice)
-        return outputs + self._commit(plan, n_acc, next_tok, block, lps, watch)
+        done = self.scheduler.update_from_output(plan, self.runner.round(plan.running, choice))
+        self.runner.commit(done)
+        return outputs + done
 
     def run_prefill(self, plan: StepPlan) -> None:
-        """The plan's joins and prefill pieces, on the rows [0, plan.width)."""
+        """The plan's joins and prefill pieces, on the rows [0, plan.width): a step's, or an admission plan's (the
+        batch prefilled elsewhere copied into the joiners' slots, :meth:`add_prefilled`)."""
         self.runner.narrow(plan.width)
         self.runner.join(plan.joiners)
+        if plan.prefilled is not None:
+            self.runner.add_prefilled(plan.prefilled, plan.joiners)
         for pieces in plan.starts:
             self.runner.prefill_start(pieces)
         for reqs, s0, n in plan.continues:
             self.runner.prefill_continue(reqs, s0, n)
-
-    def _commit(self, plan: StepPlan, n_acc: torch.Tensor, next_tok: torch.Tensor, block: torch.Tensor,
-                lps: dict[int, torch.Tensor], watch: float) -> list[RequestOutput]:
-        """Each running request's share of the round (cut), the stats, the round policy's feedback (the round's
-        acceptances and its wall time since ``watch``); finished requests free their slots, the others advance
-        (:meth:`Runner.advance`)."""
-        choice, st = plan.choice, self.stats
-        accepted, block_l = n_acc.tolist(), block.tolist()  # the round's one read of the device
-        seconds = time.perf_counter() - watch
-        st.rounds += 1
-        st.rounds_by_k[choice.k] += 1
-        self.scheduler.update_from_output(plan, [accepted[r.slot] for r in plan.running], seconds)
-        outputs, live, freed = [], [], []
-        for i, req in enumerate(plan.running):
-            b, k = req.slot, choice.ks[i]
-            name = self.drafts[choice.drafts[i]].name if k else None
-            out = self._emit(req, block_l[b][: accepted[b] + 1], accepted[b] if k else None, k, lps.get(b), name)
-            outputs.append(out)
-            if out.finished:
-                freed.append(self.scheduler.release(req, out.finish_reason))
-            else:
-                live.append(b)
-        self.runner.advance(live, freed, n_acc, next_tok)
-        return outputs
-
-    def _emit(self, req: Request, toks: list[int], n_accepted: int | None, k: int,
-              lp: torch.Tensor | None, draft: str | None = None) -> RequestOutput:
-        """A running request's output of the round: its tokens cut at its budget, EOS, stop token ids and stop
-        strings, their logprobs (lp: (k+1, V) at the round's positions, when it asked), whether it finished. k: the
-        tokens it drafted, with the draft named ``draft``."""
-        p = req.params
-        eos = (set() if p.ignore_eos else set(self.eos_ids)) | set(p.stop_token_ids)
-        toks, stopped = cut_request(req.emitted, toks, p.max_tokens, eos, req.stop, p.min_tokens)
-        if req.history is not None:
-            req.history.add(toks)
-        logprobs = top_logprobs(lp[: len(toks)], toks, p.logprobs) if lp is not None else None
-        prompt_lp = req.prompt_lp if req.prompt_lp is not None and not req.emitted else None
-        req.emitted.extend(toks)
-        st = self.stats
-        st.row_rounds += 1
-        st.generated_tokens += len(toks)
-        if n_accepted is not None and k:
-            st.accepted[n_accepted] += 1
-            for j in range(k):
-                st.drafted[j] += 1
-        st.count_row(draft, k, n_accepted)
-        reason = "stop" if stopped else "length" if len(req.emitted) >= p.max_tokens else None
-        stop_token = toks[-1] if stopped and toks and toks[-1] in eos else None
-        return RequestOutput(req.id, toks, reason is not None, reason, n_accepted, stop_token, logprobs, prompt_lp)
 
 
 @torch.no_grad()
