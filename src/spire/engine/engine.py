@@ -25,6 +25,7 @@ row by row, with the request's own transform and generator).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -32,12 +33,33 @@ import torch
 from spire.drafts.base import Draft
 from spire.engine.output import GenerationResult, cut_request
 from spire.engine.prefill import Prefilled, cache_length
-from spire.engine.runner import RoundTrace, Runner
+from spire.engine.runner import RoundTrace, Runner, check_prefilled
 from spire.engine.scheduler import EngineStats, Request, RequestOutput, Scheduler, StepPlan
 from spire.errors import ConfigError
 from spire.model import Transformer
 from spire.params import RequestParams, SamplingParams
 from spire.timing import Stopwatch
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """One reading of an :class:`Engine` (:meth:`Engine.status`), instead of a property per field: running:
+    requests holding a slot; waiting: requests queued for one; prefilling: those holding a slot whose prompt is not yet
+    prefilled (counted in running); max_running, max_len, k: the engine's slots, positions per slot and most draft
+    tokens per round (0: AD); width: the rows the last round computed; requests: the ids of the running then the
+    waiting requests; stats: the engine's counters (:class:`~spire.engine.scheduler.EngineStats`, live, not a
+    copy); k_policy: the round policy, or None."""
+
+    running: int
+    waiting: int
+    prefilling: int
+    max_running: int
+    max_len: int
+    k: int
+    width: int
+    requests: tuple[int, ...]
+    stats: EngineStats
+    k_policy: object = None
 
 
 class Engine:
@@ -94,25 +116,25 @@ class Engine:
         """The first (with one draft, the only) served draft, or None for AD."""
         return self.drafts[0] if self.drafts else None
 
+    def status(self) -> EngineStatus:
+        """One reading of the engine's state (:class:`EngineStatus`), for the server's admission and /metrics."""
+        sch = self.scheduler
+        with sch._lock:
+            waiting = [r.id for r in sch.waiting]
+        held = [r for r in list(sch.slots) if r is not None]
+        return EngineStatus(len(held), len(waiting), sum(r.prefilling for r in held), self.max_running,
+                            self.max_len, self.k, self.runner.width, tuple([r.id for r in held] + waiting), sch.stats,
+                            sch.k_policy)
+
     @property
     def stats(self) -> EngineStats:
+        """The engine's counters (written by :meth:`Scheduler.update_from_output` and the admissions)."""
         return self.scheduler.stats
 
     @property
-    def k_policy(self):
-        return self.scheduler.k_policy
-
-    @property
     def slots(self) -> list[Request | None]:
+        """The slots' requests (None: free), the scheduler's."""
         return self.scheduler.slots
-
-    @property
-    def waiting(self):
-        return self.scheduler.waiting
-
-    @property
-    def width(self) -> int:
-        return self.runner.width
 
     @property
     def round_hook(self) -> Callable[[RoundTrace], object] | None:
@@ -125,16 +147,19 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return self.scheduler.num_running
+        return self.status().running
 
     @property
     def num_prefilling(self) -> int:
-        """Requests holding a slot whose prompt is not yet fully prefilled (counted in :attr:`num_running`)."""
-        return sum(r is not None and r.prefilling for r in self.slots)
+        return self.status().prefilling
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return self.status().waiting
+
+    @property
+    def width(self) -> int:
+        return self.status().width
 
     def has_work(self) -> bool:
         """Whether :meth:`step` has anything to do (running or waiting requests, or aborts to apply)."""
@@ -172,7 +197,7 @@ class Engine:
         the draft reads, fewer than B free slots, or a row that does not fit a slot (as :meth:`add_request`)."""
         if len(params) != len(state.rows):
             raise ConfigError(f"add_prefilled: {len(params)} request settings for {len(state.rows)} prefilled rows")
-        self.runner.check_prefilled(state)
+        check_prefilled(state, self.runner.cache, self.drafts)
         reqs = [self._new_request(r, p) for r, p in zip(state.rows, params)]
         self.run_prefill(self.scheduler.admit(reqs, state))
         return [r.id for r in reqs]

@@ -113,9 +113,6 @@ class Runner:
         history = TokenHistory(req.prompt, self.target.cfg.vocab_size, self.n.device) if req.proc.penalized else None
         self.requests[req.id] = RowState(gen, history, [] if req.params.prompt_logprobs is not None else None)
 
-    def _wants_prompt_lp(self, req: Request) -> bool:
-        return self.requests[req.id].prompt_lp is not None
-
     def narrow(self, w: int) -> None:
         """Run the next rounds on rows [0, w): the target cache's view and the draft's rows."""
         if w and w != self.width:
@@ -146,22 +143,8 @@ class Runner:
         self.n[req.slot] = upto + 1
         self.pending[req.slot] = req.prompt[upto]
 
-    def check_prefilled(self, state: Prefilled) -> None:
-        """Raises ConfigError for a prefill of another cache layout or without the layers the draft reads."""
-        def layout(cache: KVCache) -> tuple:
-            k = cache.k[0]
-            return len(cache.k), k.shape[1], k.shape[3], str(k.dtype).removeprefix("torch.")
-
-        if layout(state.cache) != layout(self.cache):
-            raise ConfigError("add_prefilled: the prefill's cache has (layers, KV heads, head size, dtype) "
-                              f"{layout(state.cache)}, this engine's target {layout(self.cache)}")
-        for draft in self.drafts:
-            if state.out is not None and not set(draft.hidden_layers) <= set(state.out.hidden):
-                raise ConfigError(f"add_prefilled: the prefill kept target layers {sorted(state.out.hidden)}, the "
-                                  f"{draft.name} draft reads {sorted(draft.hidden_layers)}")
-
     def add_prefilled(self, state: Prefilled, reqs: Sequence[Request]) -> None:
-        """Copy a batch prefilled elsewhere (:meth:`check_prefilled`) into the requests' slots (row i to
+        """Copy a batch prefilled elsewhere (:func:`check_prefilled`) into the requests' slots (row i to
         ``reqs[i].slot``), let the draft observe it, and make each slot's pending token its prompt's last."""
         slots = torch.tensor([r.slot for r in reqs], device=self.n.device)
         if state.out is not None:
@@ -186,7 +169,8 @@ class Runner:
                 rows.append(list(key))
             src.append(index[key])
         span = max(n for _, _, n in pieces)
-        state = prefill(self.target, rows, span, self._hidden(any(self._wants_prompt_lp(r) for r, _, _ in pieces)))
+        final = any(r.params.prompt_logprobs is not None for r, _, _ in pieces)
+        state = prefill(self.target, rows, span, self._hidden(final))
         shared = len(rows) < len(pieces)
         at = torch.tensor(src, device=dev)
         self._copy_kv(slots, state.cache, span, at if shared else None)
@@ -194,8 +178,9 @@ class Runner:
         if self.drafts:
             self._observe_prefill(slots, state.tokens[at], state.pos[at], state.valid[at], out)
         for i, (req, _, n) in enumerate(pieces):
-            if self._wants_prompt_lp(req) and n:
-                self._prompt_logprobs(req, state.out.hidden[self.target.cfg.n_layers][src[i]: src[i] + 1, :n], 0)
+            if req.params.prompt_logprobs is not None and n:
+                h = state.out.hidden[self.target.cfg.n_layers][src[i]: src[i] + 1, :n]
+                self.requests[req.id].prompt_lp.extend(prompt_logprobs(self.target, req, h, 0))
             self.prefilled(req, n)
 
     def prefill_continue(self, reqs: Sequence[Request], s0: int, n: int) -> None:
@@ -205,7 +190,7 @@ class Runner:
         tokens = torch.tensor([req.prompt[s0: s0 + n]], device=dev)
         pos = torch.arange(s0, s0 + n, device=dev)[None]
         out = self.target(tokens, pos, self.cache.row(req.slot),
-                          hidden_layers=self._hidden(any(self._wants_prompt_lp(r) for r in reqs)))
+                          hidden_layers=self._hidden(any(r.params.prompt_logprobs is not None for r in reqs)))
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         if len(reqs) > 1:  # the same tokens at the same positions in the other slots: copy the keys / values
             for c in (*self.cache.k, *self.cache.v):
@@ -215,23 +200,14 @@ class Runner:
         if self.drafts:
             self._observe_prefill(slots, tokens, pos, None, out)
         for i, r in enumerate(reqs):
-            if self._wants_prompt_lp(r):
-                self._prompt_logprobs(r, out.hidden[self.target.cfg.n_layers][i: i + 1], s0)
+            if r.params.prompt_logprobs is not None:
+                h = out.hidden[self.target.cfg.n_layers][i: i + 1]
+                self.requests[r.id].prompt_lp.extend(prompt_logprobs(self.target, r, h, s0))
             self.prefilled(r, s0 + n)
 
     def _hidden(self, final: bool) -> tuple[int, ...]:
         """The target layers a prefill keeps: the drafts', and the final residual stream when ``final``."""
         return self.reads + (self.target.cfg.n_layers,) if final else self.reads
-
-    def _prompt_logprobs(self, req: Request, h: torch.Tensor, s0: int, chunk: int = 256) -> None:
-        """Log-probabilities (the target's, untransformed, at temperature 1: vLLM's) of prompt tokens s0+1 .. s0+T
-        from the final residual stream h (1, T, d_model) at positions s0 .. s0+T-1 (logits in chunks of ``chunk``
-        positions, so a long prompt never holds (T, V))."""
-        for c in range(0, h.shape[1], chunk):
-            lg = self.target.logits(h[:, c: c + chunk])[0]  # (t, V)
-            lp = torch.log_softmax(lg.float(), -1)
-            toks = req.prompt[s0 + c + 1: s0 + c + 1 + lg.shape[0]]
-            self.requests[req.id].prompt_lp.extend(top_logprobs(lp, toks, req.params.prompt_logprobs))
 
     def _copy_kv(self, slots: torch.Tensor, cache: KVCache, span: int, rows: torch.Tensor | None = None) -> None:
         """Keys / values of positions < span from ``cache`` (its rows ``rows``, default all) into ``slots``."""
@@ -279,21 +255,15 @@ class Runner:
         accepted, block_l = n_acc.tolist(), block.tolist()
         seconds = time.perf_counter() - watch
         self._last = (n_acc, next_tok, {r.id: r.slot for r in running})
-        tokens = [block_l[r.slot][: accepted[r.slot] + 1] for r in running]
-        logprobs = [top_logprobs(lps[r.slot][: len(t)], t, r.params.logprobs) if r.slot in lps else None
-                    for r, t in zip(running, tokens)]
-        prompt = []
+        prompt = [self.requests[r.id].prompt_lp if r.id in self.requests else None for r in running]
         for r in running:  # a request's prompt logprobs come with its first round
-            st = self.requests.get(r.id)
-            prompt.append(None if st is None else st.prompt_lp)
-            if st is not None:
-                st.prompt_lp = None
-        return RoundOutput([accepted[r.slot] for r in running], tokens, logprobs, prompt, seconds)
+            if r.id in self.requests:
+                self.requests[r.id].prompt_lp = None
+        return _round_output(running, accepted, block_l, lps, prompt, seconds)
 
     def commit(self, outputs: Sequence[RequestOutput]) -> None:
-        """Commit the last :meth:`round` once the scheduler has cut it (``outputs``, one per running request): each
-        request's token history takes its tokens, the finished ones' slots are freed and their state dropped, the
-        others advance (:meth:`advance`)."""
+        """Commit the last :meth:`round`, cut by the scheduler (``outputs``): the token histories take the tokens,
+        finished requests' slots are freed and their state dropped, the others :meth:`advance`."""
         n_acc, next_tok, slot_of = self._last
         self._last = None
         live, freed = [], []
@@ -404,6 +374,44 @@ class Runner:
         live = live.to(self.n.device)
         self.n[:w] = rollback(self.n[:w], live, n_acc)
         self.pending[:w] = torch.where(live, next_tok, self.pending[:w])
+
+
+def prompt_logprobs(target: Transformer, req: Request, h: torch.Tensor, s0: int, chunk: int = 256) -> list:
+    """Log-probabilities (the target's, untransformed, at temperature 1: vLLM's) of prompt tokens s0+1 .. s0+T from
+    the final residual stream h (1, T, d_model) at positions s0 .. s0+T-1, as :func:`top_logprobs` (logits in chunks
+    of ``chunk`` positions, so a long prompt never holds (T, V))."""
+    out = []
+    for c in range(0, h.shape[1], chunk):
+        lg = target.logits(h[:, c: c + chunk])[0]  # (t, V)
+        lp = torch.log_softmax(lg.float(), -1)
+        toks = req.prompt[s0 + c + 1: s0 + c + 1 + lg.shape[0]]
+        out.extend(top_logprobs(lp, toks, req.params.prompt_logprobs))
+    return out
+
+
+def check_prefilled(state: Prefilled, cache: KVCache, drafts: Sequence[Draft]) -> None:
+    """Raises ConfigError for a prefill of another layout than ``cache`` or without the layers a draft reads."""
+    def layout(c: KVCache) -> tuple:
+        k = c.k[0]
+        return len(c.k), k.shape[1], k.shape[3], str(k.dtype).removeprefix("torch.")
+
+    if layout(state.cache) != layout(cache):
+        raise ConfigError("add_prefilled: the prefill's cache has (layers, KV heads, head size, dtype) "
+                          f"{layout(state.cache)}, this engine's target {layout(cache)}")
+    for draft in drafts:
+        if state.out is not None and not set(draft.hidden_layers) <= set(state.out.hidden):
+            raise ConfigError(f"add_prefilled: the prefill kept target layers {sorted(state.out.hidden)}, the "
+                              f"{draft.name} draft reads {sorted(draft.hidden_layers)}")
+
+
+def _round_output(running: Sequence[Request], accepted: list[int], block: list[list[int]],
+                  lps: dict[int, torch.Tensor], prompt: list, seconds: float) -> RoundOutput:
+    """The scheduler's view of a round read back: per running request its accepted count, its tokens (accepted +
+    recovered or bonus) and their :func:`top_logprobs` where it asked."""
+    tokens = [block[r.slot][: accepted[r.slot] + 1] for r in running]
+    logprobs = [top_logprobs(lps[r.slot][: len(t)], t, r.params.logprobs) if r.slot in lps else None
+                for r, t in zip(running, tokens)]
+    return RoundOutput([accepted[r.slot] for r in running], tokens, logprobs, prompt, seconds)
 
 
 def _no_logits() -> torch.Tensor:
