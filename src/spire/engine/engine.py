@@ -187,8 +187,9 @@ class Engine:
 
     def add_prefilled(self, state: Prefilled, params: Sequence[RequestParams]) -> list[int]:
         """Admit the rows of a batch that :func:`spire.engine.prefill.prefill` already ran (all but each prompt's last
-        token in ``state.cache``) as running requests in the lowest free slots: their keys and values are copied
-        into the slots, the draft observes the prefill (``hidden_layers`` of the prefill must include the draft's),
+        token in ``state.cache``) as running requests in the lowest free slots, by an admission plan
+        (:meth:`Scheduler.admit`) run on the path of a step's joins (:meth:`run_prefill`): their keys and values are
+        copied into the slots, the draft observes the prefill (``hidden_layers`` of the prefill must include the draft's),
         and their first round runs at the next :meth:`step`. So several drafts decode from one prefill
         (``spire tau``, ``spire bench``: :func:`decode_prefilled`). Call it between steps, on the thread that steps.
         params: one :class:`RequestParams` per row. Returns the request ids, in row order.

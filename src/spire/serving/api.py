@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from spire.serving import protocol
 from spire.serving.engine_loop import EngineLoop, torch_thread, trim_heap
-from spire.serving.output import TextStream
+from spire.engine.output import TextStream
 from spire.serving.protocol import ApiError
 from spire.serving.server import Server
 

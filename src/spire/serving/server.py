@@ -22,7 +22,8 @@ from spire.params import RequestParams
 from spire.serving import protocol
 from spire.serving.engine_loop import EngineLoop
 from spire.serving.metrics import metrics_registry, metrics_text
-from spire.serving.output import PROMPT_CONTEXT, Choice, TextStream, openai_logprobs, with_prompt_ids
+from spire.engine.output import TextStream
+from spire.serving.output import PROMPT_CONTEXT, Choice, openai_logprobs, with_prompt_ids
 from spire.serving.parse import DEFAULT_MAX_REQUEST_BYTES, RequestParser, read_body
 from spire.serving.protocol import ApiError, Parsed, bad
 
