@@ -72,7 +72,8 @@ def writes(root: Path) -> list[tuple[str, str, str, str]]:
 
 
 def _in_scope(file: str, obj: str) -> bool:
-    """Engine state lives in engine/ and serving/; elsewhere a write reaches it through an engine, runner or scheduler."""
+    """Engine state lives in engine/ and serving/; elsewhere a write reaches it through an engine, runner or
+    scheduler."""
     return file.startswith(("engine/", "serving/")) or bool(ENGINE_EXPR.search(obj))
 
 

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from spire.drafts.base import Draft
-from spire.engine.output import GenerationResult, cut_request
+from spire.engine.output import GenerationResult
 from spire.engine.prefill import Prefilled, cache_length
 from spire.engine.runner import RoundTrace, Runner, check_prefilled
 from spire.engine.scheduler import EngineStats, Request, RequestOutput, Scheduler, StepPlan
@@ -119,8 +119,7 @@ class Engine:
     def status(self) -> EngineStatus:
         """One reading of the engine's state (:class:`EngineStatus`), for the server's admission and /metrics."""
         sch = self.scheduler
-        with sch._lock:
-            waiting = [r.id for r in sch.waiting]
+        waiting = sch.waiting_ids()
         held = [r for r in list(sch.slots) if r is not None]
         return EngineStatus(len(held), len(waiting), sum(r.prefilling for r in held), self.max_running,
                             self.max_len, self.k, self.runner.width, tuple([r.id for r in held] + waiting), sch.stats,
@@ -189,8 +188,8 @@ class Engine:
         """Admit the rows of a batch that :func:`spire.engine.prefill.prefill` already ran (all but each prompt's last
         token in ``state.cache``) as running requests in the lowest free slots, by an admission plan
         (:meth:`Scheduler.admit`) run on the path of a step's joins (:meth:`run_prefill`): their keys and values are
-        copied into the slots, the draft observes the prefill (``hidden_layers`` of the prefill must include the draft's),
-        and their first round runs at the next :meth:`step`. So several drafts decode from one prefill
+        copied into the slots, the draft observes the prefill (``hidden_layers`` of the prefill must include the
+        draft's), and their first round runs at the next :meth:`step`. So several drafts decode from one prefill
         (``spire tau``, ``spire bench``: :func:`decode_prefilled`). Call it between steps, on the thread that steps.
         params: one :class:`RequestParams` per row. Returns the request ids, in row order.
 

@@ -281,6 +281,11 @@ class Scheduler:
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         return slot
 
+    def waiting_ids(self) -> list[int]:
+        """The ids of the queued requests, oldest first (thread-safe)."""
+        with self._lock:
+            return [r.id for r in self.waiting]
+
     @property
     def num_running(self) -> int:
         return sum(r is not None for r in self.slots)
