@@ -124,3 +124,39 @@ def test_requests_are_validated_by_field():
             s.new_request(prompt, RequestParams(**{"max_tokens": 4, **params}), vocab=100)
     with pytest.raises(ConfigError, match="2 rows, 1 free slots"):
         Scheduler(1, 16, 4).admit([s.new_request([1], RequestParams(max_tokens=4), 100) for _ in range(2)])
+
+
+def test_update_from_output_is_the_one_commit_of_a_round():
+    """Scheduler.update_from_output(plan, RoundOutput): each running request's tokens cut at its budget and
+    emitted, the round counted (by depth, by draft, by accepted count and drafted position), the round policy fed
+    once (the accepted counts and the wall time), a finished request's slot released, its prompt logprobs passed
+    on, its logprobs cut with its tokens."""
+    from spire.engine.scheduler import RoundChoice, RoundOutput
+
+    class Policy:
+        def __init__(self):
+            self.seen = []
+
+        def choose(self, plan, width, proposes):
+            return RoundChoice(3, [0, 0], [3, 1])
+
+        def update(self, plan, accepted, seconds):
+            self.seen.append((list(accepted), seconds))
+
+    policy = Policy()
+    s = Scheduler(2, 64, 4, k_policy=policy, draft_names=["ngram"])
+    a, b = _add(s, [1, 2, 3], max_tokens=8), _add(s, [4, 5], max_tokens=2)
+    plan = s.schedule()
+    s.choose_round(plan)
+    lps = [(-0.5, []), (-1.5, [])]
+    outs = s.update_from_output(plan, RoundOutput([2, 1], [[7, 8, 9], [6, 5, 4]], [None, lps + [(-2.0, [])]],
+                                                  [[], None], 0.25))
+    assert [(o.new_tokens, o.finished, o.finish_reason, o.accepted) for o in outs] == [
+        ([7, 8, 9], False, None, 2), ([6, 5], True, "length", 1)]
+    assert outs[0].prompt_logprobs == [] and outs[1].logprobs == lps and outs[0].logprobs is None
+    assert a.emitted == [7, 8, 9] and b.emitted == [6, 5] and b.slot is None and s.slots == [a, None]
+    st = s.stats
+    assert (st.rounds, st.rounds_by_k, st.row_rounds, st.generated_tokens) == (1, [0, 0, 0, 1, 0], 2, 5)
+    assert st.accepted == [0, 1, 1, 0, 0] and st.drafted == [2, 1, 1, 0]
+    assert st.row_rounds_by_draft == {"ngram": [0, 1, 0, 1, 0]} and st.accepted_by_draft == {"ngram": [0, 1, 1, 0, 0]}
+    assert st.finished == {"length": 1} and st.prompt_tokens == 5 and policy.seen == [([2, 1], 0.25)]

@@ -164,7 +164,7 @@ def test_metrics_show_the_measured_policy_s_choices_and_acceptance(tiny):
             if c:
                 assert f'spire_request_rounds_by_draft_total{{draft="{name}",k="{k}"}} {float(c)}' in text
     for d, name in enumerate(("ngram", "magicdec")):
-        rate = engine.k_policy.acceptance.rates(d, 0)[0]
+        rate = engine.scheduler.k_policy.acceptance.rates(d, 0)[0]
         assert f'spire_policy_acceptance_rate{{draft="{name}",mode="greedy",position="1"}} {round(rate, 6)}' in text
 
 
@@ -346,7 +346,7 @@ print(freed, rss())
     assert out.returncode == 0, out.stderr
     freed, trimmed = map(int, out.stdout.split())
     assert freed - trimmed > 250
-    import spire.serving.api as api
+    import spire.serving.engine_loop as api
 
     r = Running(parts)
     calls = []

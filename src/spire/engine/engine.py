@@ -25,20 +25,41 @@ row by row, with the request's own transform and generator).
 
 from __future__ import annotations
 
-import time
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from spire.drafts.base import Draft
-from spire.engine.output import GenerationResult, cut_request
+from spire.engine.output import GenerationResult
 from spire.engine.prefill import Prefilled, cache_length
-from spire.engine.runner import RoundTrace, Runner, top_logprobs
-from spire.engine.scheduler import EngineStats, Request, RequestOutput, RoundChoice, Scheduler, StepPlan
+from spire.engine.runner import RoundTrace, Runner, check_prefilled
+from spire.engine.scheduler import EngineStats, Request, RequestOutput, Scheduler, StepPlan
 from spire.errors import ConfigError
 from spire.model import Transformer
 from spire.params import RequestParams, SamplingParams
 from spire.timing import Stopwatch
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    """One reading of an :class:`Engine` (:meth:`Engine.status`), instead of a property per field: running:
+    requests holding a slot; waiting: requests queued for one; prefilling: those holding a slot whose prompt is not yet
+    prefilled (counted in running); max_running, max_len, k: the engine's slots, positions per slot and most draft
+    tokens per round (0: AD); width: the rows the last round computed; requests: the ids of the running then the
+    waiting requests; stats: the engine's counters (:class:`~spire.engine.scheduler.EngineStats`, live, not a
+    copy); k_policy: the round policy, or None."""
+
+    running: int
+    waiting: int
+    prefilling: int
+    max_running: int
+    max_len: int
+    k: int
+    width: int
+    requests: tuple[int, ...]
+    stats: EngineStats
+    k_policy: object = None
 
 
 class Engine:
@@ -85,7 +106,8 @@ class Engine:
         self.max_running, self.eos_ids = max_running, frozenset(int(t) for t in eos_ids)
         self.runner = Runner(target, drafts, k, max_running, self.max_len)
         self.scheduler = Scheduler(max_running, self.max_len, self.k, k_policy if drafts else None,
-                                   self.runner.narrows, None if prefill_chunk is None else int(prefill_chunk))
+                                   self.runner.narrows, None if prefill_chunk is None else int(prefill_chunk),
+                                   [d.name for d in drafts])
 
     # ---- views -------------------------------------------------------------------------------------------------
 
@@ -94,25 +116,24 @@ class Engine:
         """The first (with one draft, the only) served draft, or None for AD."""
         return self.drafts[0] if self.drafts else None
 
+    def status(self) -> EngineStatus:
+        """One reading of the engine's state (:class:`EngineStatus`), for the server's admission and /metrics."""
+        sch = self.scheduler
+        waiting = sch.waiting_ids()
+        held = [r for r in list(sch.slots) if r is not None]
+        return EngineStatus(len(held), len(waiting), sum(r.prefilling for r in held), self.max_running,
+                            self.max_len, self.k, self.runner.width, tuple([r.id for r in held] + waiting), sch.stats,
+                            sch.k_policy)
+
     @property
     def stats(self) -> EngineStats:
+        """The engine's counters (written by :meth:`Scheduler.update_from_output` and the admissions)."""
         return self.scheduler.stats
 
     @property
-    def k_policy(self):
-        return self.scheduler.k_policy
-
-    @property
     def slots(self) -> list[Request | None]:
+        """The slots' requests (None: free), the scheduler's."""
         return self.scheduler.slots
-
-    @property
-    def waiting(self):
-        return self.scheduler.waiting
-
-    @property
-    def width(self) -> int:
-        return self.runner.width
 
     @property
     def round_hook(self) -> Callable[[RoundTrace], object] | None:
@@ -125,16 +146,19 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return self.scheduler.num_running
+        return self.status().running
 
     @property
     def num_prefilling(self) -> int:
-        """Requests holding a slot whose prompt is not yet fully prefilled (counted in :attr:`num_running`)."""
-        return sum(r is not None and r.prefilling for r in self.slots)
+        return self.status().prefilling
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return self.status().waiting
+
+    @property
+    def width(self) -> int:
+        return self.status().width
 
     def has_work(self) -> bool:
         """Whether :meth:`step` has anything to do (running or waiting requests, or aborts to apply)."""
@@ -162,9 +186,10 @@ class Engine:
 
     def add_prefilled(self, state: Prefilled, params: Sequence[RequestParams]) -> list[int]:
         """Admit the rows of a batch that :func:`spire.engine.prefill.prefill` already ran (all but each prompt's last
-        token in ``state.cache``) as running requests in the lowest free slots: their keys and values are copied
-        into the slots, the draft observes the prefill (``hidden_layers`` of the prefill must include the draft's),
-        and their first round runs at the next :meth:`step`. So several drafts decode from one prefill
+        token in ``state.cache``) as running requests in the lowest free slots, by an admission plan
+        (:meth:`Scheduler.admit`) run on the path of a step's joins (:meth:`run_prefill`): their keys and values are
+        copied into the slots, the draft observes the prefill (``hidden_layers`` of the prefill must include the
+        draft's), and their first round runs at the next :meth:`step`. So several drafts decode from one prefill
         (``spire tau``, ``spire bench``: :func:`decode_prefilled`). Call it between steps, on the thread that steps.
         params: one :class:`RequestParams` per row. Returns the request ids, in row order.
 
@@ -172,24 +197,13 @@ class Engine:
         the draft reads, fewer than B free slots, or a row that does not fit a slot (as :meth:`add_request`)."""
         if len(params) != len(state.rows):
             raise ConfigError(f"add_prefilled: {len(params)} request settings for {len(state.rows)} prefilled rows")
-        self.runner.check_prefilled(state)
+        check_prefilled(state, self.runner.cache, self.drafts)
         reqs = [self._new_request(r, p) for r, p in zip(state.rows, params)]
-        free = sum(s is None for s in self.slots)
-        if free < len(reqs):
-            raise ConfigError(f"add_prefilled: {len(reqs)} rows, {free} free slots")
-        self.scheduler.admit(reqs)
-        self.runner.narrow(self.scheduler.width())
-        self.runner.join(reqs)
-        self.runner.add_prefilled(state, reqs)
-        for req in reqs:
-            req.prefilled = len(req.prompt) - 1
-            self.runner.prefilled(req, req.prefilled)
+        self.run_prefill(self.scheduler.admit(reqs, state))
         return [r.id for r in reqs]
 
     def _new_request(self, prompt_ids: Sequence[int], params: RequestParams) -> Request:
-        req = self.scheduler.new_request(prompt_ids, params, self.target.cfg.vocab_size, self.eos_ids, self.decode)
-        self.runner.attach(req)
-        return req
+        return self.scheduler.new_request(prompt_ids, params, self.target.cfg.vocab_size, self.eos_ids, self.decode)
 
     def abort(self, request_id: int) -> None:
         """End a waiting or running request at the next :meth:`step` (its slot is freed there, finish "abort");
@@ -205,74 +219,28 @@ class Engine:
         Returns one :class:`RequestOutput` per request that got tokens or finished."""
         plan = self.scheduler.schedule()
         outputs = [RequestOutput(r.id, [], True, "abort") for r in plan.aborted]
-        self.runner.advance((), plan.freed)
+        self.runner.free(plan.freed, [r.id for r in plan.aborted])
         if not plan.width:
             return outputs
         self.run_prefill(plan)
         if not plan.running:
             return outputs
         choice = self.scheduler.choose_round(plan, self.runner.proposes(plan.running) if plan.k else ())
-        watch = time.perf_counter()
-        n_acc, next_tok, block, lps = self.runner.round(plan.running, choice)
-        return outputs + self._commit(plan, n_acc, next_tok, block, lps, watch)
+        done = self.scheduler.update_from_output(plan, self.runner.round(plan.running, choice))
+        self.runner.commit(done)
+        return outputs + done
 
     def run_prefill(self, plan: StepPlan) -> None:
-        """The plan's joins and prefill pieces, on the rows [0, plan.width)."""
+        """The plan's joins and prefill pieces, on the rows [0, plan.width): a step's, or an admission plan's (the
+        batch prefilled elsewhere copied into the joiners' slots, :meth:`add_prefilled`)."""
         self.runner.narrow(plan.width)
         self.runner.join(plan.joiners)
+        if plan.prefilled is not None:
+            self.runner.add_prefilled(plan.prefilled, plan.joiners)
         for pieces in plan.starts:
             self.runner.prefill_start(pieces)
         for reqs, s0, n in plan.continues:
             self.runner.prefill_continue(reqs, s0, n)
-
-    def _commit(self, plan: StepPlan, n_acc: torch.Tensor, next_tok: torch.Tensor, block: torch.Tensor,
-                lps: dict[int, torch.Tensor], watch: float) -> list[RequestOutput]:
-        """Each running request's share of the round (cut), the stats, the round policy's feedback (the round's
-        acceptances and its wall time since ``watch``); finished requests free their slots, the others advance
-        (:meth:`Runner.advance`)."""
-        choice, st = plan.choice, self.stats
-        accepted, block_l = n_acc.tolist(), block.tolist()  # the round's one read of the device
-        seconds = time.perf_counter() - watch
-        st.rounds += 1
-        st.rounds_by_k[choice.k] += 1
-        self.scheduler.update_from_output(plan, [accepted[r.slot] for r in plan.running], seconds)
-        outputs, live, freed = [], [], []
-        for i, req in enumerate(plan.running):
-            b, k = req.slot, choice.ks[i]
-            name = self.drafts[choice.drafts[i]].name if k else None
-            out = self._emit(req, block_l[b][: accepted[b] + 1], accepted[b] if k else None, k, lps.get(b), name)
-            outputs.append(out)
-            if out.finished:
-                freed.append(self.scheduler.release(req, out.finish_reason))
-            else:
-                live.append(b)
-        self.runner.advance(live, freed, n_acc, next_tok)
-        return outputs
-
-    def _emit(self, req: Request, toks: list[int], n_accepted: int | None, k: int,
-              lp: torch.Tensor | None, draft: str | None = None) -> RequestOutput:
-        """A running request's output of the round: its tokens cut at its budget, EOS, stop token ids and stop
-        strings, their logprobs (lp: (k+1, V) at the round's positions, when it asked), whether it finished. k: the
-        tokens it drafted, with the draft named ``draft``."""
-        p = req.params
-        eos = (set() if p.ignore_eos else set(self.eos_ids)) | set(p.stop_token_ids)
-        toks, stopped = cut_request(req.emitted, toks, p.max_tokens, eos, req.stop, p.min_tokens)
-        if req.history is not None:
-            req.history.add(toks)
-        logprobs = top_logprobs(lp[: len(toks)], toks, p.logprobs) if lp is not None else None
-        prompt_lp = req.prompt_lp if req.prompt_lp is not None and not req.emitted else None
-        req.emitted.extend(toks)
-        st = self.stats
-        st.row_rounds += 1
-        st.generated_tokens += len(toks)
-        if n_accepted is not None and k:
-            st.accepted[n_accepted] += 1
-            for j in range(k):
-                st.drafted[j] += 1
-        st.count_row(draft, k, n_accepted)
-        reason = "stop" if stopped else "length" if len(req.emitted) >= p.max_tokens else None
-        stop_token = toks[-1] if stopped and toks and toks[-1] in eos else None
-        return RequestOutput(req.id, toks, reason is not None, reason, n_accepted, stop_token, logprobs, prompt_lp)
 
 
 @torch.no_grad()

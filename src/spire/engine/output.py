@@ -1,11 +1,12 @@
-"""What a request's round gives it, torch-free: its share of the round's tokens cut at its budget, EOS, stop token
-ids and stop strings (:func:`cut_output`, :func:`cut_request`, :class:`StopStrings`), and a batch's result
-(:class:`GenerationResult`)."""
+"""The engine's output processing, torch-free: a request's share of a round cut at its budget, EOS, stop token ids
+and stop strings (:func:`cut_output`, :func:`cut_request`, :class:`StopStrings`; the rule of which stop string ends
+a text, :func:`first_stop`), a request's text as its tokens come (:class:`TextStream`: ``spire serve``'s answers,
+by the same rule), and a batch's result (:class:`GenerationResult`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from spire.errors import ConfigError
 
@@ -114,3 +115,57 @@ def cut_request(emitted: list[int], toks: list[int], max_tokens: int, eos: set[i
         cs = stop.cut(emitted + toks[:start], toks[start:cut], checked=False)
         cut = start + cs if cs is not None else cut
     return (toks, False) if cut is None else (toks[:cut], True)
+
+
+class TextStream:
+    """Detokenizes a request's tokens as they come: :meth:`push` returns the text to send now. Held back until
+    they settle: a trailing incomplete UTF-8 character (decoded as U+FFFD) and a tail that could begin a stop
+    string; at the end the text is cut before the first stop string (after it with ``include_stop``). So the
+    streamed pieces add up to the non-streamed text.
+
+    prompt: the prompt's last tokens (a few suffice): the text is what ``decode`` gives for them + the completion
+    minus what it gives for them alone, so a character split across the boundary (a token-id prompt cut inside
+    it) comes out whole, and a tokenizer whose pieces depend on their left neighbour (a leading space) is read in
+    context. The prompt's own trailing U+FFFD is not part of the prompt's text when the completion completes it."""
+
+    def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...], include_stop: bool = False,
+                 prompt: list[int] = (), min_tokens: int = 0) -> None:
+        self.decode, self.stop, self.include_stop, self.min_tokens = decode, stop, include_stop, min_tokens
+        self.prompt = list(prompt)
+        self.prompt_text = decode(self.prompt) if self.prompt else ""
+        self.tokens: list[int] = []
+        self.sent = ""
+
+    def _decode(self, tokens: list[int]) -> str:
+        """The completion's text: decode(prompt + tokens) minus decode(prompt)."""
+        if not self.prompt or not tokens:
+            return self.decode(tokens)
+        full = self.decode(self.prompt + tokens)
+        if full.startswith(self.prompt_text):
+            return full[len(self.prompt_text):]
+        base = self.prompt_text.rstrip("\ufffd")  # the prompt ended inside a character the completion completes
+        return full[len(base):] if full.startswith(base) else self.decode(tokens)
+
+    def text(self) -> str:
+        """The final text: decoded, cut before (``include_stop``: after) the first stop string that ends past the
+        text of the first ``min_tokens`` tokens (the engine's rule: :func:`spire.engine.output.first_stop`)."""
+        text = self._decode(self.tokens)
+        floor = len(self._decode(self.tokens[: self.min_tokens])) if self.min_tokens else 0
+        hit = first_stop(text, self.stop, floor)
+        if hit is None:
+            return text
+        at, s = hit
+        return text[: at + len(s)] if self.include_stop else text[:at]
+
+    def push(self, tokens: list[int], finished: bool) -> str:
+        self.tokens += tokens
+        if finished:
+            safe = self.text()
+        else:
+            safe = self._decode(self.tokens).rstrip("\ufffd")
+            hold = max((n for s in self.stop for n in range(1, len(s)) if safe.endswith(s[:n])), default=0)
+            safe = safe[: len(safe) - hold]
+        if len(safe) <= len(self.sent) or not safe.startswith(self.sent):
+            return ""
+        delta, self.sent = safe[len(self.sent):], safe
+        return delta

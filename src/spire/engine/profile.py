@@ -171,19 +171,19 @@ def profile_rounds(engine, widths: Sequence[int] | None = None, contexts: Sequen
     try:
         for wi, width in enumerate(widths):
             runner.narrow(width)
-            rows = [Request(-1 - b, [0], params, None, params.sampling(), params.processing(()), slot=b)
-                    for b in range(width)]
+            rows = [Request(-1 - b, [0] * max(contexts), params, None, params.sampling(), params.processing(()),
+                            slot=b) for b in range(width)]
             for ci, context in enumerate(contexts):
+                for r in rows:  # each row's committed length is the context (a round never advances without a commit)
+                    runner.prefilled(r, context - 1)
                 for k, used in configs:
                     # each row drafts k with one draft of the set, in turn, so every draft of it proposes
                     choice = RoundChoice(k, [used[b % len(used)] if k else None for b in range(width)],
                                          [k] * width)
                     best = math.inf
                     for _ in range(reps + 1):
-                        runner.n[:width] = context  # a round never advances without a commit
                         t = time.perf_counter()
-                        n_acc, _, block, _ = runner.round(rows, choice)
-                        block.tolist()
+                        runner.round(rows, choice)  # read back, as a step's round
                         best = min(best, time.perf_counter() - t)
                     table[config_key(k, used)][wi][ci] = best
             if progress is not None:
@@ -191,8 +191,7 @@ def profile_rounds(engine, widths: Sequence[int] | None = None, contexts: Sequen
         monotone(table, [k for k, _ in configs], len(engine.drafts))
     finally:
         runner.narrow(engine.max_running)
-        runner.n.fill_(1)
-        runner.pending.fill_(0)
+        runner.advance((), range(engine.max_running))  # every slot free again: length 1, pending token 0
         every = torch.arange(engine.max_running, device=runner.n.device)
         runner.drop_deferred()
         for draft in engine.drafts:

@@ -23,6 +23,7 @@ query of the row reads them, as a rejected draft token's entries are (the cache 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -30,7 +31,7 @@ import torch
 
 from spire.drafts.base import Draft
 from spire.engine.prefill import Prefilled, prefill, start_draft
-from spire.engine.scheduler import Piece, Request, RoundChoice
+from spire.engine.scheduler import Piece, Request, RequestOutput, RoundChoice, RoundOutput
 from spire.errors import ConfigError
 from spire.kv_cache import KVCache
 from spire.model import ForwardOutput, Transformer
@@ -51,6 +52,18 @@ class RoundTrace:
     draft_logits: torch.Tensor
     target_logits: torch.Tensor
     n_accepted: torch.Tensor
+
+
+@dataclass
+class RowState:
+    """The runner's own state of one request (vLLM v1's ``CachedRequestState``), in :attr:`Runner.requests` from
+    the step it joins until it finishes: generator (its torch.Generator, seeded, or a fresh random seed), history
+    (its :class:`~spire.sampling.TokenHistory` when a penalty is on, else None), prompt_lp (its prompt tokens'
+    logprobs, gathered while it prefills, when it asked for them, given with its first round; else None)."""
+
+    generator: torch.Generator
+    history: TokenHistory | None = None
+    prompt_lp: list | None = None
 
 
 def rollback(n: torch.Tensor, live: torch.Tensor, n_accepted: torch.Tensor) -> torch.Tensor:
@@ -83,21 +96,22 @@ class Runner:
         self.n = torch.ones(max_running, dtype=torch.long, device=dev)  # (S,) committed length per slot
         self.pending = torch.zeros(max_running, dtype=torch.long, device=dev)  # (S,) the pending token per slot
         self.round_hook: Callable[[RoundTrace], object] | None = None  # sees every SD round (spire tau --diagnose)
+        self.requests: dict[int, RowState] = {}  # request id -> its RowState, from its join until it ends
+        self._last: tuple | None = None  # the last round's n_accepted, next token and slots, until its commit
         # per draft that defers the observes of AD rounds (Draft.defer_observe): its (tokens, pos, valid, hidden)
         # not yet observed, replayed as one observe before it next drafts or observes anything else
         self._lag: dict[int, list[tuple]] = {d: [] for d, draft in enumerate(self.drafts)
                                              if getattr(draft, "defer_observe", 0)}
 
-    def attach(self, req: Request) -> None:
-        """The request's sampling state: its generator (seeded, or a fresh random seed) and, with a penalty on,
-        its token history."""
-        req.generator = torch.Generator()
+    def _attach(self, req: Request) -> None:
+        """The request's :class:`RowState` in :attr:`requests`."""
+        gen = torch.Generator()
         if req.params.seed is None:
-            req.generator.seed()
+            gen.seed()
         else:
-            req.generator.manual_seed(int(req.params.seed))
-        if req.proc.penalized:
-            req.history = TokenHistory(req.prompt, self.target.cfg.vocab_size, self.n.device)
+            gen.manual_seed(int(req.params.seed))
+        history = TokenHistory(req.prompt, self.target.cfg.vocab_size, self.n.device) if req.proc.penalized else None
+        self.requests[req.id] = RowState(gen, history, [] if req.params.prompt_logprobs is not None else None)
 
     def narrow(self, w: int) -> None:
         """Run the next rounds on rows [0, w): the target cache's view and the draft's rows."""
@@ -108,10 +122,13 @@ class Runner:
                 draft.use_rows(w)
 
     def join(self, joiners: Sequence[Request]) -> None:
-        """Requests that just took slots: the draft forgets those rows, and each slot's pending token is its prompt's
-        first (its dummy rounds, while it prefills, write only positions its prefill overwrites)."""
+        """Requests that just took slots: their :class:`RowState` is made, the draft forgets those rows, and each
+        slot's pending token is its prompt's first (its dummy rounds, while it prefills, write only positions its
+        prefill overwrites)."""
         if not joiners:
             return
+        for req in joiners:
+            self._attach(req)
         slots = torch.tensor([r.slot for r in joiners], device=self.n.device)
         for log in self._lag.values():  # what the slots' previous requests committed is not replayed
             for entry in log:
@@ -126,28 +143,16 @@ class Runner:
         self.n[req.slot] = upto + 1
         self.pending[req.slot] = req.prompt[upto]
 
-    def check_prefilled(self, state: Prefilled) -> None:
-        """Raises ConfigError for a prefill of another cache layout or without the layers the draft reads."""
-        def layout(cache: KVCache) -> tuple:
-            k = cache.k[0]
-            return len(cache.k), k.shape[1], k.shape[3], str(k.dtype).removeprefix("torch.")
-
-        if layout(state.cache) != layout(self.cache):
-            raise ConfigError("add_prefilled: the prefill's cache has (layers, KV heads, head size, dtype) "
-                              f"{layout(state.cache)}, this engine's target {layout(self.cache)}")
-        for draft in self.drafts:
-            if state.out is not None and not set(draft.hidden_layers) <= set(state.out.hidden):
-                raise ConfigError(f"add_prefilled: the prefill kept target layers {sorted(state.out.hidden)}, the "
-                                  f"{draft.name} draft reads {sorted(draft.hidden_layers)}")
-
     def add_prefilled(self, state: Prefilled, reqs: Sequence[Request]) -> None:
-        """Copy a batch prefilled elsewhere (:meth:`check_prefilled`) into the requests' slots (row i to
-        ``reqs[i].slot``) and let the draft observe it."""
+        """Copy a batch prefilled elsewhere (:func:`check_prefilled`) into the requests' slots (row i to
+        ``reqs[i].slot``), let the draft observe it, and make each slot's pending token its prompt's last."""
         slots = torch.tensor([r.slot for r in reqs], device=self.n.device)
         if state.out is not None:
             self._copy_kv(slots, state.cache, state.tokens.shape[1])
             if self.drafts:
                 self._observe_prefill(slots, state.tokens, state.pos, state.valid, state.out)
+        for req in reqs:
+            self.prefilled(req, len(req.prompt) - 1)
 
     # ---- prefill pieces ------------------------------------------------------------------------------------
 
@@ -164,7 +169,8 @@ class Runner:
                 rows.append(list(key))
             src.append(index[key])
         span = max(n for _, _, n in pieces)
-        state = prefill(self.target, rows, span, self._hidden(any(r.prompt_lp is not None for r, _, _ in pieces)))
+        final = any(r.params.prompt_logprobs is not None for r, _, _ in pieces)
+        state = prefill(self.target, rows, span, self._hidden(final))
         shared = len(rows) < len(pieces)
         at = torch.tensor(src, device=dev)
         self._copy_kv(slots, state.cache, span, at if shared else None)
@@ -172,8 +178,9 @@ class Runner:
         if self.drafts:
             self._observe_prefill(slots, state.tokens[at], state.pos[at], state.valid[at], out)
         for i, (req, _, n) in enumerate(pieces):
-            if req.prompt_lp is not None and n:
-                self._prompt_logprobs(req, state.out.hidden[self.target.cfg.n_layers][src[i]: src[i] + 1, :n], 0)
+            if req.params.prompt_logprobs is not None and n:
+                h = state.out.hidden[self.target.cfg.n_layers][src[i]: src[i] + 1, :n]
+                self.requests[req.id].prompt_lp.extend(prompt_logprobs(self.target, req, h, 0))
             self.prefilled(req, n)
 
     def prefill_continue(self, reqs: Sequence[Request], s0: int, n: int) -> None:
@@ -183,7 +190,7 @@ class Runner:
         tokens = torch.tensor([req.prompt[s0: s0 + n]], device=dev)
         pos = torch.arange(s0, s0 + n, device=dev)[None]
         out = self.target(tokens, pos, self.cache.row(req.slot),
-                          hidden_layers=self._hidden(any(r.prompt_lp is not None for r in reqs)))
+                          hidden_layers=self._hidden(any(r.params.prompt_logprobs is not None for r in reqs)))
         slots = torch.tensor([r.slot for r in reqs], device=dev)
         if len(reqs) > 1:  # the same tokens at the same positions in the other slots: copy the keys / values
             for c in (*self.cache.k, *self.cache.v):
@@ -193,23 +200,14 @@ class Runner:
         if self.drafts:
             self._observe_prefill(slots, tokens, pos, None, out)
         for i, r in enumerate(reqs):
-            if r.prompt_lp is not None:
-                self._prompt_logprobs(r, out.hidden[self.target.cfg.n_layers][i: i + 1], s0)
+            if r.params.prompt_logprobs is not None:
+                h = out.hidden[self.target.cfg.n_layers][i: i + 1]
+                self.requests[r.id].prompt_lp.extend(prompt_logprobs(self.target, r, h, s0))
             self.prefilled(r, s0 + n)
 
     def _hidden(self, final: bool) -> tuple[int, ...]:
         """The target layers a prefill keeps: the drafts', and the final residual stream when ``final``."""
         return self.reads + (self.target.cfg.n_layers,) if final else self.reads
-
-    def _prompt_logprobs(self, req: Request, h: torch.Tensor, s0: int, chunk: int = 256) -> None:
-        """Log-probabilities (the target's, untransformed, at temperature 1: vLLM's) of prompt tokens s0+1 .. s0+T
-        from the final residual stream h (1, T, d_model) at positions s0 .. s0+T-1 (logits in chunks of ``chunk``
-        positions, so a long prompt never holds (T, V))."""
-        for c in range(0, h.shape[1], chunk):
-            lg = self.target.logits(h[:, c: c + chunk])[0]  # (t, V)
-            lp = torch.log_softmax(lg.float(), -1)
-            toks = req.prompt[s0 + c + 1: s0 + c + 1 + lg.shape[0]]
-            req.prompt_lp.extend(top_logprobs(lp, toks, req.params.prompt_logprobs))
 
     def _copy_kv(self, slots: torch.Tensor, cache: KVCache, span: int, rows: torch.Tensor | None = None) -> None:
         """Keys / values of positions < span from ``cache`` (its rows ``rows``, default all) into ``slots``."""
@@ -247,8 +245,47 @@ class Runner:
             out.append(None if p is None else [bool(v) for v in p[[r.slot for r in running]].tolist()])
         return out
 
-    def round(self, running: Sequence[Request], choice: RoundChoice | int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    def round(self, running: Sequence[Request], choice: RoundChoice | int) -> RoundOutput:
+        """:meth:`run_round`, read back (the round's one read of the device) as the scheduler's
+        :class:`~spire.engine.scheduler.RoundOutput`: per running request its accepted count, its tokens, their
+        logprobs (when asked) and, in its first round, its prompt's; seconds: the round's wall time. The round is
+        committed by :meth:`commit`."""
+        watch = time.perf_counter()
+        n_acc, next_tok, block, lps = self.run_round(running, choice)
+        accepted, block_l = n_acc.tolist(), block.tolist()
+        seconds = time.perf_counter() - watch
+        self._last = (n_acc, next_tok, {r.id: r.slot for r in running})
+        prompt = [self.requests[r.id].prompt_lp if r.id in self.requests else None for r in running]
+        for r in running:  # a request's prompt logprobs come with its first round
+            if r.id in self.requests:
+                self.requests[r.id].prompt_lp = None
+        return _round_output(running, accepted, block_l, lps, prompt, seconds)
+
+    def commit(self, outputs: Sequence[RequestOutput]) -> None:
+        """Commit the last :meth:`round`, cut by the scheduler (``outputs``): the token histories take the tokens,
+        finished requests' slots are freed and their state dropped, the others :meth:`advance`."""
+        n_acc, next_tok, slot_of = self._last
+        self._last = None
+        live, freed = [], []
+        for out in outputs:
+            st = self.requests.get(out.request_id)
+            if st is not None and st.history is not None:
+                st.history.add(out.new_tokens)
+            if out.finished:
+                self.requests.pop(out.request_id, None)
+                freed.append(slot_of[out.request_id])
+            else:
+                live.append(slot_of[out.request_id])
+        self.advance(live, freed, n_acc, next_tok)
+
+    def free(self, slots: Sequence[int], request_ids: Sequence[int]) -> None:
+        """Aborted requests: their state is dropped and their slots go back to length 1."""
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+        self.advance((), slots)
+
+    def run_round(self, running: Sequence[Request], choice: RoundChoice | int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         """One round over the slots [0, width) (S of them): ``choice`` says its depth k (0: AD), and per running
         request the draft that proposes for it and how many of its k tokens it may accept (an int: every request
         drafts that many with the first draft). Returns n_accepted (S,), next_token (S,), the output block (S, k+1)
@@ -257,7 +294,7 @@ class Runner:
         if isinstance(choice, int):
             choice = RoundChoice.uniform(len(running), choice if self.drafts else 0)
         k = choice.k
-        special = [r for r in running if r.special]
+        special = [(r, self.requests[r.id]) for r in running if r.special]
         cache, pending, pos0 = self._cache_w, self.pending[: self.width], self.n[: self.width] - 1
         if not self.drafts or k == 0:
             out = self.target(pending[:, None], pos0[:, None], cache, hidden_layers=self.reads)
@@ -273,7 +310,7 @@ class Runner:
         row_k = {r.slot: kk for r, kk in zip(running, choice.ks)}
         proposals = {}  # draft index -> its tokens (S, k), distributions (k of (S, V) or None), raw logits (S, k, V)
         for d in choice.used:
-            mine = [r for r in special if row_draft[r.slot] == d]
+            mine = [(r, st) for r, st in special if row_draft[r.slot] == d]
             tok, tokens, qs, zs = pending, [], [], []
             for j in range(k):  # draft
                 z = self.drafts[d].step(tok[:, None], (pos0 + j)[:, None])
@@ -344,6 +381,44 @@ class Runner:
         self.pending[:w] = torch.where(live, next_tok, self.pending[:w])
 
 
+def prompt_logprobs(target: Transformer, req: Request, h: torch.Tensor, s0: int, chunk: int = 256) -> list:
+    """Log-probabilities (the target's, untransformed, at temperature 1: vLLM's) of prompt tokens s0+1 .. s0+T from
+    the final residual stream h (1, T, d_model) at positions s0 .. s0+T-1, as :func:`top_logprobs` (logits in chunks
+    of ``chunk`` positions, so a long prompt never holds (T, V))."""
+    out = []
+    for c in range(0, h.shape[1], chunk):
+        lg = target.logits(h[:, c: c + chunk])[0]  # (t, V)
+        lp = torch.log_softmax(lg.float(), -1)
+        toks = req.prompt[s0 + c + 1: s0 + c + 1 + lg.shape[0]]
+        out.extend(top_logprobs(lp, toks, req.params.prompt_logprobs))
+    return out
+
+
+def check_prefilled(state: Prefilled, cache: KVCache, drafts: Sequence[Draft]) -> None:
+    """Raises ConfigError for a prefill of another layout than ``cache`` or without the layers a draft reads."""
+    def layout(c: KVCache) -> tuple:
+        k = c.k[0]
+        return len(c.k), k.shape[1], k.shape[3], str(k.dtype).removeprefix("torch.")
+
+    if layout(state.cache) != layout(cache):
+        raise ConfigError("add_prefilled: the prefill's cache has (layers, KV heads, head size, dtype) "
+                          f"{layout(state.cache)}, this engine's target {layout(cache)}")
+    for draft in drafts:
+        if state.out is not None and not set(draft.hidden_layers) <= set(state.out.hidden):
+            raise ConfigError(f"add_prefilled: the prefill kept target layers {sorted(state.out.hidden)}, the "
+                              f"{draft.name} draft reads {sorted(draft.hidden_layers)}")
+
+
+def _round_output(running: Sequence[Request], accepted: list[int], block: list[list[int]],
+                  lps: dict[int, torch.Tensor], prompt: list, seconds: float) -> RoundOutput:
+    """The scheduler's view of a round read back: per running request its accepted count, its tokens (accepted +
+    recovered or bonus) and their :func:`top_logprobs` where it asked."""
+    tokens = [block[r.slot][: accepted[r.slot] + 1] for r in running]
+    logprobs = [top_logprobs(lps[r.slot][: len(t)], t, r.params.logprobs) if r.slot in lps else None
+                for r, t in zip(running, tokens)]
+    return RoundOutput([accepted[r.slot] for r in running], tokens, logprobs, prompt, seconds)
+
+
 def _no_logits() -> torch.Tensor:
     raise RuntimeError("a deferred observe has no logits (a draft with defer_observe must not read them)")
 
@@ -360,15 +435,15 @@ def _scatter(x: torch.Tensor, slots: torch.Tensor, S: int) -> torch.Tensor:
     return full
 
 
-def _processed(req: Request, logits: torch.Tensor, drafted: list[int], first: int) -> torch.Tensor:
+def _processed(req: Request, st: RowState, logits: torch.Tensor, drafted: list[int], first: int) -> torch.Tensor:
     """(T, V) logits at T positions after the request's tokens so far and ``drafted[: first + t]`` -> its logits
     processing applied (:func:`spire.sampling.process_logits`)."""
     if not req.proc.active:
         return logits
-    return process_logits(logits, req.proc, req.history, len(req.emitted), drafted, first)
+    return process_logits(logits, req.proc, st.history, len(req.emitted), drafted, first)
 
 
-def _choose(logits: torch.Tensor, special: list[Request], drafted: list[torch.Tensor], j: int
+def _choose(logits: torch.Tensor, special: list[tuple[Request, RowState]], drafted: list[torch.Tensor], j: int
             ) -> tuple[torch.Tensor, torch.Tensor | None, dict[int, torch.Tensor]]:
     """Tokens (S,) from logits (S, V) at a round's position j (after the drafted tokens ``drafted``, j of (S,)):
     the argmax in every row, then in each special request's row (:attr:`Request.special`) its processed logits'
@@ -377,18 +452,18 @@ def _choose(logits: torch.Tensor, special: list[Request], drafted: list[torch.Te
     samples) and the processed (1, V) logits of each special request's slot."""
     tok = logits.argmax(-1)
     q = None
-    if any(not r.sampling.greedy for r in special):
+    if any(not r.sampling.greedy for r, _ in special):
         q = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     rows = {}
-    for req in special:
+    for req, st in special:
         b = req.slot
-        row = _processed(req, logits[b: b + 1], [int(t[b]) for t in drafted], j)  # (1, V)
+        row = _processed(req, st, logits[b: b + 1], [int(t[b]) for t in drafted], j)  # (1, V)
         rows[b] = row
         if req.sampling.greedy:
             tok[b] = row[0].argmax()
         else:
             q[b] = probs_from_logits(row[0], req.sampling)
-            tok[b] = sample(q[b], req.generator)
+            tok[b] = sample(q[b], st.generator)
     return tok, q, rows
 
 
@@ -416,7 +491,7 @@ def _compose(proposals: dict[int, tuple[torch.Tensor, list, list]], row_draft: d
 
 
 def _accept(d_tokens: torch.Tensor, qs: list[torch.Tensor | None], logits: torch.Tensor,
-            special: list[Request], ks: torch.Tensor | None = None, row_k: dict[int, int] | None = None
+            special: list[tuple[Request, RowState]], ks: torch.Tensor | None = None, row_k: dict[int, int] | None = None
             ) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
     """Verification per row: greedy for every row (:func:`verify_greedy`), then for each special request's row
     with its processed logits (position t after the drafted tokens before it): greedy, or rejection sampling
@@ -435,26 +510,27 @@ def _accept(d_tokens: torch.Tensor, qs: list[torch.Tensor | None], logits: torch
     rows = {}
     if special:
         q = torch.stack(qs, 1) if any(x is not None for x in qs) else None  # (S, k, V)
-        for req in special:
+        for req, st in special:
             b = req.slot
             kb = row_k.get(b, k)
-            row = _processed(req, logits[b], d_tokens[b].tolist(), 0)  # (k+1, V)
+            row = _processed(req, st, logits[b], d_tokens[b].tolist(), 0)  # (k+1, V)
             rows[b] = row
             if req.sampling.greedy:
                 nb, xb = verify_greedy(d_tokens[b: b + 1, :kb], row[None, : kb + 1])
             else:
                 p = probs_from_logits(row[None, : kb + 1], req.sampling)  # (1, kb+1, V)
                 if kb:
-                    nb, xb = verify(d_tokens[b: b + 1, :kb], q[b: b + 1, :kb], p, req.generator)
+                    nb, xb = verify(d_tokens[b: b + 1, :kb], q[b: b + 1, :kb], p, st.generator)
                 else:  # it drafted nothing: the target's own draw at the round's first position, as an AD round
-                    nb, xb = torch.zeros(1, dtype=torch.long), sample(p[:, 0], req.generator)
+                    nb, xb = torch.zeros(1, dtype=torch.long), sample(p[:, 0], st.generator)
             n_acc[b], next_tok[b] = nb[0], xb[0]
     return n_acc, next_tok, rows
 
 
-def _logprobs(special: list[Request], rows: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+def _logprobs(special: list[tuple[Request, RowState]], rows: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """Per slot of a request that asked for logprobs: its (T, V) log-probabilities from its processed logits."""
-    return {r.slot: logprobs_from_logits(rows[r.slot], r.sampling) for r in special if r.params.logprobs is not None}
+    return {r.slot: logprobs_from_logits(rows[r.slot], r.sampling) for r, _ in special
+            if r.params.logprobs is not None}
 
 
 def top_logprobs(lp: torch.Tensor, toks: list[int], n: int) -> list[tuple[float, list[tuple[int, float]]]]:

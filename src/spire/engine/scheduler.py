@@ -3,8 +3,9 @@
 Each :meth:`Scheduler.schedule` returns a :class:`StepPlan` (vLLM v1's ``Scheduler.schedule()`` is the model):
 the requests it aborted, the requests that took free slots, the prefill pieces to run (with ``prefill_chunk``, at
 most that many prompt tokens per step), the requests that run a round, the rows [0, width) the round computes and
-the round's k. :class:`~spire.engine.runner.Runner` executes the plan; :class:`~spire.engine.engine.Engine` commits
-its outputs back here (:meth:`Scheduler.release`).
+the round's k. :class:`~spire.engine.runner.Runner` executes the plan; :meth:`Scheduler.update_from_output` commits
+its round back here (the one writer of what a round changes: the requests' emitted tokens, the stats, the round
+policy's feedback, the slots of finished requests).
 
 A request's committed length (its tokens in the target cache plus its pending token) is known here without reading
 a tensor: the prompt and the tokens it emitted once it runs, ``prefilled + 1`` while it prefills
@@ -25,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from spire.engine.output import StopStrings
+from spire.engine.output import StopStrings, cut_request
 from spire.errors import ConfigError
 from spire.params import LogitsProcessing, RequestParams, SamplingParams
 
@@ -125,12 +126,27 @@ class RoundChoice:
         return sorted({d for d, k in zip(self.drafts, self.ks) if d is not None and k})
 
 
+@dataclass
+class RoundOutput:
+    """What the runner gives back of one round (vLLM v1's ``ModelRunnerOutput``), torch-free, one entry per running
+    request of the plan, in its order: accepted: the draft tokens verification accepted; tokens: the accepted ones and
+    the recovered or bonus one (before any cut); logprobs: per token (logprob, top n) when the request asked, else
+    None; prompt_logprobs: in a request's first round, its prompt tokens' (when asked), else None; seconds: the
+    round's wall time (drafting, verifying and the read of its result)."""
+
+    accepted: list[int]
+    tokens: list[list[int]]
+    logprobs: list[list | None]
+    prompt_logprobs: list[list | None]
+    seconds: float = 0.0
+
+
 @dataclass(eq=False)
 class Request:
-    """A request's state: its prompt, settings, stop strings, emitted tokens and slot (None while it waits).
-    prefilled: prompt tokens in its slot's caches (the prompt but its last token, once prefilled). generator and
-    history: the runner's per-request sampling state (a torch.Generator, a TokenHistory when a penalty is on);
-    prompt_lp: the prompt logprobs gathered while it prefills (when it asked for them)."""
+    """A request's state, the scheduler's: its prompt, settings, stop strings, emitted tokens and slot (None while it
+    waits). prefilled: prompt tokens in its slot's caches (the prompt but its last token, once prefilled). The
+    runner's per-request state (generator, token history, prompt logprobs) is the runner's own table
+    (:class:`~spire.engine.runner.RowState`)."""
 
     id: int
     prompt: list[int]
@@ -141,9 +157,6 @@ class Request:
     emitted: list[int] = field(default_factory=list)
     slot: int | None = None
     prefilled: int = 0
-    generator: Any = None
-    history: Any = None
-    prompt_lp: list | None = None
 
     @property
     def special(self) -> bool:
@@ -173,7 +186,10 @@ class StepPlan:
     rows [0, width) (0: nothing to run); starts: groups of pieces that start a prompt, each group one right-padded
     batch (:func:`prefill_groups`), pieces of the same tokens computed once; continues: (requests, first position,
     tokens) of a piece that continues a prompt, the same tokens for every request of it; running: requests whose
-    prompt is prefilled, which run this step's round; k: the round's draft tokens per row (0: an AD round)."""
+    prompt is prefilled, which run this step's round; k: the round's draft tokens per row (0: an AD round); choice:
+    what each running request drafts (:meth:`Scheduler.choose_round`); prefilled: a batch prefilled elsewhere
+    (:class:`~spire.engine.prefill.Prefilled`) whose rows are the joiners, copied into their slots (an admission
+    plan, :meth:`Scheduler.admit`), else None."""
 
     aborted: list[Request] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)
@@ -184,6 +200,7 @@ class StepPlan:
     running: list[Request] = field(default_factory=list)
     k: int = 0
     choice: RoundChoice | None = None
+    prefilled: Any = None
 
 
 class Scheduler:
@@ -197,8 +214,8 @@ class Scheduler:
     stepping thread."""
 
     def __init__(self, max_running: int, max_len: int, k: int, k_policy=None, narrows: bool = True,
-                 prefill_chunk: int | None = None) -> None:
-        self.max_running, self.max_len, self.k = max_running, max_len, k
+                 prefill_chunk: int | None = None, draft_names: Sequence[str] = ()) -> None:
+        self.max_running, self.max_len, self.k, self.draft_names = max_running, max_len, k, list(draft_names)
         self.k_policy, self.narrows, self.prefill_chunk = k_policy, narrows, prefill_chunk
         self.slots: list[Request | None] = [None] * max_running
         self.waiting: deque[Request] = deque()
@@ -230,24 +247,26 @@ class Scheduler:
         stop = StopStrings(list(params.stop), decode) if params.stop else None
         with self._lock:
             rid = next(self._ids)
-        return Request(rid, prompt, params, stop, params.sampling(), params.processing(eos_ids),
-                       prompt_lp=[] if params.prompt_logprobs is not None else None)
+        return Request(rid, prompt, params, stop, params.sampling(), params.processing(eos_ids))
 
     def add(self, reqs: Sequence[Request]) -> None:
         """Queue requests (together: the n choices of one prompt join at the same step when slots are free)."""
         with self._lock:
             self.waiting.extend(reqs)
 
-    def admit(self, reqs: Sequence[Request]) -> list[int]:
-        """Put requests into the lowest free slots now (a batch prefilled elsewhere). Returns their slots. Raises
-        ConfigError when fewer slots are free."""
+    def admit(self, reqs: Sequence[Request], prefilled: Any = None) -> StepPlan:
+        """An admission plan: the requests, whose prompts were prefilled elsewhere (``prefilled``, the batch, row i
+        for ``reqs[i]``), take the lowest free slots now as running requests (all but each prompt's last token
+        prefilled). The runner runs it as a step's joins (:meth:`Engine.add_prefilled`). Raises ConfigError when
+        fewer slots are free."""
         free = [s for s in range(self.max_running) if self.slots[s] is None]
         if len(free) < len(reqs):
             raise ConfigError(f"add_prefilled: {len(reqs)} rows, {len(free)} free slots")
         for req, s in zip(reqs, free):
             req.slot, self.slots[s] = s, req
+            req.prefilled = len(req.prompt) - 1
         self.stats.prompt_tokens += sum(len(r.prompt) for r in reqs)
-        return free[: len(reqs)]
+        return StepPlan(joiners=list(reqs), width=self.width(), prefilled=prefilled)
 
     def abort(self, request_id: int) -> None:
         """End a waiting or running request at the next step; unknown or finished ids are ignored."""
@@ -261,6 +280,11 @@ class Scheduler:
             self.slots[slot] = None
         self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
         return slot
+
+    def waiting_ids(self) -> list[int]:
+        """The ids of the queued requests, oldest first (thread-safe)."""
+        with self._lock:
+            return [r.id for r in self.waiting]
 
     @property
     def num_running(self) -> int:
@@ -366,16 +390,49 @@ class Scheduler:
         plan.choice = choice
         return choice
 
-    def update_from_output(self, plan: StepPlan, accepted: Sequence[int], seconds: float) -> None:
-        """The round of ``plan`` ran: ``accepted[i]`` of its i-th running request's drafted tokens were accepted,
-        in ``seconds`` (the round's wall time). The round policy learns from it (``update`` or ``observe``)."""
-        policy, choice = self.k_policy, plan.choice
-        if policy is None or choice is None:
-            return
-        if hasattr(policy, "update"):
-            policy.update(plan, accepted, seconds)
-        elif choice.k:
-            policy.observe(list(accepted), choice.k)
+    def update_from_output(self, plan: StepPlan, output: RoundOutput) -> list[RequestOutput]:
+        """The round of ``plan`` ran (``output``, the runner's): the one place its results are written. Each running
+        request's share is cut at its budget, EOS, stop token ids and stop strings (:func:`cut_request`) and
+        emitted, the stats count the round, the round policy learns from it (``update`` or ``observe``: the
+        accepted counts and the round's wall time), finished requests give their slots back (:meth:`release`).
+        Returns one :class:`RequestOutput` per running request, in the plan's order."""
+        choice, st = plan.choice, self.stats
+        st.rounds += 1
+        st.rounds_by_k[choice.k] += 1
+        policy = self.k_policy
+        if policy is not None and hasattr(policy, "update"):
+            policy.update(plan, output.accepted, output.seconds)
+        elif policy is not None and choice.k:
+            policy.observe(list(output.accepted), choice.k)
+        outputs = []
+        for i, req in enumerate(plan.running):
+            k = choice.ks[i]
+            name = self.draft_names[choice.drafts[i]] if k else None
+            out = self._emit(req, output.tokens[i], output.accepted[i] if k else None, k, name)
+            out.logprobs = None if output.logprobs[i] is None else output.logprobs[i][: len(out.new_tokens)]
+            out.prompt_logprobs = output.prompt_logprobs[i]
+            if out.finished:
+                self.release(req, out.finish_reason)
+            outputs.append(out)
+        return outputs
+
+    def _emit(self, req: Request, toks: list[int], n_accepted: int | None, k: int, draft: str | None
+              ) -> RequestOutput:
+        """A running request's tokens of the round, cut, emitted and counted; k: the tokens it drafted with the
+        draft named ``draft``."""
+        p, st, eos = req.params, self.stats, set(req.proc.banned)
+        toks, stopped = cut_request(req.emitted, toks, p.max_tokens, eos, req.stop, p.min_tokens)
+        req.emitted.extend(toks)
+        st.row_rounds += 1
+        st.generated_tokens += len(toks)
+        if n_accepted is not None and k:
+            st.accepted[n_accepted] += 1
+            for j in range(k):
+                st.drafted[j] += 1
+        st.count_row(draft, k, n_accepted)
+        reason = "stop" if stopped else "length" if len(req.emitted) >= p.max_tokens else None
+        stop_token = toks[-1] if stopped and toks and toks[-1] in eos else None
+        return RequestOutput(req.id, toks, reason is not None, reason, n_accepted, stop_token)
 
 
 def draft_sets(n: int) -> list[tuple[int, ...]]:
