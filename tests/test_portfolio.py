@@ -177,9 +177,9 @@ def test_a_draft_resuming_after_ad_rounds_accepts_as_one_that_drafted_throughout
     skipped = _takeover(SkipsAdUpdates, 12)
     d, h = _mean_ci(skipped, throughout)
     assert d + h < 0, (d, h)
-    from spire.engine.runner import Runner
+    from spire.engine.deferred import DeferredObserves
 
-    monkeypatch.setattr(Runner, "_defer", lambda self, *a, **k: None)
+    monkeypatch.setattr(DeferredObserves, "keep", lambda self, *a, **k: None)
     dropped = _takeover(SpireDraft, 12)
     d, h = _mean_ci(dropped, throughout)
     assert d + h < 0, (d, h)

@@ -193,7 +193,7 @@ def profile_rounds(engine, widths: Sequence[int] | None = None, contexts: Sequen
         runner.narrow(engine.max_running)
         runner.advance((), range(engine.max_running))  # every slot free again: length 1, pending token 0
         every = torch.arange(engine.max_running, device=runner.n.device)
-        runner.drop_deferred()
+        runner.deferred.drop()
         for draft in engine.drafts:
             draft.restart_rows(every)
     return StepCosts(widths, contexts, table)

@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 import torch
 
 from spire.drafts.base import Draft
+from spire.engine.deferred import DeferredObserves
 from spire.engine.prefill import Prefilled, prefill, start_draft
 from spire.engine.scheduler import Piece, Request, RequestOutput, RoundChoice, RoundOutput
 from spire.errors import ConfigError
@@ -98,10 +99,7 @@ class Runner:
         self.round_hook: Callable[[RoundTrace], object] | None = None  # sees every SD round (spire tau --diagnose)
         self.requests: dict[int, RowState] = {}  # request id -> its RowState, from its join until it ends
         self._last: tuple | None = None  # the last round's n_accepted, next token and slots, until its commit
-        # per draft that defers the observes of AD rounds (Draft.defer_observe): its (tokens, pos, valid, hidden)
-        # not yet observed, replayed as one observe before it next drafts or observes anything else
-        self._lag: dict[int, list[tuple]] = {d: [] for d, draft in enumerate(self.drafts)
-                                             if getattr(draft, "defer_observe", 0)}
+        self.deferred = DeferredObserves(self.drafts)  # AD rounds' commits the drafts that defer take later
 
     def _attach(self, req: Request) -> None:
         """The request's :class:`RowState` in :attr:`requests`."""
@@ -116,7 +114,7 @@ class Runner:
     def narrow(self, w: int) -> None:
         """Run the next rounds on rows [0, w): the target cache's view and the draft's rows."""
         if w and w != self.width:
-            self.catch_up()  # the deferred observes are over the rows of the old width
+            self.deferred.replay()  # the deferred observes are over the rows of the old width
             self.width, self._cache_w = w, self.cache.narrow(w)
             for draft in self.drafts:
                 draft.use_rows(w)
@@ -130,9 +128,7 @@ class Runner:
         for req in joiners:
             self._attach(req)
         slots = torch.tensor([r.slot for r in joiners], device=self.n.device)
-        for log in self._lag.values():  # what the slots' previous requests committed is not replayed
-            for entry in log:
-                entry[2][slots] = False
+        self.deferred.forget_rows(slots)
         for draft in self.drafts:
             draft.restart_rows(slots)
         self.n[slots] = 1  # a one-token prompt has nothing to prefill: this is its state after the prefill too
@@ -300,12 +296,12 @@ class Runner:
             out = self.target(pending[:, None], pos0[:, None], cache, hidden_layers=self.reads)
             next_tok, _, rows = _choose(out.logits[:, -1], special, [], 0)  # (S,)
             for d, draft in enumerate(self.drafts):  # each draft sees the committed token: SD can resume next round
-                if d in self._lag:
-                    self._defer(d, running, pending, pos0, out)
+                if d in self.deferred:
+                    self.deferred.keep(d, [r.slot for r in running], pending, pos0, out)
                 else:
                     draft.observe(pending[:, None], pos0[:, None], out)
             return torch.zeros_like(next_tok), next_tok, next_tok[:, None], _logprobs(special, rows)
-        self.catch_up()
+        self.deferred.replay()
         row_draft = {r.slot: d for r, d in zip(running, choice.drafts)}
         row_k = {r.slot: kk for r, kk in zip(running, choice.ks)}
         proposals = {}  # draft index -> its tokens (S, k), distributions (k of (S, V) or None), raw logits (S, k, V)
@@ -336,33 +332,6 @@ class Runner:
         for draft in self.drafts:
             draft.observe(verify_in, vpos, out)
         return n_acc, next_tok, output_tokens(d_tokens, n_acc, next_tok), _logprobs(special, rows)
-
-    def _defer(self, d: int, running: Sequence[Request], pending: torch.Tensor, pos0: torch.Tensor,
-               out: ForwardOutput) -> None:
-        """Keep an AD round's commit for draft d (the running requests' rows valid; the others are dummies or still
-        prefilling); replay them once ``defer_observe`` rounds are kept."""
-        valid = torch.zeros(len(pending), 1, dtype=torch.bool)
-        valid[[r.slot for r in running]] = True
-        hidden = {j: out.hidden[j].clone() for j in self.drafts[d].hidden_layers}
-        self._lag[d].append((pending[:, None], pos0[:, None], valid.to(pending.device), hidden))
-        if len(self._lag[d]) >= self.drafts[d].defer_observe:
-            self.catch_up(d)
-
-    def drop_deferred(self) -> None:
-        """Forget the deferred observes (every row is about to restart: nothing of them may reach a draft)."""
-        for log in self._lag.values():
-            log.clear()
-
-    def catch_up(self, draft: int | None = None) -> None:
-        """Replay the deferred observes of one draft (default every draft that defers) as one observe over the
-        positions kept: the state is the one per-round observes would have left, at the cost of one call."""
-        for d in [draft] if draft is not None else list(self._lag):
-            log, self._lag[d] = self._lag[d], []
-            if not log:
-                continue
-            tokens, pos, valid = (torch.cat([e[i] for e in log], 1) for i in range(3))
-            hidden = {j: torch.cat([e[3][j] for e in log], 1) for j in log[0][3]}
-            self.drafts[d].observe(tokens, pos, ForwardOutput(hidden=hidden, compute_logits=_no_logits), valid=valid)
 
     def advance(self, live_slots: Sequence[int], freed: Sequence[int], n_acc: torch.Tensor | None = None,
                 next_tok: torch.Tensor | None = None) -> None:
@@ -417,10 +386,6 @@ def _round_output(running: Sequence[Request], accepted: list[int], block: list[l
     logprobs = [top_logprobs(lps[r.slot][: len(t)], t, r.params.logprobs) if r.slot in lps else None
                 for r, t in zip(running, tokens)]
     return RoundOutput([accepted[r.slot] for r in running], tokens, logprobs, prompt, seconds)
-
-
-def _no_logits() -> torch.Tensor:
-    raise RuntimeError("a deferred observe has no logits (a draft with defer_observe must not read them)")
 
 
 def _rows_of(out: ForwardOutput, at: torch.Tensor) -> ForwardOutput:
