@@ -132,8 +132,9 @@ class VanillaDraftModel(Transformer):
 
     def train_logits(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], k: int) -> torch.Tensor:
         """One causal pass (a full KV cache: teacher forcing is exact for any k)."""
-        pos = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
-        return self(tokens, pos).logits
+        B, T = tokens.shape
+        pos = torch.arange(T, device=tokens.device)[None].expand_as(tokens)
+        return self(tokens, pos, span=Span((0,) * B, T)).logits  # positions 0..T-1 known here: nothing read back
 
     def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens
