@@ -227,12 +227,13 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
     The layout is picked by the row count M = x.numel() / in (module docstring). Mathematically the same
     product as ``F.linear``; the float32 summation order may differ (differences ~1e-7 relative).
     """
-    cache = _copies(owner, role)
-    if any(lin.weight.requires_grad for lin in linears):  # in training: the weights as they are now (never kept)
-        return F.linear(x, cache.get(linears, "N"), cache.bias(linears))
-    if torch.compiler.is_compiling():  # traced: no kept copies (their keys read data pointers), one matmul per linear
-        ys = [F.linear(x, lin.weight, lin.bias) for lin in linears]
+    training = any(lin.weight.requires_grad for lin in linears)
+    if torch.compiler.is_compiling() and not training:  # traced: no kept copies (keyed by data pointers), one matmul
+        ys = [F.linear(x, lin.weight, lin.bias) for lin in linears]  # per linear
         return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
+    cache = _copies(owner, role)
+    if training:  # in training: the weights as they are now (never kept)
+        return F.linear(x, cache.get(linears, "N"), cache.bias(linears))
     bk = backend_of(owner)
     lead, d_in = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, d_in)

@@ -206,7 +206,8 @@ class NgramDraft(Draft):
         assert self.buf is not None, "call start() first"
         tok = tokens[:, 0].to(self.buf.device, torch.int64)
         p = pos[:, 0].to(self.buf.device, torch.int64)
-        host = span is None and p.device.type == "cpu"  # positions read back (free on the CPU)
+        # positions read back (free on the CPU; not while torch.compile traces)
+        host = span is None and p.device.type == "cpu" and not torch.compiler.is_compiling()
         lo, hi = (span.lo, span.hi) if span is not None else (int(p.min()), int(p.max())) if host else (0, -1)
         if hi + 1 >= self.max_len or lo < 0:
             raise ConfigError(f"n-gram draft asked for position {hi + 1}, its context holds {self.max_len} positions")

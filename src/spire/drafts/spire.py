@@ -327,7 +327,9 @@ class SpireDraftModel(DraftVocabulary, nn.Module):
         if not self.cfg.feedback_memory:
             return torch.stack(xs[:-1])
         x = torch.stack(xs)  # (n_d + 1, B, T, d)
-        if self.mix_logits.requires_grad:  # in training (its held-out evaluation too): the logits as they are now
+        # in training (its held-out evaluation too), and traced (nothing kept: its key reads a data pointer): the
+        # logits as they are now
+        if self.mix_logits.requires_grad or torch.compiler.is_compiling():
             w = self.mix_logits.softmax(-1).to(x.dtype)  # (n_d, n_d + 1), rows sum to 1
             return torch.einsum("il,lbtd->ibtd", w, x)
         # frozen (a draft step): the softmax kept while the logits are unchanged, one small matmul
