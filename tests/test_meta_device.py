@@ -11,9 +11,12 @@ CPU tests' business.
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
+from spire import fastpath, kernels
 from spire.drafts.eagle3 import Eagle3Config, Eagle3Draft, Eagle3DraftModel
 from spire.drafts.magicdec import MagicDecDraft
 from spire.drafts.ngram import NgramDraft
@@ -32,6 +35,17 @@ B, K, L, MAX_LEN = 3, 3, 5, 48  # rows, draft tokens per round, prompt length, c
 # L <= k + 2: a SPIRe draft's observe of more positions than its ring (or its k + 2 kept features) holds selects
 # the entries to keep (a prefill's host sync, not a round's), so the prefill here stays within them
 V = 97
+
+
+@pytest.fixture(autouse=True)
+def cpu_only_paths_refused(monkeypatch):
+    """spire's native kernels (every one loads the library through ``kernels.load``) and oneDNN raise when reached:
+    none may be, off the CPU."""
+    def refuse(*_, **__):
+        raise AssertionError("a CPU-only path (native kernels, oneDNN) was reached off the CPU")
+
+    monkeypatch.setattr(kernels, "load", refuse)
+    monkeypatch.setattr(fastpath, "onednn", refuse)
 
 
 def on_meta(x: torch.Tensor, *shape: int, dtype: torch.dtype | None = None) -> None:
@@ -149,3 +163,35 @@ def test_acceptance_and_sampling_on_meta(greedy):
     on_meta(row, K + 1, V, dtype=torch.float32)
     on_meta(logprobs_from_logits(row, params), K + 1, V)
     on_meta(sample(probs_from_logits(row, params)), K + 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["float32", "bf16"])
+@pytest.mark.parametrize("kind", ["spire", "eagle3", "vanilla"])
+def test_training_loss_forward_and_backward_on_meta(kind, dtype):
+    """One training step's loss (SPIRe's k-pass MixedLoss, EAGLE-3's KL, vanilla's HardTargetLoss with its alpha) and
+    backward on meta, from a target cache's tensors (residual streams, final normed state, log Z; the compact cache
+    holds them in bf16, and the bf16 case runs the weights in bf16 too: autocast has no meta device). The draft is
+    built on the CPU as the trainer builds it (its draft vocabulary chosen there), then moved to meta."""
+    from spire.drafts.eagle3 import Eagle3Config
+    from spire.drafts.vanilla import VanillaConfig
+    from spire.training.distill import TrainConfig, _build_model, step_loss
+    from spire.training.sources import TeacherBatch
+    from tests.conftest import make_tiny
+
+    target = make_tiny()
+    dc = {"spire": SpireConfig(n_draft_layers=2, window=4, vocab_size=60),
+          "eagle3": Eagle3Config(draft_vocab=60, layers=(1, 2, 4)), "vanilla": VanillaConfig(n_layers=1)}[kind]
+    cfg = TrainConfig(draft=kind, draft_config=dc, k=K, bf16=False, seq_len=4 * K, batch_size=2)
+    data = types.SimpleNamespace(train=types.SimpleNamespace(tokens=torch.arange(400) % V))
+    model = _build_model(target, cfg, data)
+    target.to(META, dtype)
+    model.to(META, dtype)
+    Bt, T, d = 2, 4 * K, target.cfg.d_model
+    x = lambda *shape: torch.zeros(*shape, device=META, dtype=dtype)  # noqa: E731
+    tb = TeacherBatch(torch.zeros(Bt, T, dtype=torch.long, device=META), {j: x(Bt, T, d) for j in model.target_layers()},
+                      x(Bt, T, d), torch.zeros(Bt, T, device=META))
+    loss, alpha = step_loss(model, target, tb, cfg)
+    loss.backward()
+    assert loss.device == alpha.device == META and loss.shape == alpha.shape == ()
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert grads and all(g is not None and g.device == META for g in grads)
