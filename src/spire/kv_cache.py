@@ -65,15 +65,6 @@ class Span:
         if self.T < 1 or not self.starts or min(self.starts) < 0:
             raise ConfigError(f"a span needs T >= 1 and positions >= 0, got starts {list(self.starts)}, T {self.T}")
 
-    @classmethod
-    def of(cls, pos: torch.Tensor) -> "Span | None":
-        """The span of host-readable positions (B, T) (reads them: for tests and CPU callers), None when a row's
-        positions are not contiguous."""
-        rows = pos.tolist()
-        if any(r != list(range(r[0], r[0] + len(r))) for r in rows):
-            return None
-        return cls(tuple(r[0] for r in rows), pos.shape[1])
-
     @property
     def lo(self) -> int:
         """The smallest position."""
@@ -92,11 +83,6 @@ class Span:
     def shifted(self, j: int, T: int | None = None) -> "Span":
         """Every row's positions moved on by j (a draft's next step), with T new tokens (default the same)."""
         return Span(tuple(s + j for s in self.starts), self.T if T is None else T)
-
-    def tensor(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """The (B, T) int64 positions on ``device`` (a host-to-device copy: for tests and prefill, not a round)."""
-        return torch.tensor(self.starts, dtype=torch.int64, device=device)[:, None] + torch.arange(self.T,
-                                                                                                   device=device)
 
 
 def attention_mask(
