@@ -44,7 +44,8 @@ from spire import kernels
 from spire.backend import Backend
 from spire.backend import of as backend_of
 from spire.errors import ConfigError
-from spire.kv_cache import BaseKVCache, KVCache, SinkWindow, attention_mask, is_causal, prefix_mask
+from spire.kv_cache import (BaseKVCache, KVCache, SinkWindow, Span, attention_mask, causal_mask, is_causal,
+                            prefix_mask)
 
 KERNEL_MAX_M = 32
 """On CPU in float32, matmuls with 2 ≤ M ≤ KERNEL_MAX_M rows use :func:`spire.kernels.skinny_linear` when it
@@ -226,8 +227,12 @@ def linear(x: torch.Tensor, linears: Sequence[nn.Linear], owner: nn.Module, role
     The layout is picked by the row count M = x.numel() / in (module docstring). Mathematically the same
     product as ``F.linear``; the float32 summation order may differ (differences ~1e-7 relative).
     """
+    training = any(lin.weight.requires_grad for lin in linears)
+    if torch.compiler.is_compiling() and not training:  # traced: no kept copies (keyed by data pointers), one matmul
+        ys = [F.linear(x, lin.weight, lin.bias) for lin in linears]  # per linear
+        return ys[0] if len(ys) == 1 else torch.cat(ys, -1)
     cache = _copies(owner, role)
-    if any(lin.weight.requires_grad for lin in linears):  # in training: the weights as they are now (never kept)
+    if training:  # in training: the weights as they are now (never kept)
         return F.linear(x, cache.get(linears, "N"), cache.bias(linears))
     bk = backend_of(owner)
     lead, d_in = x.shape[:-1], x.shape[-1]
@@ -458,9 +463,10 @@ def mlp(m: nn.Module, x: torch.Tensor, act: Callable[[torch.Tensor], torch.Tenso
     return linear(act(gu[..., :d_ff]) * gu[..., d_ff:], (m.down_proj,), m, "down")
 
 
-def check_positions(pos: torch.Tensor, max_len: int) -> tuple[int, int]:
-    """(min, max) of positions pos; raises ConfigError when one is negative or not below the cache length."""
-    lo, hi = (int(v) for v in torch.aminmax(pos))
+def check_positions(pos: torch.Tensor, max_len: int, span: Span | None = None) -> tuple[int, int]:
+    """(min, max) of positions pos, from their host copy ``span`` when given (else read back from pos); raises
+    ConfigError when one is negative or not below the cache length."""
+    lo, hi = (span.lo, span.hi) if span is not None else (int(v) for v in torch.aminmax(pos))
     if hi >= max_len:
         raise ConfigError(f"position {hi} is beyond the cache length {max_len}")
     if lo < 0:
@@ -479,22 +485,44 @@ class CacheAccess:
     B·(sink + window) entries per layer whatever the context length. The mask is then built from the
     gathered positions (entries before 0, or duplicating a sink position, are masked out). With no view,
     T = 1 and every row at the same position nothing is masked and the mask is None.
+
+    Host values: the plan needs the positions' extent (which entries to read, whether a slice write does). Given
+    ``span`` (:class:`spire.kv_cache.Span`, the positions' host copy) it takes them from there and reads nothing
+    back. Without one, on the CPU it reads them from ``pos`` (cheap there); off the CPU, and whenever torch.compile
+    traces, it plans without them: every entry of the cache is read under the mask, and writes are indexed (no
+    host sync, and shapes fixed by the cache, so one graph serves every position).
     """
 
-    def __init__(self, cache: KVCache, pos: torch.Tensor, view: SinkWindow | None) -> None:
+    def __init__(self, cache: KVCache, pos: torch.Tensor, view: SinkWindow | None, span: Span | None = None
+                 ) -> None:
         self.cache, self.pos, self.view = cache, pos, view
         B, T = pos.shape
         dev = pos.device
-        p_first, p_last = pos[:, 0], pos[:, -1]
-        lo, hi = check_positions(pos, cache.max_len)
+        self.gather, self.slices = None, None
+        if torch.compiler.is_compiling() or (span is None and dev.type != "cpu"):
+            # nothing known on the host: every entry is read under the mask (shapes fixed by the cache: one graph)
+            if span is not None:
+                check_positions(pos, cache.max_len, span)
+            self.lo, self.upto, self.slice_at = 0, cache.max_len, None
+            self.rows = torch.arange(B, device=dev)[:, None].expand(B, T)
+            self.key_pos = cache.positions  # (S,)
+            self.mask = attention_mask(pos, self.key_pos, view)
+            return
+        lo, hi = check_positions(pos, cache.max_len, span)  # from the span: nothing read back
         self.lo, self.upto = lo, hi + 1
-        contiguous = bool(((pos - p_first[:, None]) == torch.arange(T, device=dev)).all())
-        self.slice_at = int(p_first[0]) if contiguous and bool((p_first == p_first[0]).all()) else None
+        if span is not None:  # each row's positions contiguous
+            contiguous, first = True, span.starts[0]
+            self.slice_at = first if span.same else None
+        else:
+            p_first = pos[:, 0]
+            contiguous = bool(((pos - p_first[:, None]) == torch.arange(T, device=dev)).all())
+            first = int(p_first[0]) if contiguous else 0
+            self.slice_at = first if contiguous and bool((p_first == p_first[0]).all()) else None
         self.rows = None if self.slice_at is not None else torch.arange(B, device=dev)[:, None].expand(B, T)
-        self.gather = None
         if view is not None and contiguous:
-            n_win = view.window + int((p_last - p_first).max())  # window entries of the last query ∪ the first's
+            n_win = view.window + T - 1  # window entries of the last query ∪ the first's
             if view.sink + n_win < self.upto:
+                p_last = pos[:, -1]
                 g = torch.cat([torch.arange(view.sink, device=dev).expand(B, view.sink),
                                (p_last - n_win + 1)[:, None] + torch.arange(n_win, device=dev)], 1)  # (B, S')
                 valid = g >= 0
@@ -502,13 +530,19 @@ class CacheAccess:
                 self.gather = g.clamp_min(0)
                 self.key_pos = g  # (B, S')
                 self.mask = attention_mask(pos, g, view) & valid[:, None, None, :]
-                start = int(p_last[0]) - n_win + 1
+                start = first + T - n_win  # row 0's first gathered window position
                 # every row reads the same positions (e.g. B = 1): two slices instead of an indexed copy
                 self.slices = (view.sink, start) if self.slice_at is not None and start >= view.sink else None
                 self.rows_g = torch.arange(B, device=dev)[:, None]
                 return
         self.key_pos = cache.positions[: self.upto]  # (S,)
-        self.mask = None if view is None and T == 1 and lo == hi else prefix_mask(pos, self.key_pos, view)
+        if view is None and T == 1 and lo == hi:
+            self.mask = None
+        elif span is not None:  # a prefill from 0 in every row is the shared causal mask (decided on the host)
+            causal = view is None and T > 1 and lo == 0 and hi == T - 1
+            self.mask = causal_mask(T, dev) if causal else attention_mask(pos, self.key_pos, view)
+        else:
+            self.mask = prefix_mask(pos, self.key_pos, view)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         c = self.cache
@@ -593,7 +627,8 @@ def native_block(block: nn.Module, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return fb
 
 
-def _layer_views(cfg, pos: torch.Tensor, view: SinkWindow | None) -> list[SinkWindow | None] | None:
+def _layer_views(cfg, pos: torch.Tensor, view: SinkWindow | None, span: Span | None = None
+                 ) -> list[SinkWindow | None] | None:
     """Per layer, the (sink, window) rule the native block applies over a dense cache: the forward's view, or
     for a sliding layer whose window is reached the window alone (sink 0) -- exact when there is no view or
     the layer's window is within the view's. None when a layer's rule is not one (sink, window) pair (a view
@@ -601,7 +636,7 @@ def _layer_views(cfg, pos: torch.Tensor, view: SinkWindow | None) -> list[SinkWi
     windows = cfg.layer_windows
     if windows is None:
         return [view] * cfg.n_layers
-    hi = int(pos.max())
+    hi = span.hi if span is not None else int(pos.max())
     views: list[SinkWindow | None] = []
     for w in windows:
         if w is None or hi < w:
@@ -706,8 +741,8 @@ class DecodeStep:
 
 def decode_step(owner: nn.Module, layers: nn.ModuleList, cfg, x: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, cache: BaseKVCache | None, plan: Plan, view: SinkWindow | None = None,
-                mask: torch.Tensor | None = None, slots: torch.Tensor | None = None, allow_native: bool = True
-                ) -> DecodeStep | PerOpStep:
+                mask: torch.Tensor | None = None, slots: torch.Tensor | None = None, allow_native: bool = True,
+                span: Span | None = None) -> DecodeStep | PerOpStep:
     """The blocks of one forward of ``layers`` (a model's blocks, shaped by ``cfg``; ``owner`` keeps their native
     blocks and carries the :class:`spire.backend.Backend`) for new tokens x: (B, T, d) at positions pos: (B, T),
     with RoPE tables cos, sin (R, B, 1, T, D): the native :class:`DecodeStep` where it applies (and
@@ -717,12 +752,12 @@ def decode_step(owner: nn.Module, layers: nn.ModuleList, cfg, x: torch.Tensor, p
     ``view`` and its own sliding window; raises ConfigError for a position outside the cache. Over a
     :class:`RingKVCache` (T ≤ its ring; the slots of pos already claimed, given as ``slots`` (B, T) or computed
     here) keys go to the slots of pos and every block reads the entries ``mask`` (B, 1, T, S) bool allows (None:
-    memory writes only)."""
+    memory writes only). ``span``: pos on the host (:class:`spire.kv_cache.Span`), read instead of pos."""
     if allow_native and cache is not None and _native_applies(cfg, layers, x, pos, cache.k[0], backend_of(owner)):
         if cache.positional and mask is None:
-            views = _layer_views(cfg, pos, view)
+            views = _layer_views(cfg, pos, view, span)
             if views is not None:
-                check_positions(pos, cache.max_len)
+                check_positions(pos, cache.max_len, span)
                 return DecodeStep(owner, layers, cfg.n_heads, cache, pos, cos, sin, views, None, None)
         elif not cache.positional and pos.shape[1] <= cache.ring:
             mask8 = None if mask is None else mask[:, 0].contiguous().view(torch.uint8)  # (B, T, S), no copy

@@ -44,6 +44,47 @@ class SinkWindow:
         return self.sink + self.window
 
 
+@dataclass(frozen=True)
+class Span:
+    """The host's copy of a forward's positions: row b's T new tokens sit at ``starts[b] .. starts[b] + T - 1``.
+
+    The scheduler knows every row's committed length without reading the device, so it can say where a forward's
+    tokens sit; a forward given its Span plans its cache access (what to read, whether a slice write does, whether
+    anything is masked) from these ints and reads no position back from the device (a host sync on a GPU). The
+    device tensor of the same positions is still passed alongside (the device computation reads that one).
+
+    starts: (B,) python ints, each row's first position; T: new tokens per row. Raises ConfigError for a negative
+    position or T < 1.
+    """
+
+    starts: tuple[int, ...]
+    T: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "starts", tuple(int(s) for s in self.starts))
+        if self.T < 1 or not self.starts or min(self.starts) < 0:
+            raise ConfigError(f"a span needs T >= 1 and positions >= 0, got starts {list(self.starts)}, T {self.T}")
+
+    @property
+    def lo(self) -> int:
+        """The smallest position."""
+        return min(self.starts)
+
+    @property
+    def hi(self) -> int:
+        """The largest position."""
+        return max(self.starts) + self.T - 1
+
+    @property
+    def same(self) -> bool:
+        """Whether every row's tokens sit at the same positions."""
+        return all(s == self.starts[0] for s in self.starts)
+
+    def shifted(self, j: int, T: int | None = None) -> "Span":
+        """Every row's positions moved on by j (a draft's next step), with T new tokens (default the same)."""
+        return Span(tuple(s + j for s in self.starts), self.T if T is None else T)
+
+
 def attention_mask(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
@@ -86,7 +127,9 @@ def causal_mask(T: int, device: torch.device) -> torch.Tensor:
 def is_causal(mask: torch.Tensor | None) -> bool:
     """Whether ``mask`` is a kept :func:`causal_mask` tensor (a mask equal to it but built otherwise answers False:
     it is then applied as a mask, with the same result). Builds nothing."""
-    return mask is not None and mask.dim() == 4 and _CAUSAL.get((mask.shape[-1], mask.device)) is mask
+    if mask is None or mask.dim() != 4 or torch.compiler.is_compiling():  # traced: never built, so never met
+        return False
+    return _CAUSAL.get((mask.shape[-1], mask.device)) is mask
 
 
 def prefix_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, view: SinkWindow | None = None) -> torch.Tensor:
@@ -126,9 +169,10 @@ class BaseKVCache(ABC):
 
     @abstractmethod
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              valid: torch.Tensor | None = None) -> None:
+              valid: torch.Tensor | None = None, span: Span | None = None) -> None:
         """Store keys/values k, v: (B, n_kv, T, d_head) of positions pos: (B, T); ``valid`` (B, T) bool: False
-        entries are not written. Raises ConfigError for a position the cache cannot hold."""
+        entries are not written; ``span``: pos on the host (:class:`Span`), when known. Raises ConfigError for a
+        position the cache cannot hold."""
 
     @abstractmethod
     def read(self, layer: int, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,23 +238,25 @@ class KVCache(BaseKVCache):
         self.positions = torch.arange(max_len, device=device)  # (S,)
 
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              valid: torch.Tensor | None = None) -> None:
-        """Store keys/values of new tokens. pos: (B, T) absolute positions; k, v: (B, n_kv, T, d_head).
-        ``valid``: optional (B, T) bool, False entries are not written (the rows of other requests while one
-        joins a continuous batch); without it padding entries are written (they lie past the committed length
-        and are overwritten before being read)."""
-        if int(pos.max()) >= self.max_len:
-            raise ConfigError(f"position {int(pos.max())} is beyond the cache length {self.max_len}")
+              valid: torch.Tensor | None = None, span: Span | None = None) -> None:
+        """Store keys/values of new tokens. pos: (B, T) absolute positions (distinct within a row); k, v: (B, n_kv,
+        T, d_head). ``valid``: optional (B, T) bool, False entries are not written (the rows of other requests while
+        one joins a continuous batch); without it padding entries are written (they lie past the committed length
+        and are overwritten before being read). ``span``: pos on the host; the bounds check reads it instead of
+        pos (off the CPU without one the device's index check stands). Raises ConfigError for a position beyond
+        the cache."""
+        hi = span.hi if span is not None else int(pos.max()) if pos.device.type == "cpu" else None
+        if hi is not None and hi >= self.max_len:  # off the CPU without a span: the device's index check
+            raise ConfigError(f"position {hi} is beyond the cache length {self.max_len}")
         B, T = pos.shape
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
-        if valid is not None and not bool(valid.all()):
-            keep = valid.to(pos.device)
-            self.k[layer][rows[keep], :, pos[keep]] = k.transpose(1, 2)[keep].to(self.k[layer].dtype)
-            self.v[layer][rows[keep], :, pos[keep]] = v.transpose(1, 2)[keep].to(self.v[layer].dtype)
-            return
-        # advanced indexing: cache[b, :, pos[b, t], :] = k[b, :, t, :]
-        self.k[layer][rows, :, pos] = k.transpose(1, 2).to(self.k[layer].dtype)
-        self.v[layer][rows, :, pos] = v.transpose(1, 2).to(self.v[layer].dtype)
+        # advanced indexing: cache[b, :, pos[b, t], :] = k[b, :, t, :]; a row's positions are distinct, so an entry
+        # not ``valid`` is written back with what it held (no selection: nothing read back)
+        for store, new in ((self.k[layer], k), (self.v[layer], v)):
+            new = new.transpose(1, 2).to(store.dtype)
+            if valid is not None:
+                new = torch.where(valid.to(pos.device)[:, :, None, None], new, store[rows, :, pos])
+            store[rows, :, pos] = new
 
     def read(self, layer: int, upto: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (B, n_kv, S, d_head) for positions 0..upto-1 (all when None)."""
@@ -316,11 +362,24 @@ class RingKVCache(BaseKVCache):
         return torch.where(pos < sink, pos, sink + (pos - sink) % self.ring)
 
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              valid: torch.Tensor | None = None) -> None:
-        """Store keys/values. pos: (B, T); k, v: (B, n_kv, T, d_head); valid: optional (B, T) bool (padding
-        is not written). Of a row's positions only those the ring can hold (the last window + slack, and
-        the sink) are written, so one call never writes two positions into the same slot."""
+              valid: torch.Tensor | None = None, span: Span | None = None) -> None:
+        """Store keys/values. pos: (B, T), each row's positions contiguous; k, v: (B, n_kv, T, d_head); valid:
+        optional (B, T) bool (padding is not written); ``span`` is not needed (nothing is checked). Of a row's
+        positions only those the ring can hold (the last window + slack, and the sink) are written, so one call
+        never writes two positions into the same slot. T <= the ring (a draft step, a verify's observe) writes
+        every entry, an invalid one with what its slot held: nothing is selected, so nothing is read back."""
         B, T = pos.shape
+        if T <= self.ring:  # contiguous positions, at most a ring of them: distinct slots, every one kept
+            rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
+            slots = self.slot(pos)
+            for store, new in ((self.k[layer], k), (self.v[layer], v)):
+                new = new.transpose(1, 2).to(store.dtype)
+                if valid is not None:
+                    new = torch.where(valid[:, :, None, None], new, store[rows, :, slots])
+                store[rows, :, slots] = new
+            if layer == 0:
+                self.tags[rows, slots] = pos if valid is None else torch.where(valid, pos, self.tags[rows, slots])
+            return
         keep = torch.ones_like(pos, dtype=torch.bool) if valid is None else valid.clone()
         last = torch.where(keep, pos, torch.full_like(pos, -1)).max(1, keepdim=True).values  # (B, 1)
         keep &= (pos < self.view.sink) | (pos > last - self.ring)

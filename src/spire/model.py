@@ -37,7 +37,7 @@ from spire.backend import of as backend_of
 from spire.errors import ConfigError
 from spire.families import ACTIVATION_NAMES, FAMILIES, hf_fields  # noqa: F401 (FAMILIES: part of this API)
 from spire.fastpath import KVSource, needs_autograd
-from spire.kv_cache import KVCache, SinkWindow, attention_mask, prefix_mask
+from spire.kv_cache import KVCache, SinkWindow, Span, attention_mask, causal_mask, prefix_mask
 from spire.rope import apply_rope, rope_tables
 
 
@@ -154,11 +154,13 @@ class ScaledEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, d_model: int, scale: float = 1.0) -> None:
         super().__init__(vocab_size, d_model)
         self.scale = float(scale)
+        self.rounded = {dt: float(torch.tensor(self.scale, dtype=torch.float32, device="cpu").to(dt))  # in each dtype
+                        for dt in (torch.float32, torch.bfloat16, torch.float16)}
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = super().forward(tokens)
         if self.scale != 1.0:  # as HF: the scale rounded to the weights' dtype, then one multiply
-            x = x * torch.tensor(self.scale, dtype=torch.float32).to(x.dtype)
+            x = x * self.rounded.get(x.dtype, self.scale)  # a Python float: no tensor made on the CPU
         return x
 
 
@@ -398,9 +400,12 @@ class Transformer(nn.Module):
         return fastpath.unembed(h, self.lm_head, self)
 
     def forward(self, tokens: torch.Tensor, pos: torch.Tensor, cache: KVCache | None = None,
-                view: SinkWindow | None = None, hidden_layers: Iterable[int] = ()) -> ForwardOutput:
-        """See the class docstring. Raises ConfigError when a position is outside the cache. Logits are
-        computed lazily (:class:`ForwardOutput`)."""
+                view: SinkWindow | None = None, hidden_layers: Iterable[int] = (), span: Span | None = None
+                ) -> ForwardOutput:
+        """See the class docstring. ``span``: the host's copy of pos (:class:`spire.kv_cache.Span`: each row's
+        first position and T), when the caller knows it (a scheduler does): the cache access is then planned from
+        it and nothing is read back from the device (:class:`spire.fastpath.CacheAccess`). Raises ConfigError
+        when a position is outside the cache. Logits are computed lazily (:class:`ForwardOutput`)."""
         want = set(hidden_layers)
         x = self.model.embed_tokens(tokens)  # (B, T, d_model)
         cos, sin = self.rope(pos, x.dtype)
@@ -408,12 +413,18 @@ class Transformer(nn.Module):
         def plan():  # per op: each layer's mask and cache reads, planned once
             windows = self.cfg.layer_windows or [None] * len(self.layers)
             if cache is None:  # keys are the T tokens themselves
-                masks = self._layer_masks(prefix_mask(pos, pos, view), pos, windows)
-                return [lambda k, v: (k, v)] * len(self.layers), masks, None
-            masks, sources = fastpath.CacheAccess(cache, pos, view).plan(windows)
+                if span is not None:  # from 0 in every row: the shared causal mask (decided on the host)
+                    causal = view is None and pos.shape[1] > 1 and span.hi == pos.shape[1] - 1
+                    mask = causal_mask(pos.shape[1], pos.device) if causal else attention_mask(pos, pos, view)
+                elif pos.device.type != "cpu":
+                    mask = attention_mask(pos, pos, view)
+                else:
+                    mask = prefix_mask(pos, pos, view)
+                return [lambda k, v: (k, v)] * len(self.layers), self._layer_masks(mask, pos, windows), None
+            masks, sources = fastpath.CacheAccess(cache, pos, view, span).plan(windows)
             return sources, masks, None
 
-        step = fastpath.decode_step(self, self.layers, self.cfg, x, pos, cos, sin, cache, plan, view=view)
+        step = fastpath.decode_step(self, self.layers, self.cfg, x, pos, cos, sin, cache, plan, view=view, span=span)
         hidden: dict[int, torch.Tensor] = {}
         for i in range(len(self.layers)):
             if i in want:

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from spire.errors import ConfigError
-from spire.kv_cache import KVCache
+from spire.kv_cache import KVCache, Span
 from spire.model import ForwardOutput, Transformer
 from spire.throughput.shapes import default_draft_shape
 
@@ -39,8 +39,10 @@ class Draft(ABC):
         """Allocate per-generation state for ``batch_size`` rows, positions < max_len, k tokens per round."""
 
     @abstractmethod
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """One draft forward. tokens, pos: (B, 1) -> float32 logits (B, V) for position pos + 1."""
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, span: Span | None = None) -> torch.Tensor:
+        """One draft forward. tokens, pos: (B, 1) -> float32 logits (B, V) for position pos + 1. ``span``: pos on
+        the host (:class:`spire.kv_cache.Span`), when the caller knows it: a draft then reads nothing back from
+        the device (no host sync in the step)."""
 
     def restart_rows(self, rows: torch.Tensor) -> None:
         """Forget rows ``rows`` ((R,) int64 indices into the batch bound by :meth:`start`): a new request takes
@@ -71,10 +73,10 @@ class Draft(ABC):
         return default_draft_shape(target, self.name)
 
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
-                valid: torch.Tensor | None = None) -> None:
+                valid: torch.Tensor | None = None, span: Span | None = None) -> None:
         """The target has just run on ``tokens`` at ``pos`` (B, T) (prefill or verify); ``target_out``
         holds its logits and the requested hidden states; ``valid`` (B, T) marks real tokens (False for
-        right-padding in a batched prefill). Entries past each row's committed length may be stale; the
+        right-padding in a batched prefill); ``span``: pos on the host, as for :meth:`step`. Entries past each row's committed length may be stale; the
         next round overwrites them before any query reads them."""
 
 

@@ -88,7 +88,7 @@ from spire.formats.speculators import verifier_config
 from spire.registry import DraftImpl
 from spire.drafts.vocab import DraftVocabulary, frequent_tokens
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
-from spire.kv_cache import KVCache, SinkWindow, attention_mask
+from spire.kv_cache import KVCache, SinkWindow, Span, attention_mask
 from spire.loading import check_finite, load_state_dict
 from spire.model import MLP, Attention, ForwardOutput, ModelConfig, RMSNorm, Transformer
 from spire.paths import replace_dir
@@ -596,7 +596,7 @@ class Eagle3Draft(Draft):
 
     @torch.no_grad()
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
-                valid: torch.Tensor | None = None) -> None:
+                valid: torch.Tensor | None = None, span: Span | None = None) -> None:
         """Catch-up after a prefill or verify: tokens, pos (B, T) (each row's positions contiguous); keys/values of
         (x_t, g_{t-1}) into the cache and the fused features g_t kept, for every position (padding included: it
         lies past the committed length). The next step starts a new chain from the target's features. With
@@ -614,13 +614,13 @@ class Eagle3Draft(Draft):
         u, _ = layer.inputs(m.embed(tokens), prev, m.cfg.norm_before_residual)  # (B, T, 2d)
         cos, sin = m.rope(pos, u.dtype)  # (B, 1, T, D)
         k, v = layer.kv(u, cos, sin)  # (B, KV, T, D)
-        self._cache.write(0, pos, k, v)
+        self._cache.write(0, pos, k, v, span=span)
         rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
         self._feat[rows, pos] = g.to(dtype)
         self._chain.fill_(_NONE)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, span: Span | None = None) -> torch.Tensor:
         """tokens, pos (B, 1) -> float32 logits (B, V) over the target's vocabulary (-inf outside a draft vocabulary)
         for position pos + 1. The feature read is the draft's own from the previous step when that step was at
         pos - 1 since the last observe, else the target's fused feature of pos - 1."""
@@ -631,7 +631,7 @@ class Eagle3Draft(Draft):
         feature = torch.where(own, self._own, self._target_feature(p)[:, None])  # (B, 1, d)
         u, res = layer.inputs(m.embed(tokens), feature, m.cfg.norm_before_residual)  # (B, 1, 2d), (B, 1, d)
         cos, sin = m.rope(pos, u.dtype)
-        access = fastpath.CacheAccess(self._cache, pos, m.view)
+        access = fastpath.CacheAccess(self._cache, pos, m.view, span)
         mask = eagle3_mask(pos, access.key_pos, m.view)  # (B, 1, 1, S)
         if access.mask is not None:
             mask = mask & access.mask

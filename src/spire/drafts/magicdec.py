@@ -12,7 +12,7 @@ import torch
 from spire import defaults
 from spire.drafts.base import Draft
 from spire.registry import DraftImpl
-from spire.kv_cache import KVCache, SinkWindow
+from spire.kv_cache import KVCache, SinkWindow, Span
 from spire.model import Transformer
 
 
@@ -39,9 +39,9 @@ class MagicDecDraft(Draft):
         (its prefill, then each round) before any query reads them."""
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, span: Span | None = None) -> torch.Tensor:
         assert self._target is not None, "call start() first"
-        return self._target(tokens, pos, self._cache, view=self.view).logits[:, -1]
+        return self._target(tokens, pos, self._cache, view=self.view, span=span).logits[:, -1]
 
 
 def load_draft(target: Transformer, sink: int = defaults.SINK, window: int = defaults.WINDOW, **_) -> MagicDecDraft:

@@ -41,7 +41,7 @@ import torch
 from spire.drafts.base import Draft
 from spire.registry import DraftImpl
 from spire.errors import ConfigError
-from spire.kv_cache import KVCache
+from spire.kv_cache import KVCache, Span
 from spire.model import ForwardOutput, Transformer
 
 N_MIN = 5
@@ -109,13 +109,15 @@ def ngram_propose(context: Sequence[int], k: int, cfg: NgramConfig | None = None
     return out
 
 
-def match_sources(buf: torch.Tensor, pos: torch.Tensor, n_min: int, n_max: int) -> torch.Tensor:
+def match_sources(buf: torch.Tensor, pos: torch.Tensor, n_min: int, n_max: int, stop_early: bool = True
+                  ) -> torch.Tensor:
     """Vectorized lookup over rows. buf: (R, W) int64 tokens by absolute position; pos: (R,) int64, the last
     context position of each row (< W). Only positions <= pos[r] of row r are read. Returns (R,) int64: the
     position of the first token to propose (<= pos[r]), or -1 where no n in [n_min, n_max] matches.
 
     For every candidate end position e < pos, count[e] = length (capped at n_max) of the common run of
-    buf[e - j] == buf[pos - j], j = 0, 1, ...: n_max shifted (R, W) comparisons, O(n_max · R · W)."""
+    buf[e - j] == buf[pos - j], j = 0, 1, ...: n_max shifted (R, W) comparisons, O(n_max · R · W). ``stop_early``
+    stops once no candidate is left (a host sync per comparison: off for a device computation)."""
     R, W = buf.shape
     cols = torch.arange(W, device=buf.device)
     suffix = buf.gather(1, (pos[:, None] - torch.arange(n_max, device=buf.device)).clamp_min(0))  # (R, n_max)
@@ -125,7 +127,7 @@ def match_sources(buf: torch.Tensor, pos: torch.Tensor, n_min: int, n_max: int) 
         eq = torch.zeros_like(alive)
         eq[:, j:] = buf[:, : W - j] == suffix[:, j: j + 1]  # eq[e] = buf[e - j] == buf[pos - j]
         alive &= eq
-        if not bool(alive.any()):
+        if stop_early and not bool(alive.any()):
             break
         count += alive
     # longest count wins; among equal counts the smallest e (the earliest occurrence)
@@ -200,7 +202,7 @@ class NgramDraft(Draft):
         return src >= 0
 
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
-                valid: torch.Tensor | None = None) -> None:
+                valid: torch.Tensor | None = None, span: Span | None = None) -> None:
         """Write the tokens (B, T) the target ran on at positions (B, T) (right-padding, ``valid`` False, is not
         written); the next step looks up afresh (a new round)."""
         assert self.buf is not None, "call start() first"
@@ -212,25 +214,34 @@ class NgramDraft(Draft):
         self.src.fill_(-1)
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, span: Span | None = None) -> torch.Tensor:
         """tokens, pos: (B, 1) -> float32 logits (B, V) for position pos + 1: 0 at the proposed token, -inf
         elsewhere. Writes the input token at pos first; reads only positions <= pos of each row. Raises
-        ConfigError when pos + 1 is beyond the context the draft was started for (max_len)."""
+        ConfigError when pos + 1 is beyond the context the draft was started for (max_len).
+
+        With ``span`` (pos on the host) or off the CPU nothing is read back: every row is looked up over the
+        positions the span bounds (all of them without one) and a continuing row keeps its source; on the CPU
+        without a span only the rows that need a lookup are looked up, over the positions they read."""
         assert self.buf is not None, "call start() first"
         tok = tokens[:, 0].to(self.buf.device, torch.int64)
         p = pos[:, 0].to(self.buf.device, torch.int64)
-        if int(p.max()) + 1 >= self.max_len or int(p.min()) < 0:
-            raise ConfigError(f"n-gram draft asked for position {int(p.max()) + 1}, its context holds "
-                              f"{self.max_len} positions")
+        # positions read back (free on the CPU; not while torch.compile traces)
+        host = span is None and p.device.type == "cpu" and not torch.compiler.is_compiling()
+        lo, hi = (span.lo, span.hi) if span is not None else (int(p.min()), int(p.max())) if host else (0, -1)
+        if hi + 1 >= self.max_len or lo < 0:
+            raise ConfigError(f"n-gram draft asked for position {hi + 1}, its context holds {self.max_len} positions")
         rows = torch.arange(len(p), device=p.device)
         self.buf[rows, p] = tok
         cont = (self.src >= 0) & (p == self.last_pos + 1) & (tok == self.last_tok)
         src = torch.where(cont, self.src + 1, torch.full_like(self.src, -1))
-        look = (~cont).nonzero()[:, 0]
         probe, self._probe = self._probe, None
-        if len(look) and probe is not None and torch.equal(probe[0], p) and torch.equal(probe[1], tok):
-            src[look] = probe[2][look]  # the lookup :meth:`proposes` just made at these positions
-        elif len(look):
+        if probe is not None and torch.equal(probe[0], p) and torch.equal(probe[1], tok):
+            src = torch.where(cont, src, probe[2])  # the lookup :meth:`proposes` just made at these positions
+        elif not host:
+            width = hi + 1 if span is not None else self.buf.shape[1]
+            found = match_sources(self.buf[:, :width], p, self.cfg.n_min, self.cfg.n_max, stop_early=False)
+            src = torch.where(cont, src, found)
+        elif len(look := (~cont).nonzero()[:, 0]):
             lp = p[look]
             width = int(lp.max()) + 1
             src[look] = match_sources(self.buf[look, :width], lp, self.cfg.n_min, self.cfg.n_max)

@@ -43,7 +43,7 @@ from spire.formats.draft_file import (check_export, fingerprint, fingerprint_mat
 from spire.formats.speculators import spire_export_config
 from spire.registry import DraftImpl
 from spire.errors import CheckpointError, ConfigError
-from spire.kv_cache import BaseKVCache, KVCache, RingKVCache, SinkWindow, attention_mask, self_mask
+from spire.kv_cache import BaseKVCache, KVCache, RingKVCache, SinkWindow, Span, attention_mask, self_mask
 from spire.model import ForwardOutput, RMSNorm, Transformer
 from spire.paths import spire_cache_dir
 
@@ -327,7 +327,9 @@ class SpireDraftModel(DraftVocabulary, nn.Module):
         if not self.cfg.feedback_memory:
             return torch.stack(xs[:-1])
         x = torch.stack(xs)  # (n_d + 1, B, T, d)
-        if self.mix_logits.requires_grad:  # in training (its held-out evaluation too): the logits as they are now
+        # in training (its held-out evaluation too), and traced (nothing kept: its key reads a data pointer): the
+        # logits as they are now
+        if self.mix_logits.requires_grad or torch.compiler.is_compiling():
             w = self.mix_logits.softmax(-1).to(x.dtype)  # (n_d, n_d + 1), rows sum to 1
             return torch.einsum("il,lbtd->ibtd", w, x)
         # frozen (a draft step): the softmax kept while the logits are unchanged, one small matmul
@@ -665,6 +667,17 @@ class SpireDraft(Draft):
     def _keep_features(self, pos: torch.Tensor, feature: torch.Tensor, valid: torch.Tensor | None) -> None:
         """Store the features (B, T, d) at positions (B, T) (the latest R valid ones of each row)."""
         R = self._feature.shape[1]
+        B, T = pos.shape
+        if T <= R:  # contiguous positions, at most R of them: distinct slots, each written (nothing read back)
+            rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
+            slot = pos % R
+            feature = feature.to(self._feature.dtype)
+            if valid is not None:  # an invalid entry writes back what its slot held
+                feature = torch.where(valid[..., None], feature, self._feature[rows, slot])
+                pos = torch.where(valid, pos, self._feature_pos[rows, slot])
+            self._feature[rows, slot] = feature
+            self._feature_pos[rows, slot] = pos
+            return
         valid = torch.ones_like(pos, dtype=torch.bool) if valid is None else valid
         keep = valid & (valid.flip(1).cumsum(1).flip(1) <= R)  # contiguous positions: distinct slots
         b, t = keep.nonzero(as_tuple=True)
@@ -686,9 +699,9 @@ class SpireDraft(Draft):
 
     @torch.no_grad()
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
-                valid: torch.Tensor | None = None) -> None:
+                valid: torch.Tensor | None = None, span: Span | None = None) -> None:
         if not self.model.cfg.target_activations:
-            self._run(tokens, pos, valid)
+            self._run(tokens, pos, valid, span)
             return
         cos, sin = self.model.rope(pos, self.model.target.dtype)
         hidden = [target_out.hidden[j] for j in self.model.source_layers]
@@ -697,16 +710,17 @@ class SpireDraft(Draft):
         m, cache = self.model, self._cache
 
         def plan():  # per op: each layer's memory keys/values written with the rows' validity
-            return [], [], lambda i, h: cache.write(i, pos, *m.memory_kv(i, h, cos, sin), valid=valid)
+            return [], [], lambda i, h: cache.write(i, pos, *m.memory_kv(i, h, cos, sin), valid=valid, span=span)
 
         run = fastpath.decode_step(m, m.layers, m.target.cfg, hidden[0], pos, cos, sin, cache, plan,
-                                   allow_native=valid is None or bool(valid.all()))
+                                   allow_native=valid is None or bool(valid.all()), span=span)
         if run.native:
             cache.claim(pos)  # the slot tags the per-op path's layer-0 write sets
         for i, h in enumerate(hidden):
             run.write_kv(i, h)
 
-    def _run(self, tokens: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | None = None,
+             span: Span | None = None) -> torch.Tensor:
         """Ordinary transformer forward over (B, T) tokens at contiguous positions per row, reading the cache
         for earlier positions and then storing the new keys/values. Works for a ring cache of any T: the new
         keys are attended from the call's own tensors, not from the ring. Returns the last position's (B, d)."""
@@ -727,14 +741,14 @@ class SpireDraft(Draft):
                 k_old, v_old = cache.read(i)
                 return torch.cat([k_old.to(k_new.dtype), k_new], 2), torch.cat([v_old.to(v_new.dtype), v_new], 2)
             x = layer(x, cos, sin, kv_source, mask)
-            cache.write(i, pos, *new, valid=valid)
+            cache.write(i, pos, *new, valid=valid, span=span)
         return x
 
     @torch.no_grad()
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, span: Span | None = None) -> torch.Tensor:
         m, cache = self.model, self._cache
         if not m.cfg.target_activations:
-            return m.to_target_vocab(m.logits(self._run(tokens, pos))[:, -1])
+            return m.to_target_vocab(m.logits(self._run(tokens, pos, span=span))[:, -1])
         x = m.target.model.embed_tokens(tokens)  # (B, 1, d)
         feature = None if self._feature is None else self._previous_feature(pos)  # (B, 1, d)
         cos, sin = m.rope(pos, x.dtype)
@@ -744,13 +758,14 @@ class SpireDraft(Draft):
 
         def plan():  # per op: the token's own key/value into the cache, then attention over everything up to it
             def kv_source(i, k_self, v_self):
-                cache.write(i, pos, k_self, v_self)
+                cache.write(i, pos, k_self, v_self, span=span)
                 return cache.read(i)
             return ([partial(kv_source, i) for i in range(len(m.layers))], [mask] * len(m.layers),
-                    lambda i, mem: cache.write(i, pos, *m.memory_kv(i, mem, cos, sin)))
+                    lambda i, mem: cache.write(i, pos, *m.memory_kv(i, mem, cos, sin), span=span))
 
         # natively, each layer is one call: the token's key/value into its slot, attention over the slots
-        run = fastpath.decode_step(m, m.layers, m.target.cfg, x, pos, cos, sin, cache, plan, mask=mask, slots=slots)
+        run = fastpath.decode_step(m, m.layers, m.target.cfg, x, pos, cos, sin, cache, plan, mask=mask, slots=slots,
+                                   span=span)
         for i in range(len(m.layers)):
             if m.enters(i):
                 x = xs[i] = m.layer_input(i, x, feature)

@@ -18,7 +18,7 @@ from spire.formats.speculators import independent_config
 from spire.registry import DraftImpl
 from spire.throughput.pricing import shape_of
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
-from spire.kv_cache import KVCache
+from spire.kv_cache import KVCache, Span
 from spire.loading import (TOKENIZER_FILES, WEIGHTS_INDEX, check_finite, load_model, load_target, stored_dtype,
                            weight_files)
 from spire.model import ForwardOutput, ModelConfig, Transformer
@@ -62,7 +62,7 @@ class VanillaDraft(Draft):
 
     @torch.no_grad()
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
-                valid: torch.Tensor | None = None) -> None:
+                valid: torch.Tensor | None = None, span: Span | None = None) -> None:
         """Run the draft over the tokens (B, T) at positions (B, T). With ``valid`` (B, T), rows without a valid
         token are left untouched (the rows of other requests while one joins a continuous batch)."""
         if valid is not None and not bool(valid.any(1).all()):
@@ -71,15 +71,15 @@ class VanillaDraft(Draft):
             self.model(tokens[rows], pos[rows], sub)
             self._cache.put_rows(rows, sub)
             return
-        self.model(tokens, pos, self._cache)
+        self.model(tokens, pos, self._cache, span=span)
 
     @torch.no_grad()
     def cost_shape(self, target):
         """Its own model's shape (:func:`spire.throughput.pricing.shape_of`)."""
         return shape_of(self.model)
 
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens, pos, self._cache).logits[:, -1]
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, span: Span | None = None) -> torch.Tensor:
+        return self.model(tokens, pos, self._cache, span=span).logits[:, -1]
 
 
 @dataclasses.dataclass
@@ -133,8 +133,9 @@ class VanillaDraftModel(Transformer):
 
     def train_logits(self, tokens: torch.Tensor, hidden: dict[int, torch.Tensor], k: int) -> torch.Tensor:
         """One causal pass (a full KV cache: teacher forcing is exact for any k)."""
-        pos = torch.arange(tokens.shape[1], device=tokens.device)[None].expand_as(tokens)
-        return self(tokens, pos).logits
+        B, T = tokens.shape
+        pos = torch.arange(T, device=tokens.device)[None].expand_as(tokens)
+        return self(tokens, pos, span=Span((0,) * B, T)).logits  # positions 0..T-1 known here: nothing read back
 
     def to_draft_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         return tokens

@@ -82,8 +82,11 @@ def _build(out: Path) -> None:
 
 
 def load() -> ctypes.CDLL | None:
-    """The kernel library (built if needed), or None when unavailable (reason in :func:`unavailable_reason`)."""
+    """The kernel library (built if needed), or None when unavailable (reason in :func:`unavailable_reason`) and
+    while torch.compile traces (a ctypes call is a graph break: the traced graph takes the torch twin)."""
     global _LIB, _TRIED, _ERROR
+    if torch.compiler.is_compiling():
+        return None
     if _TRIED:
         return _LIB
     _TRIED = True

@@ -347,19 +347,19 @@ def uncompile_draft(model: TrainableDraft) -> None:
 
 
 def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg: TrainConfig,
-              parts: dict | None = None, ce_scale: float = 1.0) -> tuple[torch.Tensor, float]:
-    """The training loss of one batch and its alpha (nan when there is no teacher): teacher-forced draft logits
-    (under bf16 autocast when cfg.bf16), then MixedLoss(omega) against the teacher or HardTargetLoss (times
-    ``ce_scale``: :meth:`Trainer._update` makes a process's mean over its own valid targets a share of the mean
-    over every process's), plus cfg.hidden_weight × the hidden-state mismatch when that is on (its unweighted
-    value goes to ``parts["hidden"]`` when a dict is given)."""
+              parts: dict | None = None, ce_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The training loss of one batch and its alpha (nan when there is no teacher; a 0-dim tensor: nothing is read
+    back here): teacher-forced draft logits (under bf16 autocast when cfg.bf16), then MixedLoss(omega) against the
+    teacher or HardTargetLoss (times ``ce_scale``: :meth:`Trainer._update` makes a process's mean over its own valid
+    targets a share of the mean over every process's), plus cfg.hidden_weight × the hidden-state mismatch when that
+    is on (its unweighted value, a 0-dim tensor, goes to ``parts["hidden"]`` when a dict is given)."""
     extra = 0.0
     with autocast(bool(cfg.bf16), tb.tokens.device):
         if cfg.hidden_weight:
             q_logits, mismatch = model.train_logits(tb.tokens, tb.hidden, cfg.k, match_hidden=True)
             extra = cfg.hidden_weight * mismatch
             if parts is not None:
-                parts["hidden"] = float(mismatch.detach())
+                parts["hidden"] = mismatch.detach()
         else:
             q_logits = model.train_logits(tb.tokens, tb.hidden, cfg.k)
     kind = cfg.resolved_loss()
@@ -371,11 +371,11 @@ def step_loss(model: TrainableDraft, target: Transformer, tb: TeacherBatch, cfg:
         terms = (mixed_loss_logp(q_logits, logp, cfg.omega, kernel) if kind == "mixed"
                  else log_acceptance_loss_logp(q_logits, logp) if kind == "lk"
                  else kl_loss_logp(q_logits, logp, kernel))
-        return terms.loss + extra, terms.alpha
+        return terms.loss + extra, terms.alpha_t
     loss = hard_target_loss(q_logits[:, :-1], model.to_draft_ids(tb.tokens[:, 1:]), kernel) * ce_scale + extra
     if tb.final is None:
-        return loss, float("nan")
-    return loss, float(acceptance_alpha_logp(q_logits, logp).mean())
+        return loss, torch.full((), float("nan"), device=loss.device)
+    return loss, acceptance_alpha_logp(q_logits, logp).mean()
 
 
 def _lr_at(cfg: TrainConfig, step: int, frac: float) -> float:
@@ -726,7 +726,9 @@ class Trainer:
         loss, alpha = step_loss(self.model, self.target, tb, cfg, parts, ce_scale)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        stats = torch.tensor([loss.item(), alpha, parts.get("hidden", 0.0)], device=self.target.device)  # NCCL: CUDA
+        # the logged values in one tensor (NCCL: on the device), read back once below
+        stats = torch.stack([loss.detach().float(), alpha.float(),
+                             parts["hidden"].float() if "hidden" in parts else torch.zeros_like(alpha.float())])
         if dist is not None:  # average gradients (and the logged values) over the processes
             grads = [p.grad for p in self.params if p.grad is not None]
             flat = torch.cat([g.flatten() for g in grads])
@@ -736,12 +738,13 @@ class Trainer:
                 g.copy_(new)
             dist.all_reduce(stats)
             stats /= world
-        loss_value, alpha = float(stats[0]), float(stats[1])
-        self.hidden_mismatch = float(stats[2]) if "hidden" in parts else None
+        norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)  # a non-finite loss stops before the update
+        # the step's one host sync: the values its log line writes
+        loss_value, alpha, hidden, grad_norm = torch.cat([stats, norm.detach().float().reshape(1)]).tolist()
+        self.hidden_mismatch = hidden if "hidden" in parts else None
         if not math.isfinite(loss_value):
             self.stop(f"non-finite loss ({loss_value}) at step {state['step'] + 1} (lr {lr:.2e})",
                       "lower --lr or check the data")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip))
         if not math.isfinite(grad_norm):  # the update would write inf / NaN into the weights: stop before it
             self.stop(f"non-finite gradient norm ({grad_norm}) at step {state['step'] + 1} (loss {loss_value:.4g}, "
                       f"lr {lr:.2e})", "lower --lr or --grad-clip, or train without --bf16")

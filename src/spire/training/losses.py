@@ -29,9 +29,21 @@ from spire import kernels
 
 @dataclass
 class LossTerms:
-    loss: torch.Tensor  # scalar, differentiable
-    distill: float
-    alpha: float
+    """loss: scalar, differentiable. distill_t, alpha_t: its parts as 0-dim detached tensors on the loss's device;
+    :attr:`distill` / :attr:`alpha` read them as floats, a host sync each, so a training step reads them only where
+    it logs them."""
+
+    loss: torch.Tensor
+    distill_t: torch.Tensor
+    alpha_t: torch.Tensor
+
+    @property
+    def distill(self) -> float:
+        return float(self.distill_t)
+
+    @property
+    def alpha(self) -> float:
+        return float(self.alpha_t)
 
 
 class _MixedLoss(torch.autograd.Function):
@@ -93,7 +105,7 @@ def mixed_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor, omega
     need_grad = torch.is_grad_enabled() and draft_logits.requires_grad
     loss, distill, alpha = _MixedLoss.apply(draft_logits.float().reshape(-1, N),
                                             target_logp.detach().float().reshape(-1, N), omega, need_grad, kernel)
-    return LossTerms(loss, distill.item(), alpha.item())
+    return LossTerms(loss, distill.detach(), alpha.detach())
 
 
 def mixed_loss_logp_reference(draft_logits: torch.Tensor, target_logp: torch.Tensor, omega: float = 0.5
@@ -104,7 +116,7 @@ def mixed_loss_logp_reference(draft_logits: torch.Tensor, target_logp: torch.Ten
     distill = -(p * log_q).sum(-1).mean()
     alpha = torch.minimum(p, log_q.exp()).sum(-1).mean()
     loss = omega * distill - (1 - omega) * alpha
-    return LossTerms(loss, distill.item(), alpha.item())
+    return LossTerms(loss, distill.detach(), alpha.detach())
 
 
 class _HardTargetLoss(torch.autograd.Function):
@@ -136,14 +148,15 @@ def hard_target_loss(draft_logits: torch.Tensor, tokens: torch.Tensor, kernel: b
     rounding)."""
     z = draft_logits.float().flatten(0, -2)
     y = tokens.flatten()
-    if not bool((y >= 0).any()):
-        return z.sum() * 0.0
-    if kernel and bool((y != -100).eq(y >= 0).all()):  # only -100 is ignored, as F.cross_entropy
+    if kernel and z.device.type == "cpu" and bool((y != -100).eq(y >= 0).all()):
+        if not bool((y >= 0).any()):  # every row ignored: it contributes zero, not torch's NaN (a host read)
+            return z.sum() * 0.0
         need_grad = torch.is_grad_enabled() and z.requires_grad
         fused = kernels.cross_entropy_rows(z.detach().contiguous(), y, need_grad)
         if fused is not None:
             return _HardTargetLoss.apply(z, y, *fused)
-    return F.cross_entropy(z, y)
+    # the mean over the rows not ignored, 0 when all are (F.cross_entropy's mean would be NaN), with no read back
+    return F.cross_entropy(z, y, reduction="sum") / (y != -100).sum().clamp_min(1)
 
 
 @torch.no_grad()
@@ -166,10 +179,10 @@ def kl_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tensor, kernel: 
     logp = target_logp.detach().float()
     logp_r = logp - logp.logsumexp(-1, keepdim=True)  # p' over the N tokens
     terms = mixed_loss_logp(draft_logits, logp_r, 1.0, kernel)  # -Σ p' log q (mean over positions)
-    entropy = float(-(logp_r.exp() * logp_r).sum(-1).mean())  # H(p'), a constant
+    entropy = -(logp_r.exp() * logp_r).sum(-1).mean()  # H(p'), a constant
     kl = terms.loss - entropy
-    alpha = float(acceptance_alpha_logp(draft_logits.detach(), logp).mean())
-    return LossTerms(kl, float(kl.detach()), alpha)
+    alpha = acceptance_alpha_logp(draft_logits.detach(), logp).mean()
+    return LossTerms(kl, kl.detach(), alpha)
 
 
 LK_EPS = 1e-8
@@ -195,5 +208,5 @@ def log_acceptance_loss_logp(draft_logits: torch.Tensor, target_logp: torch.Tens
     alpha_rows = torch.minimum(p, log_q.exp()).sum(-1)
     loss = -alpha_rows.clamp_min(LK_EPS).log().mean()
     with torch.no_grad():
-        distill = float(-(p * log_q).sum(-1).mean())
-    return LossTerms(loss, distill, float(alpha_rows.detach().mean()))
+        distill = -(p * log_q).sum(-1).mean()
+    return LossTerms(loss, distill, alpha_rows.detach().mean())

@@ -39,6 +39,7 @@ from tqdm.auto import tqdm
 from spire import fastpath
 from spire.errors import ConfigError, DataError
 from spire.formats.draft_file import weights_digest
+from spire.kv_cache import Span
 from spire.model import Transformer
 from spire.paths import atomic_write, spire_cache_dir
 
@@ -112,7 +113,7 @@ def run_target(target: Transformer, tokens: torch.Tensor, layers: tuple[int, ...
     n = target.cfg.n_layers
     want = tuple(layers) + ((n,) if teacher else ())
     with autocast(bf16, tokens.device):
-        out = target(tokens, pos, hidden_layers=want)
+        out = target(tokens, pos, hidden_layers=want, span=Span((0,) * tokens.shape[0], tokens.shape[1]))
         hidden = {j: out.hidden[j].float() for j in layers}
         if not teacher:
             return TeacherBatch(tokens, hidden)
