@@ -48,11 +48,9 @@ def _valid_rows(probs: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     the one-hot of the row's largest finite logit. Any distribution is lossless to verify against as long as the
     token is drawn from it (Leviathan et al. 2023): the target accepts that token with probability p(x) and
     otherwise draws from the residual, so decoding goes on with the target's distribution, never a traceback."""
-    bad = ~torch.isfinite(probs).all(-1, keepdim=True)
-    if not bool(bad.any()):
-        return probs
+    bad = ~torch.isfinite(probs).all(-1, keepdim=True)  # selected, not branched on: nothing is read back
     best = torch.nan_to_num(logits, nan=float("-inf"), posinf=float("-inf")).argmax(-1)
-    return torch.where(bad, torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype), probs)
+    return torch.where(bad, torch.zeros_like(probs).scatter_(-1, best[..., None], 1.0), probs)  # (one_hot reads back)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
