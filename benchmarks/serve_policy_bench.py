@@ -22,47 +22,14 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _provenance import provenance, write_provenance  # noqa: E402  (benchmarks/_provenance.py)
 from serve_load import free_port, heldout_prompts  # noqa: E402
-from vllm_serve_bench import (BENCH, GUIDELLM, MODEL, ROOT, VLLM_PY, Server, newest_run, run,  # noqa: E402
-                              spire_cmd, summarize)
-
-
-def install(vllm: bool) -> None:
-    """guidellm in .venv-bench (the CPU torch first), and vLLM (`make vllm`) when a vLLM server is asked for."""
-    if vllm and subprocess.run([str(VLLM_PY), "-c", "import vllm"], capture_output=True).returncode:
-        run(["make", "vllm"], cwd=ROOT)
-    if not (BENCH / "bin" / "guidellm").exists():
-        run([sys.executable, "-m", "venv", BENCH])
-        run([BENCH / "bin" / "python", "-m", "pip", "install", "-q", "torch==2.13.0"])
-        (BENCH / "constraints.txt").write_text("torch==2.13.0\n")
-        run([BENCH / "bin" / "python", "-m", "pip", "install", "-q", f"guidellm=={GUIDELLM}", "-c",
-             BENCH / "constraints.txt"])
-
-
-def guidellm(server: Server, data: Path, tokenizer: str, c: int, n: int, temperature: float, out: Path) -> dict:
-    """One `guidellm run` at concurrency c, temperature T, over n requests: the level's numbers."""
-    scenario = {
-        "backend": {"kind": "openai_http", "target": server.base, "model": MODEL,
-                    "request_format": "/v1/completions", "stream": True, "timeout": 1800,
-                    "extras": {"body": {"temperature": temperature, "ignore_eos": True}}},
-        "profile": {"kind": "concurrent", "streams": c},
-        "data": [{"kind": "json_file", "path": str(data)}],
-        "tokenizer": {"kind": "huggingface_auto", "model": tokenizer},
-        "constraints": [{"kind": "max_requests", "count": n}],
-        "outputs": [{"kind": "json", "path": str(out)}],
-    }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    path = out.with_suffix(".scenario.json")
-    path.write_text(json.dumps({"spec": scenario}, indent=1))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    run([BENCH / "bin" / "guidellm", "run", "-c", path, "--disable-progress"], env=env)
-    return summarize(json.loads(out.read_text()))
+from vllm_serve_bench import (MODEL, VLLM_PY, Server, guidellm, install, newest_run,  # noqa: E402
+                              spire_cmd)
 
 
 def choices(before: dict, after: dict) -> dict[str, float]:
@@ -151,7 +118,8 @@ def main() -> None:
                     for c in levels:
                         n = max(a.requests, 2 * c)
                         before = raw_metrics(srv) if name.startswith("spire") else {}
-                        row = guidellm(srv, data, target, c, n, t, a.out / "guidellm" / f"{name}-r{rep}-T{t}-c{c}.json")
+                        row = guidellm(srv, data, target, c, n, a.out / "guidellm" / f"{name}-r{rep}-T{t}-c{c}.json",
+                                       {"temperature": t, "ignore_eos": True})
                         if name.startswith("spire"):
                             row["choices"] = choices(before, raw_metrics(srv))
                         results["runs"].append({"server": name, "rep": rep, "temperature": t, "concurrency": c, **row})

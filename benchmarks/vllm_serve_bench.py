@@ -55,10 +55,10 @@ def run(cmd: list[str], **kw) -> None:
     subprocess.run([str(c) for c in cmd], check=True, **kw)
 
 
-def install() -> None:
-    """vLLM (`make vllm`) and guidellm in a venv of its own (the CPU torch first, so that pip takes no CUDA
-    build)."""
-    if subprocess.run([str(VLLM_PY), "-c", "import vllm"], capture_output=True).returncode:
+def install(vllm: bool = True) -> None:
+    """vLLM (`make vllm`, when ``vllm``) and guidellm in a venv of its own (the CPU torch first, so that pip takes no
+    CUDA build)."""
+    if vllm and subprocess.run([str(VLLM_PY), "-c", "import vllm"], capture_output=True).returncode:
         run(["make", "vllm"], cwd=ROOT)
     gl = BENCH / "bin" / "guidellm"
     if not gl.exists():
@@ -149,12 +149,13 @@ def acceptance(before: dict, after: dict) -> dict:
     return {}
 
 
-def guidellm(server: Server, data: Path, tokenizer: str, c: int, n: int, out: Path) -> dict:
-    """One `guidellm run` at concurrency c over n requests; returns the level's numbers from its JSON report."""
+def guidellm(server: Server, data: Path, tokenizer: str, c: int, n: int, out: Path, body: dict | None = None) -> dict:
+    """One `guidellm run` at concurrency c over n requests; returns the level's numbers from its JSON report. body:
+    the request fields every request carries (default greedy: temperature 0)."""
     scenario = {
         "backend": {"kind": "openai_http", "target": server.base, "model": MODEL,
                     "request_format": "/v1/completions", "stream": True, "timeout": 1800,
-                    "extras": {"body": {"temperature": 0}}},
+                    "extras": {"body": body or {"temperature": 0}}},
         "profile": {"kind": "concurrent", "streams": c},
         "data": [{"kind": "json_file", "path": str(data)}],
         "tokenizer": {"kind": "huggingface_auto", "model": tokenizer},
