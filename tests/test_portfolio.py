@@ -343,3 +343,35 @@ def test_deferred_observes_leave_the_draft_as_per_round_observes():
     for a, b in zip(deferred, eager):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_a_prefill_observed_in_its_sink_and_tail_leaves_the_draft_as_a_whole_one(chunk):
+    """A SPIRe draft (sink 1 + window 8, so its ring holds 8 + k + 1 = 12 positions) is given of each prompt only
+    its sink and its last 12 positions (Draft.observe_keeps): prompts of 20-70 tokens, prefilled whole or in
+    pieces of 16, requests joining between: every draft logit of every SD round equals that of a draft observing
+    every prompt position (float32, 1e-5); greedy output is AD's."""
+    target = make_tiny(seed=6)
+
+    def rounds(trim: bool) -> list[torch.Tensor]:
+        torch.manual_seed(8)
+        draft = SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=2, sink=1, window=8))
+                           .requires_grad_(False))
+        engine = Engine(target, draft, k=3, max_running=3, max_len=160, prefill_chunk=chunk)
+        assert draft.observe_keeps == (1, 12)
+        if not trim:
+            draft.observe_keeps = None
+        seen = []
+        engine.round_hook = lambda trace: seen.append(trace.draft_logits.clone())
+        g = torch.Generator().manual_seed(9)
+        jobs = [(3 * i, torch.randint(0, 97, (20 + 10 * i,), generator=g).tolist(), RequestParams(max_tokens=12))
+                for i in range(6)]
+        res = _run(engine, jobs)
+        for j, (_, p, params) in enumerate(jobs):
+            assert res[j]["tokens"] == generate(target, [p], params.max_tokens).tokens[0]
+        return seen
+
+    trimmed, whole = rounds(True), rounds(False)
+    assert len(trimmed) == len(whole) > 10
+    for a, b in zip(trimmed, whole):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -33,6 +33,12 @@ class Draft(ABC):
     as one :meth:`observe` of those positions with ``valid`` marking the rows that ran (the engine replays them
     before the draft drafts or observes anything else). Its observe must then give the same state for T positions
     at once as for T calls of one, and never read ``target_out.logits``. 0: every observe as it happens."""
+    observe_keeps: tuple[int, int] | None = None
+    """(sink, tail), set by :meth:`start`, when an observe of many positions changes only what the row's positions
+    < sink and its last ``tail`` valid positions write (a sink + window cache that every position enters by its
+    own projection, as SPIRe's with target activations): the engine then passes a prefill to :meth:`observe` as
+    those positions alone (O(sink + tail) per row, whatever the prompt's length; the draft's state is the same).
+    None: every position."""
 
     @abstractmethod
     def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int, k: int) -> None:

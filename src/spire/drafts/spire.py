@@ -647,6 +647,11 @@ class SpireDraft(Draft):
             self._feature = torch.zeros(batch_size, k + 2, t.d_model, dtype=target.dtype, device=target.device)
             self._feature_pos = torch.full((batch_size, k + 2), -1 << 40, dtype=torch.int64, device=target.device)
         self._full = (self._cache, self._feature, self._feature_pos)
+        if isinstance(self._cache, RingKVCache) and self.model.cfg.target_activations:
+            # per position projections into the ring: only the sink and the last ring's positions stay (its write)
+            self.observe_keeps = (view.sink, self._cache.ring)
+        else:
+            self.observe_keeps = None
 
     def use_rows(self, n: int) -> bool:
         """Rows [0, n) of its cache and kept features (views)."""
