@@ -168,6 +168,29 @@ def test_metrics_show_the_measured_policy_s_choices_and_acceptance(tiny):
         assert f'spire_policy_acceptance_rate{{draft="{name}",mode="greedy",position="1"}} {round(rate, 6)}' in text
 
 
+def test_metrics_tell_a_draft_without_proposal_from_one_not_chosen_and_give_its_own_tau(tiny):
+    """The n-gram draft (n = 2) has no proposal for a prompt without a repeated pair and one for a prompt with one:
+    /metrics counts the first request-round as without proposal and not the second; spire_draft_tau is 1 + the
+    mean accepted count of the request-rounds that drafted with a draft (hand-counted rounds: 0, 2 and 3 accepted
+    give 8 / 3), while spire_tau counts AD rounds too."""
+    from spire.drafts import make_draft
+    from spire.engine.scheduler import EngineStats
+
+    for prompt, missing in (([10, 11, 12, 13, 14, 15], 1), ([5, 6, 7, 5, 6, 7, 5, 6], 0)):
+        engine = Engine(tiny, [make_draft("ngram", tiny, n_min=2, n_max=2)], k=2, max_running=1, max_len=64)
+        server = Server(engine, None, "tiny", "ngram")
+        engine.add_request(prompt, RequestParams(max_tokens=1))
+        while engine.has_work():
+            engine.step()
+        assert engine.stats.without_proposal.get("ngram", 0) == missing
+        assert f'spire_request_rounds_without_proposal_total{{draft="ngram"}} {float(missing)}' in server.metrics() \
+            or not missing
+    st = EngineStats(k=3)
+    for drafted, accepted in ((3, 0), (3, 2), (3, 3), (0, None)):
+        st.count_row("spire" if drafted else None, drafted, accepted)
+    assert st.draft_tau("spire") == pytest.approx(8 / 3) and st.draft_tau("ngram") == 0.0
+
+
 BAD = [  # (path, body, status, param)
     ("/v1/completions", b'{"model": "tiny", "prompt": ', 400, None),
     ("/v1/completions", b'{"model": "tiny", "prompt": "\xff\xfe"}', 400, None),

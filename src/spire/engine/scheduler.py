@@ -59,7 +59,10 @@ class EngineStats:
     position j (j = 1..k); rounds_by_k[i]: rounds of depth i (the most any request drafted; i = 0: AD); finished:
     requests ended, by reason. By draft (its name; "none" for a request that drafted nothing in a round):
     row_rounds_by_draft[name][i]: row-rounds in which a request drafted i tokens with it;
-    accepted_by_draft[name][i]: row-rounds in which it drafted and verification accepted i of its tokens."""
+    accepted_by_draft[name][i]: row-rounds in which it drafted and verification accepted i of its tokens;
+    without_proposal[name]: row-rounds in which it had no proposal for the request (the n-gram lookup found no
+    match; counted in rounds where some draft could draft), so that "no match" and "the policy chose not to draft"
+    are told apart."""
 
     k: int
     rounds: int = 0
@@ -72,6 +75,7 @@ class EngineStats:
     finished: dict[str, int] = field(default_factory=dict)
     row_rounds_by_draft: dict[str, list[int]] = field(default_factory=dict)
     accepted_by_draft: dict[str, list[int]] = field(default_factory=dict)
+    without_proposal: dict[str, int] = field(default_factory=dict)
 
     def count_row(self, draft: str | None, k: int, accepted: int | None) -> None:
         """One request's share of a round: it drafted k tokens with ``draft`` (None or k = 0: none) and ``accepted``
@@ -87,6 +91,13 @@ class EngineStats:
         acc, rows = self.accepted_by_draft.get(draft, []), self.row_rounds_by_draft.get(draft, [])
         reached = [sum(rows[j:]) for j in range(1, self.k + 1)] if rows else [0] * self.k
         return [sum(acc[j:]) / max(1, reached[j - 1]) for j in range(1, self.k + 1)]
+
+    def draft_tau(self, draft: str) -> float:
+        """Tokens per row-round (bonus included, before a request's budget or stop cuts them) over the row-rounds
+        that drafted with ``draft``: 1 + their mean accepted count (0 where none did)."""
+        acc = self.accepted_by_draft.get(draft, [])
+        n = sum(acc)
+        return sum((i + 1) * c for i, c in enumerate(acc)) / n if n else 0.0
 
     def __post_init__(self) -> None:
         self.accepted = self.accepted or [0] * (self.k + 1)
@@ -372,6 +383,9 @@ class Scheduler:
         every request drafts ``plan.k`` with the first draft that proposes for it (the last one where none does).
         Returns the choice (also set on the plan)."""
         n, cap = len(plan.running), plan.k
+        for name, p in zip(self.draft_names, proposes):
+            if p is not None:
+                self.stats.without_proposal[name] = self.stats.without_proposal.get(name, 0) + p.count(False)
         if not cap or not n:
             choice = RoundChoice.uniform(n, 0)
         elif self.k_policy is not None and hasattr(self.k_policy, "choose"):

@@ -43,7 +43,9 @@ class EngineCollector:
                       samples=[((draft,), st.row_rounds)])
         yield counter("spire_accepted_tokens_total", "Draft tokens accepted by verification.", labels=("draft",),
                       samples=[((draft,), sum(i * c for i, c in enumerate(st.accepted)))])
-        yield gauge("spire_tau", "Tokens per round per request, bonus included (tau).", labels=("draft",),
+        yield gauge("spire_tau", "Tokens per round per request, bonus included (tau), over every request-round "
+                    "(AD rounds included; spire_draft_tau: per draft, over the rounds that drafted with it).",
+                    labels=("draft",),
                     samples=[((draft,), round(st.tau, 6))])
         yield gauge("spire_acceptance_rate", "Share of request-rounds that accepted draft token j (by position).",
                     labels=("draft", "position"),
@@ -60,6 +62,12 @@ class EngineCollector:
                         "drafted token j with it that accepted it (by position).", labels=("draft", "position"),
                         samples=[((name, str(j + 1)), round(a, 6)) for name in sorted(st.accepted_by_draft)
                                  for j, a in enumerate(st.draft_acceptance(name))])
+            yield gauge("spire_draft_tau", "Per draft of the portfolio: tokens per request-round, bonus included, over "
+                        "the request-rounds that drafted with it.", labels=("draft",),
+                        samples=[((name,), round(st.draft_tau(name), 6)) for name in sorted(st.accepted_by_draft)])
+            yield counter("spire_request_rounds_without_proposal_total", "Per draft: request-rounds in which it had no "
+                          "proposal for the request (the n-gram lookup found no match), in rounds that could draft.",
+                          labels=("draft",), samples=[((name,), c) for name, c in sorted(st.without_proposal.items())])
         acceptance = getattr(policy, "acceptance", None)
         if acceptance is not None:
             names = getattr(policy, "names", [])
