@@ -375,3 +375,47 @@ def test_a_prefill_observed_in_its_sink_and_tail_leaves_the_draft_as_a_whole_one
     assert len(trimmed) == len(whole) > 10
     for a, b in zip(trimmed, whole):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+class CountsObserves(SpireDraft):
+    """A SPIRe draft that records the positions per row of each observe call (T of its (B, T) tokens)."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls = []
+
+    def observe(self, tokens, pos, target_out, valid=None, span=None):
+        self.calls.append(tokens.shape[1])
+        super().observe(tokens, pos, target_out, valid=valid, span=span)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 20])
+def test_a_sink_window_draft_catches_up_in_its_window_whatever_the_gap(prompt_len):
+    """A SPIRe draft (sink 1 + window 8, k 3: a ring of 12) serves 60 AD rounds, then drafts: it observes nothing
+    during the AD rounds and catches up in one observe of at most 12 positions per row (O(window), whatever the
+    gap; a 1-token prompt's rounds in the sink are taken too), and every draft logit of its SD rounds equals that
+    of a draft that observed each AD round as it happened (float32, 1e-5)."""
+    target = make_tiny(seed=4)
+
+    def rounds(defer: bool):
+        torch.manual_seed(3)
+        draft = CountsObserves(SpireDraftModel(target, SpireConfig(n_draft_layers=2, sink=1, window=8))
+                               .requires_grad_(False))
+        if not defer:
+            draft.defer_observe = 0
+        engine = Engine(target, draft, k=3, max_running=2, max_len=160, k_policy=Phases({0: 60}))
+        seen = []
+        engine.round_hook = lambda trace: seen.append((trace.draft_logits.clone(), len(draft.calls)))
+        prompt = _prompts(4, seed=2)[0] * prompt_len
+        (res,) = _run(engine, [(0, prompt, RequestParams(max_tokens=75))]).values()
+        assert res["tokens"] == generate(target, [prompt], 75).tokens[0]
+        return seen, draft.calls
+
+    (lazy, calls), (eager, eager_calls) = rounds(True), rounds(False)
+    assert len(lazy) == len(eager) >= 4
+    for (a, _), (b, _) in zip(lazy, eager):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # observe calls before the first SD round: the 20-token prompt's prefill as its sink + last 12 positions, or,
+    # for the 1-token prompt, its first 13 AD rounds at once (the first at position 0, in the sink); then the
+    # catch-up of the last 12 AD rounds
+    assert len(eager_calls) > 60 and calls[: lazy[0][1]] == [13, 12]

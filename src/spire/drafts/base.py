@@ -37,8 +37,9 @@ class Draft(ABC):
     """(sink, tail), set by :meth:`start`, when an observe of many positions changes only what the row's positions
     < sink and its last ``tail`` valid positions write (a sink + window cache that every position enters by its
     own projection, as SPIRe's with target activations): the engine then passes a prefill to :meth:`observe` as
-    those positions alone (O(sink + tail) per row, whatever the prompt's length; the draft's state is the same).
-    None: every position."""
+    those positions alone (O(sink + tail) per row, whatever the prompt's length; the draft's state is the same),
+    and of a run of AD rounds keeps only the last ``tail`` for it (with ``defer_observe``: a catch-up of O(tail)
+    positions when it is next used, whatever the gap; :mod:`spire.engine.deferred`). None: every position."""
 
     @abstractmethod
     def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int, k: int) -> None:

@@ -6,6 +6,12 @@ batches (:attr:`spire.drafts.base.Draft.defer_observe`): a run of AD rounds, whe
 then costs it one observe call per ``defer_observe`` rounds instead of one per round, and a draft that takes over
 after them finds the state per-round observes would have left (tests/test_portfolio.py checks it to 1e-5). The
 runner keeps the commits here and replays them before the draft drafts, observes anything else, or its rows change.
+
+A draft whose observe keeps only a sink and a tail (:attr:`~spire.drafts.base.Draft.observe_keeps`: a sink +
+window cache) catches up lazily: only its last ``tail`` AD rounds are kept (an older one, whose positions the tail's
+overwrite in its ring, is dropped once every running row is past the sink) and nothing is replayed until it is next
+used, so an AD phase of any length costs it the copies of the rounds' hidden states, and its catch-up one observe of
+at most ``tail`` positions per row: O(window), whatever the gap.
 """
 
 from __future__ import annotations
@@ -23,8 +29,9 @@ def _no_logits() -> torch.Tensor:
 
 
 class DeferredObserves:
-    """Per draft that defers (``defer_observe`` > 0), the AD rounds' (tokens, pos, valid, hidden) it has not yet
-    observed: tokens, pos (S, 1), valid (S, 1) bool (the running requests' rows), hidden {layer: (S, 1, d)}."""
+    """Per draft that defers (``defer_observe`` > 0), the AD rounds' (tokens, pos, valid, hidden, first) it has not
+    yet observed: tokens, pos (S, 1), valid (S, 1) bool (the running requests' rows), hidden {layer: (S, 1, d)},
+    first: the least position of a running row (a host int, or None)."""
 
     def __init__(self, drafts: Sequence[Draft]) -> None:
         self.drafts = list(drafts)
@@ -35,14 +42,25 @@ class DeferredObserves:
         return d in self.logs
 
     def keep(self, d: int, slots: Sequence[int], pending: torch.Tensor, pos0: torch.Tensor,
-             out: ForwardOutput) -> None:
+             out: ForwardOutput, first: int | None = None) -> None:
         """An AD round's commit for draft d (pending, pos0 (S,); ``slots``: the running requests' rows, the others
-        dummies or still prefilling); replayed once ``defer_observe`` rounds are kept."""
+        dummies or still prefilling; ``first``: the least of their positions, on the host, when the caller knows
+        it). Replayed once ``defer_observe`` rounds are kept; for a draft with ``observe_keeps`` (sink, tail) only
+        the last ``tail`` are kept (an older round is dropped when ``first`` was past the sink, else all are
+        replayed) and replayed when the draft is next used."""
         valid = torch.zeros(len(pending), 1, dtype=torch.bool)
         valid[list(slots)] = True
-        hidden = {j: out.hidden[j].clone() for j in self.drafts[d].hidden_layers}
-        self.logs[d].append((pending[:, None], pos0[:, None], valid.to(pending.device), hidden))
-        if len(self.logs[d]) >= self.drafts[d].defer_observe:
+        draft, log = self.drafts[d], self.logs[d]
+        hidden = {j: out.hidden[j].clone() for j in draft.hidden_layers}
+        log.append((pending[:, None], pos0[:, None], valid.to(pending.device), hidden, first))
+        if draft.observe_keeps is None:
+            if len(log) >= draft.defer_observe:
+                self.replay(d)
+            return
+        sink, tail = draft.observe_keeps
+        while len(log) > tail and log[0][4] is not None and log[0][4] >= sink:
+            log.pop(0)  # each of its rows' positions is one the last tail rounds overwrite in the ring
+        if len(log) > tail:  # a round with a row in the sink (or positions unknown): keep nothing back
             self.replay(d)
 
     def forget_rows(self, slots: torch.Tensor) -> None:

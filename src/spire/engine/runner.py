@@ -313,7 +313,8 @@ class Runner:
             next_tok, _, rows = _choose(out.logits[:, -1], special, [], 0)  # (S,)
             for d, draft in enumerate(self.drafts):  # each draft sees the committed token: SD can resume next round
                 if d in self.deferred:
-                    self.deferred.keep(d, [r.slot for r in running], pending, pos0, out)
+                    self.deferred.keep(d, [r.slot for r in running], pending, pos0, out,
+                                       min((r.committed - 1 for r in running), default=None))
                 else:
                     draft.observe(pending[:, None], pos0[:, None], out)
             return torch.zeros_like(next_tok), next_tok, next_tok[:, None], _logprobs(special, rows)
