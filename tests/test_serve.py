@@ -812,3 +812,36 @@ def test_guidellm_s_request_bodies_are_served(parts, running):
         assert all("usage" in e for e in events)
         done = [e["usage"]["completion_tokens"] for e in events]
         assert done == sorted(done) and done[-1] == 12 and events[-1]["choices"] == []
+
+
+def test_a_served_spire_draft_runs_in_int8_by_default_on_the_cpu_and_greedy_output_stays_ad_s(tiny):
+    """`spire serve`'s draft weights: a SPIRe draft's own float32 weights are rounded to group-wise int8 by default
+    on a CPU with spire's kernels (each linear weight then equals its int8 round trip), --draft-weights wins, bf16
+    target weights leave it at bf16, and a draft without weights (n-gram) has no format. Greedy output with the
+    int8 draft equals AD's, token for token."""
+    from spire import kernels
+    from spire.commands.serve import served_draft_weights
+    from spire.commands.generate import round_weights
+    from spire.drafts.spire import SpireConfig, SpireDraft, SpireDraftModel
+
+    torch.manual_seed(1)
+    d = SpireDraft(SpireDraftModel(tiny, SpireConfig(n_draft_layers=2, window=4)).requires_grad_(False))
+    default = "int8" if kernels.available() else "fp32"
+    assert served_draft_weights("spire", d, tiny, "fp32", None) == default
+    assert served_draft_weights("spire", d, tiny, "fp32", "bf16") == "bf16"
+    assert served_draft_weights("spire", d, tiny, "bf16", None) == "bf16"
+    assert served_draft_weights("ngram", make_draft("ngram", tiny), tiny, "fp32", None) is None
+    if default != "int8":
+        pytest.skip("spire's kernels are not built here: the default stays float32")
+    linears = [m for m in d.model.modules() if isinstance(m, torch.nn.Linear)]
+    before = [m.weight.clone() for m in linears]
+    target_before = {n: p.clone() for n, p in tiny.named_parameters()}
+    round_weights(tiny, d, "spire", "fp32", "int8")
+    assert linears and any(not torch.equal(b, m.weight) for b, m in zip(before, linears))  # rounded in place
+    for m in linears:
+        assert torch.equal(m.weight, kernels.dequantize_int8(*kernels.quantize_int8(m.weight)))
+    assert all(torch.equal(p, target_before[n]) for n, p in tiny.named_parameters())  # the target's own stay
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [3, 1, 4, 1, 5]]
+    ad = generate(tiny, prompts, 24)
+    sd = generate(tiny, prompts, 24, draft=d, k=3)
+    assert sd.tokens == ad.tokens

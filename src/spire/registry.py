@@ -87,7 +87,10 @@ class Kind:
     default is found, e.g. the newest trained SPIRe draft) or "required". trains: `spire train --draft NAME`
     trains it. paper_tau: τ the paper measured (L = 512, k = 4), None for kinds the paper did not measure. options:
     the kind's typed options (:class:`DraftOption`), flags of every command that builds drafts. check: a check of
-    the options given together (their values by name -> a problem, or None), run after each option's own."""
+    the options given together (their values by name -> a problem, or None), run after each option's own.
+    served_int8: `spire serve` rounds the draft's own weights to group-wise int8 by default on a CPU with spire's
+    kernels (its decode matmuls then stream a quarter of float32's bytes; lossless, τ within 0.02: docs/bench.md,
+    "An int8 draft")."""
 
     name: str
     module: str
@@ -98,20 +101,21 @@ class Kind:
     paper_tau: float | None = None
     options: tuple[DraftOption, ...] = ()
     check: Callable[[dict], str | None] | None = None
+    served_int8: bool = False
 
 
 KINDS: tuple[Kind, ...] = (
     Kind("none", "spire.drafts.none", "autoregressive decoding, no draft", "none", False, None),
     Kind("vanilla", "spire.drafts.vanilla", "a small model with the target's tokenizer (HF folder, .gguf or a "
          "`spire train --draft vanilla` run)", "required", True,
-         Pricing(kv="full", layers=1 / 8, own_embeddings=True), 2.647),
+         Pricing(kv="full", layers=1 / 8, own_embeddings=True), 2.647, served_int8=True),
     Kind("magicdec", "spire.drafts.magicdec", "the target over a sink + window view of its own cache (MagicDec)",
          "none", False, Pricing(weights="target", kv="window", training_cost=0.0), 3.891,
          (DraftOption("sink", int, "attention-sink tokens kept", defaults.SINK, _at_least(0), "--sink"),
           DraftOption("window", int, "window tokens", defaults.WINDOW, _at_least(1), "--window"))),
     Kind("spire", "spire.drafts.spire", "SPIRe: pruned, sliding-window, feedback memory over the target's "
          "activations (default: the newest trained in the cache)", "optional", True,
-         Pricing(kv="window", layers=1 / 4, memory_projection=True, training_cost=0.25), 3.401),
+         Pricing(kv="window", layers=1 / 4, memory_projection=True, training_cost=0.25), 3.401, served_int8=True),
     Kind("eagle3", "spire.drafts.eagle3", "EAGLE-3: one layer over three fused target hidden states (a `spire "
          "train --draft eagle3` run or a speculators folder)", "required", True,
          Pricing(kv="full", layers=1, fused_inputs=3)),

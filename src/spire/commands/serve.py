@@ -98,27 +98,54 @@ def parse_drafts(draft: Optional[str], draft_path: Optional[str]) -> list[tuple[
 
 
 def load_drafts(model, tokenizer, portfolio: list[tuple[str, Optional[str]]], draft_path: Optional[str],
-                draft_options: dict, weights: str, draft_weights: Optional[str]) -> tuple[list, str, str]:
+                draft_options: dict, weights: str, draft_weights: Optional[str]) -> tuple[list, str, str, list]:
     """The drafts to serve (:func:`parse_drafts`' portfolio; empty: the newest trained SPIRe draft in the cache,
-    else MagicDec), each with its options and weight format. Returns (drafts, their kinds joined by commas, why)."""
+    else MagicDec), each with its options and weight format (:func:`served_draft_weights`). Returns (drafts, their
+    kinds joined by commas, why, each draft's weight format: "fp32", "bf16", "int8" or None for a draft without
+    weights of its own)."""
     from spire.commands.generate import round_weights
     from spire.drafts import make_draft
 
     picked = None if portfolio else pick_draft(None, draft_path, model)
     chosen = portfolio or [picked[:2]]
-    drafts = []
+    drafts, formats = [], []
     for kind, path in chosen:
         # the options noted before loading when --draft was given; a picked draft's get their note here
         options = (registry.check_options(kind, draft_options.get(kind, {})) if portfolio
                    else draft_options_for(kind, draft_options))
         d = make_draft(kind, model, tokenizer, path, **options)
-        round_weights(model, d, kind, weights, draft_weights if d is not None else None)
+        fmt = served_draft_weights(kind, d, model, weights, draft_weights) if d is not None else None
+        round_weights(model, d, kind, weights, fmt if draft_weights is not None or fmt == "int8" else None)
         if d is not None:
             drafts.append(d)
-    return drafts, ",".join(kind for kind, _ in chosen), "as asked" if portfolio else picked[2]
+            formats.append(fmt)
+    return drafts, ",".join(kind for kind, _ in chosen), "as asked" if portfolio else picked[2], formats
 
 
-def profile_identity(engine, target: str, weights: str, draft_weights: Optional[str]) -> dict:
+def served_draft_weights(kind: str, d, model, weights: str, draft_weights: Optional[str]) -> Optional[str]:
+    """The weight format a served draft runs in: ``draft_weights`` when given; otherwise group-wise int8 for a kind
+    whose registry line says so (``served_int8``: SPIRe, vanilla) when its own weights are float32 on the CPU, the
+    target's are float32 and spire's kernels are built (its decode matmuls then stream a quarter of float32's
+    bytes, which makes a draft step of a few rows about 2x cheaper: docs/bench.md, "An int8 draft"); else
+    ``weights``. None for a draft without weights of its own (n-gram, MagicDec). The output stays the target's
+    whatever the draft's format; only τ can move (by less than 0.02 there)."""
+    import torch
+
+    from spire import kernels
+
+    own = getattr(d, "model", None)
+    if own is None:
+        return None
+    if draft_weights is not None:
+        return draft_weights
+    p = next(own.parameters(), None)
+    if (registry.kind(kind).served_int8 and weights in ("fp32", "float32") and p is not None
+            and p.device.type == "cpu" and p.dtype == torch.float32 and kernels.available()):
+        return "int8"
+    return weights
+
+
+def profile_identity(engine, target: str, weights: str, draft_weights) -> dict:
     """What a round-cost profile depends on: this machine (CPU model, threads, torch), the target's shape and dtype,
     each draft's kind and cost shape, the weight formats and the engine's slots, positions and k."""
     import platform
@@ -148,7 +175,7 @@ def profile_identity(engine, target: str, weights: str, draft_weights: Optional[
             "max_len": engine.max_len, "k": engine.k, "version": 2}
 
 
-def measured_policy(engine, target: str, weights: str, draft_weights: Optional[str], alpha_prior: float = 0.6):
+def measured_policy(engine, target: str, weights: str, draft_weights, alpha_prior: float = 0.6):
     """The --k-policy measured policy of ``engine``: round costs from a profile of this machine, target and drafts
     (timed once, then read from the cache: ``$SPIRE_CACHE/profiles/``), acceptance measured as rounds run from a
     prior of ``alpha_prior`` per position."""
@@ -244,7 +271,8 @@ def serve(
     weights: Annotated[str, typer.Option(help="fp32, or bf16: weight-only bf16 on the CPU (as spire generate).")]
     = "fp32",
     draft_weights: Annotated[Optional[str], typer.Option(help=(
-        "A trained draft's own weights: fp32, bf16 or int8 (default: as --weights); the output stays the target's."))]
+        "A trained draft's own weights: fp32, bf16 or int8; the output stays the target's [SPIRe, vanilla on a CPU "
+        "with fp32 --weights: int8 (a draft step about 2x cheaper, docs/bench.md); else as --weights]."))]
     = None,
     log_level: Annotated[str, typer.Option(help=f"uvicorn's log level: {', '.join(LOG_LEVELS)}.")] = "warning",
     shutdown_grace: Annotated[float, typer.Option(help=(
@@ -288,25 +316,27 @@ def serve(
         if max_len > model.cfg.max_positions:
             typer.echo(f"warning: --max-len {max_len} is more than the target's {model.cfg.max_positions} positions; "
                        f"using {model.cfg.max_positions}", err=True)
-        drafts, kind, why = load_drafts(model, tokenizer, portfolio, draft_path, draft_options, weights,
-                                        draft_weights)
+        drafts, kind, why, formats = load_drafts(model, tokenizer, portfolio, draft_path, draft_options, weights,
+                                                 draft_weights)
         policy = None
         if k_policy == "cost-model" and drafts:
-            policy = cost_model_policy(model, drafts[0], k, weights, draft_weights)
+            policy = cost_model_policy(model, drafts[0], k, weights, formats[0])
         eos = set(model.cfg.eos_ids) | ({tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set())
         engine = Engine(model, drafts or None, k=k, max_running=max_running,
                         max_len=min(max_len, model.cfg.max_positions), eos_ids=sorted(eos),
                         decode=tokenizer.decode, k_policy=policy, prefill_chunk=prefill_chunk or None)
         if k_policy == "measured" and drafts:
-            engine.scheduler.k_policy = policy = measured_policy(engine, target, weights, draft_weights)
-        return engine, tokenizer, kind, why, policy
+            engine.scheduler.k_policy = policy = measured_policy(engine, target, weights, formats)
+        return engine, tokenizer, kind, why, policy, formats
 
     runner = torch_thread()  # every torch call of the server on one thread (api.torch_thread says why)
-    engine, tokenizer, kind, why, policy = runner.submit(build).result()
+    engine, tokenizer, kind, why, policy, formats = runner.submit(build).result()
     server = Server(engine, tokenizer, target, kind, max_waiting=max_waiting, api_key=api_key, runner=runner,
                     max_request_bytes=max_request_bytes)
     how = {"measured": " at most, per request by measured costs and acceptance",
            "cost-model": " chosen per round by the cost model"}.get(k_policy, "") if policy else ""
+    own = ", ".join(f"{d.name} {f}" for d, f in zip(engine.drafts, formats) if f)
+    why = f"{why}; weights {own}" if own else why
     typer.echo(f"spire serve: target {target}, draft {kind} ({why}), k {engine.k}{how}, {max_running} slots x "
                f"{engine.max_len} positions, at most {max_waiting} waiting, prefill "
                f"{f'in chunks of {prefill_chunk} tokens' if prefill_chunk else 'whole'}; http://{host}:{port}/v1",
