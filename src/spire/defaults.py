@@ -2,7 +2,7 @@
 
 No torch here: :mod:`spire.cli` reads these at startup (for its options and their help) without importing the
 library. Dataclasses of the library (:class:`spire.kv_cache.SinkWindow`, :class:`spire.drafts.spire.SpireConfig`,
-:class:`spire.training.distill.TrainConfig`, ...) take their defaults from here.
+:class:`spire.training.config.TrainConfig`, ...) take their defaults from here.
 """
 
 SINK = 1
@@ -14,7 +14,7 @@ K = 4
 N_DRAFT_LAYERS = 8
 """Blocks of a SPIRe draft pruned from the target (8 of SmolLM2's 30, about 1/4 of its body)."""
 
-# One training run (spire.training.distill.TrainConfig).
+# One training run (spire.training.config.TrainConfig).
 TRAIN_BUDGET_S = 1200.0
 BATCH_SIZE = 4
 SEQ_LEN = 256

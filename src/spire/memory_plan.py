@@ -214,7 +214,7 @@ def _trainable_draft_on_meta(target: Transformer, train_cfg):
 
 
 def train_planner(cfg: ModelConfig, train_cfg) -> Callable[[int], MemoryPlan]:
-    """The plan of `spire train` for ``train_cfg`` (a :class:`spire.training.distill.TrainConfig`) as a function of
+    """The plan of `spire train` for ``train_cfg`` (a :class:`spire.training.config.TrainConfig`) as a function of
     the batch (rows per step) on a target of config ``cfg`` (float32 weights, frozen). The draft is built once,
     over the target on the meta device, to count its parameters (trainable ones get a gradient and AdamW's two
     moments)."""

@@ -18,5 +18,5 @@ PAPER_TAU_TABLE = {
 PAPER_ABLATION_TAU = {"none": 3.401, "no-feedback": 3.352, "no-feedback-no-target": 2.959, "omega1": 3.375,
                       "hard-loss": 3.069, "random-init": 3.105}
 """τ of the paper's ablated SPIRe drafts (Figure 5, L = 512, k = 4), keyed by the trainer's ablation names
-(``training.distill.ABLATIONS``; "none" is the full SPIRe draft). All keep the sparse KV cache; the paper gives no
+(``training.config.ABLATIONS``; "none" is the full SPIRe draft). All keep the sparse KV cache; the paper gives no
 τ for "full-kv" (its cost is computed analytically, ``throughput.analysis.ablation_rows``)."""

@@ -29,7 +29,10 @@ from spire.loading import load_target
 from spire.paths import atomic_write, spire_cache_dir
 from spire.provenance import provenance
 from spire.sampling import SamplingParams
-from spire.training.distill import ABLATIONS, LOG_FILE, TrainConfig, read_log, ablation_config, fast_bf16, needs_teacher
+from spire.training.checkpoint import read_log
+from spire.training.config import ABLATIONS, LOG_FILE, TrainConfig, ablation_config
+from spire.training.evaluate import needs_teacher
+from spire.training.step import fast_bf16
 from spire.training.sources import TargetCache
 from spire.training.parallel import train_in_processes
 
@@ -55,7 +58,7 @@ class ReproduceConfig:
     a fast or a busy machine); None: train for budget_s seconds instead (``spire reproduce --budget`` alone).
     vanilla_budget_s: the vanilla baseline's seconds (None: :data:`VANILLA_BUDGET_S` when SPIRe trains by time, no
     limit when it trains by steps); ablations: names of
-    :data:`spire.training.distill.ABLATIONS` to train (each for ablation_budget_s) and measure ("none" is the full
+    :data:`spire.training.config.ABLATIONS` to train (each for ablation_budget_s) and measure ("none" is the full
     method at the ablation budget: the fair reference). vanilla_steps / ablation_steps: train for that
     many optimizer steps instead of seconds. n_contexts:
     held-out contexts per τ at L; tau_Ls / tau_L_contexts: the τ-vs-L sweep (greedy, every draft).

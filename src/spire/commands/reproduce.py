@@ -37,7 +37,7 @@ def overrides(options: dict, ablations: str | None, tau_L: str | None, tau_k: st
     (--ablations NAME,...|all, --tau-L,
     --tau-k with 0 for none, --draft-vocab with 0 for the whole vocabulary, --target-cache with none for the
     live target). Raises ConfigError for a malformed value."""
-    from spire.training.distill import ABLATIONS
+    from spire.training.config import ABLATIONS
 
     out = {FIELDS.get(name, name): value for name, value in options.items() if value is not None}
     if "budget_s" in out and "steps" not in out:  # --budget alone: SPIRe, and EAGLE-3, train by time

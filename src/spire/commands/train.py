@@ -1,7 +1,7 @@
 """`spire train`: load the target and the text, build the run's :class:`TrainConfig`, train, summarise.
 
 Works the same in one process and under ``torchrun --nproc_per_node N`` (data parallel; see
-:mod:`spire.training.distill`).
+:mod:`spire.training.trainer`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from spire.data import document_separator_id, prepare_data, prepare_text_files
 from spire.errors import CheckpointError, ConfigError
 from spire.loading import load_target
 from spire.paths import atomic_write, check_output_path
-from spire.training.distill import (ABLATIONS, RESUME_SETTINGS, TrainConfig, ablation_config, init_distributed,
-                                    init_draft_settings, init_weights_file, load_state, refuse_existing_run,
-                                    train_draft)
+from spire.training.checkpoint import RESUME_SETTINGS, load_state, refuse_existing_run
+from spire.training.config import ABLATIONS, TrainConfig, ablation_config, init_draft_settings, init_weights_file
+from spire.training.ranks import init_distributed
+from spire.training.trainer import train_draft
 from spire.training.runfolder import RunLock, check_fresh_folder
 
 COMMAND_DEFAULTS = {"eval_every": defaults.EVAL_EVERY}
@@ -37,7 +38,7 @@ class TrainRunArgs:
     text files / folders. ``draft_overrides``: the draft config fields given explicitly, by kind
     ({"spire": {"window": 32}}; they win over --ablation; those of another kind than ``draft`` are refused).
     ``train_overrides``: TrainConfig fields given explicitly (:data:`COMMAND_DEFAULTS` fill the others first).
-    With ``resume`` only the :data:`spire.training.distill.RESUME_SETTINGS` of ``train_overrides`` apply."""
+    With ``resume`` only the :data:`spire.training.checkpoint.RESUME_SETTINGS` of ``train_overrides`` apply."""
 
     draft: str = "spire"
     target: str = "smollm2-135m"
@@ -183,7 +184,7 @@ def _plain(v):
 
 def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None, log=print) -> TrainConfig:
     """The TrainConfig of the run saved in ``out`` (:meth:`TrainConfig.from_dict`: run folders of every spire
-    version), with new limits (:data:`spire.training.distill.RESUME_SETTINGS`) applied. Raises CheckpointError when
+    version), with new limits (:data:`spire.training.checkpoint.RESUME_SETTINGS`) applied. Raises CheckpointError when
     there is nothing to resume, ConfigError when ``args`` give settings other than the limits that differ from the
     saved run's (a resume keeps its settings). How new limits change the run goes to ``log``, a line each
     (:func:`resume_notes`); a run that ended at its time budget and is given more steps (--max-steps without

@@ -89,7 +89,7 @@ class Draft(ABC):
 
 @runtime_checkable
 class TrainableDraft(Protocol):
-    """What the trainer (:mod:`spire.training.distill`) asks of a draft model, so that it never asks which class
+    """What the trainer (:mod:`spire.training.trainer`) asks of a draft model, so that it never asks which class
     it has. Implemented by :class:`spire.drafts.spire.SpireDraftModel` and
     :class:`spire.drafts.vanilla.VanillaDraftModel`; the trainer finds the class by ``TrainConfig.draft``
     (its kind's ``KIND.model`` in :mod:`spire.registry`).
