@@ -31,6 +31,7 @@ from spire.evaluation.tau import measure_tau
 from spire.loading import load_target
 from spire.sampling import SamplingParams
 from spire.training import distill
+from spire.training import step as train_step  # the training step (its loss: mixed_loss_logp)
 from spire.timing import Stopwatch
 from spire.training.distill import TrainConfig, train_draft
 from spire.training.losses import mixed_loss_logp_reference
@@ -114,11 +115,11 @@ def lever_rates(target, data, folder, steps: int, vocab_size: int, cache_dtype: 
         opt = distill.make_optimizer(params, cfg) if fused else torch.optim.AdamW(
             params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         runs[name] = (cfg, model, src, opt, fused, [], [])
-    fused_loss, before = distill.mixed_loss_logp, backend.of(target)
+    fused_loss, before = train_step.mixed_loss_logp, backend.of(target)
     try:
         _time_steps(runs, target, steps, fused_loss)
     finally:  # the trainer's loss and the target's backend back as they were, whatever happened
-        distill.mixed_loss_logp = fused_loss
+        train_step.mixed_loss_logp = fused_loss
         backend.use(target, before)
     rows = []
     for name, (cfg, _, _, _, _, wall, cpu) in runs.items():
@@ -139,7 +140,7 @@ def _time_steps(runs: dict, target, steps: int, fused_loss) -> None:
     new = backend.of(target)
     for s in range(steps + 1):
         for name, (cfg, model, src, opt, fused, wall, cpu) in runs.items():
-            distill.mixed_loss_logp = fused_loss if fused else old_mixed_loss
+            train_step.mixed_loss_logp = fused_loss if fused else old_mixed_loss
             for m in (target, model):  # the old path: dense k-pass layout, SDPA, frozen weights cast anew
                 backend.use(m, new if fused else OLD_PATH)
             watch = Stopwatch(target.device)
@@ -179,15 +180,15 @@ def whole_machine_rates(target, data, folder, steps: int, vocab_size: int, cache
                                   target_cache=dtype, draft_config=SpireConfig(vocab_size=n, **spire_cfg))
                 old = dtype is None
                 out = Path(tmp) / f"{rep}-{'old' if old else 'new'}"  # one folder per run (procs may be 1 for both)
-                fused_loss, before = distill.mixed_loss_logp, backend.of(target)
+                fused_loss, before = train_step.mixed_loss_logp, backend.of(target)
                 if old:  # one process: it runs here, so the old implementations can be put in place
-                    distill.mixed_loss_logp = old_mixed_loss
+                    train_step.mixed_loss_logp = old_mixed_loss
                     backend.use(target, before.replace(fused_adamw=False))
                 try:
                     train_in_processes(target, data, out, cfg, procs, 1 if procs > 1 else torch.get_num_threads(),
                                        target_folder=folder, progress=False, log=None)
                 finally:
-                    distill.mixed_loss_logp = fused_loss
+                    train_step.mixed_loss_logp = fused_loss
                     backend.use(target, before)
                 log = [json.loads(ln) for ln in (out / distill.LOG_FILE).read_text().splitlines() if ln.strip()]
                 rates[name].append(statistics.median(r["tokens_per_s"] for r in log

@@ -91,3 +91,26 @@ def free_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+TRAINING_MODULES = ("config", "step", "checkpoint", "ranks", "evaluate", "trainer")
+"""The modules of spire.training that the trainer's code is split into (spire.training.distill re-exports them)."""
+
+
+def set_in_training(name: str, value, monkeypatch=None) -> None:
+    """Bind ``name`` to ``value`` in every trainer module (:data:`TRAINING_MODULES`) that binds the same object as
+    ``spire.training.distill`` does, and in distill itself: a stand-in (a clock, a poisoned loss) reaches every
+    place the trainer uses the name. With ``monkeypatch`` the change is undone after the test."""
+    import importlib
+
+    from spire.training import distill
+
+    old = getattr(distill, name)
+    mods = [importlib.import_module(f"spire.training.{m}") for m in TRAINING_MODULES]
+    targets = [m for m in mods if vars(m).get(name) is old] + [distill]
+    assert len(targets) > 1, f"no trainer module uses {name!r}"
+    for m in targets:
+        if monkeypatch is not None:
+            monkeypatch.setattr(m, name, value)
+        else:
+            setattr(m, name, value)

@@ -12,7 +12,7 @@ import torch
 
 from spire.cli import main
 from spire.training import distill
-from tests.helpers import run_cli as run
+from tests.helpers import run_cli as run, set_in_training
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "vocab.json", "merges.txt")
@@ -92,11 +92,11 @@ def trained(tiny_folder, text_file, tmp_path_factory):
                 raise KeyboardInterrupt
             return real(*a, **kw)
 
-        mp.setattr(distill, "mixed_loss_logp", interrupted)
+        set_in_training("mixed_loss_logp", interrupted, mp)
         with pytest.raises(SystemExit) as stopped:  # Ctrl-C in step 3: the CLI exits with 130
             main(_train_args(tiny_folder, text_file, root / "resumed"))
         assert stopped.value.code == 130
-        mp.setattr(distill, "mixed_loss_logp", real)
+        set_in_training("mixed_loss_logp", real, mp)
         results["after_interrupt"] = json.loads((root / "resumed" / "checkpoint" / "train_state.json").read_text())
         _main(["train", "--resume", "--target", str(tiny_folder), "--data", str(text_file), "--out",
               str(root / "resumed"), "--device", "cpu"])  # the run's own settings, evaluation windows included

@@ -21,6 +21,7 @@ import torch
 
 from spire.errors import CheckpointError, ConfigError, TrainingError
 from spire.training import distill
+from tests.helpers import set_in_training
 from spire.training.distill import load_state, train_draft
 from tests.conftest import make_tiny
 from tests.train_worker import RepeatingData, config
@@ -94,7 +95,7 @@ def test_a_non_finite_gradient_norm_stops_before_the_update(tmp_path, tiny, monk
         calls["n"] += 1
         return (_InfGrad.apply(loss) if calls["n"] == 4 else loss), alpha
 
-    monkeypatch.setattr(distill, "step_loss", poisoned)
+    set_in_training("step_loss", poisoned, monkeypatch)
     with pytest.raises(TrainingError, match=r"non-finite gradient norm \(.*\) at step 4 .*checkpoint \(step 3\)"):
         train_draft(tiny, RepeatingData(), tmp_path, config("spire", 8, 2, 0.0), progress=False, log=None)
     assert load_state(tmp_path)["step"] == 3
@@ -127,7 +128,7 @@ def test_a_non_finite_final_heldout_loss_is_an_error_and_keeps_the_last_checkpoi
         ev = real(*a, **kw)
         return {**ev, "loss": float("nan")}
 
-    monkeypatch.setattr(distill, "evaluate_heldout", diverged)
+    set_in_training("evaluate_heldout", diverged, monkeypatch)
     data = RepeatingData()
     with pytest.raises(TrainingError, match=r"non-finite held-out loss \(nan\).*at step 3.*checkpoint \(step 2\)"):
         train_draft(tiny, data, tmp_path, config("spire", 3, 2, 0.0), heldout=data.seqs[:2], progress=False,
@@ -242,7 +243,7 @@ def test_new_limits_on_resume_say_how_the_schedule_changes_and_a_budget_finished
     from spire.commands.train import saved_config
     from tests.train_worker import TickClock
 
-    monkeypatch.setattr(distill, "time", TickClock())  # every step takes 1 s: the budget ends at step 3
+    set_in_training("time", TickClock(), monkeypatch)  # every step takes 1 s: the budget ends at step 3
     run = tmp_path / "budget"
     _, state = train_draft(tiny, RepeatingData(), run, config("spire", None, 2, budget_s=3.0), progress=False,
                            log=None)

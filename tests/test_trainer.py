@@ -21,6 +21,7 @@ from spire.loading import load_state_dict
 from spire.model import ModelConfig, Transformer
 from tests.oracle import generate
 from spire.training import distill
+from tests.helpers import set_in_training
 from spire.training.distill import (ABLATIONS, TrainConfig, ablation_config, evaluate_heldout, load_state,
                                     train_draft)
 from tests.conftest import make_tiny
@@ -66,7 +67,7 @@ def one_thread():
 def tick_clock(monkeypatch):
     """The trainer's clock advances exactly 1 s per reading (as SPIRE_TEST_CLOCK does in the worker): every
     step takes 1 s, so log lines (elapsed_s, tokens_per_s) and time-limited runs are deterministic."""
-    monkeypatch.setattr(distill, "time", TickClock())
+    set_in_training("time", TickClock(), monkeypatch)
 
 
 def _checkpoint(run: Path) -> tuple[dict, dict, dict]:
@@ -197,13 +198,13 @@ def _in_process(run: Path, max_steps, budget_s=1e6, resume=None) -> None:
     """The worker's run, here (one thread, tick clock): to resume, and for the uninterrupted references."""
     threads, clock = torch.get_num_threads(), distill.time
     torch.set_num_threads(1)
-    distill.time = TickClock()
+    set_in_training("time", TickClock())
     try:
         train_draft(make_tiny(), RepeatingData(), run, config("spire", max_steps, 4, 0.0, budget_s), resume=resume,
                     progress=False)
     finally:
         torch.set_num_threads(threads)
-        distill.time = clock
+        set_in_training("time", clock)
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +286,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, tiny, monke
             terms.loss = terms.loss * float("nan")
         return terms
 
-    monkeypatch.setattr(distill, "mixed_loss_logp", poisoned)
+    set_in_training("mixed_loss_logp", poisoned, monkeypatch)
     with pytest.raises(TrainingError, match=r"non-finite loss .* at step 4 .*checkpoint \(step 3\)"):
         train_draft(tiny, RepeatingData(), tmp_path, config("spire", 10, 4, 0.0), progress=False)
     assert load_state(tmp_path)["step"] == 3

@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from spire.formats import draft_file as spire_drafts  # noqa: E402  (the draft file's writer)
 from spire.drafts.spire import SpireConfig  # noqa: E402
 from spire.drafts.vanilla import VanillaConfig  # noqa: E402
-from spire.training import distill  # noqa: E402
+from spire.training import distill
+from tests.helpers import set_in_training  # noqa: E402
 from spire.training.distill import TrainConfig, init_distributed, train_draft  # noqa: E402
 from tests.conftest import make_tiny  # noqa: E402
 
@@ -151,7 +152,8 @@ def install_crash(point: str, nth: int) -> None:
             _die()
         return real_loss(*a, **kw)
 
-    distill.replace_dir, distill.mixed_loss_logp = replace_dir, loss
+    set_in_training("replace_dir", replace_dir)
+    set_in_training("mixed_loss_logp", loss)
     os.replace, torch.save, Path.write_text = replace, save, write_text
     spire_drafts.atomic_write = atomic_write
 
@@ -163,7 +165,7 @@ def main() -> None:
     budget = float(sys.argv[6]) if len(sys.argv) > 6 else 1e6
     torch.set_num_threads(1)
     if os.environ.get("SPIRE_TEST_CLOCK"):
-        distill.time = TickClock()
+        set_in_training("time", TickClock())
     if os.environ.get("SPIRE_TEST_CRASH"):
         point, nth = os.environ["SPIRE_TEST_CRASH"].split("@")
         install_crash(point, int(nth))

@@ -9,24 +9,15 @@ each name lives in the module of its one job:
 * :mod:`spire.training.evaluate`: the data source and the held-out evaluation;
 * :mod:`spire.training.trainer`: the :class:`Trainer` and :func:`train_draft`, which drives it.
 
-Setting a name on this module (``monkeypatch.setattr(distill, "step_loss", f)``, ``distill.time = clock``) sets it
-in every one of those modules that binds the same object under that name, so that a patch reaches the code that
-uses it, as it did when that code lived here. New code imports from the modules above.
+New code imports from the modules above; a stand-in for a name the trainer uses (a clock, a loss) is set in the
+module that uses it (the tests' ``set_in_training`` sets it in each).
 """
 
 from __future__ import annotations
 
-import sys
 import time
-import types
 
 from spire.paths import replace_dir
-from spire.training import checkpoint as _checkpoint
-from spire.training import config as _config
-from spire.training import evaluate as _evaluate
-from spire.training import ranks as _ranks
-from spire.training import step as _step
-from spire.training import trainer as _trainer
 from spire.training.checkpoint import (RESUME_SETTINGS, _check_saved_config, load_state, read_log,
                                        refuse_existing_run)
 from spire.training.config import (ABLATIONS, CHECKPOINT_DIR, DRAFT_FILE, DRAFT_KINDS, LOG_FILE, LOSSES, OPTIM_FILE,
@@ -44,19 +35,3 @@ __all__ = ["ABLATIONS", "CHECKPOINT_DIR", "DRAFT_FILE", "DRAFT_KINDS", "LOG_FILE
            "init_weights_file", "load_state", "loss_kernel", "make_optimizer", "make_source", "mixed_loss_logp",
            "needs_teacher", "read_log", "refuse_existing_run", "replace_dir", "step_loss", "time", "train_draft",
            "uncompile_draft", "wait_for_rank0"]
-
-_PARTS = (_config, _step, _ranks, _checkpoint, _evaluate, _trainer)
-
-
-class _Reexports(types.ModuleType):
-    """This module's type: a name set here is also set where it is used (see the module docstring)."""
-
-    def __setattr__(self, name: str, value) -> None:
-        old = self.__dict__.get(name)
-        for part in _PARTS:
-            if name in vars(part) and vars(part)[name] is old:
-                setattr(part, name, value)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Reexports
