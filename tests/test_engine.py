@@ -296,6 +296,38 @@ def test_eos_and_stop_inside_an_accepted_block_end_the_request_there(tiny):
     assert res[2]["tokens"] == ref[: first + 1] and res[2]["reason"] == "stop"
 
 
+def test_a_stop_string_is_checked_on_the_text_in_the_prompt_s_context_as_the_client_sees_it(tiny):
+    """The engine checks stop strings on the request's output processor's text, decoded after the prompt's last
+    tokens, as ``spire serve`` answers it: with a tokenizer whose pieces take a leading space in context (here a
+    space-joined decode), a stop string " tN" of the first generated token N ends the request at that token
+    (decoded alone, "tN" has no space: the check would miss it and run to max_tokens while the client's text is
+    cut). A caller's own TextStream is the one checked, and its pushed text reuses what the check decoded."""
+    from spire.engine.output import TextStream
+
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8]
+    ref = generate(tiny, [prompt], 8).tokens[0]
+    calls = []
+
+    def decode(ids):
+        calls.append(tuple(ids))
+        return " ".join(f"t{i}" for i in ids)
+
+    stop = (f" t{ref[0]}",)
+    engine = Engine(tiny, _draft("ngram", tiny), k=4, max_running=1, max_len=64, decode=decode)
+    res = _run(engine, [(0, prompt, RequestParams(max_tokens=8, stop=stop))])
+    assert res[0]["tokens"] == ref[:1] and res[0]["reason"] == "stop"
+    text = TextStream(decode, stop, prompt=prompt[-8:])
+    engine = Engine(tiny, None, max_running=1, max_len=64)  # no decode of its own: the stream's is used
+    rid = engine.add_requests(prompt, [RequestParams(max_tokens=8, stop=stop)], [text])[0]
+    outs = []
+    while engine.has_work():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    assert [t for o in outs for t in o.new_tokens] == ref[:1] and outs[-1].finish_reason == "stop"
+    calls.clear()
+    assert text.push(outs[-1].new_tokens, True) == ""  # the text before the stop string: nothing
+    assert calls == []  # the engine's check decoded it already
+
+
 def test_bad_requests_and_drafts_are_refused(tiny):
     engine = Engine(tiny, None, max_running=1, max_len=32)
     for prompt, params, field in [([], RequestParams(), "prompt"), ([97], RequestParams(), "prompt"),

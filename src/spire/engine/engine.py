@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import torch
 
 from spire.drafts.base import Draft
-from spire.engine.output import GenerationResult
+from spire.engine.output import GenerationResult, TextStream
 from spire.engine.prefill import Prefilled, cache_length
 from spire.engine.runner import RoundTrace, Runner, check_prefilled
 from spire.engine.scheduler import EngineStats, Request, RequestOutput, Scheduler, StepPlan
@@ -176,11 +176,14 @@ class Engine:
         [0, vocab)). Returns its id. Raises ConfigError (the message names the field: prompt, max_tokens, stop)."""
         return self.add_requests(prompt_ids, [params])[0]
 
-    def add_requests(self, prompt_ids: Sequence[int], params: Sequence[RequestParams]) -> list[int]:
+    def add_requests(self, prompt_ids: Sequence[int], params: Sequence[RequestParams],
+                     texts: Sequence[TextStream] | None = None) -> list[int]:
         """Queue one request per settings, all of one prompt (the n choices of an API request), at once: they join
-        at the same step when slots are free and then share the prompt's prefill. Returns their ids. Raises
-        ConfigError as :meth:`add_request` (then none is queued)."""
-        reqs = [self._new_request(prompt_ids, p) for p in params]
+        at the same step when slots are free and then share the prompt's prefill. texts: each request's output
+        processor (its stop strings are checked on it; default: one of the engine's decode). Returns their ids.
+        Raises ConfigError as :meth:`add_request` (then none is queued)."""
+        texts = texts if texts is not None else [None] * len(params)
+        reqs = [self._new_request(prompt_ids, p, t) for p, t in zip(params, texts, strict=True)]
         self.scheduler.add(reqs)
         return [r.id for r in reqs]
 
@@ -202,8 +205,10 @@ class Engine:
         self.run_prefill(self.scheduler.admit(reqs, state))
         return [r.id for r in reqs]
 
-    def _new_request(self, prompt_ids: Sequence[int], params: RequestParams) -> Request:
-        return self.scheduler.new_request(prompt_ids, params, self.target.cfg.vocab_size, self.eos_ids, self.decode)
+    def _new_request(self, prompt_ids: Sequence[int], params: RequestParams, text: TextStream | None = None
+                     ) -> Request:
+        return self.scheduler.new_request(prompt_ids, params, self.target.cfg.vocab_size, self.eos_ids, self.decode,
+                                          text)
 
     def abort(self, request_id: int) -> None:
         """End a waiting or running request at the next :meth:`step` (its slot is freed there, finish "abort");

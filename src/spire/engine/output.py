@@ -1,7 +1,9 @@
 """The engine's output processing, torch-free: a request's share of a round cut at its budget, EOS, stop token ids
-and stop strings (:func:`cut_output`, :func:`cut_request`, :class:`StopStrings`; the rule of which stop string ends
-a text, :func:`first_stop`), a request's text as its tokens come (:class:`TextStream`: ``spire serve``'s answers,
-by the same rule), and a batch's result (:class:`GenerationResult`)."""
+and stop strings (:func:`cut_output`, :func:`cut_request`; the rule of which stop string ends a text,
+:func:`first_stop`), a request's text as its tokens come (:class:`TextStream`: one per request, which both the
+engine's stop-string check and ``spire serve``'s answers read, so the text is decoded once, in the prompt's context,
+and the stop that ends generation is the stop the client sees), and a batch's result (:class:`GenerationResult`).
+:class:`StopStrings` is the same check without a stream (``spire generate``'s final text)."""
 
 from __future__ import annotations
 
@@ -117,8 +119,14 @@ def cut_request(emitted: list[int], toks: list[int], max_tokens: int, eos: set[i
     return (toks, False) if cut is None else (toks[:cut], True)
 
 
+PROMPT_CONTEXT = 8
+"""Prompt tokens a completion's text is decoded after (:class:`TextStream`)."""
+
+
 class TextStream:
-    """Detokenizes a request's tokens as they come: :meth:`push` returns the text to send now. Held back until
+    """A request's output processor: detokenizes its tokens as they come. :meth:`cut` is the engine's stop-string
+    check (:func:`cut_request`), :meth:`push` the text to send now; both read one cache of decoded texts, so the
+    engine's thread and the server's decode each prefix once between them. Held back until
     they settle: a trailing incomplete UTF-8 character (decoded as U+FFFD) and a tail that could begin a stop
     string; at the end the text is cut before the first stop string (after it with ``include_stop``). So the
     streamed pieces add up to the non-streamed text.
@@ -133,8 +141,40 @@ class TextStream:
         self.decode, self.stop, self.include_stop, self.min_tokens = decode, stop, include_stop, min_tokens
         self.prompt = list(prompt)
         self.prompt_text = decode(self.prompt) if self.prompt else ""
+        self.span = max((len(st) for st in stop), default=0)
         self.tokens: list[int] = []
         self.sent = ""
+        self._texts: dict[tuple[int, ...], str] = {}  # recent decodes, by their tokens (the engine's and push's)
+
+    def _text_of(self, tokens: list[int]) -> str:
+        """:meth:`_decode` of ``tokens``, kept for the next reader (a few entries; safe across the two threads)."""
+        key = tuple(tokens)
+        text = self._texts.get(key)
+        if text is None:
+            text = self._decode(tokens)
+            if len(self._texts) >= 8:
+                self._texts.clear()
+            self._texts[key] = text
+        return text
+
+    def cut(self, previous: list[int], new: list[int], checked: bool = True) -> int | None:
+        """The engine's stop-string check (:class:`StopStrings`' contract, on this stream's text): how many of the
+        ``new`` tokens to keep so that the output ends with the token that completes the first stop string, or
+        None. checked: the text of ``previous`` holds no stop string (it was cut before); False (min_tokens): only
+        an occurrence that ends past ``previous``'s text counts. One decode of the whole round when no stop string
+        is in it; a decode per token only to find where one ends."""
+        if not self.stop or not new:
+            return None
+        floor = len(self._text_of(previous))
+        start = max(0, floor - self.span)
+
+        def hit(text: str) -> bool:
+            return (any(st in text[start:] for st in self.stop) if checked
+                    else first_stop(text, self.stop, floor) is not None)
+
+        if not hit(self._text_of(previous + new)):
+            return None
+        return next((i + 1 for i in range(len(new) - 1) if hit(self._text_of(previous + new[: i + 1]))), len(new))
 
     def _decode(self, tokens: list[int]) -> str:
         """The completion's text: decode(prompt + tokens) minus decode(prompt)."""
@@ -149,8 +189,8 @@ class TextStream:
     def text(self) -> str:
         """The final text: decoded, cut before (``include_stop``: after) the first stop string that ends past the
         text of the first ``min_tokens`` tokens (the engine's rule: :func:`spire.engine.output.first_stop`)."""
-        text = self._decode(self.tokens)
-        floor = len(self._decode(self.tokens[: self.min_tokens])) if self.min_tokens else 0
+        text = self._text_of(self.tokens)
+        floor = len(self._text_of(self.tokens[: self.min_tokens])) if self.min_tokens else 0
         hit = first_stop(text, self.stop, floor)
         if hit is None:
             return text
@@ -162,7 +202,7 @@ class TextStream:
         if finished:
             safe = self.text()
         else:
-            safe = self._decode(self.tokens).rstrip("\ufffd")
+            safe = self._text_of(self.tokens).rstrip("\ufffd")
             hold = max((n for s in self.stop for n in range(1, len(s)) if safe.endswith(s[:n])), default=0)
             safe = safe[: len(safe) - hold]
         if len(safe) <= len(self.sent) or not safe.startswith(self.sent):

@@ -26,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from spire.engine.output import StopStrings, cut_request
+from spire.engine.output import PROMPT_CONTEXT, TextStream, cut_request
 from spire.errors import ConfigError
 from spire.params import LogitsProcessing, RequestParams, SamplingParams
 
@@ -154,7 +154,8 @@ class RoundOutput:
 
 @dataclass(eq=False)
 class Request:
-    """A request's state, the scheduler's: its prompt, settings, stop strings, emitted tokens and slot (None while it
+    """A request's state, the scheduler's: its prompt, settings, output processor (``stop``: its
+    :class:`~spire.engine.output.TextStream` when it has stop strings), emitted tokens and slot (None while it
     waits). prefilled: prompt tokens in its slot's caches (the prompt but its last token, once prefilled). The
     runner's per-request state (generator, token history, prompt logprobs) is the runner's own table
     (:class:`~spire.engine.runner.RowState`)."""
@@ -162,7 +163,7 @@ class Request:
     id: int
     prompt: list[int]
     params: RequestParams
-    stop: StopStrings | None
+    stop: TextStream | None
     sampling: SamplingParams
     proc: LogitsProcessing
     emitted: list[int] = field(default_factory=list)
@@ -238,9 +239,11 @@ class Scheduler:
     # ---- requests ----------------------------------------------------------------------------------------
 
     def new_request(self, prompt_ids: Sequence[int], params: RequestParams, vocab: int, eos_ids=(),
-                    decode: Callable[[list[int]], str] | None = None) -> Request:
-        """A validated request with the next id (not queued). Raises ConfigError naming the field: prompt (empty,
-        ids outside [0, vocab), too long for a slot with max_tokens), stop_token_ids, logit_bias, stop."""
+                    decode: Callable[[list[int]], str] | None = None, text: TextStream | None = None) -> Request:
+        """A validated request with the next id (not queued). Its stop strings are checked on ``text`` (the
+        caller's output processor of this request, e.g. the server's, which then reads what the check decoded) or
+        on a :class:`TextStream` of ``decode`` in the prompt's context. Raises ConfigError naming the field: prompt
+        (empty, ids outside [0, vocab), too long for a slot with max_tokens), stop_token_ids, logit_bias, stop."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise ConfigError("prompt: empty (a request needs at least one token)")
@@ -253,9 +256,14 @@ class Scheduler:
             raise ConfigError(f"stop_token_ids: token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t, _ in params.logit_bias):
             raise ConfigError(f"logit_bias: token ids must be in [0, {vocab})")
-        if params.stop and decode is None:
+        if params.stop and decode is None and text is None:
             raise ConfigError("stop: stop strings need the engine's decode (a tokenizer)")
-        stop = StopStrings(list(params.stop), decode) if params.stop else None
+        if params.stop and any(not st for st in params.stop):
+            raise ConfigError("stop strings must be non-empty")
+        stop = None
+        if params.stop:
+            stop = text if text is not None else TextStream(
+                decode, tuple(params.stop), prompt=prompt[-PROMPT_CONTEXT:], min_tokens=params.min_tokens)
         with self._lock:
             rid = next(self._ids)
         return Request(rid, prompt, params, stop, params.sampling(), params.processing(eos_ids))

@@ -79,11 +79,12 @@ class EngineLoop:
         return rid
 
     def submit_many(self, prompt: list[int], params: list[RequestParams],
-                    callbacks: list[Callable[[RequestOutput], None]]) -> list[int]:
+                    callbacks: list[Callable[[RequestOutput], None]], texts=None) -> list[int]:
         """Queue one request per settings, all of one prompt, at once (Engine.add_requests: they join together and
-        share the prefill; its ConfigError passes through, nothing queued). Returns their ids."""
+        share the prefill; its ConfigError passes through, nothing queued). texts: each request's output processor
+        (:class:`~spire.engine.output.TextStream`), which the engine's stop-string check shares. Returns their ids."""
         with self._lock:
-            rids = self.engine.add_requests(prompt, params)
+            rids = self.engine.add_requests(prompt, params, texts)
             self._subs.update(zip(rids, callbacks))
         self._wake.set()
         return rids

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from spire.engine.output import TextStream
+from spire.engine.output import PROMPT_CONTEXT, TextStream
 from spire.engine.scheduler import RequestOutput
 
-
-PROMPT_CONTEXT = 8
-"""Prompt tokens a completion's text is decoded after (:class:`TextStream`)."""
+__all__ = ["PROMPT_CONTEXT", "Choice", "openai_logprobs", "with_prompt_ids"]
 LOGPROB_FLOOR = -9999.0
 """A logprob of -inf (a token the request's transforms banned) is reported as this (JSON has no -inf; vLLM's)."""
 

@@ -60,9 +60,9 @@ class Server:
         """One token's own text (special tokens included)."""
         return self.tokenizer.decode([tid], skip_special_tokens=False)
 
-    def submit(self, ids: list[int], params: list[RequestParams]) -> tuple[list[int], asyncio.Queue]:
-        """Queue one engine request per choice; their outputs arrive on the returned asyncio queue as (choice
-        index, output). Raises ApiError 503 past max_waiting, 400 for what the engine refuses. A request counts as
+    def submit(self, ids: list[int], params: list[RequestParams], texts=None) -> tuple[list[int], asyncio.Queue]:
+        """Queue one engine request per choice (``texts``: their output processors, shared with the engine's
+        stop-string check); their outputs arrive on the returned asyncio queue as (choice index, output). Raises ApiError 503 past max_waiting, 400 for what the engine refuses. A request counts as
         waiting only beyond the free slots (a new request waits for the engine's next step even when a slot is
         free: that is not a queue)."""
         status = self.engine.status()
@@ -75,7 +75,8 @@ class Server:
         aloop = asyncio.get_running_loop()
         try:
             rids = self.loop.submit_many(ids, params, [
-                lambda out, i=i: aloop.call_soon_threadsafe(queue.put_nowait, (i, out)) for i in range(len(params))])
+                lambda out, i=i: aloop.call_soon_threadsafe(queue.put_nowait, (i, out)) for i in range(len(params))],
+                texts)
         except ConfigError as e:
             msg = str(e)
             raise bad(next((f for f in ("prompt", "stop_token_ids", "logit_bias", "stop", "max_tokens")
@@ -103,13 +104,15 @@ class Server:
         ids, parsed = await asyncio.get_running_loop().run_in_executor(self.parse_pool, self.parser.parse_raw, raw,
                                                                        chat)
         del raw
-        rids, queue = self.submit(ids, parsed.choice_params())
+        decode = functools.partial(self.decode, skip_special_tokens=parsed.skip_special_tokens)
+        params = parsed.choice_params()
+        # each choice's one output processor: the engine checks its stop strings on the text the client is sent
+        texts = [TextStream(decode, parsed.params.stop, parsed.include_stop_str, ids[-PROMPT_CONTEXT:],
+                            parsed.params.min_tokens) for _ in params]
+        rids, queue = self.submit(ids, params, texts)
         meta = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": self.model_id}
-        decode = functools.partial(self.decode, skip_special_tokens=parsed.skip_special_tokens)
-        choices = [Choice(i, rid, TextStream(decode, parsed.params.stop, parsed.include_stop_str,
-                                              ids[-PROMPT_CONTEXT:], parsed.params.min_tokens))
-                   for i, rid in enumerate(rids)]
+        choices = [Choice(i, rid, text) for i, (rid, text) in enumerate(zip(rids, texts))]
         prompt_text = ""
         if parsed.echo:
             prompt_text = parsed.text if parsed.text is not None else decode(ids)

@@ -201,7 +201,7 @@ class Eagle3DraftModel(DraftVocabulary, nn.Module):
     # -- persistence ------------------------------------------------------------------------------------
     def save(self, path: Path, extra: dict | None = None) -> None:
         """Write the weights and spire's metadata (configuration, target fingerprint, ``extra``) atomically to the
-        .safetensors file ``path`` (:func:`spire.drafts.spire.write_draft_file`)."""
+        .safetensors file ``path`` (:func:`spire.formats.draft_file.write_draft_file`)."""
         meta = {"eagle3_config": self.cfg.to_dict(), "layer_config": self.layer_cfg.to_dict(),
                 "target": _fingerprint(self.target), **(extra or {})}
         write_draft_file(path, self.state_dict(), meta)
