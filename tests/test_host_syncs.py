@@ -143,3 +143,42 @@ def test_training_loss_and_backward_read_nothing_back(target, kind):
         loss.backward()
     assert len(s) == 0, str(s)
     assert loss.requires_grad and 0 < float(alpha) <= 1
+
+
+@pytest.mark.parametrize("kind", ["none", "spire", "spire-features", "magicdec", "vanilla", "eagle3", "ngram"])
+def test_an_engine_step_reads_the_device_once(target, kind):
+    """One steady Engine.step (two greedy rows decoding, AD or k = 3) passes its positions down as spans from the
+    runner's host copy of the committed lengths, so it reads the device once: the accepted counts and the output
+    block, in one copy. The n-gram draft reads its lookup's hits before the round (one more). The host copy equals
+    the device's lengths after every step."""
+    from spire.engine.engine import Engine
+    from spire.engine.scheduler import RoundChoice
+    from spire.params import RequestParams
+
+    drafts = None if kind == "none" else [_drafts(target)[kind]]
+    engine = Engine(target, drafts, k=K, max_running=2, max_len=MAX_LEN)
+    for i, prompt in enumerate(([5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 1, 4, 1, 5])):
+        engine.add_request(prompt, RequestParams(max_tokens=30, ignore_eos=True))
+
+    class Every:  # AD and SD rounds in turn, so that both are counted
+        def __init__(self):
+            self.k = 0
+
+        def choose(self, plan, width, proposes):
+            self.k = 0 if self.k else K
+            return RoundChoice(self.k, [0] * len(plan.running), [self.k] * len(plan.running))
+
+        def update(self, plan, accepted, seconds):
+            pass
+
+    if drafts:
+        engine.scheduler.k_policy = Every()
+    runner = engine.runner
+    for _ in range(3):
+        engine.step()
+        assert runner.n_host == runner.n.tolist()
+    for _ in range(2):  # one AD round and one SD round (with a draft)
+        with count_syncs() as s:
+            engine.step()
+        assert runner.n_host == runner.n.tolist()
+        assert len(s) == (2 if kind == "ngram" else 1), str(s)

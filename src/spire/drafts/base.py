@@ -67,11 +67,11 @@ class Draft(ABC):
         round on the whole batch."""
         return False
 
-    def proposes(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
+    def proposes(self, tokens: torch.Tensor, pos: torch.Tensor, span: Span | None = None) -> torch.Tensor | None:
         """Whether the next :meth:`step` at ``tokens``, ``pos`` (B, 1) has a real proposal for each row: (B,) bool, or
         None when it always has one (a model's draft). A draft that proposes only where it finds something (the
         n-gram lookup) says where it does, so that a round policy gives the other rows to another draft or none.
-        Reads the draft's state without changing it."""
+        Reads the draft's state without changing it. ``span``: pos on the host, as for :meth:`step`."""
         return None
 
     def cost_shape(self, target):

@@ -186,19 +186,20 @@ class NgramDraft(Draft):
         self.src[rows], self.last_pos[rows], self.last_tok[rows] = -1, -2, -1
         self._probe = None
 
-    def proposes(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def proposes(self, tokens: torch.Tensor, pos: torch.Tensor, span: Span | None = None) -> torch.Tensor:
         """(B,) bool: whether the lookup at the next :meth:`step` (``tokens``, ``pos`` (B, 1), a round's first) finds
         an n-gram match in each row's context, i.e. proposes a token of the context rather than nothing. The lookup
-        is kept for that step (it is not made twice); the state is not changed."""
+        is kept for that step (it is not made twice); the state is not changed. With ``span`` (pos on the host)
+        nothing is read back."""
         assert self.buf is not None, "call start() first"
         tok = tokens[:, 0].to(self.buf.device, torch.int64)
         p = pos[:, 0].to(self.buf.device, torch.int64)
-        width = min(int(p.max()) + 1, self.max_len)
+        width = min((span.hi if span is not None else int(p.max())) + 1, self.max_len)
         rows = torch.arange(len(p), device=p.device)
         buf = self.buf[:, :width].clone()
         buf[rows, p.clamp_max(width - 1)] = tok
-        src = match_sources(buf, p, self.cfg.n_min, self.cfg.n_max)
-        self._probe = (p, tok, src)
+        src = match_sources(buf, p, self.cfg.n_min, self.cfg.n_max, stop_early=span is None)
+        self._probe = (p, tok, src, None if span is None else span.starts)
         return src >= 0
 
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
@@ -235,7 +236,10 @@ class NgramDraft(Draft):
         cont = (self.src >= 0) & (p == self.last_pos + 1) & (tok == self.last_tok)
         src = torch.where(cont, self.src + 1, torch.full_like(self.src, -1))
         probe, self._probe = self._probe, None
-        if probe is not None and torch.equal(probe[0], p) and torch.equal(probe[1], tok):
+        if probe is not None and span is not None and probe[3] == span.starts:  # known on the host: no read
+            # the lookup :meth:`proposes` just made at these positions (for the tokens it was given)
+            src = torch.where(cont, src, torch.where(probe[1] == tok, probe[2], torch.full_like(src, -1)))
+        elif probe is not None and span is None and torch.equal(probe[0], p) and torch.equal(probe[1], tok):
             src = torch.where(cont, src, probe[2])  # the lookup :meth:`proposes` just made at these positions
         elif not host:
             width = hi + 1 if span is not None else self.buf.shape[1]

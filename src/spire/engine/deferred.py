@@ -21,6 +21,7 @@ from typing import Sequence
 import torch
 
 from spire.drafts.base import Draft
+from spire.kv_cache import Span
 from spire.model import ForwardOutput
 
 
@@ -29,9 +30,11 @@ def _no_logits() -> torch.Tensor:
 
 
 class DeferredObserves:
-    """Per draft that defers (``defer_observe`` > 0), the AD rounds' (tokens, pos, valid, hidden, first) it has not
-    yet observed: tokens, pos (S, 1), valid (S, 1) bool (the running requests' rows), hidden {layer: (S, 1, d)},
-    first: the least position of a running row (a host int, or None)."""
+    """Per draft that defers (``defer_observe`` > 0), the AD rounds' (tokens, pos, valid, hidden, first, span) it has
+    not yet observed: tokens, pos (S, 1), valid (S, 1) bool (the running requests' rows; None: every row), hidden
+    {layer: (S, 1, d)}, first: the least position of a running row (a host int, or None), span: pos on the host (a
+    :class:`~spire.kv_cache.Span`, or None). A replay of rounds whose rows all ran, one position after another,
+    goes down with its span and no mask, so it reads nothing back."""
 
     def __init__(self, drafts: Sequence[Draft]) -> None:
         self.drafts = list(drafts)
@@ -42,17 +45,20 @@ class DeferredObserves:
         return d in self.logs
 
     def keep(self, d: int, slots: Sequence[int], pending: torch.Tensor, pos0: torch.Tensor,
-             out: ForwardOutput, first: int | None = None) -> None:
+             out: ForwardOutput, first: int | None = None, span: Span | None = None) -> None:
         """An AD round's commit for draft d (pending, pos0 (S,); ``slots``: the running requests' rows, the others
         dummies or still prefilling; ``first``: the least of their positions, on the host, when the caller knows
         it). Replayed once ``defer_observe`` rounds are kept; for a draft with ``observe_keeps`` (sink, tail) only
         the last ``tail`` are kept (an older round is dropped when ``first`` was past the sink, else all are
         replayed) and replayed when the draft is next used."""
-        valid = torch.zeros(len(pending), 1, dtype=torch.bool)
-        valid[list(slots)] = True
+        valid = None
+        if len(set(slots)) < len(pending):
+            valid = torch.zeros(len(pending), 1, dtype=torch.bool)
+            valid[list(slots)] = True
+            valid = valid.to(pending.device)
         draft, log = self.drafts[d], self.logs[d]
         hidden = {j: out.hidden[j].clone() for j in draft.hidden_layers}
-        log.append((pending[:, None], pos0[:, None], valid.to(pending.device), hidden, first))
+        log.append((pending[:, None], pos0[:, None], valid, hidden, first, span))
         if draft.observe_keeps is None:
             if len(log) >= draft.defer_observe:
                 self.replay(d)
@@ -66,8 +72,12 @@ class DeferredObserves:
     def forget_rows(self, slots: torch.Tensor) -> None:
         """New requests take ``slots``: what their previous requests committed is never replayed."""
         for log in self.logs.values():
-            for entry in log:
-                entry[2][slots] = False
+            for i, entry in enumerate(log):
+                valid = entry[2]
+                if valid is None:
+                    valid = torch.ones(len(entry[0]), 1, dtype=torch.bool, device=entry[0].device)
+                    log[i] = (entry[0], entry[1], valid, *entry[3:])
+                valid[slots] = False
 
     def drop(self) -> None:
         """Forget everything kept (every row is about to restart)."""
@@ -80,7 +90,17 @@ class DeferredObserves:
             log = self.logs[d]
             if not log:
                 continue
-            tokens, pos, valid = (torch.cat([e[i] for e in log], 1) for i in range(3))
+            tokens, pos = (torch.cat([e[i] for e in log], 1) for i in range(2))
+            valid = None
+            if any(e[2] is not None for e in log):
+                valid = torch.cat([e[2] if e[2] is not None else torch.ones_like(e[0], dtype=torch.bool)
+                                   for e in log], 1)
+            spans = [e[5] for e in log]
+            span = None
+            if valid is None and all(s is not None and s.T == 1 for s in spans) and all(
+                    b.starts == tuple(x + 1 for x in a.starts) for a, b in zip(spans, spans[1:])):
+                span = Span(spans[0].starts, len(log))  # every row's positions one after another
             hidden = {j: torch.cat([e[3][j] for e in log], 1) for j in log[0][3]}
             log.clear()
-            self.drafts[d].observe(tokens, pos, ForwardOutput(hidden=hidden, compute_logits=_no_logits), valid=valid)
+            self.drafts[d].observe(tokens, pos, ForwardOutput(hidden=hidden, compute_logits=_no_logits), valid=valid,
+                                   span=span)

@@ -34,7 +34,7 @@ from spire.engine.deferred import DeferredObserves
 from spire.engine.prefill import Prefilled, prefill, start_draft
 from spire.engine.scheduler import Piece, Request, RequestOutput, RoundChoice, RoundOutput
 from spire.errors import ConfigError
-from spire.kv_cache import KVCache
+from spire.kv_cache import KVCache, Span
 from spire.model import ForwardOutput, Transformer
 from spire.sampling import TokenHistory, logprobs_from_logits, probs_from_logits, process_logits, sample
 from spire.verification import output_tokens, verify, verify_greedy
@@ -95,6 +95,7 @@ class Runner:
         self.reads = tuple(sorted({j for d in self.drafts for j in d.hidden_layers}))
         self.width, self._cache_w = max_running, self.cache  # rows [0, width) run; the target cache's view
         self.n = torch.ones(max_running, dtype=torch.long, device=dev)  # (S,) committed length per slot
+        self.n_host = [1] * max_running  # the same, on the host: a round's positions go down as a Span from it
         self.pending = torch.zeros(max_running, dtype=torch.long, device=dev)  # (S,) the pending token per slot
         self.round_hook: Callable[[RoundTrace], object] | None = None  # sees every SD round (spire tau --diagnose)
         self.requests: dict[int, RowState] = {}  # request id -> its RowState, from its join until it ends
@@ -132,11 +133,13 @@ class Runner:
         for draft in self.drafts:
             draft.restart_rows(slots)
         self.n[slots] = 1  # a one-token prompt has nothing to prefill: this is its state after the prefill too
+        for req in joiners:
+            self.n_host[req.slot] = 1
         self.pending[slots] = torch.tensor([r.prompt[0] for r in joiners], device=self.n.device)
 
     def prefilled(self, req: Request, upto: int) -> None:
         """Positions < upto of the request's prompt are in its slot's caches: its pending token is the next."""
-        self.n[req.slot] = upto + 1
+        self.n[req.slot] = self.n_host[req.slot] = upto + 1
         self.pending[req.slot] = req.prompt[upto]
 
     def add_prefilled(self, state: Prefilled, reqs: Sequence[Request]) -> None:
@@ -251,9 +254,10 @@ class Runner:
         if not self.drafts:
             return []
         pending, pos0 = self.pending[: self.width], self.n[: self.width] - 1
+        at = Span([n - 1 for n in self.n_host[: self.width]], 1)
         out = []
         for draft in self.drafts:
-            p = draft.proposes(pending[:, None], pos0[:, None])
+            p = draft.proposes(pending[:, None], pos0[:, None], span=at)
             out.append(None if p is None else [bool(v) for v in p[[r.slot for r in running]].tolist()])
         return out
 
@@ -264,9 +268,10 @@ class Runner:
         committed by :meth:`commit`."""
         watch = time.perf_counter()
         n_acc, next_tok, block, lps = self.run_round(running, choice)
-        accepted, block_l = n_acc.tolist(), block.tolist()
+        both = torch.cat([n_acc[:, None], block], 1).tolist()  # the round's one read of the device
+        accepted, block_l = [row[0] for row in both], [row[1:] for row in both]  # per slot
         seconds = time.perf_counter() - watch
-        self._last = (n_acc, next_tok, {r.id: r.slot for r in running})
+        self._last = (n_acc, next_tok, {r.id: r.slot for r in running}, accepted)
         prompt = [self.requests[r.id].prompt_lp if r.id in self.requests else None for r in running]
         for r in running:  # a request's prompt logprobs come with its first round
             if r.id in self.requests:
@@ -276,7 +281,7 @@ class Runner:
     def commit(self, outputs: Sequence[RequestOutput]) -> None:
         """Commit the last :meth:`round`, cut by the scheduler (``outputs``): the token histories take the tokens,
         finished requests' slots are freed and their state dropped, the others :meth:`advance`."""
-        n_acc, next_tok, slot_of = self._last
+        n_acc, next_tok, slot_of, accepted = self._last
         self._last = None
         live, freed = [], []
         for out in outputs:
@@ -288,7 +293,7 @@ class Runner:
                 freed.append(slot_of[out.request_id])
             else:
                 live.append(slot_of[out.request_id])
-        self.advance(live, freed, n_acc, next_tok)
+        self.advance(live, freed, n_acc, next_tok, accepted)
 
     def free(self, slots: Sequence[int], request_ids: Sequence[int]) -> None:
         """Aborted requests: their state is dropped and their slots go back to length 1."""
@@ -308,15 +313,17 @@ class Runner:
         k = choice.k
         special = [(r, self.requests[r.id]) for r in running if r.special]
         cache, pending, pos0 = self._cache_w, self.pending[: self.width], self.n[: self.width] - 1
+        starts = [n - 1 for n in self.n_host[: self.width]]  # pos0 on the host: no forward reads a position back
         if not self.drafts or k == 0:
-            out = self.target(pending[:, None], pos0[:, None], cache, hidden_layers=self.reads)
+            at = Span(starts, 1)
+            out = self.target(pending[:, None], pos0[:, None], cache, hidden_layers=self.reads, span=at)
             next_tok, _, rows = _choose(out.logits[:, -1], special, [], 0)  # (S,)
             for d, draft in enumerate(self.drafts):  # each draft sees the committed token: SD can resume next round
                 if d in self.deferred:
                     self.deferred.keep(d, [r.slot for r in running], pending, pos0, out,
-                                       min((r.committed - 1 for r in running), default=None))
+                                       min((r.committed - 1 for r in running), default=None), at)
                 else:
-                    draft.observe(pending[:, None], pos0[:, None], out)
+                    draft.observe(pending[:, None], pos0[:, None], out, span=at)
             return torch.zeros_like(next_tok), next_tok, next_tok[:, None], _logprobs(special, rows)
         self.deferred.replay()
         row_draft = {r.slot: d for r, d in zip(running, choice.drafts)}
@@ -326,7 +333,7 @@ class Runner:
             mine = [(r, st) for r, st in special if row_draft[r.slot] == d]
             tok, tokens, qs, zs = pending, [], [], []
             for j in range(k):  # draft
-                z = self.drafts[d].step(tok[:, None], (pos0 + j)[:, None])
+                z = self.drafts[d].step(tok[:, None], (pos0 + j)[:, None], span=Span([p + j for p in starts], 1))
                 tok, q, _ = _choose(z, mine, tokens, j)
                 tokens.append(tok)
                 qs.append(q)
@@ -335,7 +342,8 @@ class Runner:
         d_tokens, qs, zs = _compose(proposals, row_draft, self.width)
         verify_in = torch.cat([pending[:, None], d_tokens], 1)  # (S, k+1)
         vpos = pos0[:, None] + torch.arange(k + 1, device=pos0.device)
-        out = self.target(verify_in, vpos, cache, hidden_layers=self.reads)  # verify
+        at = Span(starts, k + 1)
+        out = self.target(verify_in, vpos, cache, hidden_layers=self.reads, span=at)  # verify
         own_k = {slot: kk if row_draft[slot] is not None else 0 for slot, kk in row_k.items()}
         ks = None
         if any(kk < k for kk in own_k.values()):
@@ -347,18 +355,22 @@ class Runner:
             self.round_hook(RoundTrace([(r.slot, r.sampling, r.params.max_tokens - len(r.emitted)) for r in running],
                                        pos0, d_tokens, torch.stack(zs, 1), out.logits, n_acc))
         for draft in self.drafts:
-            draft.observe(verify_in, vpos, out)
+            draft.observe(verify_in, vpos, out, span=at)
         return n_acc, next_tok, output_tokens(d_tokens, n_acc, next_tok), _logprobs(special, rows)
 
     def advance(self, live_slots: Sequence[int], freed: Sequence[int], n_acc: torch.Tensor | None = None,
-                next_tok: torch.Tensor | None = None) -> None:
+                next_tok: torch.Tensor | None = None, accepted: Sequence[int] | None = None) -> None:
         """Commit a round: the slots still live keep their accepted tokens (:func:`rollback`) and take their next
         pending token; the freed slots go back to length 1 (their dummy rounds then write positions 0..k)."""
         if freed:
             at = torch.tensor(list(freed), device=self.n.device)
             self.n[at], self.pending[at] = 1, 0
+            for s in freed:
+                self.n_host[s] = 1
         if n_acc is None:
             return
+        for s in live_slots:  # rollback's rule on the host, from the round's read (``accepted``: per slot)
+            self.n_host[s] += accepted[s] + 1
         w = self.width
         live = torch.zeros(w, dtype=torch.bool)
         live[list(live_slots)] = True
