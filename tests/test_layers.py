@@ -54,7 +54,7 @@ def test_rooms_and_floors_are_read_from_the_code():
     # an upward import at module level: the model importing the engine
     ("model.py", "\nimport spire.engine.engine  # noqa\n"),
     # a library module importing the command line
-    ("data.py", "\n\ndef _cli():\n    from spire.commands import options\n    return options\n"),
+    ("data/sources.py", "\n\ndef _cli():\n    from spire.commands import options\n    return options\n"),
 ])
 def test_an_upward_import_breaks_the_rule(tmp_path, mutant, expect):
     src = _copy_src(tmp_path)  # unchanged, it keeps the rule (test_the_code_keeps_the_layering_rule)

@@ -252,18 +252,21 @@ def floors(mods: dict[str, Module]) -> list[list[str]]:
 
 def torch_free(mods: dict[str, Module]) -> list[str]:
     """The modules whose module-level imports (transitively, type hints not counted) load no torch, statically."""
-    memo: dict[str, bool] = {}
-
-    def loads_torch(name, seen=()):
-        if name not in memo:
-            m = mods[name]
-            own = any(e == t or e.startswith(t + ".") for e in m.external for t in TORCH_MODULES)
-            # importing a module runs its parent packages' __init__.py first
-            parents = [p for p in (name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)) if p in mods]
-            memo[name] = own or any(loads_torch(t, seen + (name,)) for t in (m.loads | set(parents)) - set(seen))
-        return memo[name]
-
-    return sorted(n for n in mods if not loads_torch(n))
+    # a fixed point, not a memoized walk: a walk that skips the modules on its path would remember a submodule as
+    # torch-free when only the package __init__.py it came from (a parent, so on its path) loads torch
+    deps = {}
+    for name, m in mods.items():
+        # importing a module runs its parent packages' __init__.py first
+        parents = {p for p in (name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)) if p in mods}
+        deps[name] = (m.loads | parents) & set(mods)
+    torch = {n for n, m in mods.items()
+             if any(e == t or e.startswith(t + ".") for e in m.external for t in TORCH_MODULES)}
+    grew = True
+    while grew:
+        more = {n for n in mods if n not in torch and deps[n] & torch}
+        torch |= more
+        grew = bool(more)
+    return sorted(n for n in mods if n not in torch)
 
 
 # ---------------------------------------------------------------------------------------------------- rendering
