@@ -328,17 +328,9 @@ class Runner:
         self.deferred.replay()
         row_draft = {r.slot: d for r, d in zip(running, choice.drafts)}
         row_k = {r.slot: kk for r, kk in zip(running, choice.ks)}
-        proposals = {}  # draft index -> its tokens (S, k), distributions (k of (S, V) or None), raw logits (S, k, V)
-        for d in choice.used:
-            mine = [(r, st) for r, st in special if row_draft[r.slot] == d]
-            tok, tokens, qs, zs = pending, [], [], []
-            for j in range(k):  # draft
-                z = self.drafts[d].step(tok[:, None], (pos0 + j)[:, None], span=Span([p + j for p in starts], 1))
-                tok, q, _ = _choose(z, mine, tokens, j)
-                tokens.append(tok)
-                qs.append(q)
-                zs.append(z)
-            proposals[d] = (torch.stack(tokens, 1), qs, zs)
+        proposals = {d: _draft(self.drafts[d], k, pending, pos0, starts, [(r, st) for r, st in special
+                                                                         if row_draft[r.slot] == d])
+                     for d in choice.used}
         d_tokens, qs, zs = _compose(proposals, row_draft, self.width)
         verify_in = torch.cat([pending[:, None], d_tokens], 1)  # (S, k+1)
         vpos = pos0[:, None] + torch.arange(k + 1, device=pos0.device)
@@ -478,6 +470,22 @@ def _choose(logits: torch.Tensor, special: list[tuple[Request, RowState]], draft
             q[b] = probs_from_logits(row[0], req.sampling)
             tok[b] = sample(q[b], st.generator)
     return tok, q, rows
+
+
+def _draft(draft: Draft, k: int, pending: torch.Tensor, pos0: torch.Tensor, starts: list[int],
+           special: list[tuple[Request, RowState]]) -> tuple[torch.Tensor, list, list]:
+    """k steps of one draft from each row's pending token (S,) at positions pos0 (S,) (``starts``: the same on the
+    host), each token chosen as the row's request asks (``special``: the rows of this draft that sample, process
+    logits or want logprobs). Returns its tokens (S, k), distributions (k of (S, V) or None) and raw logits (k of
+    (S, V))."""
+    tok, tokens, qs, zs = pending, [], [], []
+    for j in range(k):
+        z = draft.step(tok[:, None], (pos0 + j)[:, None], span=Span([p + j for p in starts], 1))
+        tok, q, _ = _choose(z, special, tokens, j)
+        tokens.append(tok)
+        qs.append(q)
+        zs.append(z)
+    return torch.stack(tokens, 1), qs, zs
 
 
 def _compose(proposals: dict[int, tuple[torch.Tensor, list, list]], row_draft: dict[int, int | None], S: int
