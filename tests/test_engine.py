@@ -526,3 +526,30 @@ def test_prefill_groups_bound_the_padding():
         assert sorted(i for g in groups for i in g) == list(range(len(spans)))
         for g in groups:
             assert len(g) * max(spans[i] for i in g) <= 1.25 * sum(spans[i] for i in g) + 1
+
+
+def test_rounds_run_at_the_given_widths_only_and_the_output_stays_ad_s(tiny):
+    """With widths (the GPU's CUDA-graph sizes) a round over 3 occupied slots runs 4 rows, one over 5 runs 8, the
+    extra rows as free slots; every request's greedy output equals AD's. capture_widths is vLLM's set below
+    max_running; bad widths are refused."""
+    from spire.engine.engine import capture_widths
+
+    assert capture_widths(1) == [1] and capture_widths(8) == [1, 2, 4, 8] and capture_widths(20) == [1, 2, 4, 8, 16, 20]
+    prompts = [[5 + i, 6, 7, 5, 6, 7 + i] for i in range(5)]
+    ref = generate(tiny, prompts, 10).tokens
+    engine = Engine(tiny, _draft("magicdec", tiny), k=3, max_running=8, max_len=64, widths=capture_widths(8))
+    seen = []
+    step = engine.runner.run_round
+
+    def run_round(running, choice):
+        seen.append((len(running), engine.runner.width))
+        return step(running, choice)
+
+    engine.runner.run_round = run_round
+    for n in (3, 5):
+        res = _run(engine, [(0, p, RequestParams(max_tokens=10)) for p in prompts[:n]])
+        assert [res[j]["tokens"] for j in range(n)] == ref[:n]
+    assert (3, 4) in seen and (5, 8) in seen and all(w in (1, 2, 4, 8) for _, w in seen)
+    for bad in ([0, 8], [1, 4], [1, 4, 2, 8], [1, 1, 8]):
+        with pytest.raises(ConfigError, match="widths"):
+            Engine(tiny, None, max_running=8, max_len=64, widths=bad)

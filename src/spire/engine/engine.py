@@ -62,6 +62,12 @@ class EngineStatus:
     k_policy: object = None
 
 
+def capture_widths(max_running: int) -> list[int]:
+    """The widths a round runs at on a GPU: 1, 2, 4, then every multiple of 8, up to ``max_running`` (included),
+    vLLM's CUDA-graph capture sizes (``cudagraph_capture_sizes``) below its largest."""
+    return sorted({w for w in (1, 2, 4, *range(8, max_running, 8)) if w < max_running} | {max_running})
+
+
 class Engine:
     """Continuous batching over ``max_running`` slots of ``max_len`` positions (see the module docstring).
 
@@ -82,8 +88,11 @@ class Engine:
             drafts k with the first draft that proposes for it.
         prefill_chunk: prompt tokens prefilled per step at most, over all joining requests (chunked prefill, as
             vLLM's ``max_num_batched_tokens``). None: every joining prompt is prefilled whole at the step it joins.
+        widths: the only batch widths a round runs at (:class:`~spire.engine.scheduler.Scheduler`), so that a GPU
+            captures one CUDA graph per width; "auto": :func:`capture_widths` on CUDA, any width elsewhere (on a CPU
+            padded rows cost compute and no graph is captured); None: any width.
     Raises:
-        ConfigError: bad k / max_running / max_len / prefill_chunk, or a draft that cannot restart single rows (it
+        ConfigError: bad k / max_running / max_len / prefill_chunk / widths, or a draft that cannot restart single rows (it
             names the draft).
     """
 
@@ -91,7 +100,7 @@ class Engine:
                  max_running: int = 8,
                  max_len: int | None = None, eos_ids: Sequence[int] = (),
                  decode: Callable[[list[int]], str] | None = None, k_policy=None,
-                 prefill_chunk: int | None = None) -> None:
+                 prefill_chunk: int | None = None, widths: Sequence[int] | str | None = "auto") -> None:
         if k < 1 or max_running < 1:
             raise ConfigError(f"k and max_running must be >= 1, got k = {k}, max_running = {max_running}")
         if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or int(prefill_chunk) < 1):
@@ -105,9 +114,11 @@ class Engine:
                               f"positions), got {self.max_len}")
         self.max_running, self.eos_ids = max_running, frozenset(int(t) for t in eos_ids)
         self.runner = Runner(target, drafts, k, max_running, self.max_len)
+        if widths == "auto":
+            widths = capture_widths(max_running) if target.device.type == "cuda" else None
         self.scheduler = Scheduler(max_running, self.max_len, self.k, k_policy if drafts else None,
                                    self.runner.narrows, None if prefill_chunk is None else int(prefill_chunk),
-                                   [d.name for d in drafts])
+                                   [d.name for d in drafts], widths)
 
     # ---- views -------------------------------------------------------------------------------------------------
 

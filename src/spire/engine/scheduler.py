@@ -222,11 +222,18 @@ class Scheduler:
     proposes) -> RoundChoice`` and ``update(plan, accepted, seconds)`` (:mod:`spire.serving.policy`), or one with
     ``k_for(batch, context) -> int`` and ``observe(accepted, k)`` (one k for every request), or None; narrows: whether rounds may run on rows
     [0, highest occupied slot] only (the draft's ``use_rows``); prefill_chunk: prompt tokens prefilled per step at
-    most (None: whole prompts). Thread-safe for :meth:`add`, :meth:`abort` and the counters; the rest runs on the
+    most (None: whole prompts); widths: the only widths a round may run at, ascending (a narrowed width is rounded
+    up to the next, the rows past the occupied ones running as free slots do: a GPU captures one CUDA graph per
+    width, as vLLM pads its batch to its capture sizes); None: any width. Thread-safe for :meth:`add`, :meth:`abort` and the counters; the rest runs on the
     stepping thread."""
 
     def __init__(self, max_running: int, max_len: int, k: int, k_policy=None, narrows: bool = True,
-                 prefill_chunk: int | None = None, draft_names: Sequence[str] = ()) -> None:
+                 prefill_chunk: int | None = None, draft_names: Sequence[str] = (),
+                 widths: Sequence[int] | None = None) -> None:
+        if widths is not None and (not widths or list(widths) != sorted(set(widths)) or widths[0] < 1
+                                   or widths[-1] != max_running):
+            raise ConfigError(f"widths must ascend from >= 1 to max_running ({max_running}), got {list(widths)}")
+        self.widths = None if widths is None else list(widths)
         self.max_running, self.max_len, self.k, self.draft_names = max_running, max_len, k, list(draft_names)
         self.k_policy, self.narrows, self.prefill_chunk = k_policy, narrows, prefill_chunk
         self.slots: list[Request | None] = [None] * max_running
@@ -313,9 +320,13 @@ class Scheduler:
         return bool(self.waiting or self._aborts or self.num_running)
 
     def width(self) -> int:
-        """The rows a round computes: one past the highest occupied slot (all slots when rounds cannot narrow)."""
+        """The rows a round computes: one past the highest occupied slot (all slots when rounds cannot narrow),
+        rounded up to the next of :attr:`widths` when they are set."""
         occupied = [r.slot for r in self.slots if r is not None]
-        return (max(occupied) + 1 if self.narrows else self.max_running) if occupied else 0
+        if not occupied:
+            return 0
+        w = max(occupied) + 1 if self.narrows else self.max_running
+        return w if self.widths is None else next(x for x in self.widths if x >= w)
 
     # ---- the plan ----------------------------------------------------------------------------------------
 
