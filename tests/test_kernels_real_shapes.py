@@ -42,10 +42,10 @@ def _steps(model, cache, ids, lens, view, fused: bool, monkeypatch):
 def _fused_and_per_op(model, cache, ids, lens, view, monkeypatch):
     calls = []
     real = fastpath.native_block
-    monkeypatch.setattr(fastpath, "native_block", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(fastpath.step, "native_block", lambda *a: calls.append(1) or real(*a))  # DecodeStep calls it
     fused = _steps(model, cache.clone(), ids, lens, view, True, monkeypatch)
     assert len(calls) == 2 * model.cfg.n_layers, "the fused path did not run for every block of both steps"
-    monkeypatch.setattr(fastpath, "native_block", real)
+    monkeypatch.setattr(fastpath.step, "native_block", real)
     per_op = _steps(model, cache.clone(), ids, lens, view, False, monkeypatch)
     torch.testing.assert_close(fused[0], per_op[0], atol=ATOL, rtol=0)
     torch.testing.assert_close(fused[1], per_op[1], atol=ATOL, rtol=0)
