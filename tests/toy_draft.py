@@ -27,10 +27,10 @@ class RepeatDraft(Draft):
     def restart_rows(self, rows: torch.Tensor) -> None:
         """Nothing is kept per row across rounds: a new request in a slot sees nothing of the previous one."""
 
-    def observe(self, tokens, pos, target_out, valid=None) -> None:
+    def observe(self, tokens, pos, target_out, valid=None, span=None) -> None:
         self.prev = self.run = None  # a round starts over
 
-    def step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, pos: torch.Tensor, span=None) -> torch.Tensor:
         tok = tokens[:, 0].long()
         if self.prev is None or self.prev.shape != tok.shape:
             self.run = torch.ones_like(tok)

@@ -526,14 +526,15 @@ def _measure_taus(cfg: ReproduceConfig, meter: _TauMeter, names: list[str], cont
 
 def _diagnose(cfg: ReproduceConfig, meter: _TauMeter, names: list[str], contexts, log, timings: dict,
               natural=None) -> list[dict]:
-    """Step 5b: the T = 1 diagnosis (:mod:`spire.evaluation.diagnose`) of every draft but n-gram (its q is one-hot:
-    nothing to diagnose) on the first ``diagnose_contexts`` contexts at L, with their held-out continuations
-    ``natural`` (n, G) for the overlap on natural text against the rounds' text; cached as τ rows are."""
+    """Step 5b: the T = 1 diagnosis (:mod:`spire.evaluation.diagnose`) of every draft whose kind is
+    :attr:`~spire.registry.Kind.diagnosable` (not n-gram: its q is one-hot, nothing to diagnose) on the first
+    ``diagnose_contexts`` contexts at L, with their held-out continuations ``natural`` (n, G) for the overlap on
+    natural text against the rounds' text; cached as τ rows are."""
     if not cfg.diagnose_contexts:
         return []
     ctx = contexts[: cfg.diagnose_contexts]
     natural = None if natural is None else natural[: cfg.diagnose_contexts]
-    names = [n for n in names if n != "ngram" and "-" not in n]  # the five kinds' drafts, no ablation
+    names = [n for n in names if "-" not in n and registry.kind(n).diagnosable]  # the kinds' drafts, no ablation
     log(f"      diagnosis at T = 1: {', '.join(names)} on {len(ctx)} contexts of L={cfg.L}")
     t = time.time()
     rows, todo = [], {}

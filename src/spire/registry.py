@@ -3,12 +3,16 @@
 A kind is a module under ``spire/drafts/`` that declares itself once, as ``KIND = DraftImpl(...)``
 (:class:`DraftImpl`: its inference :class:`~spire.drafts.base.Draft`, its trainable model if it has one, its
 options). Its line here (:class:`Kind`) holds what the light parts of spire need without importing torch: the
-name, a one-line summary, whether it takes a ``--draft-path``, whether ``spire train`` trains it, and how the cost
-model prices it (:class:`Pricing`). The CLI, ``spire tau``, ``spire bench``, ``spire throughput``, the main job
+name, a one-line summary, whether it takes a ``--draft-path``, whether ``spire train`` trains it, how the cost
+model prices it (:class:`Pricing`), and what a trained kind's files say of it: the draft file's metadata key of its
+settings (:attr:`Kind.config_key`, also their key in a run's ``train_state.json``), how a message names a draft of
+it (:attr:`Kind.display_name`) and the vLLM speculative method of its export (:attr:`Kind.vllm_method`). The CLI, ``spire tau``, ``spire bench``, ``spire throughput``, the main job
 and export read the kinds from here (:func:`names`, :func:`kind`, :func:`impl`).
 
 Adding a seventh kind: write ``spire/drafts/<name>.py`` with its ``KIND``, its tests, and one line in
-:data:`KINDS`.
+:data:`KINDS` (a trained kind's line also names its ``config_key``, its ``display_name`` and, when vLLM runs its
+export, its ``vllm_method``). The tables other modules keep of the kinds are views of these lines
+(:class:`KindTable`).
 
 This module imports nothing heavy; :func:`impl` imports the kind's module (and torch) on first use.
 """
@@ -16,6 +20,7 @@ This module imports nothing heavy; :func:`impl` imports the kind's module (and t
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -90,7 +95,17 @@ class Kind:
     the options given together (their values by name -> a problem, or None), run after each option's own.
     served_int8: `spire serve` rounds the draft's own weights to group-wise int8 by default on a CPU with spire's
     kernels (its decode matmuls then stream a quarter of float32's bytes; lossless, τ within 0.02: docs/bench.md,
-    "An int8 draft")."""
+    "An int8 draft").
+
+    config_key: a trained kind's settings (its config class's ``to_dict()``) in its draft file's metadata
+    (:func:`spire.formats.draft_file.draft_file_kind` recognizes the kind by it), and in the "config" of a run's
+    ``train_state.json`` (:meth:`spire.training.config.TrainConfig.to_dict`), there only in the kind's own runs.
+    state_key: the three kinds of the layout from before the draft config classes (SPIRe, EAGLE-3, vanilla) keep
+    their settings under this key of every run's ``train_state.json`` config instead (the kind's defaults in other
+    kinds' runs), so that saved runs read and write back unchanged; None for a kind added since.
+    display_name: how a message names a draft of the kind, with its article ("a SPIRe" draft); None: "a NAME".
+    vllm_method: the vLLM speculative method that runs the kind's export (:mod:`spire.integrations.vllm_export`);
+    None: vLLM cannot run it."""
 
     name: str
     module: str
@@ -102,23 +117,43 @@ class Kind:
     options: tuple[DraftOption, ...] = ()
     check: Callable[[dict], str | None] | None = None
     served_int8: bool = False
+    config_key: str | None = None
+    state_key: str | None = None
+    display_name: str | None = None
+    vllm_method: str | None = None
+
+    @property
+    def article_name(self) -> str:
+        """The kind as a message names a draft of it: "a SPIRe", "an EAGLE-3" (:attr:`display_name`, else "a
+        NAME")."""
+        return self.display_name or f"a {self.name}"
+
+    @property
+    def diagnosable(self) -> bool:
+        """Whether the T = 1 diagnosis (:mod:`spire.evaluation.diagnose`) has something to measure: a draft with a
+        forward of its own; a weightless lookup (n-gram: ``Pricing.weights`` "none") proposes with a one-hot q, and
+        "none" has no draft."""
+        return self.pricing is not None and self.pricing.weights != "none"
 
 
 KINDS: tuple[Kind, ...] = (
     Kind("none", "spire.drafts.none", "autoregressive decoding, no draft", "none", False, None),
     Kind("vanilla", "spire.drafts.vanilla", "a small model with the target's tokenizer (HF folder, .gguf or a "
          "`spire train --draft vanilla` run)", "required", True,
-         Pricing(kv="full", layers=1 / 8, own_embeddings=True), 2.647, served_int8=True),
+         Pricing(kv="full", layers=1 / 8, own_embeddings=True), 2.647, served_int8=True, config_key="vanilla_config",
+         state_key="vanilla_layers", display_name="a vanilla", vllm_method="draft_model"),
     Kind("magicdec", "spire.drafts.magicdec", "the target over a sink + window view of its own cache (MagicDec)",
          "none", False, Pricing(weights="target", kv="window", training_cost=0.0), 3.891,
          (DraftOption("sink", int, "attention-sink tokens kept", defaults.SINK, _at_least(0), "--sink"),
           DraftOption("window", int, "window tokens", defaults.WINDOW, _at_least(1), "--window"))),
     Kind("spire", "spire.drafts.spire", "SPIRe: pruned, sliding-window, feedback memory over the target's "
          "activations (default: the newest trained in the cache)", "optional", True,
-         Pricing(kv="window", layers=1 / 4, memory_projection=True, training_cost=0.25), 3.401, served_int8=True),
+         Pricing(kv="window", layers=1 / 4, memory_projection=True, training_cost=0.25), 3.401, served_int8=True,
+         config_key="spire_config", state_key="spire", display_name="a SPIRe", vllm_method="eagle3"),
     Kind("eagle3", "spire.drafts.eagle3", "EAGLE-3: one layer over three fused target hidden states (a `spire "
          "train --draft eagle3` run or a speculators folder)", "required", True,
-         Pricing(kv="full", layers=1, fused_inputs=3)),
+         Pricing(kv="full", layers=1, fused_inputs=3), config_key="eagle3_config", state_key="eagle3",
+         display_name="an EAGLE-3", vllm_method="eagle3"),
     Kind("ngram", "spire.drafts.ngram", "n-gram prompt lookup in the row's own context (no weights, no training)",
          "none", False, Pricing(weights="none", kv="none", layers=0, training_cost=0.0), None,
          (DraftOption("n_min", int, "shortest suffix matched [vLLM's 5, or --ngram-max]", None, _at_least(1),
@@ -150,6 +185,34 @@ def names(*, drafts_only: bool = False, trains: bool | None = None, priced: bool
             continue
         out.append(k.name)
     return tuple(out)
+
+
+class KindTable(Mapping):
+    """A read-only table kind name -> ``value(line)`` of the kinds whose value is not None, in the registry's order,
+    read from :data:`KINDS` at each access (a line added at run time is in it): the per-kind tables other modules
+    keep (``formats.draft_file.DRAFT_KIND_KEYS``, ``integrations.vllm_export.METHODS``) are such views. A name
+    without a value raises KeyError, as a dict's missing key does."""
+
+    def __init__(self, value: Callable[[Kind], Any]) -> None:
+        self._value = value
+
+    def _items(self) -> list[tuple[str, Any]]:
+        return [(k.name, v) for k in KINDS if (v := self._value(k)) is not None]
+
+    def __getitem__(self, name: str) -> Any:
+        for key, v in self._items():
+            if key == name:
+                return v
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([key for key, _ in self._items()])
+
+    def __len__(self) -> int:
+        return len(self._items())
+
+    def __repr__(self) -> str:
+        return repr(dict(self._items()))
 
 
 def kind(name: str, what: str = "draft") -> Kind:

@@ -104,6 +104,22 @@ class VanillaConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "VanillaConfig":
+        """The settings of :meth:`to_dict`'s form (a draft file's ``vanilla_config``). Raises KeyError without
+        ``n_layers``."""
+        return cls(d["n_layers"])
+
+    def to_state(self) -> int | None:
+        """The settings in a run's ``train_state.json`` (its ``vanilla_layers``, the layout of before the draft
+        config classes): ``n_layers``."""
+        return self.n_layers
+
+    @classmethod
+    def from_state(cls, value: int | None) -> "VanillaConfig":
+        """The settings of :meth:`to_state`'s form."""
+        return cls(value)
+
 
 def vanilla_config(target: Transformer, n_layers: int | None = None) -> ModelConfig:
     """The vanilla baseline's shape (SPIRe paper §4): the target's width, heads and vocabulary with

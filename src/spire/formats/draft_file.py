@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save
 
+from spire import registry
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
 from spire.loading import check_finite
 from spire.model import Transformer
@@ -132,12 +133,14 @@ def write_draft_file(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -
     atomic_write(path, lambda f: f.write(data))
 
 
-DRAFT_KIND_KEYS = {"spire": "spire_config", "eagle3": "eagle3_config", "vanilla": "vanilla_config"}
-"""The metadata key that holds each trainable kind's settings in its checkpoint's draft file."""
+DRAFT_KIND_KEYS = registry.KindTable(lambda k: k.config_key)
+"""The metadata key that holds each trainable kind's settings in its checkpoint's draft file: a view of the
+registry's lines (:attr:`spire.registry.Kind.config_key`)."""
 
 
-DRAFT_KIND_NAMES = {"spire": "a SPIRe", "eagle3": "an EAGLE-3", "vanilla": "a vanilla"}
-"""Each trainable kind as a message names a draft of it ("a SPIRe draft")."""
+DRAFT_KIND_NAMES = registry.KindTable(lambda k: k.article_name if k.trains else None)
+"""Each trainable kind as a message names a draft of it ("a SPIRe draft"): a view of the registry's lines
+(:attr:`spire.registry.Kind.article_name`)."""
 
 
 def draft_file_kind(meta: dict) -> str | None:

@@ -56,8 +56,9 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
+from spire import registry
 from spire.errors import ConfigError
 from spire.integrations.vllm_plugin import ARCHITECTURE, EAGLE3_ARCHITECTURES, EAGLE3_PROBE, PLUGIN_FORMAT, PROBE_ROWS
 
@@ -67,8 +68,9 @@ VLLM_VERSION = "0.32.0"
 SPEC_FILE = "vllm_speculative_config.json"
 """The file beside config.json: the JSON object for ``--speculative-config``."""
 
-METHODS: dict[str, str] = {"eagle3": "eagle3", "vanilla": "draft_model", "spire": "eagle3"}
-"""spire draft kind → the vLLM speculative method that runs it."""
+METHODS: Mapping[str, str] = registry.KindTable(lambda k: k.vllm_method)
+"""spire draft kind → the vLLM speculative method that runs it: a view of the registry's lines
+(:attr:`spire.registry.Kind.vllm_method`)."""
 
 NOT_YET: dict[str, str] = {}
 """Kinds whose vLLM form is under way: exported without the file, with a note naming what is missing."""

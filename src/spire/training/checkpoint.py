@@ -60,7 +60,7 @@ Every other field must equal the saved run's."""
 def _check_saved_config(out_dir: Path, state: dict, cfg_dict: dict) -> None:
     """Raise ConfigError when the run saved in out_dir has other settings than ``cfg_dict`` (those of
     :data:`RESUME_SETTINGS` may change; a field added since the run was saved reads as its default)."""
-    defaults = json.loads(json.dumps(TrainConfig().to_dict()))
+    defaults = json.loads(json.dumps(TrainConfig(draft=state["config"].get("draft", "spire")).to_dict()))
     merged = {k: {**defaults[k], **v} if isinstance(v, dict) and isinstance(defaults.get(k), dict) else v
               for k, v in state["config"].items()}  # a field added to a draft's config since reads as its default
     saved = {k: v for k, v in {**defaults, **merged}.items() if k not in RESUME_SETTINGS}

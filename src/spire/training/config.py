@@ -33,6 +33,10 @@ LOG_FILE = "train_log.jsonl"
 DRAFT_KINDS = registry.names(trains=True)
 """The kinds `spire train` trains (their ``KIND.model`` classes: :func:`spire.registry.trainable_class`)."""
 LOSSES = ("mixed", "hard", "kl", "lk")
+STATE_KEY_ORDER = ("spire", "eagle3", "vanilla_layers")
+"""The order in which a run's ``train_state.json`` has held the settings under the registry's state keys
+(:attr:`spire.registry.Kind.state_key`) since before the draft config classes: :meth:`TrainConfig.to_dict` writes
+them in it (then any other state key, in the registry's order), so that a checkpoint's file keeps its bytes."""
 
 # The paper's Figure 5 ablations: name -> (SpireConfig overrides, TrainConfig overrides); the paper's tau for each
 # is spire.paper.PAPER_ABLATION_TAU (SPIRE.md §3.7; full-kv changes the cost, not tau, in the paper's figure).
@@ -80,7 +84,10 @@ class TrainConfig:
 
     On disk (the "config" of a run folder's ``checkpoint/train_state.json``, which other tools read) the layout
     stays the one of before the draft config classes: ``spire`` and ``eagle3`` objects and ``vanilla_layers``, each
-    kind's defaults for the kinds not trained (:meth:`to_dict`, :meth:`from_dict`).
+    kind's defaults for the kinds not trained (:meth:`to_dict`, :meth:`from_dict`); the keys are the registry
+    lines' (:attr:`spire.registry.Kind.state_key`, and :attr:`~spire.registry.Kind.config_key` for a kind added
+    since, saved in its own runs only). A kind's config class gives ``to_dict()`` and a ``from_dict(d)``
+    classmethod (and may give ``to_state()`` / ``from_state(value)`` for another form in ``train_state.json``).
     """
 
     draft: str = "spire"
@@ -109,19 +116,20 @@ class TrainConfig:
     init_from: str | None = None
 
     def __post_init__(self) -> None:
-        if self.draft_config is None and self.draft in DRAFT_KINDS:
+        if self.draft_config is None and self.draft in registry.names(trains=True):
             self.draft_config = registry.trainable_class(self.draft).config_class()
 
     def resolved_loss(self) -> str:
         """The loss given, else the draft method's default (SPIRe: mixed, vanilla: hard)."""
         if self.loss:
             return self.loss
-        return getattr(registry.trainable_class(self.draft), "default_loss", "mixed") if self.draft in DRAFT_KINDS else "mixed"
+        trained = registry.names(trains=True)
+        return getattr(registry.trainable_class(self.draft), "default_loss", "mixed") if self.draft in trained else "mixed"
 
     def validate(self) -> None:
         """Raise ConfigError for impossible settings."""
-        if self.draft not in DRAFT_KINDS:
-            raise ConfigError(f"draft must be one of {', '.join(DRAFT_KINDS)}, got {self.draft!r}")
+        if self.draft not in registry.names(trains=True):
+            raise ConfigError(f"draft must be one of {', '.join(registry.names(trains=True))}, got {self.draft!r}")
         config_class = registry.trainable_class(self.draft).config_class
         if not isinstance(self.draft_config, config_class):
             raise ConfigError(f"a {self.draft} draft's settings are a {config_class.__name__}, got "
@@ -166,16 +174,31 @@ class TrainConfig:
             raise ConfigError(f"unknown ablation {self.ablation!r}; choose one of {', '.join(ABLATIONS)}")
 
     def to_dict(self) -> dict:
-        """The settings as JSON holds them, in the on-disk layout (``spire``, ``eagle3``, ``vanilla_layers``; see
-        the class docstring): a run's identity and cache key are computed from it. ``init_from`` only when given,
-        so that the settings of runs from before the field existed read and write back unchanged."""
+        """The settings as JSON holds them, in the on-disk layout (see the class docstring): a run's identity and
+        cache key are computed from it. Each trained kind's settings (:func:`state_value`) under its registry line's
+        ``state_key`` in every run (``spire``, ``eagle3``, ``vanilla_layers``: the kind's defaults when another kind
+        is trained), or, for a kind without one, under its ``config_key`` in its own runs only (so that adding a
+        kind leaves the settings of other runs as they were). ``init_from`` only when given, so that the settings of
+        runs from before the field existed read and write back unchanged. Raises ConfigError for a trained kind
+        whose line names no key."""
         d = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "draft_config"}
         if d["init_from"] is None:
             del d["init_from"]
-        own = self.draft_config
-        d["spire"] = (own if self.draft == "spire" else SpireConfig()).to_dict()
-        d["eagle3"] = (own if self.draft == "eagle3" else Eagle3Config()).to_dict()
-        d["vanilla_layers"] = own.n_layers if self.draft == "vanilla" else None
+
+        def order(name: str) -> int:  # STATE_KEY_ORDER's, then the registry's (a stable sort)
+            key = registry.kind(name).state_key
+            return STATE_KEY_ORDER.index(key) if key in STATE_KEY_ORDER else len(STATE_KEY_ORDER)
+
+        for name in sorted(registry.names(trains=True), key=order):
+            line = registry.kind(name)
+            if line.state_key is not None:
+                own = self.draft_config if self.draft == name else registry.trainable_class(name).config_class()
+                d[line.state_key] = state_value(own)
+            elif self.draft == name:
+                if line.config_key is None:
+                    raise ConfigError(f"draft {name!r} is trained but its registry line names no config_key: "
+                                      "its settings could not be saved")
+                d[line.config_key] = state_value(self.draft_config)
         d["loss"] = self.resolved_loss()
         return d
 
@@ -185,14 +208,36 @@ class TrainConfig:
         ConfigError."""
         d = dict(d)
         draft = d.get("draft", "spire")
-        spire, eagle3, vanilla_layers = d.pop("spire", None), d.pop("eagle3", None), d.pop("vanilla_layers", None)
+        saved = {}
+        for name in registry.names(trains=True):
+            line = registry.kind(name)
+            key = line.state_key or line.config_key
+            if key is not None:
+                saved[name] = d.pop(key, None)
         known = {f.name for f in fields(cls)} - {"draft_config"}
         if set(d) - known:
             raise ConfigError(f"unknown training settings {', '.join(sorted(set(d) - known))}")
-        own = {"spire": lambda: SpireConfig(**(spire or {})),
-               "eagle3": lambda: Eagle3Config.from_dict(eagle3) if eagle3 else Eagle3Config(),
-               "vanilla": lambda: VanillaConfig(vanilla_layers)}.get(draft, lambda: None)()
+        own = from_state_value(draft, saved[draft]) if draft in saved else None
         return cls(**d, draft_config=own)
+
+
+def state_value(config):
+    """A draft config (an instance of a trained kind's config class) as a run's ``train_state.json`` holds it: its
+    ``to_state()`` when its class defines one (vanilla's ``n_layers``, the layout of before the config classes),
+    else its ``to_dict()``."""
+    to_state = getattr(config, "to_state", None)
+    return to_state() if to_state is not None else config.to_dict()
+
+
+def from_state_value(kind: str, value):
+    """The settings of trained kind ``kind`` from :func:`state_value`'s form (None or empty: its defaults): its
+    config class's ``from_state`` when it defines one, else its ``from_dict``. Raises ConfigError for a kind
+    `spire train` does not train."""
+    config_class = registry.trainable_class(kind).config_class
+    from_state = getattr(config_class, "from_state", None)
+    if from_state is not None:
+        return from_state(value)
+    return config_class.from_dict(value) if value else config_class()
 
 
 def init_weights_file(path: str | Path) -> Path:
@@ -225,12 +270,7 @@ def init_draft_settings(path: str | Path, kind: str):
                           "the run folder that holds its checkpoint/")
     if found != kind:
         raise CheckpointError(f"--init-from {source}: {DRAFT_KIND_NAMES[found]} draft, not {kind} (--draft {found})")
-    saved = meta[DRAFT_KIND_KEYS[kind]]
-    if kind == "spire":
-        return SpireConfig(**{**saved, "layers": None if saved.get("layers") is None else tuple(saved["layers"])})
-    if kind == "eagle3":
-        return Eagle3Config.from_dict(saved)
-    return VanillaConfig(saved["n_layers"])
+    return registry.trainable_class(kind).config_class.from_dict(meta[DRAFT_KIND_KEYS[kind]])
 
 
 def ablation_config(name: str, **train_kw) -> TrainConfig:

@@ -146,3 +146,9 @@ class SpireConfig:
         if d["vocab_from"] == "frequency":
             del d["vocab_from"]
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpireConfig":
+        """The settings of :meth:`to_dict`'s form (``layers`` as a list or a tuple). Raises TypeError for a key
+        this spire does not know."""
+        return cls(**d)
