@@ -419,3 +419,27 @@ def test_a_sink_window_draft_catches_up_in_its_window_whatever_the_gap(prompt_le
     # for the 1-token prompt, its first 13 AD rounds at once (the first at position 0, in the sink); then the
     # catch-up of the last 12 AD rounds
     assert len(eager_calls) > 60 and calls[: lazy[0][1]] == [13, 12]
+
+
+def test_a_seeded_sampled_request_repeats_under_the_measured_policy(tiny):
+    """Under the measured policy a request sampling with a seed drafts nothing, so its tokens are its AD tokens for
+    that seed whatever the policy chose for others: alone on a fresh engine, and again after greedy requests moved
+    the acceptance and beside a request that drafts, it gives the same tokens as an engine without a draft. A policy
+    that drafts it (the mutant: seeded rows treated as any other) gives other tokens."""
+    seeded = RequestParams(max_tokens=16, temperature=1.0, seed=11, ignore_eos=True)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+
+    def engine():
+        e = Engine(tiny, [_draft("magicdec", tiny)], k=3, max_running=2, max_len=64)
+        e.scheduler.k_policy = MeasuredPolicy(["magicdec"], profile_rounds(e, reps=1),
+                                              Acceptance(1, 3, [0.9]), explore_every=0)
+        e.scheduler.k_policy.costs.predict = lambda w, c, k, s: 1.0 + 0.01 * k  # drafting always pays
+        return e
+
+    ad = _run(Engine(tiny, None, max_running=2, max_len=64), [(0, prompt, seeded)])[0]["tokens"]
+    alone = _run(engine(), [(0, prompt, seeded)])[0]["tokens"]
+    e = engine()
+    _run(e, [(0, [9, 3, 1, 4, 1, 5], RequestParams(max_tokens=12)) for _ in range(3)])
+    beside = _run(e, [(0, [2, 7, 1, 8], RequestParams(max_tokens=20)), (1, prompt, seeded)])
+    assert alone == ad and beside[1]["tokens"] == ad and len(ad) == 16
+    assert any(beside[0]["accepted"])  # the greedy request beside it did draft

@@ -115,7 +115,9 @@ def load_drafts(model, tokenizer, portfolio: list[tuple[str, Optional[str]]], dr
                    else draft_options_for(kind, draft_options))
         d = make_draft(kind, model, tokenizer, path, **options)
         fmt = served_draft_weights(kind, d, model, weights, draft_weights) if d is not None else None
-        round_weights(model, d, kind, weights, fmt if draft_weights is not None or fmt == "int8" else None)
+        # --draft-weights as given (a draft without weights of its own gets round_weights' note), else the default
+        round_weights(model, d, kind, weights, draft_weights if draft_weights is not None
+                      else fmt if fmt == "int8" else None)
         if d is not None:
             drafts.append(d)
             formats.append(fmt)

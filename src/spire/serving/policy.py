@@ -234,7 +234,9 @@ class MeasuredPolicy:
     matches) with the most expected tokens (:class:`Acceptance`), or none; the round's rate is the sum of the
     requests' expected tokens over the seconds :class:`~spire.engine.profile.StepCosts` predicts for (width, mean
     context, k, S). k = 0 (AD, one token per request) is always a candidate, so where no draft pays the policy
-    drafts nothing and the round costs what an AD round costs. A draft unused for ``explore_every`` rounds in a row
+    drafts nothing and the round costs what an AD round costs. A request that samples with a seed drafts nothing: its
+    tokens are then its AD tokens for that seed, whatever the policy chose for the others (a draft's proposals, which
+    the policy's history decides, would change which of its generator's draws make its tokens). A draft unused for ``explore_every`` rounds in a row
     is tried for one round at k = 1 where it proposes, so that its acceptance keeps being measured; each try that
     the policy would not have chosen doubles that interval (up to 64x), and the interval resets once the draft is
     chosen again.
@@ -268,7 +270,10 @@ class MeasuredPolicy:
         left = [r.params.max_tokens - len(r.emitted) for r in running]
         ad_rate = sum(min(1.0, max(1, x)) for x in left) / self.costs.predict(width, context, 0, ())
         best = (ad_rate, RoundChoice.uniform(n, 0), 0.0)
-        can = [[p is None or bool(p[i]) for i in range(n)] for p in proposes]
+        # a seeded sampled request drafts nothing: its draws are then its AD draws, one per token, whatever the
+        # other requests' acceptance made the policy choose (docs/serving.md: a seeded request repeats)
+        free = [r.params.seed is None or r.sampling.greedy for r in running]
+        can = [[free[i] and (p is None or bool(p[i])) for i in range(n)] for p in proposes]
         for k in range(1, cap + 1):
             gains = [[self.acceptance.expected(d, self._mode(r), r.id, k, left[i]) if can[d][i] else 0.0
                       for i, r in enumerate(running)] for d in range(len(self.names))]
