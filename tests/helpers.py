@@ -26,14 +26,14 @@ class NoisyTargetDraft(Draft):
         self.cache = target.new_cache(batch_size, max_len)
         self.gen = torch.Generator().manual_seed(self.seed)
 
-    def observe(self, tokens, pos, target_out, valid=None) -> None:
+    def observe(self, tokens, pos, target_out, valid=None, span=None) -> None:
         self.target(tokens, pos, self.cache)  # re-sync this draft's cache on everything the target saw
 
     def restart_rows(self, rows) -> None:
         """Nothing to forget for rows that all start together (``spire tau``'s batches on the engine); its observe
         writes every row, so it is not fit for requests joining a running batch."""
 
-    def step(self, tokens, pos):
+    def step(self, tokens, pos, span=None):
         logits = self.target(tokens, pos, self.cache).logits[:, -1]
         return logits + self.noise * logits.std() * torch.randn(logits.shape, generator=self.gen)
 

@@ -346,7 +346,7 @@ def test_bad_requests_and_drafts_are_refused(tiny):
         def start(self, *a):
             pass
 
-        def step(self, tokens, pos):
+        def step(self, tokens, pos, span=None):
             raise AssertionError
 
     with pytest.raises(ConfigError, match="static-only"):

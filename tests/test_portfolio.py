@@ -127,7 +127,7 @@ class SkipsAdUpdates(SpireDraft):
         super().__init__(model)
         self.defer_observe = 0
 
-    def observe(self, tokens, pos, target_out, valid=None):
+    def observe(self, tokens, pos, target_out, valid=None, span=None):
         if tokens.shape[1] == 1 and valid is None:  # an AD round's commit (a prefill passes its valid mask)
             return
         super().observe(tokens, pos, target_out, valid)

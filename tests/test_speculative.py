@@ -135,7 +135,7 @@ class _CheckingDraft:
     def observe(self, *a, **kw):
         self.inner.observe(*a, **kw)
 
-    def step(self, tokens, pos):
+    def step(self, tokens, pos, span=None):
         self.calls += 1
         if (self.calls - 1) % self.k:  # later steps of a round: drafted positions hold draft keys/values
             return self.inner.step(tokens, pos)
