@@ -337,8 +337,8 @@ def serve(
                     max_request_bytes=max_request_bytes)
     how = {"measured": " at most, per request by measured costs and acceptance",
            "cost-model": " chosen per round by the cost model"}.get(k_policy, "") if policy else ""
-    own = ", ".join(f"{d.name} {f}" for d, f in zip(engine.drafts, formats) if f)
-    why = f"{why}; weights {own}" if own else why
+    own = ", ".join(f"{d.name} weights {f}" for d, f in zip(engine.drafts, formats) if f)
+    why = f"{why}; {own}" if own else why
     typer.echo(f"spire serve: target {target}, draft {kind} ({why}), k {engine.k}{how}, {max_running} slots x "
                f"{engine.max_len} positions, at most {max_waiting} waiting, prefill "
                f"{f'in chunks of {prefill_chunk} tokens' if prefill_chunk else 'whole'}; http://{host}:{port}/v1",
