@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from spire.drafts.ngram import (NgramConfig, NgramDraft, load_draft, match_sources, ngram_propose,
+from spire.drafts.ngram import (NgramConfig, NgramDraft, host_source, load_draft, match_sources, ngram_propose,
                                 ngram_source)
 from spire.errors import ConfigError
 from spire.sampling import SamplingParams, probs_from_logits, sample
@@ -132,6 +132,58 @@ def test_vectorized_lookup_matches_the_reference():
         for r in range(R):
             ref = ngram_source(buf[r, : pos[r] + 1].tolist(), n_min, n_max)
             assert got[r] == (-1 if ref is None else ref)
+
+
+def test_host_lookup_matches_the_reference():
+    """host_source (the engine's lookup over the host's token ids) on random contexts with many matches and ties,
+    contexts of one token and bounds longer than the context included."""
+    rng = random.Random(1)
+    for _ in range(400):
+        ctx = [rng.randrange(rng.choice([2, 3, 7])) for _ in range(rng.randint(1, 48))]
+        n_min = rng.randint(1, 4)
+        n_max = rng.randint(n_min, 6)
+        ref = ngram_source(ctx, n_min, n_max)
+        assert host_source(ctx, n_min, n_max) == (-1 if ref is None else ref)
+
+
+def test_the_engine_s_host_lookup_is_the_device_s(tiny):
+    """In the engine, the n-gram draft answers the round policy from the host's token ids (no read of the device):
+    at every round its answer and its first proposals equal those of the lookup on the device, for rows of
+    different lengths joining and leaving."""
+    from spire.engine.engine import Engine
+    from spire.params import RequestParams
+
+    draft = NgramDraft(NgramConfig(1, 3))
+    engine = Engine(tiny, [draft], k=3, max_running=3, max_len=96)
+    seen, real = [], NgramDraft.proposes
+
+    def both(self, tokens, pos, span=None, contexts=None):
+        on_device = real(self, tokens, pos, span=None).tolist()
+        got = real(self, tokens, pos, span=span, contexts=contexts)
+        assert isinstance(got, list)
+        rows = [i for i, c in enumerate(contexts) if c is not None]
+        assert [got[i] for i in rows] == [on_device[i] for i in rows]
+        assert all(len(contexts[i]) == int(pos[i, 0]) + 1 for i in rows)
+        seen.append(sum(got[i] for i in rows))
+        return got
+
+    for i, prompt in enumerate(_random_prompts([9, 14, 5, 20], seed=3, vocab=4)):
+        engine.add_request(prompt, RequestParams(max_tokens=12 + 3 * i, ignore_eos=True))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(NgramDraft, "proposes", both)
+        outs = {}
+        while engine.has_work():
+            for o in engine.step():
+                outs.setdefault(o.request_id, []).extend(o.new_tokens)
+    assert len(seen) > 5 and sum(seen) > 0
+    ad = Engine(tiny, None, max_running=3, max_len=96)
+    for i, prompt in enumerate(_random_prompts([9, 14, 5, 20], seed=3, vocab=4)):
+        ad.add_request(prompt, RequestParams(max_tokens=12 + 3 * i, ignore_eos=True))
+    ad_outs = {}
+    while ad.has_work():
+        for o in ad.step():
+            ad_outs.setdefault(o.request_id, []).extend(o.new_tokens)
+    assert outs == ad_outs
 
 
 def test_rows_read_only_their_own_tokens(tiny):

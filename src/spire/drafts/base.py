@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -67,11 +67,15 @@ class Draft(ABC):
         round on the whole batch."""
         return False
 
-    def proposes(self, tokens: torch.Tensor, pos: torch.Tensor, span: Span | None = None) -> torch.Tensor | None:
+    def proposes(self, tokens: torch.Tensor, pos: torch.Tensor, span: Span | None = None,
+                 contexts: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor | list[bool] | None:
         """Whether the next :meth:`step` at ``tokens``, ``pos`` (B, 1) has a real proposal for each row: (B,) bool, or
         None when it always has one (a model's draft). A draft that proposes only where it finds something (the
         n-gram lookup) says where it does, so that a round policy gives the other rows to another draft or none.
-        Reads the draft's state without changing it. ``span``: pos on the host, as for :meth:`step`."""
+        Reads the draft's state without changing it. ``span``: pos on the host, as for :meth:`step`. ``contexts``:
+        each row's tokens at positions 0..pos (the pending token last) as the host knows them (None for a row
+        without a request): a draft that can decide from them returns a host list of B bools and reads nothing
+        back from the device."""
         return None
 
     def cost_shape(self, target):

@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from spire.drafts.base import Draft
@@ -107,6 +108,20 @@ def ngram_propose(context: Sequence[int], k: int, cfg: NgramConfig | None = None
         out.append(tok)
         ext.append(tok)
     return out
+
+
+def host_source(context: Sequence[int] | np.ndarray, n_min: int, n_max: int) -> int:
+    """The lookup of :func:`ngram_source` on the host, vectorized with numpy (vLLM's n-gram proposer also runs on
+    the CPU over the token ids the scheduler holds): the index in ``context`` (a row's tokens, the pending one
+    last) of the first token to propose, or -1. O(n · L) per n tried, n from min(n_max, L - 1) down to n_min."""
+    ctx = np.asarray(context, dtype=np.int64)
+    L = len(ctx)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        ends = np.lib.stride_tricks.sliding_window_view(ctx[: L - 1], n)  # occurrences ending before the last
+        hits = np.flatnonzero((ends == ctx[L - n:]).all(1))
+        if hits.size:
+            return int(hits[0]) + n  # the token after the earliest occurrence
+    return -1
 
 
 def match_sources(buf: torch.Tensor, pos: torch.Tensor, n_min: int, n_max: int, stop_early: bool = True
@@ -186,14 +201,22 @@ class NgramDraft(Draft):
         self.src[rows], self.last_pos[rows], self.last_tok[rows] = -1, -2, -1
         self._probe = None
 
-    def proposes(self, tokens: torch.Tensor, pos: torch.Tensor, span: Span | None = None) -> torch.Tensor:
+    def proposes(self, tokens: torch.Tensor, pos: torch.Tensor, span: Span | None = None,
+                 contexts: Sequence[Sequence[int] | None] | None = None) -> torch.Tensor | list[bool]:
         """(B,) bool: whether the lookup at the next :meth:`step` (``tokens``, ``pos`` (B, 1), a round's first) finds
         an n-gram match in each row's context, i.e. proposes a token of the context rather than nothing. The lookup
         is kept for that step (it is not made twice); the state is not changed. With ``span`` (pos on the host)
-        nothing is read back."""
+        nothing is read back. With ``span`` and ``contexts`` (each row's tokens at 0..pos, the pending one last,
+        as the host holds them; None: a row without a request) the lookup runs on the host (:func:`host_source`)
+        and the answer is a host list: the engine's round then reads the device once."""
         assert self.buf is not None, "call start() first"
         tok = tokens[:, 0].to(self.buf.device, torch.int64)
         p = pos[:, 0].to(self.buf.device, torch.int64)
+        if contexts is not None and span is not None:
+            found = [-1 if c is None else host_source(c, self.cfg.n_min, self.cfg.n_max) for c in contexts]
+            src = torch.tensor(found, dtype=torch.int64).to(self.buf.device, non_blocking=True)
+            self._probe = (p, tok, src, span.starts)
+            return [s >= 0 for s in found]
         width = min((span.hi if span is not None else int(p.max())) + 1, self.max_len)
         rows = torch.arange(len(p), device=p.device)
         buf = self.buf[:, :width].clone()

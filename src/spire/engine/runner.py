@@ -255,10 +255,15 @@ class Runner:
             return []
         pending, pos0 = self.pending[: self.width], self.n[: self.width] - 1
         at = Span([n - 1 for n in self.n_host[: self.width]], 1)
+        contexts: list[list[int] | None] = [None] * self.width  # each row's tokens 0..pos0, as the host has them
+        for r in running:
+            contexts[r.slot] = r.prompt + r.emitted
         out = []
         for draft in self.drafts:
-            p = draft.proposes(pending[:, None], pos0[:, None], span=at)
-            out.append(None if p is None else [bool(v) for v in p[[r.slot for r in running]].tolist()])
+            p = draft.proposes(pending[:, None], pos0[:, None], span=at, contexts=contexts)
+            if isinstance(p, torch.Tensor):
+                p = p.tolist()  # a draft that looks on the device: one more read
+            out.append(None if p is None else [bool(p[r.slot]) for r in running])
         return out
 
     def round(self, running: Sequence[Request], choice: RoundChoice | int) -> RoundOutput:
