@@ -248,6 +248,23 @@ def test_bad_requests_get_a_4xx_naming_the_field_and_the_server_keeps_serving(pa
     assert running.engine.num_running == 0
 
 
+@pytest.mark.parametrize("body, message", [
+    ({"stop": [1]}, 'stop: must be a string or a list of strings, got [1]'),
+    ({"stop": 5}, 'stop: must be a string or a list of strings, got 5'),
+    ({"prompt": {"a": 1}}, 'prompt: must be a string, a list of token ids, a list of strings or a list of lists of '
+                           'token ids, got {"a": 1}'),
+    ({"max_tokens": "many"}, 'max_tokens: Input should be a valid integer, got "many"'),
+])
+def test_a_value_of_no_member_of_a_union_field_is_named_by_the_field_and_what_it_may_be(body, message):
+    """A new user's "stop": [1] got pydantic's error per union member ("stop.str: ..."): one line names the field
+    and the types it takes; a field of one type keeps pydantic's own wording."""
+    from spire.serving.protocol import ApiError, validate
+
+    with pytest.raises(ApiError) as e:
+        validate({"model": "tiny", "prompt": "x", **body}, chat=False)
+    assert e.value.status == 400 and e.value.param == next(iter(body)) and e.value.message == message
+
+
 def test_api_key(parts):
     from openai import AuthenticationError
 

@@ -205,11 +205,26 @@ NO_EFFECT = ("user", "metadata", "store", "service_tier", "prompt_cache_key", "s
 spire serve's behaviour (``store: false``, ``spaces_between_special_tokens: true``, ``use_beam_search: false``)."""
 
 
+UNION_MEMBERS = {"str": "a string", "int": "an integer", "float": "a number", "bool": "true or false",
+                 "list[str]": "a list of strings", "list[int]": "a list of token ids",
+                 "list[list[int]]": "a list of lists of token ids"}
+"""How a 400 names each member of a field typed as a union (pydantic tags each member's error with its type)."""
+
+
 def _validation_error(e: ValidationError) -> ApiError:
-    """The first pydantic error as a 400 naming its top-level field."""
-    err = e.errors(include_url=False)[0]
+    """The first pydantic error as a 400 naming its top-level field. A value that matches no member of a union
+    field (``"stop": [1]``) is named by the field and what it may be ("stop: must be a string or a list of
+    strings, got [1]"), not by pydantic's error per member."""
+    errors = e.errors(include_url=False)
+    err = errors[0]
     loc = [str(x) for x in err["loc"]]
     param = loc[0] if loc else None
+    members = list(dict.fromkeys(str(x["loc"][1]) for x in errors if len(x["loc"]) > 1 and str(x["loc"][0]) == param))
+    if len(members) > 1 and all(m in UNION_MEMBERS for m in members):
+        got = json.dumps(err.get("input"), default=str)
+        got = got if len(got) <= 60 else got[:57] + "..."
+        names = [UNION_MEMBERS[m] for m in members]
+        return bad(param, f"{param}: must be {', '.join(names[:-1])} or {names[-1]}, got {got}")
     if err["type"] == "extra_forbidden":
         return ApiError(400, f"Unrecognized request argument supplied: {'.'.join(loc)} (spire serve does not "
                              "implement it; docs/serving.md lists the fields)", param, "unknown_parameter")
