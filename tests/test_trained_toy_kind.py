@@ -7,6 +7,7 @@ and run settings are the ones of before."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -95,3 +96,49 @@ def test_a_trained_kinds_draft_file_and_names_come_from_its_line(monkeypatch, tm
     assert init_draft_settings(path, "toy") == ToyConfig(7, 2)
     with pytest.raises(CheckpointError, match=r"a toy draft, not spire \(--draft toy\)"):
         init_draft_settings(path, "spire")
+
+
+def test_a_run_folder_resolves_by_its_kinds_declared_layout(monkeypatch, tmp_path):
+    """resolve_draft_path reads each kind's run layout from its line (:attr:`registry.Kind.run_weights`): the
+    existing kinds resolve as before (SPIRe's draft.safetensors, vanilla's draft/, EAGLE-3's run folder itself), a
+    toy run folder resolves to its own file, and a run folder of another trained kind is refused with one message
+    naming that kind and how to give it (``--draft KIND --draft-path PATH``, which every command that takes drafts
+    has); the run folder's own names include the toy's."""
+    from spire.formats.draft_file import resolve_draft_path
+    from spire.training.runfolder import is_own
+
+    _add(monkeypatch, dataclasses.replace(TOY, run_weights="toy.safetensors"))
+    runs = {k: tmp_path / k for k in ("spire", "vanilla", "eagle3", "toy")}
+    for r in runs.values():
+        (r / "checkpoint").mkdir(parents=True)
+    (runs["spire"] / "draft.safetensors").write_bytes(b"x")
+    (runs["vanilla"] / "draft").mkdir()
+    (runs["eagle3"] / "eagle3").mkdir()
+    (runs["toy"] / "toy.safetensors").write_bytes(b"x")
+    assert resolve_draft_path("spire", runs["spire"]) == runs["spire"] / "draft.safetensors"
+    assert resolve_draft_path("vanilla", runs["vanilla"]) == runs["vanilla"] / "draft"
+    assert resolve_draft_path("eagle3", runs["eagle3"]) == runs["eagle3"]
+    assert resolve_draft_path("toy", runs["toy"]) == runs["toy"] / "toy.safetensors"
+    assert resolve_draft_path("toy", runs["toy"] / "toy.safetensors") == runs["toy"] / "toy.safetensors"
+    for asked, given, named, has in (("spire", "vanilla", "a vanilla", "draft/"), ("vanilla", "spire", "a SPIRe",
+                                     "draft.safetensors"), ("spire", "eagle3", "an EAGLE-3", "eagle3/"),
+                                     ("toy", "spire", "a SPIRe", "draft.safetensors"),
+                                     ("spire", "toy", "a toy", "toy.safetensors")):
+        with pytest.raises(CheckpointError) as e:
+            resolve_draft_path(asked, runs[given])
+        msg = str(e.value)
+        assert f"is {named} draft run (it has {has}" in msg, msg
+        assert msg.endswith(f"give it as --draft {given} --draft-path {runs[given]}"), msg
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"holds no SPIRe draft \(draft.safetensors\): it is an HF model folder"):
+        resolve_draft_path("spire", tmp_path / "hf")
+    assert resolve_draft_path("toy", tmp_path / "hf") == tmp_path / "hf"  # a kind that takes folders reads it
+    assert is_own("toy.safetensors") and is_own(".toy.safetensors.abc.tmp") and not is_own("toy.safetensors.old")
+    assert is_own("draft.old") and not is_own("notes.txt")
+
+
+def test_the_existing_kinds_declare_their_models_run_layout():
+    """A kind's line declares what its model writes in its run folder (so light code reads it without torch)."""
+    for name in registry.names(trains=True):
+        assert registry.kind(name).run_weights == registry.impl(name).model.export_name, name
