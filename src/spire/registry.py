@@ -6,13 +6,15 @@ options). Its line here (:class:`Kind`) holds what the light parts of spire need
 name, a one-line summary, whether it takes a ``--draft-path``, whether ``spire train`` trains it, how the cost
 model prices it (:class:`Pricing`), and what a trained kind's files say of it: the draft file's metadata key of its
 settings (:attr:`Kind.config_key`, also their key in a run's ``train_state.json``), how a message names a draft of
-it (:attr:`Kind.display_name`) and the vLLM speculative method of its export (:attr:`Kind.vllm_method`). The CLI, ``spire tau``, ``spire bench``, ``spire throughput``, the main job
-and export read the kinds from here (:func:`names`, :func:`kind`, :func:`impl`).
+it (:attr:`Kind.display_name`), the vLLM speculative method of its export (:attr:`Kind.vllm_method`), its run
+folder's layout (:attr:`Kind.run_weights`) and its `spire train` options (:attr:`Kind.train_options`). The CLI,
+``spire train``, ``spire tau``, ``spire bench``, ``spire throughput``, the main job and export read the kinds from
+here (:func:`names`, :func:`kind`, :func:`impl`).
 
 Adding a seventh kind: write ``spire/drafts/<name>.py`` with its ``KIND``, its tests, and one line in
-:data:`KINDS` (a trained kind's line also names its ``config_key``, its ``display_name`` and, when vLLM runs its
-export, its ``vllm_method``). The tables other modules keep of the kinds are views of these lines
-(:class:`KindTable`).
+:data:`KINDS` (a trained kind's line also names its ``config_key``, its ``display_name``, its ``run_weights``, its
+``train_options`` and, when vLLM runs its export, its ``vllm_method``). The tables other modules keep of the kinds
+are views of these lines (:class:`KindTable`).
 
 This module imports nothing heavy; :func:`impl` imports the kind's module (and torch) on first use.
 """
