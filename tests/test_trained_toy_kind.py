@@ -25,11 +25,13 @@ from spire.integrations import vllm_export
 from spire.training.checkpoint import _check_saved_config
 from spire.training.config import TrainConfig, init_draft_settings
 from tests.test_train_config import EAGLE3_RUN, SPIRE_RUN, VANILLA_RUN
-from tests.toy_trained_draft import TRAIN_OPTIONS, ToyConfig
+from tests.toy_trained_draft import ToyConfig
 
 TOY = registry.Kind("toy", "tests.toy_trained_draft", "a toy trained kind", "required", True,
                     registry.Pricing(kv="full", layers=1), config_key="toy_config", display_name="a toy",
-                    vllm_method="draft_model", run_weights="toy.safetensors", train_options=TRAIN_OPTIONS)
+                    vllm_method="draft_model", run_weights="toy.safetensors",
+                    train_options=(registry.TrainOption("toy_width", int, "Toy: hidden columns of each block [2].",
+                                                        "width"),))
 
 
 def _add(monkeypatch, line: registry.Kind) -> None:
@@ -192,10 +194,11 @@ ROOT = Path(__file__).resolve().parents[1]
 ADD_THE_LINE = """
 import sys
 import spire.registry as registry
-from tests.toy_trained_draft import TRAIN_OPTIONS
 line = registry.Kind("toy", "tests.toy_trained_draft", "a toy trained kind", "required", True,
                      registry.Pricing(kv="full", layers=1), config_key="toy_config", display_name="a toy",
-                     run_weights="toy.safetensors", train_options=TRAIN_OPTIONS)
+                     run_weights="toy.safetensors",
+                     train_options=(registry.TrainOption("toy_width", int, "Toy: hidden columns of each block [2].",
+                                                         "width"),))
 registry.KINDS = registry.KINDS + (line,)
 registry._BY_NAME["toy"] = line
 from spire.cli import main
@@ -209,6 +212,18 @@ def _run(*args: str, cache: Path) -> subprocess.CompletedProcess:
                                "SPIRE_CACHE": str(cache)}, timeout=600)
 
 
+def _cache(tmp_path: Path) -> Path:
+    """A throwaway SPIRE_CACHE that reuses the real one's converted model and prepared data (as
+    tests/test_reproduce.py does): the runs and measurements of the test go there."""
+    real = Path(os.environ.get("SPIRE_CACHE") or Path.home() / ".cache" / "spire")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for sub in ("models", "data", "sdist"):
+        if (real / sub).exists():
+            (cache / sub).symlink_to(real / sub)
+    return cache
+
+
 @pytest.mark.slow  # spire's commands on the embedded target, each in a fresh interpreter (about a minute)
 def test_a_trained_kind_lives_through_spire_from_its_module_and_line(smollm2, tmp_path):
     """The toy trained kind, its module and one registry line added before spire's CLI is imported: `spire train
@@ -216,7 +231,7 @@ def test_a_trained_kind_lives_through_spire_from_its_module_and_line(smollm2, tm
     `spire tau` and `spire generate` (greedy: the target's own tokens) read the run folder, `spire export --no-vllm`
     writes a folder that --draft-path reads back, and a run folder given as another kind is one error naming the
     toy and how to give it."""
-    cache = tmp_path / "cache"
+    cache = _cache(tmp_path)
     text = tmp_path / "text"
     text.mkdir()
     words = "river stone light garden window morning letter quiet market winter bridge paper".split()
@@ -264,3 +279,22 @@ def test_a_trained_kind_lives_through_spire_from_its_module_and_line(smollm2, tm
     assert wrong.returncode != 0 and len(err) == 1, wrong.stderr
     assert f"is a toy draft run (it has toy.safetensors, no draft.safetensors): give it as --draft toy " \
            f"--draft-path {run}" in err[0]
+
+
+@pytest.mark.slow  # the main job, tiny, in a subprocess (a few minutes on 2 loaded cores)
+def test_spire_reproduce_trains_and_measures_a_trained_kind_of_the_registry(smollm2, tmp_path):
+    """`spire reproduce --quick` trains every trained kind of the registry: the toy (beside the recipe's SPIRe and
+    vanilla) trains at its defaults for SPIRe's steps and is measured, priced and reported like the others."""
+    out = tmp_path / "out"
+    res = _run("reproduce", "--quick", "--out", str(out), "--steps", "1", "--vanilla-steps", "1", "--no-eagle3",
+               "--target-cache", "none", "--n-contexts", "2", "-L", "64", "-G", "8", "--tau-L", "32",
+               "--tau-L-contexts", "2", "--tau-k", "4", "--tau-k-contexts", "2", "--diagnose-contexts", "0",
+               cache=_cache(tmp_path))
+    assert res.returncode == 0, res.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    toy = results["trainings"]["toy"]
+    assert toy["draft"] == "toy" and toy["steps"] == 1 and toy["loss"] == "hard"
+    assert {(t["draft"], t["temperature"]) for t in results["tau"] if t["draft"] == "toy"} == {("toy", 0.0),
+                                                                                              ("toy", 1.0)}
+    assert "toy" in {r["draft"] for r in results["throughput"]["measured"]["T=0"]}
+    assert "| toy |" in (out / "REPORT.md").read_text()

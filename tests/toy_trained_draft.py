@@ -6,7 +6,8 @@ The draft: the target's token embedding (read, not trained), ``depth`` residual 
 columns, an RMS norm and the target's head: the next token's logits from the current token alone (a learned
 bigram over the target's embedding space). Its run folder holds ``toy.safetensors`` (its registry line's
 ``run_weights``), a spire draft file whose metadata key ``toy_config`` holds :class:`ToyConfig`; its export folder
-holds the same file beside a ``config.json``.
+holds the same file beside a ``config.json``. Its one `spire train` option, ``--toy-width`` (:attr:`ToyConfig.width`),
+is declared on its registry line (``train_options``), where the CLI reads it without importing this module.
 """
 
 from __future__ import annotations
@@ -23,13 +24,10 @@ from spire.drafts.base import Draft
 from spire.errors import CheckpointError, ConfigError
 from spire.formats.draft_file import (FORMAT_VERSION, draft_file_kind, fingerprint, read_draft_file, read_draft_meta,
                                       resolve_draft_path, settings_diff, write_draft_file)
-from spire.registry import DraftImpl, TrainOption
+from spire.registry import DraftImpl
 
 EXPORT_NAME = "toy.safetensors"
 """The toy's draft file in its run folder and in its export folder."""
-
-TRAIN_OPTIONS = (TrainOption("toy_width", int, "Toy: hidden columns of each block [2].", "width"),)
-"""The toy's `spire train` options (its registry line's ``train_options``): ``--toy-width``."""
 
 
 @dataclass
@@ -59,8 +57,8 @@ class ToyConfig:
 
 class ToyDraftModel(nn.Module):
     """The toy kind's trainable draft (:class:`spire.drafts.base.TrainableDraft`). Its own weights are the blocks
-    (``layers``) and the norm; the embedding and the head are the target's, kept outside its parameters (never trained or
-    saved)."""
+    (``layers``) and the norm; the embedding and the head are the target's, kept outside its parameters (never
+    trained or saved)."""
 
     kind, default_loss, export_name = "toy", "hard", EXPORT_NAME
     config_class = ToyConfig

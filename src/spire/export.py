@@ -70,8 +70,9 @@ def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, o
     Returns ``out``.
 
     Raises:
-        ConfigError: k < 1, a kind that is not trained or whose module declares no export, or (``vllm``) a draft vLLM cannot run (its kind, its
-            target's family, its layer ids, a SPIRe draft spire's plugin cannot run); nothing is written then.
+        ConfigError: k < 1, a kind that is not trained or whose module declares no export, or (``vllm``) a draft
+            vLLM cannot run (its kind, its target's family, its layer ids, a SPIRe draft spire's plugin cannot run);
+            nothing is written then.
         CheckpointError: a missing or unreadable draft.
         TokenizerMismatchError: a draft trained for another target.
     """
