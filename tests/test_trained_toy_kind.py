@@ -8,6 +8,10 @@ and run settings are the ones of before."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +29,9 @@ from tests.toy_trained_draft import ToyConfig
 
 TOY = registry.Kind("toy", "tests.toy_trained_draft", "a toy trained kind", "required", True,
                     registry.Pricing(kv="full", layers=1), config_key="toy_config", display_name="a toy",
-                    vllm_method="draft_model")
+                    vllm_method="draft_model", run_weights="toy.safetensors",
+                    train_options=(registry.TrainOption("toy_width", int, "Toy: hidden columns of each block [2].",
+                                                        "width"),))
 
 
 def _add(monkeypatch, line: registry.Kind) -> None:
@@ -95,3 +101,200 @@ def test_a_trained_kinds_draft_file_and_names_come_from_its_line(monkeypatch, tm
     assert init_draft_settings(path, "toy") == ToyConfig(7, 2)
     with pytest.raises(CheckpointError, match=r"a toy draft, not spire \(--draft toy\)"):
         init_draft_settings(path, "spire")
+
+
+def test_a_run_folder_resolves_by_its_kinds_declared_layout(monkeypatch, tmp_path):
+    """resolve_draft_path reads each kind's run layout from its line (:attr:`registry.Kind.run_weights`): the
+    existing kinds resolve as before (SPIRe's draft.safetensors, vanilla's draft/, EAGLE-3's run folder itself), a
+    toy run folder resolves to its own file, and a run folder of another trained kind is refused with one message
+    naming that kind and how to give it (``--draft KIND --draft-path PATH``, which every command that takes drafts
+    has); the run folder's own names include the toy's."""
+    from spire.formats.draft_file import resolve_draft_path
+    from spire.training.runfolder import is_own
+
+    _add(monkeypatch, TOY)
+    runs = {k: tmp_path / k for k in ("spire", "vanilla", "eagle3", "toy")}
+    for r in runs.values():
+        (r / "checkpoint").mkdir(parents=True)
+    (runs["spire"] / "draft.safetensors").write_bytes(b"x")
+    (runs["vanilla"] / "draft").mkdir()
+    (runs["eagle3"] / "eagle3").mkdir()
+    (runs["toy"] / "toy.safetensors").write_bytes(b"x")
+    assert resolve_draft_path("spire", runs["spire"]) == runs["spire"] / "draft.safetensors"
+    assert resolve_draft_path("vanilla", runs["vanilla"]) == runs["vanilla"] / "draft"
+    assert resolve_draft_path("eagle3", runs["eagle3"]) == runs["eagle3"]
+    assert resolve_draft_path("toy", runs["toy"]) == runs["toy"] / "toy.safetensors"
+    assert resolve_draft_path("toy", runs["toy"] / "toy.safetensors") == runs["toy"] / "toy.safetensors"
+    for asked, given, named, has in (("spire", "vanilla", "a vanilla", "draft/"), ("vanilla", "spire", "a SPIRe",
+                                     "draft.safetensors"), ("spire", "eagle3", "an EAGLE-3", "eagle3/"),
+                                     ("toy", "spire", "a SPIRe", "draft.safetensors"),
+                                     ("spire", "toy", "a toy", "toy.safetensors")):
+        with pytest.raises(CheckpointError) as e:
+            resolve_draft_path(asked, runs[given])
+        msg = str(e.value)
+        assert f"is {named} draft run (it has {has}" in msg, msg
+        assert msg.endswith(f"give it as --draft {given} --draft-path {runs[given]}"), msg
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    with pytest.raises(CheckpointError, match=r"holds no SPIRe draft \(draft.safetensors\): it is an HF model folder"):
+        resolve_draft_path("spire", tmp_path / "hf")
+    assert resolve_draft_path("toy", tmp_path / "hf") == tmp_path / "hf"  # a kind that takes folders reads it
+    assert is_own("toy.safetensors") and is_own(".toy.safetensors.abc.tmp") and not is_own("toy.safetensors.old")
+    assert is_own("draft.old") and not is_own("notes.txt")
+
+
+def test_the_existing_kinds_declare_their_models_run_layout():
+    """A kind's line declares what its model writes in its run folder (so light code reads it without torch)."""
+    for name in registry.names(trains=True):
+        assert registry.kind(name).run_weights == registry.impl(name).model.export_name, name
+
+
+def test_a_trained_kinds_train_options_are_flags_of_spire_train(monkeypatch):
+    """The toy's declared option becomes ``--toy-width`` of the train command (beside the existing kinds' flags,
+    unchanged), sets its config's field, and given with another --draft is refused naming the flag."""
+    import inspect
+
+    from spire.commands.options import with_train_options
+    from spire.commands.train import TrainRunArgs, _refuse_foreign, args_from_options, draft_option
+
+    _add(monkeypatch, TOY)
+
+    def command(ctx=None, device: str = "auto") -> None:
+        pass
+    params = inspect.signature(with_train_options(before="device")(command)).parameters
+    assert list(params)[-1] == "device" and "toy_width" in params and "n_draft_layers" in params
+    assert "vocab_size" in params and "eagle3_layers" in params
+    base = {"draft": "toy", "target": "t", "data": ["registry"], "out": None, "ablation": "none", "resume": False,
+            "device": "cpu", "eval_windows": None, **{name: None for name in params if name not in ("ctx", "device")}}
+    args = args_from_options(base, {"toy_width": 3}, log=lambda _: None)
+    assert args.draft_overrides == {"toy": {"width": 3}} and draft_option("toy", "width", 3) == "--toy-width"
+    with pytest.raises(ConfigError, match="--toy-width: an option of --draft toy, not of --draft spire"):
+        _refuse_foreign(TrainRunArgs(draft="spire", draft_overrides=args.draft_overrides))
+    # the existing kinds' options as before: a J,J list, a switch, 0 as the whole vocabulary
+    args = args_from_options({**base, "draft": "spire", "full_kv": True}, {"layers": "1,3", "draft_vocab": 0},
+                             log=lambda _: None)
+    assert args.draft_overrides == {"spire": {"layers": (1, 3), "vocab_size": None, "window": None}}
+    with pytest.raises(ConfigError, match="--eagle3-layers: 'x' is not an integer"):
+        args_from_options(base, {"eagle3_layers": "1,x"}, log=lambda _: None)
+
+
+def test_a_trained_kind_without_an_export_is_one_error(monkeypatch, tmp_path):
+    """`spire export` of a trained kind whose module declares no export: one ConfigError, nothing written."""
+    import tests.toy_trained_draft as toy
+    from spire.export import export_draft
+
+    _add(monkeypatch, TOY)
+    monkeypatch.setattr(toy, "KIND", registry.DraftImpl(load=toy.load_draft, model=toy.ToyDraftModel))
+    with pytest.raises(ConfigError, match="--draft toy declares no export"):
+        export_draft("toy", tmp_path, None, "t", tmp_path / "out", vllm=False)
+    assert not (tmp_path / "out").exists()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+ADD_THE_LINE = """
+import sys
+import spire.registry as registry
+line = registry.Kind("toy", "tests.toy_trained_draft", "a toy trained kind", "required", True,
+                     registry.Pricing(kv="full", layers=1), config_key="toy_config", display_name="a toy",
+                     run_weights="toy.safetensors",
+                     train_options=(registry.TrainOption("toy_width", int, "Toy: hidden columns of each block [2].",
+                                                         "width"),))
+registry.KINDS = registry.KINDS + (line,)
+registry._BY_NAME["toy"] = line
+from spire.cli import main
+main(sys.argv[1:])
+"""
+
+
+def _run(*args: str, cache: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", ADD_THE_LINE, *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": f"{ROOT / 'src'}:{ROOT}", "OMP_NUM_THREADS": "1",
+                               "SPIRE_CACHE": str(cache)}, timeout=600)
+
+
+def _cache(tmp_path: Path) -> Path:
+    """A throwaway SPIRE_CACHE that reuses the real one's converted model and prepared data (as
+    tests/test_reproduce.py does): the runs and measurements of the test go there."""
+    real = Path(os.environ.get("SPIRE_CACHE") or Path.home() / ".cache" / "spire")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for sub in ("models", "data", "sdist"):
+        if (real / sub).exists():
+            (cache / sub).symlink_to(real / sub)
+    return cache
+
+
+@pytest.mark.slow  # spire's commands on the embedded target, each in a fresh interpreter (about a minute)
+def test_a_trained_kind_lives_through_spire_from_its_module_and_line(smollm2, tmp_path):
+    """The toy trained kind, its module and one registry line added before spire's CLI is imported: `spire train
+    --draft toy` (with its own --toy-width) trains it into a run folder, `--resume` takes it to more steps,
+    `spire tau` and `spire generate` (greedy: the target's own tokens) read the run folder, `spire export --no-vllm`
+    writes a folder that --draft-path reads back, and a run folder given as another kind is one error naming the
+    toy and how to give it."""
+    cache = _cache(tmp_path)
+    text = tmp_path / "text"
+    text.mkdir()
+    words = "river stone light garden window morning letter quiet market winter bridge paper".split()
+    for n in range(8):
+        paras = [" ".join(words[(i * 7 + j * 3 + n) % len(words)] for j in range(60)) + "." for i in range(12)]
+        (text / f"notes{n}.txt").write_text("\n\n".join(paras))
+
+    def spire(*args: str) -> str:
+        out = _run(*args, cache=cache)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout
+
+    run = tmp_path / "run"
+    common = ["--data", str(text), "--out", str(run)]
+    spire("train", "--draft", "toy", *common, "--max-steps", "2", "--batch-size", "2", "--seq-len", "16", "-k", "4",
+          "--eval-windows", "2", "--eval-every", "0", "--no-bf16", "--device", "cpu", "--warmup-steps", "1",
+          "--checkpoint-every", "0", "--toy-width", "3")
+    assert (run / "toy.safetensors").is_file()
+    saved = json.loads((run / "checkpoint" / "train_state.json").read_text())
+    assert saved["step"] == 2 and saved["config"]["toy_config"] == {"width": 3, "depth": 1}
+    spire("train", "--resume", *common, "--max-steps", "3")
+    state = json.loads((run / "checkpoint" / "train_state.json").read_text())
+    assert state["step"] == 3 and state["finished"] and state["config"]["toy_config"] == {"width": 3, "depth": 1}
+    assert json.loads((run / "summary.json").read_text())["draft_path"] == str(run / "toy.safetensors")
+
+    rows = json.loads(spire("tau", "--draft", "toy", "--draft-path", str(run), "-L", "32", "-G", "8",
+                            "--n-contexts", "2", "--format", "json", "--threads", "1"))["rows"]
+    assert rows and all(r["draft"] == "toy" and 1.0 <= r["tau"] <= 5.0 for r in rows)
+
+    prompt = ["Once upon a time there was a"]
+    outs = {d: json.loads(spire("generate", *prompt, "--max-new-tokens", "10", "--format", "json", *extra))
+            for d, extra in (("none", ["--draft", "none"]), ("toy", ["--draft", "toy", "--draft-path", str(run)]))}
+    assert [o["token_ids"] for o in outs["toy"]["outputs"]] == [o["token_ids"] for o in outs["none"]["outputs"]]
+    assert outs["toy"]["draft"] == "toy"
+
+    exported = tmp_path / "export"
+    assert spire("export", "--draft", "toy", "--draft-path", str(run), "--out", str(exported),
+                 "--no-vllm").strip() == str(exported)
+    back = json.loads(spire("generate", *prompt, "--max-new-tokens", "10", "--format", "json", "--draft", "toy",
+                            "--draft-path", str(exported)))
+    assert [o["token_ids"] for o in back["outputs"]] == [o["token_ids"] for o in outs["none"]["outputs"]]
+
+    wrong = _run("generate", *prompt, "--draft", "spire", "--draft-path", str(run), cache=cache)
+    err = wrong.stderr.strip().splitlines()
+    assert wrong.returncode != 0 and len(err) == 1, wrong.stderr
+    assert f"is a toy draft run (it has toy.safetensors, no draft.safetensors): give it as --draft toy " \
+           f"--draft-path {run}" in err[0]
+
+
+@pytest.mark.slow  # the main job, tiny, in a subprocess (a few minutes on 2 loaded cores)
+def test_spire_reproduce_trains_and_measures_a_trained_kind_of_the_registry(smollm2, tmp_path):
+    """`spire reproduce --quick` trains every trained kind of the registry: the toy (beside the recipe's SPIRe and
+    vanilla) trains at its defaults for SPIRe's steps and is measured, priced and reported like the others."""
+    out = tmp_path / "out"
+    res = _run("reproduce", "--quick", "--out", str(out), "--steps", "1", "--vanilla-steps", "1", "--no-eagle3",
+               "--target-cache", "none", "--n-contexts", "2", "-L", "64", "-G", "8", "--tau-L", "32",
+               "--tau-L-contexts", "2", "--tau-k", "4", "--tau-k-contexts", "2", "--diagnose-contexts", "0",
+               cache=_cache(tmp_path))
+    assert res.returncode == 0, res.stderr[-2000:]
+    results = json.loads((out / "results.json").read_text())
+    toy = results["trainings"]["toy"]
+    assert toy["draft"] == "toy" and toy["steps"] == 1 and toy["loss"] == "hard"
+    assert {(t["draft"], t["temperature"]) for t in results["tau"] if t["draft"] == "toy"} == {("toy", 0.0),
+                                                                                              ("toy", 1.0)}
+    assert "toy" in {r["draft"] for r in results["throughput"]["measured"]["T=0"]}
+    assert "| toy |" in (out / "REPORT.md").read_text()

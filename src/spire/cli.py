@@ -26,7 +26,7 @@ from spire.commands.compare import compare
 from spire.commands.data import data
 from spire.commands.export import export
 from spire.commands.generate import generate
-from spire.commands.options import GRID_HELP, given, kinds, with_draft_options
+from spire.commands.options import GRID_HELP, given, kinds, with_draft_options, with_train_options
 from spire.commands.reproduce import reproduce
 from spire.commands.serve import serve
 from spire.commands.throughput_figures import throughput_figures
@@ -190,6 +190,7 @@ def tau(
 
 
 @app.command()
+@with_train_options(before="device")
 def train(
     ctx: typer.Context,
     draft: Annotated[str, _OPT(**kinds(registry.names(trains=True)),
@@ -239,45 +240,15 @@ def train(
     = defaults.EVAL_EVERY,
     eval_windows: Annotated[Optional[int], _OPT(help="Held-out windows per evaluation [16; a resumed run: its "
                                                     "own].")] = None,
-    n_draft_layers: Annotated[Optional[int], _OPT(help=f"SPIRe: target layers pruned into the draft "
-                                                       f"[{defaults.N_DRAFT_LAYERS}].")] = None,
-    layers: Annotated[Optional[str], _OPT(metavar="J,J,...", help="SPIRe: which target layers [the last N].")]
-    = None,
-    init: Annotated[Optional[str], _OPT(help="SPIRe: pruned or random.")] = None,
-    sink: Annotated[Optional[int], _OPT(help=f"SPIRe: sink tokens [{defaults.SINK}].")] = None,
-    window: Annotated[Optional[int], _OPT(help=f"SPIRe: window tokens [{defaults.WINDOW}].")] = None,
-    full_kv: Annotated[bool, _OPT("--full-kv", help="SPIRe: full KV cache instead of sink + window.")] = False,
-    no_feedback_memory: Annotated[bool, _OPT("--no-feedback-memory", help="SPIRe: no feedback memory.")] = False,
-    no_target_activations: Annotated[bool, _OPT("--no-target-activations", help="SPIRe: the draft reads its own "
-                                                "activations (needs --no-feedback-memory).")] = False,
-    no_self_attend: Annotated[bool, _OPT("--no-self-attend", help="SPIRe: a drafted token does not read its "
-                                                                  "own layer input.")] = False,
-    feature_input: Annotated[bool, _OPT("--feature-input", help="SPIRe, beyond the paper: a drafted token's "
-                                        "input adds a learned projection of the previous position's feature "
-                                        "(EAGLE-style).")] = False,
-    bridge: Annotated[bool, _OPT("--bridge", help="SPIRe, beyond the paper: an affine map, fitted to the target "
-                                 "before training, where the draft's shallow layers meet its deep ones.")] = False,
     hidden_loss: Annotated[Optional[float], _OPT(metavar="W", help="SPIRe, beyond the paper: add W x the "
                                                  "mismatch between the draft's residual stream entering each draft "
                                                  "layer and the target's entering its source layer, at drafted "
                                                  "positions [0: the paper's loss].")] = None,
-    draft_vocab: Annotated[Optional[int], _OPT(help="SPIRe: draft vocabulary of N tokens, chosen by "
-                                                    "--draft-vocab-from (q = 0 elsewhere; lossless); 0: the "
-                                                    "target's whole vocabulary [the target's].")]
-    = None,
-    draft_vocab_from: Annotated[Optional[str], _OPT(metavar="frequency|mass", help="SPIRe: choose the draft "
-                                                    "vocabulary's N tokens by their count in the training text or by "
-                                                    "the target's probability mass on it [frequency].")] = None,
-    vocab_size: Annotated[Optional[int], _OPT(hidden=True, help="Deprecated name of --draft-vocab.")] = None,
     cache_steps: Annotated[Optional[int], _OPT(help="Distinct batches: step s trains on batch s mod N (epochs "
                                                     "over N batches) [a fresh batch every step].")] = None,
     target_cache: Annotated[Optional[str], _OPT(metavar="float32|bfloat16|none", help="Run the target once over the "
                                                 "--cache-steps batches, store its outputs on disk and train from "
                                                 "them (float32: exact; bfloat16: half the bytes) [live].")] = None,
-    vanilla_layers: Annotated[Optional[int], _OPT(help="Vanilla: blocks [target layers / 8].")] = None,
-    eagle3_layers: Annotated[Optional[str], _OPT(metavar="J,J,J", help="EAGLE-3: the three target layers whose "
-                                                 "entering residual streams it fuses [2, n/2, n-3].")] = None,
-    eagle3_vocab: Annotated[Optional[int], _OPT(help="EAGLE-3: draft vocabulary size (d2t); 0: the target's [16384].")] = None,
     device: Annotated[str, _OPT(help="auto, cpu or cuda.")] = "auto",
     device_memory: Annotated[Optional[str], _OPT(help="Memory the run may use on the device, e.g. 24GiB: a run whose "
                                                  "memory plan exceeds it is refused before loading [cuda: the free "

@@ -70,17 +70,21 @@ def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, o
     Returns ``out``.
 
     Raises:
-        ConfigError: k < 1, a kind with nothing to export, or (``vllm``) a draft vLLM cannot run (its kind, its
-            target's family, its layer ids, a SPIRe draft spire's plugin cannot run); nothing is written then.
+        ConfigError: k < 1, a kind that is not trained or whose module declares no export, or (``vllm``) a draft
+            vLLM cannot run (its kind, its target's family, its layer ids, a SPIRe draft spire's plugin cannot run);
+            nothing is written then.
         CheckpointError: a missing or unreadable draft.
         TokenizerMismatchError: a draft trained for another target.
     """
     if k < 1:
         raise ConfigError(f"k must be >= 1, got {k}")
-    exporter = registry.impl(kind).export if registry.kind(kind).trains else None
-    if exporter is None:
+    if not registry.kind(kind).trains:
         raise ConfigError(f"spire export writes trained drafts: --draft {' or '.join(registry.names(trains=True))}, "
                           f"not {kind!r}")
+    exporter = registry.impl(kind).export
+    if exporter is None:
+        raise ConfigError(f"--draft {kind} declares no export (its module's KIND gives no export writer): spire "
+                          "export cannot write it; its run folder is what --draft-path reads")
     if vllm:
         vllm_form.check_target(kind, target)
     src = resolve_draft_path(kind, draft_path)

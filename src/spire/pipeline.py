@@ -330,9 +330,16 @@ def _amount(budget: float, steps: int | None) -> str:
     return f"{budget:.0f} s" if steps is None else f"{steps} steps"
 
 
+RECIPE_KINDS = ("spire", "vanilla", "eagle3")
+"""The trained kinds the main job's recipe trains with settings of their own (SPIRe's architecture and budget, the
+vanilla baseline's share of SPIRe's tokens, EAGLE-3's steps and its --no-eagle3); every other trained kind of the
+registry trains at its defaults for SPIRe's budget (:func:`training_runs`)."""
+
+
 def training_runs(cfg: ReproduceConfig, spire_arch: SpireConfig) -> list[tuple[str, TrainConfig]]:
-    """(label, TrainConfig) of every draft the job trains: "spire", "vanilla", "eagle3" (when on), then
-    "spire-<ablation>"."""
+    """(label, TrainConfig) of every draft the job trains: "spire", "vanilla", "eagle3" (when on), each other
+    trained kind of the registry (:data:`RECIPE_KINDS` aside: its default settings, SPIRe's seconds or steps, the
+    live target), then "spire-<ablation>"."""
     cache = {} if cfg.target_cache is None else {"data_steps": cfg.cache_steps, "target_cache": cfg.target_cache}
     if cfg.hidden_weight:
         cache["hidden_weight"] = cfg.hidden_weight
@@ -347,6 +354,10 @@ def training_runs(cfg: ReproduceConfig, spire_arch: SpireConfig) -> list[tuple[s
         shared = {k: v for k, v in cache.items() if k != "hidden_weight"}  # SPIRe's term: its layers only
         runs.append(("eagle3", TrainConfig(draft="eagle3", k=cfg.k, seed=cfg.seed, **shared, eval_every=cfg.eval_every,
                                            compile=cfg.compile, **_limits(budget, steps))))
+    for name in registry.names(trains=True):  # a kind added to the registry: its own defaults, SPIRe's amount
+        if name not in RECIPE_KINDS:
+            runs.append((name, TrainConfig(draft=name, k=cfg.k, seed=cfg.seed, eval_every=cfg.eval_every,
+                                           compile=cfg.compile, **_limits(cfg.budget_s, cfg.steps))))
     for a in cfg.ablations:
         run = ablation_config(a, k=cfg.k, seed=cfg.seed, draft_config=spire_arch, **cache, eval_every=cfg.eval_every,
                               compile=cfg.compile,
@@ -606,7 +617,8 @@ def reproduce(cfg: ReproduceConfig, progress: bool = True, log=print) -> dict:
         + (f", draft vocabulary {spire_arch.vocab_size}" if spire_arch.vocab_size else "")
         + (f", target cache of {cfg.cache_steps} batches ({cfg.target_cache})" if cfg.target_cache else "") + ", "
         f"{_amount(cfg.budget_s, cfg.steps)}), vanilla ({_amount(vanilla_seconds(cfg), cfg.vanilla_steps)})"
-        + "".join(f", {label} ({_amount(r.budget_s, r.max_steps)})" for label, r in runs if label == "eagle3")
+        + "".join(f", {label} ({_amount(r.budget_s, r.max_steps)})" for label, r in runs
+                  if label in registry.names(trains=True) and label not in ("spire", "vanilla"))
         + (f", {len(cfg.ablations)} ablations ({_amount(cfg.ablation_budget_s, cfg.ablation_steps)} each)"
            if cfg.ablations else ""))
     t = time.time()

@@ -6,13 +6,15 @@ options). Its line here (:class:`Kind`) holds what the light parts of spire need
 name, a one-line summary, whether it takes a ``--draft-path``, whether ``spire train`` trains it, how the cost
 model prices it (:class:`Pricing`), and what a trained kind's files say of it: the draft file's metadata key of its
 settings (:attr:`Kind.config_key`, also their key in a run's ``train_state.json``), how a message names a draft of
-it (:attr:`Kind.display_name`) and the vLLM speculative method of its export (:attr:`Kind.vllm_method`). The CLI, ``spire tau``, ``spire bench``, ``spire throughput``, the main job
-and export read the kinds from here (:func:`names`, :func:`kind`, :func:`impl`).
+it (:attr:`Kind.display_name`), the vLLM speculative method of its export (:attr:`Kind.vllm_method`), its run
+folder's layout (:attr:`Kind.run_weights`) and its `spire train` options (:attr:`Kind.train_options`). The CLI,
+``spire train``, ``spire tau``, ``spire bench``, ``spire throughput``, the main job and export read the kinds from
+here (:func:`names`, :func:`kind`, :func:`impl`).
 
 Adding a seventh kind: write ``spire/drafts/<name>.py`` with its ``KIND``, its tests, and one line in
-:data:`KINDS` (a trained kind's line also names its ``config_key``, its ``display_name`` and, when vLLM runs its
-export, its ``vllm_method``). The tables other modules keep of the kinds are views of these lines
-(:class:`KindTable`).
+:data:`KINDS` (a trained kind's line also names its ``config_key``, its ``display_name``, its ``run_weights``, its
+``train_options`` and, when vLLM runs its export, its ``vllm_method``). The tables other modules keep of the kinds
+are views of these lines (:class:`KindTable`).
 
 This module imports nothing heavy; :func:`impl` imports the kind's module (and torch) on first use.
 """
@@ -74,6 +76,61 @@ class DraftOption:
         return self.flag or f"--{kind}-{self.name.replace('_', '-')}"
 
 
+@dataclass(frozen=True)
+class TrainOption:
+    """One `spire train` option a trained kind declares on its line (:attr:`Kind.train_options`): the train command
+    gets it as a flag (:func:`spire.commands.options.with_train_options`) and
+    :func:`spire.commands.train.args_from_options` sets the field ``field`` of the kind's config class from it (an
+    option given for another kind than the one trained is refused, naming the flag).
+
+    param: the parameter name (its flag ``--param`` with underscores as dashes, unless ``flag`` names one); type: int,
+    float or str, or bool for a switch (a flag without a value, False unless given); help: the help line as shown;
+    field: the config field it sets; value: a switch's value of ``field`` when given; metavar: the value's name in
+    the help; convert: value -> the field's value (a J,J,... list -> a tuple of ints: :func:`layer_ids`; a 0 that
+    means None), raising ConfigError for a malformed value; hidden: left out of the help; old: deprecated parameter
+    names that still set it (with a warning)."""
+
+    param: str
+    type: type
+    help: str
+    field: str
+    value: Any = None
+    metavar: str | None = None
+    convert: Callable[[Any], Any] | None = None
+    flag: str | None = None
+    hidden: bool = False
+    old: tuple[str, ...] = ()
+
+    @property
+    def switch(self) -> bool:
+        """Whether it is a flag without a value (``--full-kv``)."""
+        return self.type is bool
+
+    @property
+    def flag_name(self) -> str:
+        """Its command-line flag: ``flag``, else ``--param`` with underscores as dashes."""
+        return self.flag or "--" + self.param.replace("_", "-")
+
+
+def layer_ids(flag: str) -> Callable[[Any], tuple[int, ...]]:
+    """A :attr:`TrainOption.convert` of a J,J,... list of layer ids (str) -> tuple of ints; ConfigError naming
+    ``flag`` and the item that is not an integer."""
+    def convert(value: Any) -> tuple[int, ...]:
+        out = []
+        for item in str(value).split(","):
+            try:
+                out.append(int(item.strip()))
+            except ValueError:
+                raise ConfigError(f"{flag}: {item.strip()!r} is not an integer") from None
+        return tuple(out)
+    return convert
+
+
+def _none_at_zero(value: Any) -> Any:
+    """0 -> None (the target's whole vocabulary, as `spire reproduce` says it), else the value."""
+    return None if value == 0 else value
+
+
 def _at_least(n: int) -> Callable[[Any], str | None]:
     return lambda v: None if v >= n else f"must be >= {n}, got {v}"
 
@@ -105,7 +162,20 @@ class Kind:
     kinds' runs), so that saved runs read and write back unchanged; None for a kind added since.
     display_name: how a message names a draft of the kind, with its article ("a SPIRe" draft); None: "a NAME".
     vllm_method: the vLLM speculative method that runs the kind's export (:mod:`spire.integrations.vllm_export`);
-    None: vLLM cannot run it."""
+    None: vLLM cannot run it.
+
+    The run-folder layout (read by :func:`spire.formats.draft_file.resolve_draft_path` for every command that takes
+    a ``--draft-path``): run_weights: the name of a trained kind's draft inside its `spire train` run folder, a file
+    ("draft.safetensors", SPIRe) or a folder ("draft", vanilla's HF folder; "eagle3"); it is the kind's model's
+    ``export_name``, declared here so that the light parts read it without importing the kind; None for a kind
+    without runs. takes_run_folder: the kind's load takes the run folder itself and finds its draft there (EAGLE-3,
+    which falls back to the run's last checkpoint while ``run_weights`` is not yet written); False: the path
+    resolves to ``run_weights`` inside it. takes_folders: the kind's load also reads a folder of another form as it
+    is (an HF folder, a speculators folder); False: a folder is one of its run folders or a `spire export` folder
+    (SPIRe), anything else is refused.
+
+    train_options: the `spire train` options of a trained kind (:class:`TrainOption`), flags of the train command
+    that set its config's fields."""
 
     name: str
     module: str
@@ -121,12 +191,21 @@ class Kind:
     state_key: str | None = None
     display_name: str | None = None
     vllm_method: str | None = None
+    run_weights: str | None = None
+    takes_run_folder: bool = False
+    takes_folders: bool = True
+    train_options: tuple[TrainOption, ...] = ()
 
     @property
     def article_name(self) -> str:
         """The kind as a message names a draft of it: "a SPIRe", "an EAGLE-3" (:attr:`display_name`, else "a
         NAME")."""
         return self.display_name or f"a {self.name}"
+
+    @property
+    def plain_name(self) -> str:
+        """:attr:`article_name` without its article: "SPIRe", "EAGLE-3", "vanilla"."""
+        return self.article_name.split(" ", 1)[-1]
 
     @property
     def diagnosable(self) -> bool:
@@ -136,12 +215,41 @@ class Kind:
         return self.pricing is not None and self.pricing.weights != "none"
 
 
+_SPIRE_TRAIN = (
+    TrainOption("n_draft_layers", int, f"SPIRe: target layers pruned into the draft [{defaults.N_DRAFT_LAYERS}].",
+                "n_draft_layers"),
+    TrainOption("layers", str, "SPIRe: which target layers [the last N].", "layers", metavar="J,J,...",
+                convert=layer_ids("--layers")),
+    TrainOption("init", str, "SPIRe: pruned or random.", "init"),
+    TrainOption("sink", int, f"SPIRe: sink tokens [{defaults.SINK}].", "sink"),
+    TrainOption("window", int, f"SPIRe: window tokens [{defaults.WINDOW}].", "window"),
+    TrainOption("full_kv", bool, "SPIRe: full KV cache instead of sink + window.", "window", None, flag="--full-kv"),
+    TrainOption("no_feedback_memory", bool, "SPIRe: no feedback memory.", "feedback_memory", False,
+                flag="--no-feedback-memory"),
+    TrainOption("no_target_activations", bool, "SPIRe: the draft reads its own activations (needs "
+                "--no-feedback-memory).", "target_activations", False, flag="--no-target-activations"),
+    TrainOption("no_self_attend", bool, "SPIRe: a drafted token does not read its own layer input.", "self_attend",
+                False, flag="--no-self-attend"),
+    TrainOption("feature_input", bool, "SPIRe, beyond the paper: a drafted token's input adds a learned projection "
+                "of the previous position's feature (EAGLE-style).", "feature_input", True, flag="--feature-input"),
+    TrainOption("bridge", bool, "SPIRe, beyond the paper: an affine map, fitted to the target before training, "
+                "where the draft's shallow layers meet its deep ones.", "bridge", True, flag="--bridge"),
+    TrainOption("draft_vocab", int, "SPIRe: draft vocabulary of N tokens, chosen by --draft-vocab-from (q = 0 "
+                "elsewhere; lossless); 0: the target's whole vocabulary [the target's].", "vocab_size",
+                convert=_none_at_zero, old=("vocab_size",)),
+    TrainOption("draft_vocab_from", str, "SPIRe: choose the draft vocabulary's N tokens by their count in the "
+                "training text or by the target's probability mass on it [frequency].", "vocab_from",
+                metavar="frequency|mass"),
+)
+"""SPIRe's `spire train` options (on its line below)."""
+
 KINDS: tuple[Kind, ...] = (
     Kind("none", "spire.drafts.none", "autoregressive decoding, no draft", "none", False, None),
     Kind("vanilla", "spire.drafts.vanilla", "a small model with the target's tokenizer (HF folder, .gguf or a "
          "`spire train --draft vanilla` run)", "required", True,
          Pricing(kv="full", layers=1 / 8, own_embeddings=True), 2.647, served_int8=True, config_key="vanilla_config",
-         state_key="vanilla_layers", display_name="a vanilla", vllm_method="draft_model"),
+         state_key="vanilla_layers", display_name="a vanilla", vllm_method="draft_model", run_weights="draft",
+         train_options=(TrainOption("vanilla_layers", int, "Vanilla: blocks [target layers / 8].", "n_layers"),)),
     Kind("magicdec", "spire.drafts.magicdec", "the target over a sink + window view of its own cache (MagicDec)",
          "none", False, Pricing(weights="target", kv="window", training_cost=0.0), 3.891,
          (DraftOption("sink", int, "attention-sink tokens kept", defaults.SINK, _at_least(0), "--sink"),
@@ -149,11 +257,17 @@ KINDS: tuple[Kind, ...] = (
     Kind("spire", "spire.drafts.spire", "SPIRe: pruned, sliding-window, feedback memory over the target's "
          "activations (default: the newest trained in the cache)", "optional", True,
          Pricing(kv="window", layers=1 / 4, memory_projection=True, training_cost=0.25), 3.401, served_int8=True,
-         config_key="spire_config", state_key="spire", display_name="a SPIRe", vllm_method="eagle3"),
+         config_key="spire_config", state_key="spire", display_name="a SPIRe", vllm_method="eagle3",
+         run_weights="draft.safetensors", takes_folders=False, train_options=_SPIRE_TRAIN),
     Kind("eagle3", "spire.drafts.eagle3", "EAGLE-3: one layer over three fused target hidden states (a `spire "
          "train --draft eagle3` run or a speculators folder)", "required", True,
          Pricing(kv="full", layers=1, fused_inputs=3), config_key="eagle3_config", state_key="eagle3",
-         display_name="an EAGLE-3", vllm_method="eagle3"),
+         display_name="an EAGLE-3", vllm_method="eagle3", run_weights="eagle3", takes_run_folder=True,
+         train_options=(TrainOption("eagle3_layers", str, "EAGLE-3: the three target layers whose entering residual "
+                                    "streams it fuses [2, n/2, n-3].", "layers", metavar="J,J,J",
+                                    convert=layer_ids("--eagle3-layers")),
+                        TrainOption("eagle3_vocab", int, "EAGLE-3: draft vocabulary size (d2t); 0: the target's "
+                                    "[16384].", "draft_vocab"))),
     Kind("ngram", "spire.drafts.ngram", "n-gram prompt lookup in the row's own context (no weights, no training)",
          "none", False, Pricing(weights="none", kv="none", layers=0, training_cost=0.0), None,
          (DraftOption("n_min", int, "shortest suffix matched [vLLM's 5, or --ngram-max]", None, _at_least(1),

@@ -140,3 +140,53 @@ def draft_options_for(kind: str | None, draft_options: dict[str, dict[str, Any]]
             typer.echo(f"note: {flags} {'sets' if len(values) == 1 else 'set'} --draft {other}'s options; ignored "
                        f"for --draft {', '.join(sorted(str(x) for x in used))}", err=True)
     return registry.check_options(kind, draft_options.get(kind, {})) if kind else {}
+
+
+def train_options() -> list[tuple[registry.Kind, registry.TrainOption]]:
+    """(kind, option) of every trained kind's `spire train` options (:attr:`spire.registry.Kind.train_options`), in
+    the registry's order and each kind's own."""
+    return [(k, o) for k in registry.KINDS if k.trains for o in k.train_options]
+
+
+def with_train_options(before: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give the train command every trained kind's declared options (:func:`train_options`) as flags, placed before
+    its parameter ``before``: a value option as ``Optional[type]`` (None unless given), a switch as a bool flag
+    (False unless given); a deprecated name (:attr:`spire.registry.TrainOption.old`) as a hidden option. The
+    command reads them from its context's parameters (:func:`spire.commands.train.args_from_options`), so they are
+    not passed to it. Raises ValueError, when the command is defined, for a parameter name two options share."""
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(command, eval_str=True)
+        extra = []
+        for k, o in train_options():
+            meta = {"help": o.help, "hidden": o.hidden}
+            if o.metavar:
+                meta["metavar"] = o.metavar
+            if o.switch:
+                extra.append(inspect.Parameter(o.param, inspect.Parameter.KEYWORD_ONLY, default=False,
+                                               annotation=Annotated[bool, typer.Option(o.flag_name, **meta)]))
+            else:
+                extra.append(inspect.Parameter(o.param, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                               annotation=Annotated[Optional[o.type], typer.Option(o.flag_name,
+                                                                                                   **meta)]))
+            extra += [inspect.Parameter(old, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Annotated[Optional[o.type], typer.Option(
+                                            "--" + old.replace("_", "-"), hidden=True,
+                                            help=f"Deprecated name of {o.flag_name}.")]) for old in o.old]
+        own = list(signature.parameters.values())
+        names = [p.name for p in own] + [p.name for p in extra]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"train options declared twice: {', '.join(twice)}")
+        at = next(i for i, p in enumerate(own) if p.name == before)
+        added = {p.name for p in extra}
+
+        @functools.wraps(command)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            return command(*args, **{key: v for key, v in kwargs.items() if key not in added})
+
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) if i >= at else p for i, p in enumerate(own)]
+        params = params[:at] + extra + params[at:]
+        run.__signature__ = signature.replace(parameters=params)
+        run.__annotations__ = {p.name: p.annotation for p in params}
+        return run
+    return decorate

@@ -207,8 +207,6 @@ def build_drafts(target, tokenizer, a: TauArgs) -> list[tuple[DraftSpec, Any]]:
             spec = DraftSpec(spec.kind, spec.name, str(found))
         if spec.path:
             spec = DraftSpec(spec.kind, spec.name, str(resolve_draft_path(spec.kind, spec.path)))
-        if spec.path and spec.kind == "spire" and not Path(spec.path).exists():  # a file, or a `spire export` folder
-            raise CheckpointError(f"SPIRe draft {spec.name!r}: no draft.safetensors at {spec.path}")
         out.append((spec, make_draft(spec.kind, target, tokenizer, spec.path,
                                              **registry.check_options(spec.kind, a.draft_options.get(spec.kind, {})))))
     return out

@@ -15,8 +15,8 @@ from typing import Callable
 
 import torch
 
-from spire import defaults
-from spire.commands.options import ints
+from spire import defaults, registry
+from spire.commands.options import train_options
 from spire.data import document_separator_id, prepare_data, prepare_text_files
 from spire.errors import CheckpointError, ConfigError
 from spire.loading import load_target
@@ -75,24 +75,24 @@ TRAIN_FIELDS = {"budget": "budget_s", "max_steps": "max_steps", "batch_size": "b
                 "cache_steps": "data_steps", "target_cache": "target_cache", "hidden_loss": "hidden_weight",
                 "compile_step": "compile", "init_from": "init_from"}
 """`spire train` option (parameter name) -> TrainConfig field."""
-DRAFT_FIELDS: dict[str, dict[str, str]] = {
-    "spire": {"n_draft_layers": "n_draft_layers", "layers": "layers", "init": "init", "sink": "sink",
-              "window": "window", "draft_vocab": "vocab_size", "draft_vocab_from": "vocab_from"},
-    "eagle3": {"eagle3_layers": "layers", "eagle3_vocab": "draft_vocab"},
-    "vanilla": {"vanilla_layers": "n_layers"},
-}
-"""`spire train` options of one trainable kind: kind -> {option (parameter name) -> field of its config class}."""
-DRAFT_SWITCHES: dict[str, dict[str, tuple[str, object]]] = {
-    "spire": {"full_kv": ("window", None), "no_feedback_memory": ("feedback_memory", False),
-              "no_target_activations": ("target_activations", False), "no_self_attend": ("self_attend", False),
-              "feature_input": ("feature_input", True), "bridge": ("bridge", True)},
-}
-"""`spire train` flags that set a field of a kind's config: kind -> {flag parameter -> (field, value when given)}."""
-LIST_OPTIONS = ("layers", "eagle3_layers")
-"""Options given as J,J,... lists of layer ids."""
-DEPRECATED = {"vocab_size": "draft_vocab"}
-"""`spire train` options that still work under an old name: old parameter -> new one (the name `spire reproduce`
-gives the same setting). Using the old one prints a warning."""
+DRAFT_FIELDS = registry.KindTable(lambda k: {o.param: o.field for o in k.train_options if not o.switch} or None)
+"""`spire train` options of one trainable kind: kind -> {option (parameter name) -> field of its config class}: a
+view of the kinds' declared options (:attr:`spire.registry.Kind.train_options`)."""
+DRAFT_SWITCHES = registry.KindTable(lambda k: {o.param: (o.field, o.value) for o in k.train_options if o.switch}
+                                    or None)
+"""`spire train` flags that set a field of a kind's config: kind -> {flag parameter -> (field, value when given)}:
+a view of the kinds' declared options."""
+
+
+def deprecated() -> dict[str, str]:
+    """`spire train` options that still work under an old name: old parameter -> new one (the name `spire
+    reproduce` gives the same setting), from the kinds' declared options (:attr:`spire.registry.TrainOption.old`).
+    Using the old one prints a warning."""
+    return {old: o.param for _, o in train_options() for old in o.old}
+
+
+DEPRECATED = deprecated()
+""":func:`deprecated` of the registry's lines at import."""
 
 
 def _flag(param: str) -> str:
@@ -102,11 +102,12 @@ def _flag(param: str) -> str:
 
 def draft_option(kind: str, field_name: str, value) -> str:
     """The `spire train` option that set field ``field_name`` of a ``kind`` draft's config to ``value`` (for error
-    messages)."""
-    for param, (f, v) in DRAFT_SWITCHES.get(kind, {}).items():
-        if f == field_name and v == value:
-            return _flag(param)
-    return next((_flag(p) for p, f in DRAFT_FIELDS.get(kind, {}).items() if f == field_name), field_name)
+    messages): a switch that sets it to that value, else the value option of the field, else the field's name."""
+    declared = registry.kind(kind).train_options
+    for o in declared:
+        if o.switch and o.field == field_name and o.value == value:
+            return o.flag_name
+    return next((o.flag_name for o in declared if not o.switch and o.field == field_name), field_name)
 
 
 def args_from_options(params: dict, given: dict, log: Callable[[str], None] = print) -> TrainRunArgs:
@@ -115,20 +116,17 @@ def args_from_options(params: dict, given: dict, log: Callable[[str], None] = pr
     (:data:`DEPRECATED`) is read as its new one, with one warning line through ``log`` (the new one wins when
     both are given). Raises ConfigError for a malformed --layers or --eagle3-layers."""
     given = dict(given)
-    for old, new in DEPRECATED.items():
+    for old, new in deprecated().items():
         if old in given:
             log(f"warning: {_flag(old)} is deprecated; use {_flag(new)}")
             given.setdefault(new, given.pop(old))
     values = {**params, **given}
-    for name in LIST_OPTIONS:
-        if values.get(name) is not None:
-            values[name] = tuple(ints(_flag(name), [values[name]]))
     draft_kw = {}
-    for kind, options in DRAFT_FIELDS.items():
-        kw = {f: values[name] for name, f in options.items() if values.get(name) is not None}
-        kw.update(setting for flag, setting in DRAFT_SWITCHES.get(kind, {}).items() if params.get(flag))
-        if kind == "spire" and values.get("draft_vocab") == 0:  # 0: the whole vocabulary, as in `spire reproduce`
-            kw["vocab_size"] = None
+    for kind in registry.names(trains=True):  # each kind's declared options: values, then switches
+        declared = registry.kind(kind).train_options
+        kw = {o.field: o.convert(values[o.param]) if o.convert else values[o.param] for o in declared
+              if not o.switch and values.get(o.param) is not None}
+        kw.update((o.field, o.value) for o in declared if o.switch and params.get(o.param))
         if kw:
             draft_kw[kind] = kw
     train_kw = {field: given[name] for name, field in TRAIN_FIELDS.items() if given.get(name) is not None}

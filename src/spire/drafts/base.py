@@ -99,7 +99,8 @@ class TrainableDraft(Protocol):
     (its kind's ``KIND.model`` in :mod:`spire.registry`).
 
     kind: the name in ``TrainConfig.draft``. default_loss: "mixed" or "hard" (the method's loss when the
-    config names none). export_name: what :meth:`export` writes inside a run folder. vocab: the draft
+    config names none). export_name: what :meth:`export` writes inside a run folder (the kind's registry line
+    declares it too, as :attr:`spire.registry.Kind.run_weights`, for the light parts). vocab: the draft
     vocabulary's target ids (N,), or None when the draft's logits cover the target's whole vocabulary.
     """
 

@@ -242,13 +242,24 @@ def save_vanilla(model: Transformer, folder, target_folder, meta: dict) -> None:
     replace_dir(folder, write)
 
 
+def resolve_path(path: str | Path) -> Path:
+    """What ``--draft vanilla --draft-path PATH`` names (:func:`spire.formats.draft_file.resolve_draft_path`: an HF
+    folder, a .gguf file, or a run folder's ``draft/``). Raises CheckpointError for a missing path, another kind's
+    run folder, or a single .safetensors file (not a vanilla draft's form)."""
+    p = resolve_draft_path("vanilla", path)
+    if not p.is_dir() and p.suffix == ".safetensors":
+        raise CheckpointError(f"{p} is a single .safetensors file (a SPIRe draft?): --draft vanilla takes an HF "
+                              "folder, a .gguf file or a `spire train --draft vanilla` run folder")
+    return p
+
+
 def load_draft(target: Transformer, path: str | Path | None = None, tokenizer=None, dtype=None, **_) -> VanillaDraft:
     """The vanilla draft at ``path``: a .gguf, an HF folder sharing the target's tokenizer, or a `spire train --draft
     vanilla` run folder. Raises ConfigError (no path), CheckpointError or TokenizerMismatchError."""
     if not path:
         raise ConfigError("--draft vanilla needs --draft-path (a .gguf file or HF folder of a small model "
                           "with the target's tokenizer)")
-    path = resolve_draft_path("vanilla", path)
+    path = resolve_path(path)
     if path.is_dir():
         if read_export(path) is not None:  # a `spire export` folder: refuse one exported for another target
             algorithm = check_export(path, target)["speculators_config"].get("algorithm")
@@ -268,6 +279,7 @@ def _export(src: Path, target: Transformer, name_or_path: str, k: int):
     """The writer of an exported vanilla folder: its HF folder with ``speculators_config`` (algorithm
     "independent") added to its config.json (:func:`spire.export.export_draft`)."""
 
+    src = resolve_path(src)
     if not (src / "config.json").is_file():
         raise CheckpointError(f"{src} is not an HF folder: spire export takes a vanilla draft folder")
     model = load_model(src)

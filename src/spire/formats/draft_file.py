@@ -255,29 +255,54 @@ def warn_if_unfinished(run_dir: Path) -> None:
               file=sys.stderr)
 
 
+def run_kind(folder: str | Path, *, but: str | None = None) -> registry.Kind | None:
+    """The trained kind whose `spire train` run layout ``folder`` holds (its :attr:`spire.registry.Kind.run_weights`
+    inside it), the registry's first such kind other than ``but``; None for a folder that holds none, or that is a
+    model folder of its own (a ``config.json`` in it: an HF or speculators folder is not a run folder)."""
+    p = Path(folder)
+    if (p / "config.json").is_file():
+        return None
+    return next((k for k in registry.KINDS if k.name != but and k.run_weights and (p / k.run_weights).exists()),
+                None)
+
+
 def resolve_draft_path(kind: str, path: str | Path) -> Path:
-    """A draft path as given, or the draft inside a `spire train` run folder (``draft.safetensors`` for
-    SPIRe, ``draft/`` for vanilla). Raises CheckpointError when nothing is there."""
+    """What kind ``kind``'s load is given for the ``--draft-path`` ``path``: the path as given, or the kind's draft
+    inside a `spire train` run folder (its registry line's :attr:`~spire.registry.Kind.run_weights`:
+    ``draft.safetensors`` for SPIRe, ``draft/`` for vanilla; the run folder itself for a kind that
+    ``takes_run_folder``, EAGLE-3). A kind that takes no other folders (SPIRe) also takes a `spire export` folder.
+
+    Raises:
+        CheckpointError: nothing at ``path``; a run folder of another trained kind (the message names it and how
+            to give it: ``--draft KIND --draft-path PATH``); for a kind that takes no other folders, a folder without
+            its draft; an export folder of a format version this spire does not read.
+        ConfigError: an unknown kind.
+    """
     p = Path(path).expanduser()
     if not p.exists():
         raise CheckpointError(f"draft not found: {p}")
-    if p.is_dir():
-        if kind == "spire" and read_export(p) is not None:  # a `spire export` folder
-            return p
-        inner = p / ("draft.safetensors" if kind == "spire" else "draft")
-        if inner.exists():
-            return inner
-        if kind == "spire" and not (p / "config.json").is_file() and (p / "draft").is_dir():
-            raise CheckpointError(f"{p} is a vanilla draft run (it has draft/, no draft.safetensors): give it as "
-                                  "the vanilla draft (--draft vanilla, --vanilla-draft)")
-        if kind == "spire":
-            hf = (p / "config.json").is_file()
-            raise CheckpointError(f"{p} holds no SPIRe draft (draft.safetensors)"
-                                  + (": it is an HF model folder; give it as the vanilla draft" if hf else ""))
-        if kind == "vanilla" and not (p / "config.json").is_file() and (p / "draft.safetensors").is_file():
-            raise CheckpointError(f"{p} is a SPIRe draft run (it has draft.safetensors, no draft/): give it as "
-                                  "the SPIRe draft (--draft spire, --spire-draft)")
-    elif kind == "vanilla" and p.suffix == ".safetensors":
-        raise CheckpointError(f"{p} is a single .safetensors file (a SPIRe draft?): --draft vanilla takes an HF "
-                              "folder, a .gguf file or a `spire train --draft vanilla` run folder")
+    if not p.is_dir():
+        return p
+    entry = registry.kind(kind)
+    if not entry.takes_folders and read_export(p) is not None:  # a `spire export` folder
+        return p
+    if entry.run_weights and (p / entry.run_weights).exists():
+        return p if entry.takes_run_folder else p / entry.run_weights
+    other = run_kind(p, but=kind)
+    if other is not None:
+        mine = f", no {_shown(p, entry.run_weights)}" if entry.run_weights else ""
+        raise CheckpointError(f"{p} is {other.article_name} draft run (it has {_shown(p, other.run_weights)}{mine}): "
+                              f"give it as --draft {other.name} --draft-path {p}")
+    if not entry.takes_folders:
+        readers = [k.name for k in registry.KINDS if k.trains and k.takes_folders]
+        hf = (p / "config.json").is_file() and readers
+        raise CheckpointError(f"{p} holds no {entry.plain_name} draft ({entry.run_weights})"
+                              + (f": it is an HF model folder; give it as --draft {' or '.join(readers)} "
+                                 f"--draft-path {p}" if hf else ""))
     return p
+
+
+def _shown(folder: Path, name: str) -> str:
+    """A run folder's entry as a message names it: "draft/" for a folder (or a name without a suffix), else the
+    name."""
+    return f"{name}/" if (folder / name).is_dir() or not Path(name).suffix else name

@@ -21,6 +21,7 @@ import os
 import socket
 from pathlib import Path
 
+from spire import registry
 from spire.errors import ConfigError
 
 LOCK_FILE = "train.lock"
@@ -32,9 +33,21 @@ OWN_PATTERNS = tuple(f".{name}.*.tmp" for name in OWN_NAMES) + (".spire-probe-*"
 (left by a run killed while writing), and :func:`spire.paths.check_output_path`'s probe."""
 
 
+def own_names() -> tuple[str, ...]:
+    """:data:`OWN_NAMES` and each trained kind's draft in its run folder (:attr:`spire.registry.Kind.run_weights`,
+    read from the registry at each call: a kind added at run time is in it), with the ``.old`` that
+    :func:`spire.paths.replace_dir` leaves beside a folder (a name without a suffix)."""
+    kinds = [k.run_weights for k in registry.KINDS if k.run_weights]
+    extra = [n for w in kinds for n in (w, *((f"{w}.old",) if not os.path.splitext(w)[1] else ()))]
+    return OWN_NAMES + tuple(n for n in dict.fromkeys(extra) if n not in OWN_NAMES)
+
+
 def is_own(name: str) -> bool:
-    """Whether a name in a run folder is one a spire run writes."""
-    return name in OWN_NAMES or any(fnmatch.fnmatchcase(name, p) for p in OWN_PATTERNS)
+    """Whether a name in a run folder is one a spire run writes (:func:`own_names`, and the temporaries beside
+    them)."""
+    names = own_names()
+    return name in names or any(fnmatch.fnmatchcase(name, p)
+                                for p in OWN_PATTERNS + tuple(f".{n}.*.tmp" for n in names[len(OWN_NAMES):]))
 
 
 def foreign_entries(folder: str | os.PathLike) -> list[str]:
