@@ -71,7 +71,7 @@ $(VLLM_VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 test: venv vllm $(VENV)/.speculators $(VENV)/.lm-eval  ## the whole test suite (CI)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=30
 
 # a developer's loop: the tests not marked slow (pyproject's markers), without vLLM, lm-eval or speculators
 test-fast: venv  ## the fast tier (docs/architecture.md, "Test tiers")

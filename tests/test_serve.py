@@ -831,6 +831,24 @@ def test_guidellm_s_request_bodies_are_served(parts, running):
         assert done == sorted(done) and done[-1] == 12 and events[-1]["choices"] == []
 
 
+def test_the_start_up_line_names_each_served_draft_s_format_and_what_it_was_loaded_from(tiny, tmp_path, capsys):
+    """A new user could not tell which trained run `--draft spire` served: load_drafts gives each draft its source
+    (the file it read: a run folder's draft.safetensors, whether given or found in the cache), and the start-up
+    line names it beside the weight format; a draft without weights names neither."""
+    from spire.commands.serve import load_drafts, weights_note
+    from spire.drafts.spire import SpireConfig, SpireDraftModel
+
+    torch.manual_seed(1)
+    run = tmp_path / "run"
+    run.mkdir()
+    SpireDraftModel(tiny, SpireConfig(n_draft_layers=2, window=4)).save(run / "draft.safetensors")
+    drafts, kinds, why, formats = load_drafts(tiny, None, [("ngram", None), ("spire", str(run))], None, {}, "fp32",
+                                              "fp32")
+    assert kinds == "ngram,spire" and formats == [None, "fp32"]
+    assert [d.source for d in drafts] == [None, str(run / "draft.safetensors")]
+    assert weights_note(drafts, formats) == f"spire: fp32 weights from {run / 'draft.safetensors'}"
+
+
 def test_a_served_spire_draft_runs_in_int8_by_default_on_the_cpu_and_greedy_output_stays_ad_s(tiny):
     """`spire serve`'s draft weights: a SPIRe draft's own float32 weights are rounded to group-wise int8 by default
     on a CPU with spire's kernels (each linear weight then equals its int8 round trip), --draft-weights wins, bf16

@@ -124,6 +124,13 @@ def load_drafts(model, tokenizer, portfolio: list[tuple[str, Optional[str]]], dr
     return drafts, ",".join(kind for kind, _ in chosen), "as asked" if portfolio else picked[2], formats
 
 
+def weights_note(drafts: list, formats: list) -> str:
+    """The start-up line's part on the drafts' own weights: "spire: int8 weights from RUN/draft.safetensors" per
+    draft with weights of its own (``formats``: :func:`load_drafts`' per draft, None for a draft without)."""
+    return ", ".join(f"{d.name}: {f} weights" + (f" from {d.source}" if d.source else "")
+                     for d, f in zip(drafts, formats) if f)
+
+
 def served_draft_weights(kind: str, d, model, weights: str, draft_weights: Optional[str]) -> Optional[str]:
     """The weight format a served draft runs in: ``draft_weights`` when given; otherwise group-wise int8 for a kind
     whose registry line says so (``served_int8``: SPIRe, vanilla) when its own weights are float32 on the CPU, the
@@ -337,7 +344,7 @@ def serve(
                     max_request_bytes=max_request_bytes)
     how = {"measured": " at most, per request by measured costs and acceptance",
            "cost-model": " chosen per round by the cost model"}.get(k_policy, "") if policy else ""
-    own = ", ".join(f"{d.name} weights {f}" for d, f in zip(engine.drafts, formats) if f)
+    own = weights_note(engine.drafts, formats)
     why = f"{why}; {own}" if own else why
     typer.echo(f"spire serve: target {target}, draft {kind} ({why}), k {engine.k}{how}, {max_running} slots x "
                f"{engine.max_len} positions, at most {max_waiting} waiting, prefill "

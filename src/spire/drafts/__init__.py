@@ -38,4 +38,6 @@ def make_draft(kind: str, target, tokenizer=None, path: str | None = None, dtype
     model = getattr(draft, "model", None)
     if isinstance(model, nn.Module):  # the draft's layers run the way the target does (spire.backend)
         backend.use(model, backend.of(target))
+    if draft is not None and path and getattr(draft, "source", None) is None:
+        draft.source = str(path)  # what it was loaded from, as given (a kind's load may name the file it read)
     return draft

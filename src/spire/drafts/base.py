@@ -27,6 +27,9 @@ class Draft(ABC):
     """
 
     name: str = "draft"
+    source: str | None = None
+    """What its weights were loaded from (a file or folder; None: no weights, or built in memory): named by
+    `spire serve`'s start-up line."""
     hidden_layers: tuple[int, ...] = ()
     defer_observe: int = 0
     """> 0: the observes of AD rounds (one position per row) may reach this draft late, up to this many at once,

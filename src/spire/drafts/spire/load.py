@@ -54,10 +54,13 @@ def load_draft(target: Transformer, path: str | Path | None = None, **_) -> Spir
         raise CheckpointError("no trained SPIRe draft for this target in the cache: run `spire reproduce` "
                               "(or pass --draft-path)")
     if file.is_dir():
-        return SpireDraft(load_exported_spire(file, target).requires_grad_(False))
-    if path:
-        warn_if_unfinished(file.parent)
-    return SpireDraft(SpireDraftModel.load(file, target).requires_grad_(False))  # frozen: decodes with kept copies
+        draft = SpireDraft(load_exported_spire(file, target).requires_grad_(False))
+    else:
+        if path:
+            warn_if_unfinished(file.parent)
+        draft = SpireDraft(SpireDraftModel.load(file, target).requires_grad_(False))  # frozen: decodes with kept copies
+    draft.source = str(file)  # the default (the newest trained in the cache) included
+    return draft
 
 
 def _export(src: Path, target: Transformer, name_or_path: str, k: int):
