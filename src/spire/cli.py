@@ -26,7 +26,7 @@ from spire.commands.compare import compare
 from spire.commands.data import data
 from spire.commands.export import export
 from spire.commands.generate import generate
-from spire.commands.options import GRID_HELP, given, kinds, with_draft_options, with_train_options
+from spire.commands.options import GRID_HELP, draft_path_help, given, kinds, with_draft_options, with_train_options
 from spire.commands.reproduce import reproduce
 from spire.commands.serve import serve
 from spire.commands.throughput_figures import throughput_figures
@@ -145,9 +145,8 @@ def tau(
     ctx: typer.Context,
     draft: Annotated[list[str], _OPT(metavar="KIND[,KIND...]", help=f"{', '.join(registry.names(drafts_only=True))}; "
                                                                     f"repeatable (default: {registry.DEFAULT}).")] = [],
-    draft_path: Annotated[Optional[str], _OPT(help="The trained draft of the one --draft that trains: spire "
-                                                   "(.safetensors or run folder; default the newest trained), vanilla "
-                                                   "(.gguf / HF folder), eagle3 (run or speculators folder).")] = None,
+    draft_path: Annotated[Optional[str], _OPT(help="The trained draft of the one --draft that trains. "
+                                                   + draft_path_help())] = None,
     spire_draft: Annotated[list[str], _OPT(metavar="NAME=PATH", help="A named SPIRe draft; repeatable.")] = [],
     vanilla_draft: Annotated[list[str], _OPT(metavar="NAME=PATH", help="A named vanilla draft; repeatable.")]
     = [],
@@ -189,7 +188,8 @@ def tau(
     command(_with_options(ctx, draft_options), log=_err)
 
 
-@app.command()
+@app.command(help=f"Train a draft ({', '.join(registry.names(trains=True))}) against the target; resumable; data "
+                  "parallel under torchrun.")
 @with_train_options(before="device")
 def train(
     ctx: typer.Context,
@@ -254,7 +254,7 @@ def train(
                                                  "memory plan exceeds it is refused before loading [cuda: the free "
                                                  "memory; cpu: no check; env SPIRE_DEVICE_MEMORY].")] = None,
 ) -> None:
-    """Train a draft (SPIRe, EAGLE-3 or vanilla) against the target; resumable; data parallel under torchrun."""
+    """Train a draft of a kind that `spire train` trains (the help names them, from the registry)."""
     from spire.commands.train import args_from_options, run, summary_line
 
     summary = run(args_from_options(ctx.params, given(ctx), log=_err), log=_err)

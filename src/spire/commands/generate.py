@@ -15,7 +15,7 @@ import typer
 
 import spire.registry as registry
 from spire import defaults
-from spire.commands.options import draft_options_for, kinds, with_draft_options
+from spire.commands.options import draft_options_for, draft_path_help, kinds, with_draft_options
 from spire.errors import ConfigError
 
 
@@ -109,8 +109,7 @@ def generate(
     file: Annotated[Optional[Path], typer.Option(help="A text file with one prompt per line.")] = None,
     target: Annotated[str, typer.Option(help="Target: smollm2-135m, a .gguf file or an HF folder.")] = "smollm2-135m",
     draft: Annotated[str, typer.Option(**kinds(registry.names()), help="Draft model.")] = registry.DEFAULT,
-    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe or EAGLE-3 draft: .safetensors, run folder or "
-                                                           "exported folder; or vanilla draft model.")]
+    draft_path: Annotated[Optional[str], typer.Option(help=draft_path_help())]
     = None,
     k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,

@@ -18,6 +18,13 @@ from spire.errors import ConfigError
 GRID_HELP = "Repeat the option or comma-separate values: -B 1 -B 8,64."
 
 
+def draft_path_help() -> str:
+    """The --draft-path help of the commands that decode, from the registry: the kinds that train."""
+    return (f"A trained draft ({', '.join(registry.names(trains=True))}): its `spire train` run folder, weights file "
+            "or `spire export` folder [spire: the newest trained in the cache]; vanilla also takes an HF folder or a "
+            ".gguf with the target's tokenizer.")
+
+
 def ints(name: str, values: Iterable[str]) -> list[int]:
     """Integers from repeated and/or comma-separated option values: ``-B 1 -B 8,64`` -> [1, 8, 64]. Raises
     ConfigError naming the option ``name`` and the item that is not an integer."""

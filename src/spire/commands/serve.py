@@ -13,7 +13,7 @@ import typer
 
 import spire.registry as registry
 from spire import defaults
-from spire.commands.options import draft_options_for, with_draft_options
+from spire.commands.options import draft_options_for, draft_path_help, with_draft_options
 from spire.errors import ConfigError
 
 
@@ -259,8 +259,7 @@ def serve(
         f"Draft: one of {', '.join(registry.names())}, or several comma-separated (a portfolio, e.g. ngram,spire: "
         "each round, each request drafts with the one the policy picks) [the newest trained SPIRe draft in the "
         "cache, else magicdec]."))] = None,
-    draft_path: Annotated[Optional[str], typer.Option(help="SPIRe or EAGLE-3 draft: .safetensors, run folder or "
-                                                           "exported folder; or vanilla draft model.")] = None,
+    draft_path: Annotated[Optional[str], typer.Option(help=draft_path_help())] = None,
     k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round (with a policy: at most).")]
     = defaults.K,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
