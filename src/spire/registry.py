@@ -392,6 +392,10 @@ class DraftImpl:
     model: the trainable class (:class:`~spire.drafts.base.TrainableDraft`) when ``spire train`` trains it.
     export(src, target, name_or_path, k) -> write(folder): how `spire export` writes a trained draft (``src``: the
     resolved draft path) as a folder a serving engine reads; None when the kind has nothing to export.
+    vllm: its vLLM form, what `spire export` adds to that folder so that vLLM runs it with the method on the kind's
+    line (:attr:`Kind.vllm_method`): a :class:`spire.integrations.vllm_export.VllmForm` (the subfolder vLLM reads,
+    a target check, config.json's rewrite, a step after it); None: that module's ``INDEPENDENT_FORM`` (the export
+    itself as vLLM's draft model) where the line names a method; a kind without a method has no vLLM form.
     The kind's options are declared on its registry line (:attr:`Kind.options`), where the CLI reads them without
     importing the kind.
     """
@@ -399,6 +403,7 @@ class DraftImpl:
     load: Callable[..., Any]
     model: type | None = None
     export: Callable[..., Callable[[Any], None]] | None = None
+    vllm: Any = None
 
 
 def impl(name: str) -> DraftImpl:
