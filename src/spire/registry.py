@@ -13,7 +13,8 @@ here (:func:`names`, :func:`kind`, :func:`impl`).
 
 Adding a seventh kind: write ``spire/drafts/<name>.py`` with its ``KIND``, its tests, and one line in
 :data:`KINDS` (a trained kind's line also names its ``config_key``, its ``display_name``, its ``run_weights``, its
-``train_options`` and, when vLLM runs its export, its ``vllm_method``). The tables other modules keep of the kinds
+``train_options`` and, when vLLM runs its export, its ``vllm_method``; its ``KIND`` then names its vLLM form,
+:attr:`DraftImpl.vllm`, where the plain one does not fit). The tables other modules keep of the kinds
 are views of these lines (:class:`KindTable`).
 
 This module imports nothing heavy; :func:`impl` imports the kind's module (and torch) on first use.
