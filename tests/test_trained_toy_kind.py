@@ -298,3 +298,57 @@ def test_spire_reproduce_trains_and_measures_a_trained_kind_of_the_registry(smol
                                                                                               ("toy", 1.0)}
     assert "toy" in {r["draft"] for r in results["throughput"]["measured"]["T=0"]}
     assert "| toy |" in (out / "REPORT.md").read_text()
+
+
+def test_a_trained_kind_declares_its_vllm_form(monkeypatch, tmp_path, capsys):
+    """A kind's vLLM form is its module's ``KIND.vllm`` (:class:`vllm_export.VllmForm`), read by the export with the
+    method on its line: the subfolder its speculative config names, its target check (before anything is written),
+    its config.json rewrite (with its note line) and its step after it; a kind with a method and no declared form gets
+    the independent form (the export itself as vLLM's draft model)."""
+    import dataclasses
+
+    import tests.toy_trained_draft as toy
+    from spire.export import export_draft
+    from tests.conftest import make_tiny
+    from tests.toy_trained_draft import ToyDraftModel
+
+    target = make_tiny()
+    ToyDraftModel(target, ToyConfig()).save_checkpoint(tmp_path / "toy.safetensors", target, {})
+    seen = []
+
+    def check(t):
+        seen.append("check")
+        if t is not target:
+            raise ConfigError("not this target")
+
+    def rewrite(folder, config, t):
+        config["rewritten"] = True
+        return "note: the toy's variant"
+
+    def after(folder, config, t):
+        (folder / "vllm").mkdir()
+        (folder / "vllm" / "config.json").write_text(json.dumps({"from": config["kind"], **config}))
+
+    form = vllm_export.VllmForm(subfolder="vllm", check_target=check, rewrite=rewrite, after_write=after)
+    _add(monkeypatch, dataclasses.replace(TOY, vllm_method="eagle3"))
+    monkeypatch.setattr(toy, "KIND", registry.DraftImpl(load=toy.load_draft, model=ToyDraftModel,
+                                                        export=toy._export, vllm=form))
+    out = export_draft("toy", tmp_path / "toy.safetensors", target, "t", tmp_path / "out", k=2)
+    assert seen == ["check"] and capsys.readouterr().err.strip() == "note: the toy's variant"
+    assert json.loads((out / "config.json").read_text())["rewritten"] is True
+    assert json.loads((out / "vllm" / "config.json").read_text())["from"] == "toy"
+    assert json.loads((out / vllm_export.SPEC_FILE).read_text()) == {
+        "method": "eagle3", "model": str((out / "vllm").resolve()), "num_speculative_tokens": 2,
+        "draft_sample_method": "probabilistic", "draft_tensor_parallel_size": 1}
+    with pytest.raises(ConfigError, match="not this target"):
+        export_draft("toy", tmp_path / "toy.safetensors", make_tiny(seed=1), "t", tmp_path / "other")
+    assert not (tmp_path / "other").exists()
+
+    monkeypatch.setattr(registry, "KINDS", registry.KINDS[:-1] + (TOY,))  # draft_model, no declared form: the
+    monkeypatch.setitem(registry._BY_NAME, "toy", TOY)                     # independent form
+    monkeypatch.setattr(toy, "KIND", registry.DraftImpl(load=toy.load_draft, model=ToyDraftModel, export=toy._export))
+    assert vllm_export.form("toy") is vllm_export.INDEPENDENT_FORM
+    out = export_draft("toy", tmp_path / "toy.safetensors", target, "t", tmp_path / "plain", k=2)
+    assert json.loads((out / vllm_export.SPEC_FILE).read_text())["model"] == str(out.resolve())
+    assert {n: registry.impl(n).vllm for n in ("spire", "eagle3", "vanilla")} == {
+        "spire": vllm_export.SPIRE_FORM, "eagle3": vllm_export.EAGLE3_FORM, "vanilla": vllm_export.INDEPENDENT_FORM}

@@ -13,7 +13,8 @@ here (:func:`names`, :func:`kind`, :func:`impl`).
 
 Adding a seventh kind: write ``spire/drafts/<name>.py`` with its ``KIND``, its tests, and one line in
 :data:`KINDS` (a trained kind's line also names its ``config_key``, its ``display_name``, its ``run_weights``, its
-``train_options`` and, when vLLM runs its export, its ``vllm_method``). The tables other modules keep of the kinds
+``train_options`` and, when vLLM runs its export, its ``vllm_method``; its ``KIND`` then names its vLLM form,
+:attr:`DraftImpl.vllm`, where the plain one does not fit). The tables other modules keep of the kinds
 are views of these lines (:class:`KindTable`).
 
 This module imports nothing heavy; :func:`impl` imports the kind's module (and torch) on first use.
@@ -392,6 +393,10 @@ class DraftImpl:
     model: the trainable class (:class:`~spire.drafts.base.TrainableDraft`) when ``spire train`` trains it.
     export(src, target, name_or_path, k) -> write(folder): how `spire export` writes a trained draft (``src``: the
     resolved draft path) as a folder a serving engine reads; None when the kind has nothing to export.
+    vllm: its vLLM form, what `spire export` adds to that folder so that vLLM runs it with the method on the kind's
+    line (:attr:`Kind.vllm_method`): a :class:`spire.integrations.vllm_export.VllmForm` (the subfolder vLLM reads,
+    a target check, config.json's rewrite, a step after it); None: that module's ``INDEPENDENT_FORM`` (the export
+    itself as vLLM's draft model) where the line names a method; a kind without a method has no vLLM form.
     The kind's options are declared on its registry line (:attr:`Kind.options`), where the CLI reads them without
     importing the kind.
     """
@@ -399,6 +404,7 @@ class DraftImpl:
     load: Callable[..., Any]
     model: type | None = None
     export: Callable[..., Callable[[Any], None]] | None = None
+    vllm: Any = None
 
 
 def impl(name: str) -> DraftImpl:

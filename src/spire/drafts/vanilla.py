@@ -15,6 +15,7 @@ from spire.drafts.base import Draft
 from spire.formats.draft_file import (DRAFT_KIND_NAMES, check_export, draft_file_kind, fingerprint, read_draft_file, read_export,
                                      resolve_draft_path, settings_diff, warn_if_unfinished, write_draft_file)
 from spire.formats.speculators import independent_config
+from spire.integrations.vllm_export import INDEPENDENT_FORM
 from spire.registry import DraftImpl
 from spire.throughput.pricing import shape_of
 from spire.errors import CheckpointError, ConfigError, TokenizerMismatchError
@@ -302,4 +303,4 @@ def _export(src: Path, target: Transformer, name_or_path: str, k: int):
     return write
 
 
-KIND = DraftImpl(load=load_draft, model=VanillaDraftModel, export=_export)
+KIND = DraftImpl(load=load_draft, model=VanillaDraftModel, export=_export, vllm=INDEPENDENT_FORM)

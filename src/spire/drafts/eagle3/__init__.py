@@ -84,6 +84,7 @@ from spire.drafts.eagle3.speculators_format import (SPECULATORS_READS, SPECULATO
                                                     speculators_writer)
 from spire.drafts.eagle3.model import Eagle3DraftModel
 from spire.drafts.eagle3.load import _export, load_draft, load_eagle3, load_speculators, resolve_path
+from spire.integrations.vllm_export import EAGLE3_FORM
 from spire.registry import DraftImpl
 
 __all__ = ["KIND", "LAYER_TYPES", "SPECULATORS_READS", "SPECULATORS_VERSION", "DraftTargetMismatchError",
@@ -91,4 +92,4 @@ __all__ = ["KIND", "LAYER_TYPES", "SPECULATORS_READS", "SPECULATORS_VERSION", "D
            "draft_layer_config", "eagle3_mask", "export_speculators", "load_draft", "load_eagle3",
            "load_speculators", "resolve_path", "speculators_state", "speculators_writer"]
 
-KIND = DraftImpl(load=load_draft, model=Eagle3DraftModel, export=_export)
+KIND = DraftImpl(load=load_draft, model=Eagle3DraftModel, export=_export, vllm=EAGLE3_FORM)

@@ -34,9 +34,10 @@ from spire.drafts.spire.config import BRIDGE_FIT_ROWS, INIT_KINDS, VOCAB_MASS_RO
 from spire.drafts.spire.draft import SpireDraft
 from spire.drafts.spire.model import SpireDraftModel
 from spire.drafts.spire.load import _export, find_trained_spire, load_draft, load_exported_spire
+from spire.integrations.vllm_export import SPIRE_FORM
 from spire.registry import DraftImpl
 
 __all__ = ["BRIDGE_FIT_ROWS", "INIT_KINDS", "KIND", "VOCAB_MASS_ROWS", "SpireConfig", "SpireDraft",
            "SpireDraftModel", "find_trained_spire", "load_draft", "load_exported_spire"]
 
-KIND = DraftImpl(load=load_draft, model=SpireDraftModel, export=_export)
+KIND = DraftImpl(load=load_draft, model=SpireDraftModel, export=_export, vllm=SPIRE_FORM)
