@@ -352,3 +352,21 @@ def test_a_trained_kind_declares_its_vllm_form(monkeypatch, tmp_path, capsys):
     assert json.loads((out / vllm_export.SPEC_FILE).read_text())["model"] == str(out.resolve())
     assert {n: registry.impl(n).vllm for n in ("spire", "eagle3", "vanilla")} == {
         "spire": vllm_export.SPIRE_FORM, "eagle3": vllm_export.EAGLE3_FORM, "vanilla": vllm_export.INDEPENDENT_FORM}
+
+
+def test_a_trained_kinds_serve_memory_plan_counts_its_weights_and_its_cache(monkeypatch, tmp_path):
+    """`spire serve --device-memory` plans a trained kind of the registry as the others (a fresh developer found a
+    new kind planned with no draft weights and no draft state): its weights from the headers of its run's file, its
+    KV cache as its line's Pricing says (one block of the target's KV shape over the whole context, kv "full")."""
+    from safetensors.torch import save_file
+
+    from spire.memory_plan import kv_bytes, serve_planner
+    from spire.model import ModelConfig
+
+    _add(monkeypatch, TOY)
+    save_file({"w": torch.zeros(10, 7), "b": torch.zeros(3, dtype=torch.bfloat16)}, str(tmp_path / "toy.safetensors"))
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=64, d_head=8)
+    plan = serve_planner(cfg, max_len=128, k=3, prefill_chunk=0, kind="toy",
+                         draft_path=str(tmp_path / "toy.safetensors"))(5)
+    assert plan.parts["draft weights"] == 10 * 7 * 4 + 3 * 2
+    assert plan.parts["draft state"] == kv_bytes(1, 5, 2, 128, cfg.d_head) > 0

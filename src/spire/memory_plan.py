@@ -28,6 +28,7 @@ count, else the free memory ``torch.cuda.mem_get_info`` reports on a CUDA device
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field, replace
@@ -249,7 +250,9 @@ def draft_cache_bytes(kind: str, cfg: ModelConfig, slots: int, max_len: int, k: 
                       elem: int = F32) -> int:
     """The draft's own per-slot state (module docstring). draft_cfg: for "spire" {"n_layers", "sink", "window"}
     (window None: a full cache), for "vanilla" the draft's ModelConfig fields {"n_layers", "n_kv_heads",
-    "d_head"}; others need none."""
+    "d_head"}; others need none. Another kind with weights of its own and a KV cache (a kind added to the registry)
+    is planned as the cost model prices it (its line's :class:`~spire.registry.Pricing`: ``layers`` blocks of the
+    target's KV shape over the whole context, or over sink + window + k + 1 positions for kv "window")."""
     draft_cfg = draft_cfg or {}
     if kind == "spire":
         window = draft_cfg.get("window")
@@ -262,6 +265,12 @@ def draft_cache_bytes(kind: str, cfg: ModelConfig, slots: int, max_len: int, k: 
         return kv_bytes(draft_cfg["n_layers"], slots, draft_cfg["n_kv_heads"], max_len, draft_cfg["d_head"], elem)
     if kind == "ngram":
         return slots * max_len * 8
+    pricing = registry.kind(kind).pricing if kind in registry.names() else None
+    if pricing is not None and pricing.weights == "own" and pricing.kv != "none":
+        layers = max(1, math.ceil(cfg.n_layers * pricing.layers) if isinstance(pricing.layers, float)
+                     else int(pricing.layers))  # as throughput.shapes reads a Pricing
+        positions = max_len if pricing.kv == "full" else defaults.SINK + defaults.WINDOW + k + 1
+        return kv_bytes(layers, slots, cfg.n_kv_heads, positions, cfg.d_head, elem)
     return 0  # magicdec: a view of the target's cache
 
 
@@ -332,10 +341,11 @@ def safetensors_bytes(path: str | Path, dtype: torch.dtype | None = None) -> int
 def serve_planner(cfg: ModelConfig, max_len: int, k: int, prefill_chunk: int, kind: str | None,
                   draft_path: str | None = None) -> Callable[[int], MemoryPlan]:
     """:func:`serve_plan` as a function of the slots (--max-running), for `spire serve`'s settings: the draft's
-    weights from its safetensors headers (``draft_path``, nothing read but the headers; a vanilla draft's cache from
-    its config.json); a SPIRe draft's ring at the default 8 layers and sink 1 + window 64."""
+    weights from its safetensors headers (``draft_path`` of any kind that trains, nothing read but the headers; a
+    vanilla draft's cache from its config.json); a SPIRe draft's ring at the default 8 layers and sink 1 + window
+    64; another kind's state as :func:`draft_cache_bytes` prices it."""
     weights, dcfg = 0, None
-    if draft_path is not None and kind in ("spire", "eagle3", "vanilla"):
+    if draft_path is not None and kind is not None and kind in registry.names() and registry.kind(kind).trains:
         path = Path(draft_path)
         try:
             weights = safetensors_bytes(path if path.suffix == ".safetensors" or path.is_dir() else path)
