@@ -111,17 +111,29 @@ def ngram_propose(context: Sequence[int], k: int, cfg: NgramConfig | None = None
 
 
 def host_source(context: Sequence[int] | np.ndarray, n_min: int, n_max: int) -> int:
-    """The lookup of :func:`ngram_source` on the host, vectorized with numpy (vLLM's n-gram proposer also runs on
-    the CPU over the token ids the scheduler holds): the index in ``context`` (a row's tokens, the pending one
-    last) of the first token to propose, or -1. O(n · L) per n tried, n from min(n_max, L - 1) down to n_min."""
+    """The lookup of :func:`ngram_source` on the host, with numpy (vLLM's n-gram proposer also runs on the CPU over
+    the token ids the scheduler holds): the index in ``context`` (a row's tokens, the pending one last) of the
+    first token to propose, or -1. The candidates are the earlier positions e < L - 1 holding the last token; each
+    one's run of equal tokens going back (buf[e - j] == buf[L - 1 - j]) is counted up to min(n_max, L - 1); the
+    longest run of at least n_min wins, the earliest e among equals. O(L) to find the candidates, O(n_max) per
+    candidate."""
     ctx = np.asarray(context, dtype=np.int64)
     L = len(ctx)
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        ends = np.lib.stride_tricks.sliding_window_view(ctx[: L - 1], n)  # occurrences ending before the last
-        hits = np.flatnonzero((ends == ctx[L - n:]).all(1))
-        if hits.size:
-            return int(hits[0]) + n  # the token after the earliest occurrence
-    return -1
+    n_top = min(n_max, L - 1)
+    if n_top < n_min:
+        return -1
+    ends = np.flatnonzero(ctx[: L - 1] == ctx[L - 1])
+    ends = ends[ends >= n_min - 1]  # a shorter prefix cannot hold a run of n_min
+    run = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for j in range(1, n_top):
+        alive &= ends >= j
+        alive[alive] = ctx[ends[alive] - j] == ctx[L - 1 - j]
+        if not alive.any():
+            break
+        run += alive
+    best = int(run.max()) if len(run) else 0
+    return int(ends[np.argmax(run == best)]) + 1 if best >= n_min else -1
 
 
 def match_sources(buf: torch.Tensor, pos: torch.Tensor, n_min: int, n_max: int, stop_early: bool = True

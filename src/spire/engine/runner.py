@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from spire.drafts.base import Draft
@@ -65,6 +66,27 @@ class RowState:
     generator: torch.Generator
     history: TokenHistory | None = None
     prompt_lp: list | None = None
+    tokens: np.ndarray | None = None
+    """Its tokens on the host (prompt, then emitted), filled as far as a draft that looks them up has asked
+    (:meth:`context`; the n-gram lookup), in a buffer that doubles when full."""
+    n_tokens: int = 0
+
+    def context(self, req: Request) -> np.ndarray:
+        """(n,) int64, the request's tokens 0..n - 1 (prompt + emitted, the pending one last): a view of
+        :attr:`tokens`, extended by the tokens emitted since the last call only."""
+        P, total = len(req.prompt), len(req.prompt) + len(req.emitted)
+        if self.tokens is None or len(self.tokens) < total:
+            grown = np.empty(max(2 * total, 64), dtype=np.int64)
+            if self.tokens is not None:
+                grown[: self.n_tokens] = self.tokens[: self.n_tokens]
+            self.tokens = grown
+        if self.n_tokens < P:
+            self.tokens[self.n_tokens: P] = req.prompt[self.n_tokens:]
+            self.n_tokens = P
+        if self.n_tokens < total:
+            self.tokens[self.n_tokens: total] = req.emitted[self.n_tokens - P:]
+            self.n_tokens = total
+        return self.tokens[:total]
 
 
 def rollback(n: torch.Tensor, live: torch.Tensor, n_accepted: torch.Tensor) -> torch.Tensor:
@@ -255,9 +277,10 @@ class Runner:
             return []
         pending, pos0 = self.pending[: self.width], self.n[: self.width] - 1
         at = Span([n - 1 for n in self.n_host[: self.width]], 1)
-        contexts: list[list[int] | None] = [None] * self.width  # each row's tokens 0..pos0, as the host has them
+        contexts: list = [None] * self.width  # each row's tokens 0..pos0, as the host has them
         for r in running:
-            contexts[r.slot] = r.prompt + r.emitted
+            st = self.requests.get(r.id)
+            contexts[r.slot] = st.context(r) if st is not None else np.asarray(r.prompt + r.emitted, dtype=np.int64)
         out = []
         for draft in self.drafts:
             p = draft.proposes(pending[:, None], pos0[:, None], span=at, contexts=contexts)
