@@ -153,7 +153,7 @@ def test_export_keeps_the_draft_vocabulary(tmp_path):
 
 def test_export_refuses_to_destroy_a_folder(tmp_path):
     """--out must not be the draft's own run folder, a folder above it, or a non-empty folder that is not an
-    earlier export; an earlier export is replaced."""
+    earlier export; an earlier export is replaced, unless it holds a file no export writes there."""
     from spire.errors import ConfigError
 
     target = make_tiny()
@@ -172,6 +172,16 @@ def test_export_refuses_to_destroy_a_folder(tmp_path):
     assert (other / "notes.txt").read_text() == "mine" and (run / "train_log.jsonl").is_file()
     out = export_draft("spire", path, target, "t", tmp_path / "export")
     assert export_draft("spire", path, target, "t", out) == out  # an earlier export is replaced
+    assert export_draft("spire", path, target, "t", out, vllm=False) == out  # vLLM's form left out: replaced too
+    # a user's file put in an earlier export is never deleted (a new user lost notes this way): refused, untouched
+    for mine in (out / "notes.md", out / "mydata" / "notes.md"):
+        mine.parent.mkdir(exist_ok=True)
+        mine.write_text("mine")
+        before = sorted(p.relative_to(out) for p in out.rglob("*"))
+        with pytest.raises(ConfigError, match=f"holds {mine.relative_to(out)}, which this export does not write"):
+            export_draft("spire", path, target, "t", out)
+        assert mine.read_text() == "mine" and sorted(p.relative_to(out) for p in out.rglob("*")) == before
+        mine.unlink()
 
 
 def _export_round_trip(tmp_path, tiny, cfg, perturb):

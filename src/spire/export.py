@@ -95,7 +95,23 @@ def export_draft(kind: str, draft_path: str | Path, target, name_or_path: str, o
 
     def readable(tmp: Path) -> None:  # an engine may run as another user: files 0644, folders 0755
         write(tmp)
+        _check_replaced(out, Path(tmp))
         for p in Path(tmp).rglob("*"):
             p.chmod(0o755 if p.is_dir() else 0o644)
     replace_dir(out, readable)
     return out
+
+
+def _check_replaced(out: Path, new: Path) -> None:
+    """Refuse to replace an earlier export ``out`` by the folder ``new`` when ``out`` holds a file no export writes
+    there: one this export does not write, outside vLLM's form (its subfolder and speculative config, which an
+    export with --no-vllm leaves out). A user's file put in an export folder is then never deleted. Raises
+    ConfigError naming the file (nothing is changed: the new folder is still temporary)."""
+    if not out.is_dir():
+        return
+    for f in sorted(out.rglob("*")):
+        rel = f.relative_to(out)
+        if f.is_dir() or (new / rel).exists() or rel.parts[0] in (vllm_form.VLLM_SUBFOLDER, vllm_form.SPEC_FILE):
+            continue
+        raise ConfigError(f"--out {out} holds {rel}, which this export does not write; it would be deleted: move it "
+                          "or choose another folder")
