@@ -3,6 +3,7 @@ refusal naming the largest batch that fits, and `spire train` / `spire serve` re
 
 from __future__ import annotations
 
+import re
 import types
 
 import numpy as np
@@ -71,7 +72,8 @@ def test_refusal_names_the_largest_batch_that_fits():
     memory = plan(5).total + 1
     assert largest_batch(plan, memory, 100) == 5
     assert check_fits(plan, 5, memory, "cuda").batch == 5
-    with pytest.raises(ConfigError, match=r"the largest --max-running that fits is 5$") as e:
+    with pytest.raises(ConfigError, match=r"the largest --max-running that fits is 5 \(a smaller --max-len also "
+                                          r"shrinks it\)$") as e:
         check_fits(plan, 9, memory, "cuda")
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match="nothing fits"):
@@ -104,8 +106,10 @@ def test_cli_refuses_before_loading(smollm2, tmp_path, capsys, monkeypatch, comm
     err = capsys.readouterr().err.strip().splitlines()
     flag = "--batch-size" if command == "train" else "--max-running"
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: spire " + command), err
-    best = int(err[0].rsplit(" ", 1)[1])
-    assert f"the largest {flag} that fits is {best}" in err[0] and 1 <= best < 64
+    best = int(re.search(f"the largest {flag} that fits is ([0-9]+)", err[0]).group(1))
+    assert 1 <= best < 64
+    # where the limit came from: the option, or the environment variable a user may have forgotten
+    assert ("(--device-memory)" if command == "train" else "($SPIRE_DEVICE_MEMORY)") in err[0], err[0]
 
 
 def test_saved_activations_counted_on_meta_equal_the_real_ones():

@@ -81,6 +81,8 @@ class MemoryPlan:
     batch: int
     batch_flag: str
     parts: dict[str, int] = field(default_factory=dict)
+    other_flag: str = ""
+    """Another option that shrinks the plan (a refusal names it beside ``batch_flag``)."""
 
     @property
     def total(self) -> int:
@@ -241,7 +243,7 @@ def train_planner(cfg: ModelConfig, train_cfg) -> Callable[[int], MemoryPlan]:
         saved = None if per_row is None else one + per_row * (batch - 1)
         parts.update(train_activation_bytes(cfg, n_layers, draft_vocab, batch, train_cfg.seq_len, sources,
                                             train_cfg.target_cache is None, bool(train_cfg.bf16), saved))
-        return MemoryPlan("spire train", batch, "--batch-size", parts)
+        return MemoryPlan("spire train", batch, "--batch-size", parts, "--seq-len")
 
     return plan
 
@@ -287,7 +289,7 @@ def serve_plan(cfg: ModelConfig, slots: int, max_len: int, k: int, prefill_chunk
              "draft state": draft_cache_bytes(draft_kind or "magicdec", cfg, slots, max_len, k, draft_cfg, elem),
              "activations": serve_activation_bytes(cfg, slots, k if draft_kind else 0, max_len,
                                                    prefill_chunk or max_len, elem)}
-    return MemoryPlan("spire serve", slots, "--max-running", parts)
+    return MemoryPlan("spire serve", slots, "--max-running", parts, "--max-len")
 
 
 def largest_batch(plan: Callable[[int], MemoryPlan], memory: int, upto: int) -> int:
@@ -302,17 +304,28 @@ def largest_batch(plan: Callable[[int], MemoryPlan], memory: int, upto: int) -> 
     return lo
 
 
-def check_fits(plan: Callable[[int], MemoryPlan], batch: int, memory: int | None, device: str) -> MemoryPlan:
+def memory_source(stated: str | None) -> str:
+    """Where :func:`device_memory`'s limit comes from, as a refusal names it: the option, the environment variable
+    (which a user may have forgotten they set) or the device's free memory."""
+    if stated is not None:
+        return "--device-memory"
+    return f"${ENV}" if os.environ.get(ENV) else "the device's free memory"
+
+
+def check_fits(plan: Callable[[int], MemoryPlan], batch: int, memory: int | None, device: str,
+               source: str | None = None) -> MemoryPlan:
     """Compute the plan at ``batch``; raise ConfigError in one line when it exceeds ``memory`` (naming the parts,
-    the memory and the largest batch that fits). None memory: no check. Returns the plan."""
+    the memory and where its limit comes from (``source``, :func:`memory_source`), the largest batch that fits and
+    the plan's other option). None memory: no check. Returns the plan."""
     p = plan(batch)
     if memory is None or p.total <= memory:
         return p
     best = largest_batch(plan, memory, batch - 1)
     fit = (f"the largest {p.batch_flag} that fits is {best}" if best else
            f"nothing fits, not even {p.batch_flag} 1 ({gib(plan(1).total)})")
+    fit += f" (a smaller {p.other_flag} also shrinks it)" if p.other_flag else ""
     raise ConfigError(f"{p.command} needs {gib(p.total)} on {device} at {p.batch_flag} {batch} ({p.describe()}), "
-                      f"more than its {gib(memory)}: {fit}")
+                      f"more than its {gib(memory)}{f' ({source})' if source else ''}: {fit}")
 
 
 def safetensors_bytes(path: str | Path, dtype: torch.dtype | None = None) -> int:

@@ -227,7 +227,7 @@ def check_memory(target: str, device: str, stated: Optional[str], max_running: i
 
     if device != "cpu" and not torch.cuda.is_available():
         raise ConfigError(f"--device {device}, but this torch ({torch.__version__}) sees no CUDA device")
-    from spire.memory_plan import check_fits, device_memory, serve_planner
+    from spire.memory_plan import check_fits, device_memory, memory_source, serve_planner
     from spire.loading import read_model_config, resolve_checkpoint
 
     memory = device_memory(device, stated)
@@ -236,7 +236,7 @@ def check_memory(target: str, device: str, stated: Optional[str], max_running: i
     cfg = read_model_config(resolve_checkpoint(target, progress=False))
     planner = serve_planner(cfg, min(max_len, cfg.max_positions), k, prefill_chunk, draft or registry.BASELINE,
                             draft_path)
-    check_fits(planner, max_running, memory, device)
+    check_fits(planner, max_running, memory, device, memory_source(stated))
 
 
 def pick_draft(draft: Optional[str], draft_path: Optional[str], model) -> tuple[str, Optional[str], str]:

@@ -267,7 +267,7 @@ def check_memory(args: TrainRunArgs, cfg: TrainConfig, device: str, world: int) 
     $SPIRE_DEVICE_MEMORY, else a CUDA device's free memory; none on a CPU unless stated). Raises ConfigError naming
     the largest --batch-size that fits."""
     from spire.loading import read_model_config, resolve_checkpoint
-    from spire.memory_plan import check_fits, device_memory, train_planner
+    from spire.memory_plan import check_fits, device_memory, memory_source, train_planner
 
     memory = device_memory(device, args.device_memory)
     if memory is None:
@@ -276,7 +276,7 @@ def check_memory(args: TrainRunArgs, cfg: TrainConfig, device: str, world: int) 
     rows = max(1, cfg.batch_size // world)
     planner = train_planner(model_cfg, cfg)
     try:
-        check_fits(planner, rows, memory, device)
+        check_fits(planner, rows, memory, device, memory_source(args.device_memory))
     except ConfigError as e:
         if world > 1:  # the plan is per process; the option is the global batch
             raise ConfigError(f"{e} rows per process ({world} processes)") from None
