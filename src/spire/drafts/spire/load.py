@@ -51,8 +51,9 @@ def load_draft(target: Transformer, path: str | Path | None = None, **_) -> Spir
     unreadable) or TokenizerMismatchError (trained for another target)."""
     file = resolve_draft_path("spire", path) if path else find_trained_spire(target)
     if file is None:
-        raise CheckpointError("no trained SPIRe draft for this target in the cache: run `spire reproduce` "
-                              "(or pass --draft-path)")
+        raise CheckpointError("no trained SPIRe draft for this target in the cache: pass --draft-path (e.g. the run "
+                              "folder of `spire train`), or run the main job (`spire reproduce`), which leaves one "
+                              "in the cache")
     if file.is_dir():
         draft = SpireDraft(load_exported_spire(file, target).requires_grad_(False))
     else:
