@@ -91,11 +91,7 @@ def test_sampling_is_lossless_with_a_portfolio_and_k_per_request(kinds):
     for i in range(3):
         assert _chi2(toks[:, i], exact[i]) > 1e-3, (kinds, i)
     st = engine.stats
-    # the chi-square covered both drafts' accepted tokens, at both positions (a draft never accepted gives 0s here;
-    # n-gram's count, about 50, moved from 56 to 48 when greedy fillers stopped drafting past their max_tokens)
-    for d in range(len(kinds)):
-        acc = st.accepted_by_draft[engine.drafts[d].name]
-        assert acc[1] > 0 and acc[2] > 0 and sum(acc[1:]) > 40, (kinds[d], acc)
+    assert all(sum(st.accepted_by_draft[engine.drafts[d].name][1:]) > 50 for d in range(len(kinds)))
     assert st.rounds_by_k[0] > 50
 
 

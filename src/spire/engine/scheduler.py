@@ -420,7 +420,6 @@ class Scheduler:
             last = max(0, len(proposes) - 1)
             drafts = [next((d for d, p in enumerate(proposes) if p is None or p[i]), last) for i in range(n)]
             choice = RoundChoice(cap, drafts, [cap] * n)
-        choice = _within_budget(choice, plan.running)
         plan.choice = choice
         return choice
 
@@ -467,22 +466,6 @@ class Scheduler:
         reason = "stop" if stopped else "length" if len(req.emitted) >= p.max_tokens else None
         stop_token = toks[-1] if stopped and toks and toks[-1] in eos else None
         return RequestOutput(req.id, toks, reason is not None, reason, n_accepted, stop_token)
-
-
-def _within_budget(choice: RoundChoice, running: Sequence[Request]) -> RoundChoice:
-    """``choice`` with no greedy request drafting more than its max_tokens leaves room for: a round emits at most
-    ks[i] + 1 tokens, so a request with r tokens left drafts at most r - 1 (tokens past the budget would be drafted,
-    verified and cut, and counted as accepted). A sampling request keeps its k, and the round its depth while one
-    runs: its random draws follow the round's k, and a seeded request gives the same tokens whatever runs beside it.
-    With greedy requests only, the round's k shrinks to what some request still drafts (0: an AD round)."""
-    left = [r.params.max_tokens - len(r.emitted) - 1 if r.sampling.greedy else k for r, k in zip(running, choice.ks)]
-    if all(k <= max(lf, 0) for k, lf in zip(choice.ks, left)):
-        return choice
-    ks = [min(k, max(lf, 0)) for k, lf in zip(choice.ks, left)]
-    drafts = [d if k else None for d, k in zip(choice.drafts, ks)]
-    if not all(r.sampling.greedy for r in running):
-        return RoundChoice(choice.k, drafts, ks)
-    return RoundChoice(max(ks), drafts, ks) if any(ks) else RoundChoice.uniform(len(running), 0)
 
 
 def draft_sets(n: int) -> list[tuple[int, ...]]:
