@@ -114,3 +114,18 @@ def set_in_training(name: str, value, monkeypatch=None) -> None:
             monkeypatch.setattr(m, name, value)
         else:
             setattr(m, name, value)
+
+
+def scratch_cache(tmp_path):
+    """A throwaway SPIRE_CACHE under ``tmp_path`` that reuses the real one's converted model and prepared data
+    (symlinked ``models``, ``data``, ``sdist``): what a test trains and measures goes there. Returns its path."""
+    import os
+    from pathlib import Path
+
+    real = Path(os.environ.get("SPIRE_CACHE") or Path.home() / ".cache" / "spire")
+    cache = Path(tmp_path) / "cache"
+    cache.mkdir()
+    for sub in ("models", "data", "sdist"):
+        if (real / sub).exists():
+            (cache / sub).symlink_to(real / sub)
+    return cache

@@ -16,17 +16,12 @@ def _run(args, env_cache):
 @pytest.fixture
 def env(tmp_path, monkeypatch):
     import os
-    from pathlib import Path
+
+    from tests.helpers import scratch_cache
 
     e = dict(os.environ)
     # reuse the converted model and data of the real cache, but train drafts in a throwaway cache
-    real = Path(os.environ.get("SPIRE_CACHE") or Path.home() / ".cache" / "spire")
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    for sub in ("models", "data", "sdist"):
-        if (real / sub).exists():
-            (cache / sub).symlink_to(real / sub)
-    e["SPIRE_CACHE"] = str(cache)
+    e["SPIRE_CACHE"] = str(scratch_cache(tmp_path))
     return e
 
 

@@ -215,13 +215,9 @@ def _run(*args: str, cache: Path) -> subprocess.CompletedProcess:
 def _cache(tmp_path: Path) -> Path:
     """A throwaway SPIRE_CACHE that reuses the real one's converted model and prepared data (as
     tests/test_reproduce.py does): the runs and measurements of the test go there."""
-    real = Path(os.environ.get("SPIRE_CACHE") or Path.home() / ".cache" / "spire")
-    cache = tmp_path / "cache"
-    cache.mkdir()
-    for sub in ("models", "data", "sdist"):
-        if (real / sub).exists():
-            (cache / sub).symlink_to(real / sub)
-    return cache
+    from tests.helpers import scratch_cache
+
+    return scratch_cache(tmp_path)
 
 
 @pytest.mark.slow  # spire's commands on the embedded target, each in a fresh interpreter (about a minute)
