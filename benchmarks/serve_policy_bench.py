@@ -5,6 +5,7 @@ held-out prompts (issue 51).
     python benchmarks/serve_policy_bench.py --out measurements/serve-policy-cpu \\
         [--spire RUN] [--drafts spire] [--fixed-k 1,2,3,4] [--portfolio ngram,spire] [--concurrency 1,4,16,32] \\
         [--temperatures 0,1] [--reps 3] [--requests 16] [--max-tokens 64] [--servers none,fixed,policy,portfolio,vllm-ad]
+        [--vllm-bind all|auto]
 
 Servers run one at a time, in alternating order over --reps repetitions (none, each fixed k, policy, portfolio,
 vLLM; then again), each warmed up, at each concurrency c and temperature T a `guidellm run` (the same scenario as
@@ -64,6 +65,9 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--servers", default="none,fixed,policy,portfolio,vllm-ad")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vllm-bind", choices=("auto", "all"), default="all",
+                    help="vLLM's compute threads: all: every core, as spire serve's (issue 51, goal 3); auto: its "
+                         "default binding (one core reserved for its front end)")
     a = ap.parse_args()
     levels = [int(c) for c in a.concurrency.split(",")]
     temps = [float(t) for t in a.temperatures.split(",")]
@@ -104,10 +108,13 @@ def main() -> None:
                                       "--served-model-name", MODEL, "--dtype", "float32", "--max-model-len",
                                       str(max_len), "--host", "127.0.0.1", "--no-enable-prefix-caching", "--seed",
                                       "0", "--max-num-seqs", str(max(levels))],
-                        {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1"}))
+                        {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_NO_USAGE_STATS": "1",
+                         **({"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+                            if a.vllm_bind == "all" else {})}))
     results_path = a.out / "results.json"
     results = {"config": {**provenance(), "levels": levels, "temperatures": temps, "reps": a.reps,
-                          "max_tokens": a.max_tokens, "prompt_tokens": [len(p) for p in ids],
+                          "max_tokens": a.max_tokens, "vllm_bind": a.vllm_bind,
+                          "prompt_tokens": [len(p) for p in ids],
                           "spire_draft": os.path.basename(spire_run.rstrip("/"))}, "runs": []}
     for rep in range(a.reps):
         for name, cmd, env in servers:

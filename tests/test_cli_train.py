@@ -4,7 +4,9 @@ tiny random Llama that uses SmolLM2's tokenizer (an HF folder built here; second
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import shutil
 
 import pytest
@@ -88,14 +90,15 @@ def trained(tiny_folder, text_file, tmp_path_factory):
 
         def interrupted(*a, **kw):
             calls["n"] += 1
-            if calls["n"] == 3:
-                raise KeyboardInterrupt
+            if calls["n"] == 3:  # a real SIGTERM (a scheduler's stop), which `spire train` turns into Ctrl-C's
+                os.kill(os.getpid(), signal.SIGTERM)  # KeyboardInterrupt: one path for both from here
             return real(*a, **kw)
 
         set_in_training("mixed_loss_logp", interrupted, mp)
-        with pytest.raises(SystemExit) as stopped:  # Ctrl-C in step 3: the CLI exits with 130
+        with pytest.raises(SystemExit) as stopped:  # stopped in step 3: the CLI exits with 130, as on Ctrl-C
             main(_train_args(tiny_folder, text_file, root / "resumed"))
         assert stopped.value.code == 130
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is spire train's only while it runs
         set_in_training("mixed_loss_logp", real, mp)
         results["after_interrupt"] = json.loads((root / "resumed" / "checkpoint" / "train_state.json").read_text())
         _main(["train", "--resume", "--target", str(tiny_folder), "--data", str(text_file), "--out",
@@ -452,3 +455,25 @@ def test_vocab_size_is_a_deprecated_alias_of_draft_vocab(monkeypatch, capsys):
         main(["train", "--vocab-size", "1000", "--help"])
     help_text = capsys.readouterr().out
     assert not e.value.code and "--draft-vocab" in help_text and "--vocab-size" not in help_text
+
+
+def test_sigterm_during_spire_train_is_handled_as_ctrl_c():
+    """In a process of its own: within `sigterm_as_interrupt`, a SIGTERM raises Terminated (a KeyboardInterrupt, so
+    spire train's Ctrl-C path runs: the note, the lock given back, exit 130); outside it, the default action is back
+    (the process dies by the signal)."""
+    import subprocess
+    import sys
+
+    code = ("import os, signal\n"
+            "from spire.commands.train import Terminated, sigterm_as_interrupt\n"
+            "try:\n"
+            "    with sigterm_as_interrupt():\n"
+            "        os.kill(os.getpid(), signal.SIGTERM)\n"
+            "        import time; time.sleep(5)\n"
+            "except KeyboardInterrupt as e:\n"
+            "    print(type(e).__name__, flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "import time; time.sleep(5)\n"
+            "print('survived')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.stdout.split() == ["Terminated"] and res.returncode == -signal.SIGTERM, (res.stdout, res.stderr)

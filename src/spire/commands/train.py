@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -311,8 +313,32 @@ def run(args: TrainRunArgs, log=print) -> dict:
     if args.eval_windows is None:
         args.eval_windows = saved.get("heldout_windows", 16) if args.resume else 16
     rank, world = init_distributed()
-    with RunLock(out, log) if rank == 0 else contextlib.nullcontext():  # a second writer is refused here
-        return _run_locked(args, out, cfg, saved, rank, world, log)
+    with sigterm_as_interrupt(), RunLock(out, log) if rank == 0 else contextlib.nullcontext():
+        return _run_locked(args, out, cfg, saved, rank, world, log)  # (a second writer is refused by the lock)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM received during `spire train`: handled as Ctrl-C is (the same note, the lock given back)."""
+
+
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """While it is open, SIGTERM (a job scheduler's, a container's or `kill`'s stop) raises :class:`Terminated`
+    in the main thread, so the run ends as on Ctrl-C: the last checkpoint stays, the note says how to resume, the
+    run folder's lock is given back and the CLI exits 130. Left alone when not in the main thread or when a handler
+    other than the default one is installed (e.g. by an embedding program)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_locked(args: TrainRunArgs, out: Path, cfg: TrainConfig, saved: dict | None, rank: int, world: int,
