@@ -50,6 +50,32 @@ def raw_metrics(server: Server) -> dict[str, float]:
     return out
 
 
+def write_table(out: Path, results: dict) -> str:
+    """results.md from results.json's runs (also of an unfinished run: ``--table-only``): per server, T and c the
+    median tokens/s and its [min, max] over the repetitions, the median ratio to `--draft none` of the same
+    repetition, the median TTFT and the repetitions counted. Returns the table."""
+    runs = results["runs"]
+    names = list(dict.fromkeys(r["server"] for r in runs))
+    keys = sorted({(r["temperature"], r["concurrency"]) for r in runs})
+    table = ["| server | T | c | tok/s median [min, max] | / none (median) | TTFT median (ms) | runs |",
+             "|---|---|---|---|---|---|---|"]
+    for name in names:
+        for t, c in keys:
+            rows = [r for r in runs if (r["server"], r["temperature"], r["concurrency"]) == (name, t, c)]
+            if not rows:
+                continue
+            none = {r["rep"]: r["output_tokens_per_s"] for r in runs
+                    if (r["server"], r["temperature"], r["concurrency"]) == ("spire-none", t, c)}
+            v = [r["output_tokens_per_s"] for r in rows]
+            ratio = [r["output_tokens_per_s"] / none[r["rep"]] for r in rows if r["rep"] in none]
+            r_txt = f"{statistics.median(ratio):.2f}" if ratio else "-"
+            table.append(f"| {name} | {t:g} | {c} | {statistics.median(v):.1f} [{min(v):.1f}, {max(v):.1f}] | {r_txt} | "
+                         f"{statistics.median(r['ttft_median_ms'] for r in rows):.0f} | {len(rows)} |")
+    text = "\n".join(table) + "\n"
+    (out / "results.md").write_text(text)
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -68,7 +94,12 @@ def main() -> None:
     ap.add_argument("--vllm-bind", choices=("auto", "all"), default="all",
                     help="vLLM's compute threads: all: every core, as spire serve's (issue 51, goal 3); auto: its "
                          "default binding (one core reserved for its front end)")
+    ap.add_argument("--table-only", action="store_true",
+                    help="only rewrite OUT/results.md from OUT/results.json (e.g. of a run cut short)")
     a = ap.parse_args()
+    if a.table_only:
+        print(write_table(a.out, json.loads((a.out / "results.json").read_text())), end="")
+        return
     levels = [int(c) for c in a.concurrency.split(",")]
     temps = [float(t) for t in a.temperatures.split(",")]
     kinds = a.servers.split(",")
@@ -134,21 +165,9 @@ def main() -> None:
             finally:
                 srv.stop()
             results_path.write_text(json.dumps(results, indent=1))
-    table = ["| server | T | c | tok/s median [min, max] | / none (median) | TTFT median (ms) |", "|---|---|---|---|---|---|"]
-    for name, _, _ in servers:
-        for t in temps:
-            for c in levels:
-                rows = [r for r in results["runs"] if (r["server"], r["temperature"], r["concurrency"]) == (name, t, c)]
-                none = {r["rep"]: r["output_tokens_per_s"] for r in results["runs"]
-                        if (r["server"], r["temperature"], r["concurrency"]) == ("spire-none", t, c)}
-                v = [r["output_tokens_per_s"] for r in rows]
-                ratio = [r["output_tokens_per_s"] / none[r["rep"]] for r in rows if r["rep"] in none]
-                table.append(f"| {name} | {t:g} | {c} | {statistics.median(v):.1f} [{min(v):.1f}, {max(v):.1f}] | "
-                             f"{statistics.median(ratio):.2f} | {statistics.median(r['ttft_median_ms'] for r in rows):.0f} |"
-                             if rows else f"| {name} | {t:g} | {c} | - | - | - |")
-    (a.out / "results.md").write_text("\n".join(table) + "\n")
+            write_table(a.out, results)
+    print(write_table(a.out, results))
     write_provenance(a.out)
-    print("\n".join(table))
 
 
 if __name__ == "__main__":
