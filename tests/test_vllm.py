@@ -605,7 +605,7 @@ def test_the_vllm_functions_spire_patches_are_those_it_was_written_for():
     from spire.integrations import vllm_fixes
 
     code = ("import json, torch; from vllm.platforms import current_platform as c; "
-            "c.register_triton_kernel_overrides(); import vllm._C; import vllm.v1.sample.rejection_sampler as rs; "
+            "c.register_triton_kernel_overrides(); import vllm.v1.sample.rejection_sampler as rs; "
             "from spire.integrations import vllm_fixes as f; "
             "x, cu = torch.tensor([1.0, 0.7, 0.0]), torch.tensor([2, 5, 6], dtype=torch.int32); "
             "print(json.dumps({'installed': rs.expand_batch_to_tokens(x, cu, 6, 0, 1).tolist(), "
