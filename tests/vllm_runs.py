@@ -8,7 +8,8 @@ at T = 1 with seed 0, or null), "new" (tokens a prompt)}. The runs go one after 
 ``vllm.LLM`` in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: engine and worker here, vLLM imported once),
 with the settings of a served target (float32, eager, no prefix caching, 2 GiB of KV cache); spire's vLLM plugin
 loads as it does in ``vllm serve``. OUT is {name: {"tokens", "metrics", "tokens_t1", "metrics_t1"}} for runs that
-started, {name: {"error": the start-up exception's text}} for runs whose engine did not: the speculative-decoding
+started, with "error" (the exception's text, beside what was collected before it) where a request failed, and
+{name: {"error": the start-up exception's text}} for runs whose engine did not: the speculative-decoding
 counters are vLLM's (drafts, draft tokens, accepted tokens, accepted per drafted position), those of the greedy
 requests and those of the sampled ones apart. OUT is written after every run.
 """
@@ -57,7 +58,7 @@ def one_run(model: str, run: dict) -> dict:
         _cleanup()
         return {"error": "".join(traceback.format_exception(e))}
     out: dict = {}
-    try:
+    try:  # a request-time failure is the run's result too, with what it collected before
         if run.get("greedy"):
             res = llm.generate([TokensPrompt(prompt_token_ids=p) for p in run["greedy"]],
                                SamplingParams(temperature=0.0, max_tokens=run["new"]), use_tqdm=False)
@@ -71,6 +72,8 @@ def one_run(model: str, run: dict) -> dict:
             out["tokens_t1"] = [list(r.outputs[0].token_ids) for r in res]
             if spec:
                 out["metrics_t1"] = minus(spec_metrics(llm, k), before)
+    except Exception as e:  # noqa: BLE001
+        out["error"] = "".join(traceback.format_exception(e))
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
