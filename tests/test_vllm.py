@@ -34,6 +34,7 @@ from spire.errors import ConfigError
 from spire.integrations import vllm_export
 from tests.conftest import make_tiny, smollm2_available
 from tests.helpers import run_cli
+from tests.vllm_runs import minus
 
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -363,12 +364,6 @@ def _complete(port: int, prompts: list[list[int]], temperature: float = 0.0) -> 
     return [c["token_ids"] for c in sorted(choices, key=lambda c: c["index"])]
 
 
-def _minus(after: dict, before: dict) -> dict:
-    """Counters of :func:`_spec_metrics` accrued between two readings."""
-    return {k: ([a - b for a, b in zip(v, before[k])] if k == "per_pos" else v - before.get(k, 0.0))
-            for k, v in after.items()}
-
-
 def _spec_metrics(port: int) -> dict:
     """vLLM's speculative-decoding counters: drafts, draft tokens, accepted tokens, and accepted per position."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60).read().decode()
@@ -510,7 +505,7 @@ def served(tmp_path_factory):
         times["vLLM serve start"] = time.monotonic() - t0
         before = _spec_metrics(port)
         out["target"] = {"log": (d / "target.log"), "tokens_t1": _complete(port, ids, temperature=1.0)}
-        out["target"]["metrics_t1"] = _minus(_spec_metrics(port), before)
+        out["target"]["metrics_t1"] = minus(_spec_metrics(port), before)
     times["vLLM serve"] = time.monotonic() - t0
     out["log"] = log
     for kind in ("eagle3", "vanilla", "spire"):
