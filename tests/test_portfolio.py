@@ -127,10 +127,10 @@ class SkipsAdUpdates(SpireDraft):
         super().__init__(model)
         self.defer_observe = 0
 
-    def observe(self, tokens, pos, target_out, valid=None, span=None):
+    def observe(self, tokens, pos, target_out, valid=None, span=None, rows=None):
         if tokens.shape[1] == 1 and valid is None:  # an AD round's commit (a prefill passes its valid mask)
             return
-        super().observe(tokens, pos, target_out, valid)
+        super().observe(tokens, pos, target_out, valid, rows=rows)
 
 
 def _takeover(draft_cls, ad_rounds: int) -> list[float]:
@@ -345,48 +345,61 @@ def test_deferred_observes_leave_the_draft_as_per_round_observes():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("chunk", [None, 16])
-def test_a_prefill_observed_in_its_sink_and_tail_leaves_the_draft_as_a_whole_one(chunk):
+class CountsObserves(SpireDraft):
+    """A SPIRe draft that records the positions per row of each observe call (T of its (B, T) tokens) and, of each
+    call with a ``valid`` mask (a prefill's, or AD rounds replayed over some rows), the rows it names (None: every
+    row) and each row's valid positions."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls, self.prefills = [], []
+
+    def observe(self, tokens, pos, target_out, valid=None, span=None, rows=None):
+        self.calls.append(tokens.shape[1])
+        if valid is not None and tokens.shape[1] > 1:
+            self.prefills.append((None if rows is None else rows.tolist(), valid.sum(1).tolist()))
+        super().observe(tokens, pos, target_out, valid=valid, span=span, rows=rows)
+
+
+@pytest.mark.parametrize("chunk,feature", [(None, False), (16, False), (16, True)])
+def test_a_prefill_observed_in_its_sink_and_tail_leaves_the_draft_as_a_whole_one(chunk, feature):
     """A SPIRe draft (sink 1 + window 8, so its ring holds 8 + k + 1 = 12 positions) is given of each prompt only
-    its sink and its last 12 positions (Draft.observe_keeps): prompts of 20-70 tokens, prefilled whole or in
-    pieces of 16, requests joining between: every draft logit of every SD round equals that of a draft observing
-    every prompt position (float32, 1e-5); greedy output is AD's."""
+    its sink and its last 12 positions (Draft.observe_keeps), of those rows alone (Draft.observe_rows): prompts of
+    20-70 tokens, prefilled whole or in pieces of 16 (a piece whose positions a later piece of the same prompt
+    overwrites is not observed at all), with requests joining and drafting between: every draft logit of every
+    running request in every SD round equals that of a draft observing every prompt position of every row (float32,
+    1e-5; a row still prefilling drafts for nobody); greedy output is AD's. Each prompt reaches the trimmed draft as
+    at most 1 + 12 positions of its own row, whatever the pieces. With the feature input too (its ring of k + 2
+    previous positions' features)."""
     target = make_tiny(seed=6)
 
-    def rounds(trim: bool) -> list[torch.Tensor]:
+    def rounds(trim: bool) -> tuple[list[torch.Tensor], list]:
         torch.manual_seed(8)
-        draft = SpireDraft(SpireDraftModel(target, SpireConfig(n_draft_layers=2, sink=1, window=8))
-                           .requires_grad_(False))
+        draft = CountsObserves(SpireDraftModel(target, SpireConfig(n_draft_layers=2, sink=1, window=8,
+                                                                   feature_input=feature)).requires_grad_(False))
         engine = Engine(target, draft, k=3, max_running=3, max_len=160, prefill_chunk=chunk)
-        assert draft.observe_keeps == (1, 12)
+        assert draft.observe_keeps == (1, 12) and draft.observe_rows
         if not trim:
-            draft.observe_keeps = None
+            draft.observe_keeps, draft.observe_rows = None, False
         seen = []
-        engine.round_hook = lambda trace: seen.append(trace.draft_logits.clone())
+        engine.round_hook = lambda trace: seen.append(trace.draft_logits[[r[0] for r in trace.rows]].clone())
         g = torch.Generator().manual_seed(9)
         jobs = [(3 * i, torch.randint(0, 97, (20 + 10 * i,), generator=g).tolist(), RequestParams(max_tokens=12))
                 for i in range(6)]
         res = _run(engine, jobs)
         for j, (_, p, params) in enumerate(jobs):
             assert res[j]["tokens"] == generate(target, [p], params.max_tokens).tokens[0]
-        return seen
+        return seen, draft.prefills
 
-    trimmed, whole = rounds(True), rounds(False)
+    (trimmed, given), (whole, given_whole) = rounds(True), rounds(False)
     assert len(trimmed) == len(whole) > 10
     for a, b in zip(trimmed, whole):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-
-
-class CountsObserves(SpireDraft):
-    """A SPIRe draft that records the positions per row of each observe call (T of its (B, T) tokens)."""
-
-    def __init__(self, model):
-        super().__init__(model)
-        self.calls = []
-
-    def observe(self, tokens, pos, target_out, valid=None, span=None):
-        self.calls.append(tokens.shape[1])
-        super().observe(tokens, pos, target_out, valid=valid, span=span)
+    # what the draft was given of the prompts: rows (slots) and valid positions per row
+    for rows, counts in given:
+        assert rows is not None and len(rows) == len(counts) and max(counts) <= 13  # the prefilled rows alone
+    assert all(r is None for r, _ in given_whole)  # the untrimmed draft: full-batch tensors
+    assert sum(n for _, c in given for n in c) <= 6 * 13 < sum(n for _, c in given_whole for n in c)
 
 
 @pytest.mark.parametrize("prompt_len", [1, 20])

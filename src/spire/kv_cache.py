@@ -362,15 +362,17 @@ class RingKVCache(BaseKVCache):
         return torch.where(pos < sink, pos, sink + (pos - sink) % self.ring)
 
     def write(self, layer: int, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              valid: torch.Tensor | None = None, span: Span | None = None) -> None:
+              valid: torch.Tensor | None = None, span: Span | None = None, rows: torch.Tensor | None = None) -> None:
         """Store keys/values. pos: (B, T), each row's positions contiguous; k, v: (B, n_kv, T, d_head); valid:
-        optional (B, T) bool (padding is not written); ``span`` is not needed (nothing is checked). Of a row's
-        positions only those the ring can hold (the last window + slack, and the sink) are written, so one call
-        never writes two positions into the same slot. T <= the ring (a draft step, a verify's observe) writes
+        optional (B, T) bool (padding is not written); ``span`` is not needed (nothing is checked); ``rows``: (B,)
+        int64, the cache rows that the B rows are (None: rows 0..B-1; a prefill of a few slots of a wide batch). Of
+        a row's positions only those the ring can hold (the last window + slack, and the sink) are written, so one
+        call never writes two positions into the same slot. T <= the ring (a draft step, a verify's observe) writes
         every entry, an invalid one with what its slot held: nothing is selected, so nothing is read back."""
         B, T = pos.shape
+        at = torch.arange(B, device=pos.device) if rows is None else rows.to(pos.device)
         if T <= self.ring:  # contiguous positions, at most a ring of them: distinct slots, every one kept
-            rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
+            rows = at[:, None].expand(B, T)
             slots = self.slot(pos)
             for store, new in ((self.k[layer], k), (self.v[layer], v)):
                 new = new.transpose(1, 2).to(store.dtype)
@@ -383,7 +385,7 @@ class RingKVCache(BaseKVCache):
         keep = torch.ones_like(pos, dtype=torch.bool) if valid is None else valid.clone()
         last = torch.where(keep, pos, torch.full_like(pos, -1)).max(1, keepdim=True).values  # (B, 1)
         keep &= (pos < self.view.sink) | (pos > last - self.ring)
-        rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)[keep]
+        rows = at[:, None].expand(B, T)[keep]
         slots = self.slot(pos)[keep]
         self.k[layer][rows, :, slots] = k.transpose(1, 2)[keep].to(self.k[layer].dtype)
         self.v[layer][rows, :, slots] = v.transpose(1, 2)[keep].to(self.v[layer].dtype)

@@ -42,7 +42,13 @@ class Draft(ABC):
     own projection, as SPIRe's with target activations): the engine then passes a prefill to :meth:`observe` as
     those positions alone (O(sink + tail) per row, whatever the prompt's length; the draft's state is the same),
     and of a run of AD rounds keeps only the last ``tail`` for it (with ``defer_observe``: a catch-up of O(tail)
-    positions when it is next used, whatever the gap; :mod:`spire.engine.deferred`). None: every position."""
+    positions when it is next used, whatever the gap; :mod:`spire.engine.deferred`), and a position that a later
+    position of the same prompt overwrites (p <= the prompt's last prefilled position - tail) need not reach it at
+    all. None: every position."""
+    observe_rows: bool = False
+    """True: :meth:`observe` takes ``rows`` (B,) int64, the batch rows that the B rows it is given are, and leaves
+    every other row as it was (a prefill of a few slots of a wide batch then costs those rows alone). False: the
+    engine gives it every row of the batch, the others marked invalid."""
 
     @abstractmethod
     def start(self, target: Transformer, target_cache: KVCache, batch_size: int, max_len: int, k: int) -> None:

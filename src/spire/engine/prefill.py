@@ -1,6 +1,6 @@
 """A batch's prefill: the target over all but the last token of every prompt, right-padded (:func:`prefill`), the
-cache length a batch needs (:func:`cache_length`), and the one place a draft is started on a prefilled batch
-(:func:`start_draft`).
+cache length a batch needs (:func:`cache_length`), the one place a draft is started on a prefilled batch
+(:func:`start_draft`), and what each draft of a serving engine is given of a prefill (:func:`observe_prefill`).
 
 Cache invariant (why rollback needs no work): the target cache holds a row's committed tokens at positions < n - 1;
 the last committed token is *pending* and is the first input of the next round. Every forward writes its positions
@@ -108,3 +108,106 @@ def start_draft(draft: Draft, target: Transformer, k: int, cache: KVCache, state
     draft.start(target, cache, cache.batch_size, cache.max_len, k)
     if state is not None and state.out is not None:
         draft.observe(state.tokens, state.pos, state.out, valid=state.valid)
+
+
+# ---- what each draft is given of a prefill ------------------------------------------------------------------------
+
+
+def observe_prefill(drafts: Sequence[Draft], reads: Sequence[int], width: int, slots: torch.Tensor,
+                    tokens: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor | None, out: ForwardOutput,
+                    ends: Sequence[int]) -> None:
+    """:meth:`Draft.observe` of a prefill batch for each of ``drafts``: J rows for ``slots`` (J,) of an engine's
+    ``width`` S slots; tokens, positions, valid (J, W) (None: every entry); the target's output ``out`` with the
+    hidden layers ``reads`` the drafts take; ``ends`` (J,): each row's prompt's last prefilled position, in this
+    batch or a later one. A draft with :attr:`Draft.observe_keeps` (sink, tail) gets each row's positions < sink and
+    those within ``tail`` of its prompt's end only (:func:`keeps`): its observe then costs O(sink + tail) per
+    prompt, not O(prompt), however many pieces the prompt is prefilled in (a piece that none of reaches is not
+    observed at all); with :attr:`Draft.observe_rows` it gets the J rows alone, else full-batch (S, ·) tensors with
+    the other rows invalid."""
+    layers = set(reads)  # not the final residual stream kept for prompt logprobs
+    valid = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device) if valid is None else valid
+    ends_t = torch.tensor(list(ends), device=pos.device)
+    made: dict = {}
+    for draft in drafts:
+        key = (draft.observe_keeps, draft.observe_rows)
+        if key not in made:
+            made[key] = _given(width, slots, tokens, pos, valid, out, ends_t, layers, *key)
+        if made[key] is None:
+            continue  # no position of this piece stays in the draft's state
+        t, p, o, v, rows = made[key]
+        if rows is None:
+            draft.observe(t, p, o, valid=v)
+        else:
+            draft.observe(t, p, o, valid=v, rows=rows)
+
+
+def _given(S: int, slots: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
+           out: ForwardOutput, ends: torch.Tensor, layers: set[int], keep: tuple[int, int] | None, by_rows: bool
+           ) -> tuple | None:
+    """What a draft of :attr:`Draft.observe_keeps` ``keep`` and :attr:`Draft.observe_rows` ``by_rows`` is given of
+    a prefill batch (:func:`observe_prefill`): (tokens, pos, output, valid, its rows' slots, or None with full-batch
+    tensors), or None when it keeps no position of the batch."""
+    if keep is not None:
+        at, kept = keeps(pos, valid, *keep, ends)
+        if by_rows:  # the rows that keep a position, as many columns as the most kept (kept ones come first;
+            # a row with fewer repeats its last: the same entry written twice, never a stale one over it)
+            n = kept.sum(1)
+            live = (n > 0).nonzero()[:, 0]
+            if not len(live):
+                return None
+            n = n[live]
+            cols = torch.minimum(torch.arange(int(n.max()), device=n.device)[None], (n - 1)[:, None])
+            at = at[live].gather(1, cols)
+            kept = torch.ones_like(at, dtype=torch.bool)
+            tokens, pos, out, slots = tokens[live], pos[live], rows_of(out, live), slots[live]
+        tokens, pos, out, valid = tokens.gather(1, at), pos.gather(1, at), _positions_of(out, at, layers), kept
+    if by_rows:
+        return tokens, pos, out, valid, slots
+    return (*_full_batch(S, slots, tokens, pos, valid, out, layers), None)
+
+
+def _full_batch(S: int, slots: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
+                out: ForwardOutput, layers: set[int]) -> tuple:
+    """J rows (tokens, pos, valid (J, W), a forward's output) at ``slots`` of (S, W) ones (the other rows invalid,
+    their positions 0..W-1): (tokens, pos, output, valid)."""
+    (J, W), dev = tokens.shape, tokens.device
+    full_tokens = torch.zeros(S, W, dtype=torch.long, device=dev)
+    full_valid = torch.zeros(S, W, dtype=torch.bool, device=dev)
+    full_pos = torch.arange(W, device=dev)[None].repeat(S, 1)
+    full_tokens[slots], full_pos[slots], full_valid[slots] = tokens, pos, valid
+    hidden = {j: _scatter(h, slots, S) for j, h in out.hidden.items() if j in layers}
+    return full_tokens, full_pos, ForwardOutput(hidden=hidden, compute_logits=lambda: _scatter(out.logits, slots, S)), \
+        full_valid
+
+
+def rows_of(out: ForwardOutput, at: torch.Tensor) -> ForwardOutput:
+    """A forward's output with its rows gathered at ``at`` (a shared prefill row given to several slots)."""
+    return ForwardOutput(hidden={j: h[at] for j, h in out.hidden.items()}, compute_logits=lambda: out.logits[at])
+
+
+def keeps(pos: torch.Tensor, valid: torch.Tensor, sink: int, tail: int, ends: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of each row of a (J, W) batch (positions ``pos``, ``valid``; ``ends`` (J,): the last position its prompt's
+    prefill reaches, in this batch or a later one), the columns of its valid positions < sink and of those within
+    the last ``tail`` positions up to its end (an earlier one is overwritten by a later position of the same
+    prompt), in order: (J, sink + tail) column indices and which of them hold such a position (a row with fewer
+    fills the rest with columns it does not keep)."""
+    keep = valid & ((pos < sink) | (pos > ends[:, None] - tail))
+    at = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, : sink + tail]
+    return at, keep.gather(1, at)
+
+
+def _positions_of(out: ForwardOutput, at: torch.Tensor, layers: set[int]) -> ForwardOutput:
+    """A forward's output at columns ``at`` (J, T) of its rows (hidden (J, W, d) -> (J, T, d)), of the hidden
+    ``layers`` only."""
+    def cols(x: torch.Tensor) -> torch.Tensor:
+        return x.gather(1, at[..., None].expand(*at.shape, x.shape[-1]))
+    return ForwardOutput(hidden={j: cols(h) for j, h in out.hidden.items() if j in layers},
+                         compute_logits=lambda: cols(out.logits))
+
+
+def _scatter(x: torch.Tensor, slots: torch.Tensor, S: int) -> torch.Tensor:
+    """(J, ...) rows into a zero (S, ...) tensor at ``slots``."""
+    full = torch.zeros(S, *x.shape[1:], dtype=x.dtype, device=x.device)
+    full[slots] = x
+    return full

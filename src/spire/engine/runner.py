@@ -32,7 +32,7 @@ import torch
 
 from spire.drafts.base import Draft
 from spire.engine.deferred import DeferredObserves
-from spire.engine.prefill import Prefilled, prefill, start_draft
+from spire.engine.prefill import Prefilled, observe_prefill, prefill, rows_of, start_draft
 from spire.engine.scheduler import Piece, Request, RequestOutput, RoundChoice, RoundOutput
 from spire.errors import ConfigError
 from spire.kv_cache import KVCache, Span
@@ -171,7 +171,8 @@ class Runner:
         if state.out is not None:
             self._copy_kv(slots, state.cache, state.tokens.shape[1])
             if self.drafts:
-                self._observe_prefill(slots, state.tokens, state.pos, state.valid, state.out)
+                observe_prefill(self.drafts, self.reads, self.width, slots, state.tokens, state.pos, state.valid,
+                                state.out, [len(r.prompt) - 2 for r in reqs])
         for req in reqs:
             self.prefilled(req, len(req.prompt) - 1)
 
@@ -195,9 +196,10 @@ class Runner:
         shared = len(rows) < len(pieces)
         at = torch.tensor(src, device=dev)
         self._copy_kv(slots, state.cache, span, at if shared else None)
-        out = _rows_of(state.out, at) if shared else state.out
+        out = rows_of(state.out, at) if shared else state.out
         if self.drafts:
-            self._observe_prefill(slots, state.tokens[at], state.pos[at], state.valid[at], out)
+            observe_prefill(self.drafts, self.reads, self.width, slots, state.tokens[at], state.pos[at],
+                            state.valid[at], out, [len(r.prompt) - 2 for r, _, _ in pieces])
         for i, (req, _, n) in enumerate(pieces):
             if req.params.prompt_logprobs is not None and n:
                 h = state.out.hidden[self.target.cfg.n_layers][src[i]: src[i] + 1, :n]
@@ -217,9 +219,10 @@ class Runner:
             for c in (*self.cache.k, *self.cache.v):
                 c[slots[1:], :, s0: s0 + n] = c[req.slot, :, s0: s0 + n]
             at = torch.zeros(len(reqs), dtype=torch.long, device=dev)
-            out, tokens, pos = _rows_of(out, at), tokens[at], pos[at]
+            out, tokens, pos = rows_of(out, at), tokens[at], pos[at]
         if self.drafts:
-            self._observe_prefill(slots, tokens, pos, None, out)
+            observe_prefill(self.drafts, self.reads, self.width, slots, tokens, pos, None, out,
+                            [len(r.prompt) - 2 for r in reqs])
         for i, r in enumerate(reqs):
             if r.params.prompt_logprobs is not None:
                 h = out.hidden[self.target.cfg.n_layers][i: i + 1]
@@ -234,38 +237,6 @@ class Runner:
         """Keys / values of positions < span from ``cache`` (its rows ``rows``, default all) into ``slots``."""
         for dst, src in zip((*self.cache.k, *self.cache.v), (*cache.k, *cache.v)):
             dst[slots, :, :span] = src[:, :, :span] if rows is None else src[rows, :, :span]
-
-    def _observe_prefill(self, slots: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
-                         valid: torch.Tensor | None, out: ForwardOutput) -> None:
-        """:meth:`Draft.observe` of a prefill batch (J rows for ``slots``: tokens, positions, valid (J, W), the
-        target's output) as full-batch (S, ·) tensors, the other rows invalid. A draft with
-        :attr:`Draft.observe_keeps` (sink, tail) gets each row's positions < sink and its last ``tail`` valid ones
-        only (:func:`_keeps`): its observe then costs O(sink + tail) per row, not O(W)."""
-        reads = set(self.reads)  # not the final residual stream kept for prompt logprobs
-        valid = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device) if valid is None else valid
-        made: dict = {}
-        for draft in self.drafts:
-            keeps = draft.observe_keeps if draft.observe_keeps and sum(draft.observe_keeps) < tokens.shape[1] else None
-            if keeps not in made:
-                t, p, v, o = tokens, pos, valid, out
-                if keeps is not None:
-                    at, v = _keeps(pos, valid, *keeps)
-                    t, p, o = tokens.gather(1, at), pos.gather(1, at), _positions_of(out, at, reads)
-                made[keeps] = self._full_batch(slots, t, p, v, o, reads)
-            draft.observe(*made[keeps][:3], valid=made[keeps][3])
-
-    def _full_batch(self, slots: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor,
-                    out: ForwardOutput, reads: set[int]) -> tuple:
-        """J rows (tokens, pos, valid (J, W), a forward's output) at ``slots`` of (S, W) ones (the other rows invalid,
-        their positions 0..W-1): (tokens, pos, output, valid)."""
-        S, (J, W), dev = self.width, tokens.shape, tokens.device
-        full_tokens = torch.zeros(S, W, dtype=torch.long, device=dev)
-        full_valid = torch.zeros(S, W, dtype=torch.bool, device=dev)
-        full_pos = torch.arange(W, device=dev)[None].repeat(S, 1)
-        full_tokens[slots], full_pos[slots], full_valid[slots] = tokens, pos, valid
-        hidden = {j: _scatter(h, slots, S) for j, h in out.hidden.items() if j in reads}
-        return full_tokens, full_pos, ForwardOutput(hidden=hidden, compute_logits=lambda: _scatter(out.logits, slots, S)), \
-            full_valid
 
     # ---- one round -------------------------------------------------------------------------------------------
 
@@ -435,37 +406,6 @@ def _round_output(running: Sequence[Request], accepted: list[int], block: list[l
     logprobs = [top_logprobs(lps[r.slot][: len(t)], t, r.params.logprobs) if r.slot in lps else None
                 for r, t in zip(running, tokens)]
     return RoundOutput([accepted[r.slot] for r in running], tokens, logprobs, prompt, seconds)
-
-
-def _rows_of(out: ForwardOutput, at: torch.Tensor) -> ForwardOutput:
-    """A forward's output with its rows gathered at ``at`` (a shared prefill row given to several slots)."""
-    return ForwardOutput(hidden={j: h[at] for j, h in out.hidden.items()}, compute_logits=lambda: out.logits[at])
-
-
-def _keeps(pos: torch.Tensor, valid: torch.Tensor, sink: int, tail: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Of each row of a (J, W) batch (positions ``pos``, ``valid``), the columns of its valid positions < sink and of
-    its last ``tail`` valid ones, in order: (J, sink + tail) column indices and which of them hold such a position
-    (a row with fewer fills the rest with columns it does not keep)."""
-    after = valid.flip(1).cumsum(1).flip(1)  # (J, W) valid positions at or after each column
-    keep = valid & ((pos < sink) | (after <= tail))
-    at = torch.sort((~keep).to(torch.int8), dim=1, stable=True).indices[:, : sink + tail]
-    return at, keep.gather(1, at)
-
-
-def _positions_of(out: ForwardOutput, at: torch.Tensor, layers: set[int]) -> ForwardOutput:
-    """A forward's output at columns ``at`` (J, T) of its rows (hidden (J, W, d) -> (J, T, d)), of the hidden
-    ``layers`` only."""
-    def cols(x: torch.Tensor) -> torch.Tensor:
-        return x.gather(1, at[..., None].expand(*at.shape, x.shape[-1]))
-    return ForwardOutput(hidden={j: cols(h) for j, h in out.hidden.items() if j in layers},
-                         compute_logits=lambda: cols(out.logits))
-
-
-def _scatter(x: torch.Tensor, slots: torch.Tensor, S: int) -> torch.Tensor:
-    """(J, ...) rows into a zero (S, ...) tensor at ``slots``."""
-    full = torch.zeros(S, *x.shape[1:], dtype=x.dtype, device=x.device)
-    full[slots] = x
-    return full
 
 
 def _processed(req: Request, st: RowState, logits: torch.Tensor, drafted: list[int], first: int) -> torch.Tensor:

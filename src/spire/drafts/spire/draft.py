@@ -59,10 +59,11 @@ class SpireDraft(Draft):
             self._feature_pos = torch.full((batch_size, k + 2), -1 << 40, dtype=torch.int64, device=target.device)
         self._full = (self._cache, self._feature, self._feature_pos)
         if isinstance(self._cache, RingKVCache) and self.model.cfg.target_activations:
-            # per position projections into the ring: only the sink and the last ring's positions stay (its write)
-            self.observe_keeps = (view.sink, self._cache.ring)
+            # per position projections into the ring: only the sink and the last ring's positions stay (its write),
+            # and a prefill of a few slots is projected for those rows alone
+            self.observe_keeps, self.observe_rows = (view.sink, self._cache.ring), True
         else:
-            self.observe_keeps = None
+            self.observe_keeps, self.observe_rows = None, False
 
     def use_rows(self, n: int) -> bool:
         """Rows [0, n) of its cache and kept features (views)."""
@@ -80,12 +81,15 @@ class SpireDraft(Draft):
         if self._feature_pos is not None:
             self._feature_pos[rows.to(self._feature_pos.device)] = -1 << 40
 
-    def _keep_features(self, pos: torch.Tensor, feature: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """Store the features (B, T, d) at positions (B, T) (the latest R valid ones of each row)."""
+    def _keep_features(self, pos: torch.Tensor, feature: torch.Tensor, valid: torch.Tensor | None,
+                       rows: torch.Tensor | None = None) -> None:
+        """Store the features (B, T, d) at positions (B, T) (those of each row within R of its latest valid one; an
+        entry may repeat another) of rows ``rows`` (B,) of the batch (None: rows 0..B-1)."""
         R = self._feature.shape[1]
         B, T = pos.shape
+        at = torch.arange(B, device=pos.device) if rows is None else rows.to(pos.device)
         if T <= R:  # contiguous positions, at most R of them: distinct slots, each written (nothing read back)
-            rows = torch.arange(B, device=pos.device)[:, None].expand(B, T)
+            rows = at[:, None].expand(B, T)
             slot = pos % R
             feature = feature.to(self._feature.dtype)
             if valid is not None:  # an invalid entry writes back what its slot held
@@ -95,11 +99,12 @@ class SpireDraft(Draft):
             self._feature_pos[rows, slot] = pos
             return
         valid = torch.ones_like(pos, dtype=torch.bool) if valid is None else valid
-        keep = valid & (valid.flip(1).cumsum(1).flip(1) <= R)  # contiguous positions: distinct slots
+        last = torch.where(valid, pos, torch.full_like(pos, -1)).max(1, keepdim=True).values
+        keep = valid & (pos > last - R)  # each row's latest R positions: distinct slots (a repeated entry: the same)
         b, t = keep.nonzero(as_tuple=True)
         slot = pos[b, t] % R
-        self._feature[b, slot] = feature[b, t].to(self._feature.dtype)
-        self._feature_pos[b, slot] = pos[b, t]
+        self._feature[at[b], slot] = feature[b, t].to(self._feature.dtype)
+        self._feature_pos[at[b], slot] = pos[b, t]
 
     def _previous_feature(self, pos: torch.Tensor) -> torch.Tensor:
         """(B, 1) positions -> (B, 1, d) the feature kept for each row's previous position (zeros if none)."""
@@ -115,15 +120,23 @@ class SpireDraft(Draft):
 
     @torch.no_grad()
     def observe(self, tokens: torch.Tensor, pos: torch.Tensor, target_out: ForwardOutput,
-                valid: torch.Tensor | None = None, span: Span | None = None) -> None:
+                valid: torch.Tensor | None = None, span: Span | None = None, rows: torch.Tensor | None = None
+                ) -> None:
+        """:meth:`Draft.observe`; ``rows`` (B,) int64: the batch rows that the B rows given are (only with
+        :attr:`observe_rows`, a ring cache over target activations): each position's memory keys/values are
+        projected for those rows alone."""
         if not self.model.cfg.target_activations:
             self._run(tokens, pos, valid, span)
             return
         cos, sin = self.model.rope(pos, self.model.target.dtype)
         hidden = [target_out.hidden[j] for j in self.model.source_layers]
         if self._feature is not None:
-            self._keep_features(pos, hidden[self.model.feature_from], valid)
+            self._keep_features(pos, hidden[self.model.feature_from], valid, rows)
         m, cache = self.model, self._cache
+        if rows is not None:  # per op, into the given rows of the ring
+            for i, h in enumerate(hidden):
+                cache.write(i, pos, *m.memory_kv(i, h, cos, sin), valid=valid, rows=rows)
+            return
 
         def plan():  # per op: each layer's memory keys/values written with the rows' validity
             return [], [], lambda i, h: cache.write(i, pos, *m.memory_kv(i, h, cos, sin), valid=valid, span=span)
