@@ -119,19 +119,21 @@ def observe_prefill(drafts: Sequence[Draft], reads: Sequence[int], width: int, s
     """:meth:`Draft.observe` of a prefill batch for each of ``drafts``: J rows for ``slots`` (J,) of an engine's
     ``width`` S slots; tokens, positions, valid (J, W) (None: every entry); the target's output ``out`` with the
     hidden layers ``reads`` the drafts take; ``ends`` (J,): each row's prompt's last prefilled position, in this
-    batch or a later one. A draft with :attr:`Draft.observe_keeps` (sink, tail) gets each row's positions < sink and
+    batch or a later one. Each draft gets the hidden layers it reads (:attr:`Draft.hidden_layers`) and no others. A
+    draft with :attr:`Draft.observe_keeps` (sink, tail) gets each row's positions < sink and
     those within ``tail`` of its prompt's end only (:func:`keeps`): its observe then costs O(sink + tail) per
-    prompt, not O(prompt), however many pieces the prompt is prefilled in (a piece that none of reaches is not
-    observed at all); with :attr:`Draft.observe_rows` it gets the J rows alone, else full-batch (S, ·) tensors with
+    prompt, not O(prompt), however many pieces the prompt is prefilled in (a piece none of whose positions stays is
+    not observed at all); with :attr:`Draft.observe_rows` it gets the J rows alone, else full-batch (S, ·) tensors with
     the other rows invalid."""
-    layers = set(reads)  # not the final residual stream kept for prompt logprobs
     valid = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device) if valid is None else valid
     ends_t = torch.tensor(list(ends), device=pos.device)
     made: dict = {}
     for draft in drafts:
-        key = (draft.observe_keeps, draft.observe_rows)
+        # each draft's own hidden layers only (an n-gram draft beside SPIRe: none of SPIRe's, scattered to S rows)
+        layers = frozenset(draft.hidden_layers) & frozenset(reads)
+        key = (draft.observe_keeps, draft.observe_rows, layers)
         if key not in made:
-            made[key] = _given(width, slots, tokens, pos, valid, out, ends_t, layers, *key)
+            made[key] = _given(width, slots, tokens, pos, valid, out, ends_t, set(layers), *key[:2])
         if made[key] is None:
             continue  # no position of this piece stays in the draft's state
         t, p, o, v, rows = made[key]
