@@ -16,4 +16,15 @@ except ImportError:  # an older spire under test
     _spec.loader.exec_module(_mod)
     portable, provenance, write_provenance = _mod.portable, _mod.provenance, _mod.write_provenance
 
-__all__ = ["portable", "provenance", "write_provenance"]
+
+
+def write_results(path: Path, payload: dict) -> None:
+    """``payload`` as indented JSON at ``path`` (its folder made), and the provenance beside it."""
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1))
+    write_provenance(path.parent)
+
+
+__all__ = ["portable", "provenance", "write_provenance", "write_results"]

@@ -30,7 +30,7 @@ from spire.loading import load_target
 from spire.params import RequestParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import write_provenance  # noqa: E402
+from _provenance import write_results  # noqa: E402
 from serve_load import heldout_prompts  # noqa: E402
 
 
@@ -102,9 +102,7 @@ def main() -> None:
                      "rounds_by_k": engines[s].stats.rounds_by_k})
         print(json.dumps(rows[-1]), flush=True)
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"rows": rows}, indent=1))
-        write_provenance(a.out.parent)
+        write_results(a.out, {"rows": rows})
 
 
 if __name__ == "__main__":

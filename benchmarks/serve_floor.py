@@ -40,7 +40,7 @@ from spire.params import RequestParams
 from spire.serving.policy import Acceptance, MeasuredPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _provenance import write_provenance  # noqa: E402
+from _provenance import write_results  # noqa: E402
 
 
 class DraftNothing:
@@ -109,10 +109,8 @@ def main_workload(a, target, tok) -> None:
     print(f"c={a.c}, {a.n} requests: without a draft {times['none']} s, serving {a.drafts} ({a.policy}) "
           f"{times['served']} s, ratio of medians {m['served'] / m['none']:.3f}", flush=True)
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"c": a.c, "n": a.n, "drafts": a.drafts, "policy": a.policy, "times": times, "chose": chose,
-                                     "ratio": m["served"] / m["none"]}, indent=1))
-        write_provenance(a.out.parent)
+        write_results(a.out, {"c": a.c, "n": a.n, "drafts": a.drafts, "policy": a.policy, "times": times,
+                              "chose": chose, "ratio": m["served"] / m["none"]})
 
 
 def main() -> None:
@@ -148,9 +146,7 @@ def main() -> None:
         print(f"B={B}: AD step without a draft {m['none'] * 1e3:.1f} ms, serving {a.drafts} at k = 0 "
               f"{m['served'] * 1e3:.1f} ms, ratio {m['served'] / m['none']:.3f}", flush=True)
     if a.out:
-        a.out.parent.mkdir(parents=True, exist_ok=True)
-        a.out.write_text(json.dumps({"rows": rows}, indent=1))
-        write_provenance(a.out.parent)
+        write_results(a.out, {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -161,8 +161,11 @@ def _given(S: int, slots: torch.Tensor, tokens: torch.Tensor, pos: torch.Tensor,
             cols = torch.minimum(torch.arange(int(n.max()), device=n.device)[None], (n - 1)[:, None])
             at = at[live].gather(1, cols)
             kept = torch.ones_like(at, dtype=torch.bool)
-            tokens, pos, out, slots = tokens[live], pos[live], rows_of(out, live), slots[live]
-        tokens, pos, out, valid = tokens.gather(1, at), pos.gather(1, at), _positions_of(out, at, layers), kept
+            out = _positions_of(out, at, layers, live)  # one gather of the kept (row, column) entries
+            tokens, pos, slots = tokens[live[:, None], at], pos[live[:, None], at], slots[live]
+        else:
+            tokens, pos, out = tokens.gather(1, at), pos.gather(1, at), _positions_of(out, at, layers)
+        valid = kept
     if by_rows:
         return tokens, pos, out, valid, slots
     return (*_full_batch(S, slots, tokens, pos, valid, out, layers), None)
@@ -199,10 +202,13 @@ def keeps(pos: torch.Tensor, valid: torch.Tensor, sink: int, tail: int, ends: to
     return at, keep.gather(1, at)
 
 
-def _positions_of(out: ForwardOutput, at: torch.Tensor, layers: set[int]) -> ForwardOutput:
-    """A forward's output at columns ``at`` (J, T) of its rows (hidden (J, W, d) -> (J, T, d)), of the hidden
-    ``layers`` only."""
+def _positions_of(out: ForwardOutput, at: torch.Tensor, layers: set[int], rows: torch.Tensor | None = None
+                  ) -> ForwardOutput:
+    """A forward's output at columns ``at`` (J, T) of its rows, or of its rows ``rows`` (J,) (hidden (·, W, d) ->
+    (J, T, d)), of the hidden ``layers`` only."""
     def cols(x: torch.Tensor) -> torch.Tensor:
+        if rows is not None:
+            return x[rows[:, None], at]
         return x.gather(1, at[..., None].expand(*at.shape, x.shape[-1]))
     return ForwardOutput(hidden={j: cols(h) for j, h in out.hidden.items() if j in layers},
                          compute_logits=lambda: cols(out.logits))
