@@ -18,6 +18,13 @@ except ImportError:  # an older spire under test
 
 
 
+def portable_log(path: Path) -> None:
+    """Rewrite a server's log in place with :func:`portable` paths (a log is committed beside the numbers; the
+    machine's folders would not mean anything elsewhere). A missing log is left missing."""
+    if path.is_file():
+        path.write_text(portable(path.read_text(errors="replace")))
+
+
 def write_results(path: Path, payload: dict) -> None:
     """``payload`` as indented JSON at ``path`` (its folder made), and the provenance beside it."""
     import json
@@ -27,4 +34,4 @@ def write_results(path: Path, payload: dict) -> None:
     write_provenance(path.parent)
 
 
-__all__ = ["portable", "provenance", "write_provenance", "write_results"]
+__all__ = ["portable", "portable_log", "provenance", "write_provenance", "write_results"]

@@ -41,7 +41,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
-from _provenance import portable, write_provenance  # benchmarks/_provenance.py
+from _provenance import portable, portable_log, write_provenance  # benchmarks/_provenance.py
 
 
 def free_port() -> int:
@@ -118,6 +118,7 @@ class Launched:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+        portable_log(Path(self.log.name))
 
 
 async def one_request(client: httpx.AsyncClient, server: Launched, prompt: list[int], max_tokens: int) -> dict:

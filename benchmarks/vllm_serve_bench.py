@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import free_port, heldout_prompts  # noqa: E402  (the same held-out prompts as the spire load test)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/_provenance.py, under an older spire too
-from _provenance import portable, write_provenance  # benchmarks/_provenance.py
+from _provenance import portable, portable_log, write_provenance  # benchmarks/_provenance.py
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -132,6 +132,7 @@ class Server:
             except ProcessLookupError:
                 pass
         self.log.close()
+        portable_log(Path(self.log.name))
 
 
 def acceptance(before: dict, after: dict) -> dict:

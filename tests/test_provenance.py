@@ -72,7 +72,8 @@ def test_command_line_tool_records_another_command(tmp_path):
 
 def test_every_benchmark_script_writes_its_provenance():
     """Each script in benchmarks/ records the command, commit, machine and date: a Python script through
-    benchmarks/_provenance.py, a shell script through `python -m spire.provenance`."""
+    benchmarks/_provenance.py (write_provenance, or write_results, which writes it beside the JSON), a shell script
+    through `python -m spire.provenance`."""
     missing = []
     tools = {"gguf_parts.py"}  # a file tool of the GPU run's carry (split / join), which measures nothing
     for f in sorted((ROOT / "benchmarks").glob("*.*")):
@@ -80,7 +81,7 @@ def test_every_benchmark_script_writes_its_provenance():
             continue
         text = f.read_text()
         if f.suffix == ".py" and f.name != "_provenance.py":
-            if "from _provenance import" not in text or not re.search(r"\b(write_provenance|provenance)\(", text):
+            if "from _provenance import" not in text or not re.search(r"\b(write_provenance|provenance|write_results)\(", text):
                 missing.append(f.name)
         elif f.suffix == ".sh" and "-m spire.provenance" not in text:
             missing.append(f.name)
@@ -95,3 +96,17 @@ def test_a_benchmark_writes_the_record_beside_its_output(tmp_path):
                  "--heads", "2,1,32", "--json", str(out)]) == 0
     rec = json.loads((tmp_path / "dw.provenance.json").read_text())
     assert set(rec) >= {"command", "commit", "machine", "date"}
+
+
+def test_the_benchmarks_results_and_logs_carry_no_machine_path(tmp_path, monkeypatch):
+    """benchmarks/_provenance.py: write_results puts the record beside the JSON; portable_log rewrites a server's log
+    (committed beside the numbers) with the cache folder as <cache>."""
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
+    mod = runpy.run_path(str(ROOT / "benchmarks" / "_provenance.py"))
+    mod["write_results"](tmp_path / "out" / "results.json", {"tokens_per_s": 43.3})
+    assert json.loads((tmp_path / "out" / "results.json").read_text()) == {"tokens_per_s": 43.3}
+    assert set(json.loads((tmp_path / "out" / "provenance.json").read_text())) >= {"command", "commit", "date"}
+    log = tmp_path / "spire.log"
+    log.write_text(f"spire serve: int8 weights from {tmp_path}/cache/drafts/run/draft.safetensors\n")
+    mod["portable_log"](log)
+    assert log.read_text() == "spire serve: int8 weights from <cache>/drafts/run/draft.safetensors\n"
