@@ -9,7 +9,7 @@ order reversed every repetition.
         [--draft-path RUN] [--out FILE] [--profile DIR]
 
 Prints, per draft set, each run's wall seconds, the seconds spent in steps that prefilled and in steps that only
-decoded, the median wall time, output tokens/s and its ratio to the first set's median (give `none` first), and
+decoded, the mean time to first token, the median wall time, output tokens/s and its ratio to the first set's median (give `none` first), and
 the engine's rounds by k. --profile DIR: the last repetition of each set under cProfile (DIR/<set>.prof), to see
 where a draft set's extra time goes. The tests do not run this script.
 """
@@ -46,24 +46,34 @@ def build(model, tok, drafts: str, path: str | None) -> Engine:
     return eng
 
 
-def closed_loop(eng: Engine, prompts: list[list[int]], c: int, n: int) -> tuple[float, float, float]:
-    """(wall, prefilling-step, decode-only-step) seconds to finish n requests at concurrency c."""
+def closed_loop(eng: Engine, prompts: list[list[int]], c: int, n: int) -> tuple[float, float, float, float]:
+    """(wall, prefilling-step, decode-only-step, mean time-to-first-token) seconds to finish n requests at
+    concurrency c (a request's first token: the end of the first step that gave it one)."""
     sent, pre, dec = 0, 0.0, 0.0
+    added: dict[int, float] = {}
+    ttft: list[float] = []
+
+    def add() -> None:
+        nonlocal sent
+        added[eng.add_request(prompts[sent % len(prompts)], RequestParams(64, ignore_eos=True))] = time.perf_counter()
+        sent += 1
+
     t = time.perf_counter()
     for _ in range(min(c, n)):
-        eng.add_request(prompts[sent % len(prompts)], RequestParams(64, ignore_eos=True))
-        sent += 1
+        add()
     while eng.has_work():
         prefilling = eng.status().prefilling
         t0 = time.perf_counter()
         outs = eng.step()
-        dt = time.perf_counter() - t0
+        now = time.perf_counter()
+        dt = now - t0
         pre, dec = (pre + dt, dec) if prefilling else (pre, dec + dt)
         for o in outs:
+            if o.new_tokens and o.request_id in added:
+                ttft.append(now - added.pop(o.request_id))
             if o.finished and sent < n:
-                eng.add_request(prompts[sent % len(prompts)], RequestParams(64, ignore_eos=True))
-                sent += 1
-    return time.perf_counter() - t, pre, dec
+                add()
+    return time.perf_counter() - t, pre, dec, statistics.fmean(ttft) if ttft else 0.0
 
 
 def main() -> None:
@@ -92,12 +102,13 @@ def main() -> None:
                 prof.disable()
                 a.profile.mkdir(parents=True, exist_ok=True)
                 prof.dump_stats(a.profile / f"{s}.prof")
-            print(f"{s} rep {r}: wall, prefilling steps, decode steps (s) {runs[s][-1]}", flush=True)
+            print(f"{s} rep {r}: wall, prefilling steps, decode steps, mean TTFT (s) {runs[s][-1]}", flush=True)
     base = statistics.median(x[0] for x in runs[a.sets[0]])
     rows = []
     for s in a.sets:
         wall = statistics.median(x[0] for x in runs[s])
         rows.append({"set": s, "c": a.c, "n": a.n, "runs": runs[s], "wall_median_s": wall,
+                     "ttft_median_s": statistics.median(x[3] for x in runs[s]),
                      "tokens_per_s": round(64 * a.n / wall, 2), f"vs_{a.sets[0]}": round(base / wall, 3),
                      "rounds_by_k": engines[s].stats.rounds_by_k})
         print(json.dumps(rows[-1]), flush=True)

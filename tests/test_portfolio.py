@@ -254,6 +254,53 @@ def test_the_measured_policy_maximises_tokens_per_second(tiny):
     assert choice.k == 0 and choice.drafts == [None] * 4
 
 
+def test_the_measured_policy_is_the_brute_force_argmax_with_per_request_acceptance_and_budgets(tiny):
+    """Random states of three drafts (each request's own counts, greedy and sampled requests, budgets that cap a
+    round's tokens, drafts without a proposal for some rows, a profile whose k = 2 and sets of drafts are
+    interpolated): the choice is the (k, set) of the highest rate sum(E) / t by a direct enumeration, the first of
+    equals in k then set order, with each request given its set's first draft of the most expected tokens."""
+    engine = Engine(tiny, None, k=4)
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        n = int(rng.integers(1, 9))
+        reqs = _reqs(n, engine)
+        for i, r in enumerate(reqs):
+            r.emitted = [0] * int(rng.integers(0, 50))  # tokens left: 50 - emitted, a cap on what a round commits
+            if rng.random() < 0.3:
+                r.params = RequestParams(max_tokens=50, temperature=1.0)
+                r.sampling = r.params.sampling()
+        acc = Acceptance(3, 4, list(rng.uniform(0.05, 0.95, 3)), half_life=64)
+        for _ in range(40):
+            r = reqs[int(rng.integers(0, n))]
+            k = int(rng.integers(1, 5))
+            acc.update(int(rng.integers(0, 3)), int(not r.sampling.greedy), r.id, k, int(rng.integers(0, k + 1)))
+        per_k = {(k, (d,)): 1.0 + float(rng.uniform(0.02, 0.6)) * k for k in (1, 3, 4) for d in range(3)}
+        costs = _costs(1.0, per_k)
+        policy = MeasuredPolicy(["a", "b", "c"], costs, acc, explore_every=0)
+        proposes = [None] + [[bool(x) for x in rng.random(n) < 0.6] for _ in range(2)]
+        cap = int(rng.integers(1, 5))
+        choice = policy.choose(_Plan(reqs, cap), n, proposes)
+        context = sum(r.committed for r in reqs) / n
+        best = (n / costs.predict(n, context, 0, ()), 0, None, [None] * n)
+        for k in range(1, cap + 1):
+            for s in draft_sets(3):
+                drafts, total = [], 0.0
+                for i, r in enumerate(reqs):
+                    e = {d: acc.expected(d, int(not r.sampling.greedy), r.id, k, 50 - len(r.emitted))
+                         for d in s if proposes[d] is None or proposes[d][i]}
+                    d = max(e, key=e.get) if e else None  # the first of equals, in the set's order
+                    drafts.append(d)
+                    total += e[d] if d is not None else 1.0
+                if set(s) <= set(drafts):
+                    rate = total / costs.predict(n, context, k, s)
+                    if rate > best[0] * (1 + 1e-12):
+                        best = (rate, k, s, drafts)
+        rate, k, s, drafts = best
+        assert (choice.k, choice.drafts) == (k, drafts), (trial, choice, best)
+        assert choice.ks == [k if d is not None else 0 for d in drafts]
+        assert policy.last["rate"] == pytest.approx(rate, rel=1e-9)
+
+
 def test_the_measured_policy_explores_an_unused_draft_with_backoff(tiny):
     engine = Engine(tiny, None, k=3)
     reqs = _reqs(2, engine)

@@ -30,14 +30,20 @@ def config_key(k: int, used: Sequence[int]) -> str:
     return "0" if not k else f"{k}:" + "+".join(str(d) for d in sorted(used))
 
 
+def _bracket(xs: Sequence[float], x: float) -> tuple[int, float]:
+    """(i, t) with y(x) = y[i - 1] + (y[i] - y[i - 1]) * t the piecewise-linear interpolation through xs (increasing)
+    at x, extrapolated linearly past the ends; one point: (0, 0.0), the constant."""
+    if len(xs) == 1:
+        return 0, 0.0
+    i = max(1, min(len(xs) - 1, next((j for j, v in enumerate(xs) if v >= x), len(xs) - 1)))
+    return i, (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+
+
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise-linear y(x) through (xs, ys) (xs increasing), extrapolated linearly past the ends; one point:
     constant."""
-    if len(xs) == 1:
-        return ys[0]
-    i = max(1, min(len(xs) - 1, next((j for j, v in enumerate(xs) if v >= x), len(xs) - 1)))
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    i, t = _bracket(xs, x)
+    return ys[0] if len(xs) == 1 else ys[i - 1] + (ys[i] - ys[i - 1]) * t
 
 
 @dataclass
@@ -56,10 +62,22 @@ class StepCosts:
     ratio: dict[str, float] = field(default_factory=dict)
     runs: dict[str, int] = field(default_factory=dict)
     overall: float = 1.0
+    _point: tuple | None = field(default=None, repr=False, compare=False)
 
     def _at(self, key: str, width: float, context: float) -> float:
+        """The table's seconds of ``key`` at (width, context): linear in the context along the two profiled widths
+        around ``width``, then linear in the width (the brackets kept for the last (width, context) asked: a round
+        policy asks a dozen configurations at one point)."""
+        if self._point is None or self._point[0] != (width, context):
+            self._point = ((width, context), _bracket(self.widths, width), _bracket(self.contexts, context))
+        _, (i, t), (j, u) = self._point
         rows = self.table[key]
-        return max(1e-6, _interp(self.widths, [_interp(self.contexts, row, context) for row in rows], width))
+
+        def along(row: list[float]) -> float:
+            return row[0] if len(row) == 1 else row[j - 1] + (row[j] - row[j - 1]) * u
+
+        y = along(rows[0]) if len(rows) == 1 else along(rows[i - 1]) + (along(rows[i]) - along(rows[i - 1])) * t
+        return max(1e-6, y)
 
     def base(self, width: float, context: float, k: int, used: Sequence[int]) -> float:
         """Profiled seconds of a round, interpolated in width and context: the table's configuration; for a k not

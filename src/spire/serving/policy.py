@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
+import numpy as np
+
 import spire.registry as registry
 from spire.engine.scheduler import RoundChoice, draft_sets  # torch-free, as this module
 from spire.errors import ConfigError
@@ -203,6 +205,23 @@ class Acceptance:
             e += run
         return min(e, max(1.0, cap))
 
+    def table(self, modes: Sequence[int], requests: Sequence[int], k: int, caps: Sequence[float]) -> np.ndarray:
+        """(D, n, k) float64: [d, i, j] = :meth:`expected` (d, modes[i], requests[i], j + 1, caps[i]) for every draft
+        d and row i at once (one round policy choice reads them all; the same arithmetic, in the same order)."""
+        n, w = len(requests), self.request_weight
+        out = np.empty((len(self.window), n, self.k_max))
+        mode_of = np.asarray(modes, dtype=np.int64)
+        for d in range(len(self.window)):
+            rows = np.array([self.rates(d, 0), self.rates(d, 1)])[mode_of]  # (n, k_max) the window's rates
+            own = [i for i, rid in enumerate(requests) if d in self.own.get(rid, ())]
+            if own:
+                reached = np.array([self.own[requests[i]][d][0] for i in own])
+                acc = np.array([self.own[requests[i]][d][1] for i in own])
+                rows[own] = (acc + w * rows[own]) / (reached + w)
+            out[d] = rows
+        e = 1.0 + np.cumsum(np.cumprod(out[:, :, :k], axis=2), axis=2)
+        return np.minimum(e, np.maximum(1.0, np.asarray(caps, dtype=np.float64))[None, :, None])
+
     def update(self, d: int, mode: int, request: int, k: int, accepted: int) -> None:
         """A request drafted k tokens from d and ``accepted`` (0..k) of them were accepted."""
         reached, acc = self.window[d][mode]
@@ -268,32 +287,38 @@ class MeasuredPolicy:
         n = len(running)
         context = sum(r.committed for r in running) / max(1, n)
         left = [r.params.max_tokens - len(r.emitted) for r in running]
-        ad_rate = sum(min(1.0, max(1, x)) for x in left) / self.costs.predict(width, context, 0, ())
+        ad_rate = float(n) / self.costs.predict(width, context, 0, ())  # an AD round: one token per request
         best = (ad_rate, RoundChoice.uniform(n, 0), 0.0)
         # a seeded sampled request drafts nothing: its draws are then its AD draws, one per token, whatever the
         # other requests' acceptance made the policy choose (docs/serving.md: a seeded request repeats)
         free = [r.params.seed is None or r.sampling.greedy for r in running]
         can = [[free[i] and (p is None or bool(p[i])) for i in range(n)] for p in proposes]
-        for k in range(1, cap + 1):
-            gains = [[self.acceptance.expected(d, self._mode(r), r.id, k, left[i]) if can[d][i] else 0.0
-                      for i, r in enumerate(running)] for d in range(len(self.names))]
+        if cap and n and any(map(any, can)):
+            # gains[d, i, k - 1]: the tokens request i expects from draft d at depth k (0 where d may not propose)
+            gains = np.where(np.array(can, dtype=bool)[:, :, None],
+                             self.acceptance.table([self._mode(r) for r in running], [r.id for r in running], cap,
+                                                   left), 0.0)
+            options = []  # per draft set: each row's draft (index into the set) and expected tokens, per k
             for s in self.sets:
-                drafts, ks, total = [], [], 0.0
-                for i in range(n):
-                    d = max(s, key=lambda x: gains[x][i])
-                    if gains[d][i] > 0.0:
-                        drafts.append(d)
-                        ks.append(k)
-                        total += gains[d][i]
-                    else:
-                        drafts.append(None)
-                        ks.append(0)
-                        total += 1.0
-                if set(s) - set(drafts):
-                    continue  # a draft of the set proposes for nobody: a smaller set is the same round, cheaper
-                rate = total / self.costs.predict(width, context, k, s)
-                if rate > best[0]:
-                    best = (rate, RoundChoice(k, drafts, ks), total)
+                g = gains[list(s)]  # (|s|, n, cap)
+                pick = g.argmax(0)  # (n, cap): the set's first draft of the most expected tokens
+                top = np.take_along_axis(g, pick[None], 0)[0]
+                drafted = top > 0.0
+                total = np.where(drafted, top, 1.0).sum(0)  # (cap,) tokens of the round, AD rows one each
+                # a draft of the set that proposes for nobody: a smaller set is the same round, cheaper
+                whole = np.all([(drafted & (pick == j)).any(0) for j in range(len(s))], axis=0)
+                options.append((s, pick, drafted, total, whole))
+            for k in range(1, cap + 1):
+                for s, pick, drafted, total, whole in options:
+                    if not whole[k - 1]:
+                        continue
+                    rate = float(total[k - 1]) / self.costs.predict(width, context, k, s)
+                    if rate > best[0]:
+                        used = drafted[:, k - 1]
+                        choice = RoundChoice(k, [s[j] if u else None for j, u in zip(pick[:, k - 1].tolist(),
+                                                                                        used.tolist())],
+                                             [k if u else 0 for u in used.tolist()])
+                        best = (rate, choice, float(total[k - 1]))
         rate, choice, total = best
         self.explored = None
         if cap and self.explore_every:
