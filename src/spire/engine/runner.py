@@ -244,8 +244,9 @@ class Runner:
         """Per draft, whether it has a proposal for each running request's next position (None: it always has one;
         the n-gram lookup has one only where the context matches, :meth:`Draft.proposes`). Read before the round
         so that the round policy can give a request without one to another draft, or none."""
-        if not self.drafts:
-            return []
+        looks = [type(d).proposes is not Draft.proposes for d in self.drafts]  # the others always propose
+        if not any(looks):
+            return [None] * len(self.drafts)
         pending, pos0 = self.pending[: self.width], self.n[: self.width] - 1
         at = Span([n - 1 for n in self.n_host[: self.width]], 1)
         contexts: list = [None] * self.width  # each row's tokens 0..pos0, as the host has them
@@ -253,7 +254,10 @@ class Runner:
             st = self.requests.get(r.id)
             contexts[r.slot] = st.context(r) if st is not None else np.asarray(r.prompt + r.emitted, dtype=np.int64)
         out = []
-        for draft in self.drafts:
+        for draft, look in zip(self.drafts, looks):
+            if not look:
+                out.append(None)
+                continue
             p = draft.proposes(pending[:, None], pos0[:, None], span=at, contexts=contexts)
             if isinstance(p, torch.Tensor):
                 p = p.tolist()  # a draft that looks on the device: one more read
