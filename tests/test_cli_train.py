@@ -3,6 +3,8 @@ tiny random Llama that uses SmolLM2's tokenizer (an HF folder built here; second
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -95,9 +97,10 @@ def trained(tiny_folder, text_file, tmp_path_factory):
             return real(*a, **kw)
 
         set_in_training("mixed_loss_logp", interrupted, mp)
-        with pytest.raises(SystemExit) as stopped:  # stopped in step 3: the CLI exits with 130, as on Ctrl-C
-            main(_train_args(tiny_folder, text_file, root / "resumed"))
-        assert stopped.value.code == 130
+        with pytest.raises(SystemExit) as stopped, contextlib.redirect_stderr(io.StringIO()) as err:
+            main(_train_args(tiny_folder, text_file, root / "resumed"))  # stopped in step 3
+        assert stopped.value.code == 130  # as on Ctrl-C
+        results["interrupt_stderr"] = err.getvalue()
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is spire train's only while it runs
         set_in_training("mixed_loss_logp", real, mp)
         results["after_interrupt"] = json.loads((root / "resumed" / "checkpoint" / "train_state.json").read_text())
@@ -477,3 +480,15 @@ def test_sigterm_during_spire_train_is_handled_as_ctrl_c():
             "print('survived')\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.stdout.split() == ["Terminated"] and res.returncode == -signal.SIGTERM, (res.stdout, res.stderr)
+
+
+@pytest.mark.slow
+def test_sigterm_prints_the_interrupted_line_as_ctrl_c(trained):
+    """A SIGTERM in step 3 (the fixture's) ends the run as Ctrl-C does: exit 130 (asserted there), and the same
+    last line on stderr (:func:`spire.commands.train.interrupted_note`), naming the checkpoint that --resume goes on
+    from."""
+    root, results = trained
+    out = root / "resumed"
+    assert results["interrupt_stderr"].splitlines()[-1] == (
+        f"interrupted: {out} holds its last checkpoint (step 2; one is written every --checkpoint-every seconds); "
+        f"`spire train --resume --out {out}` goes on from there exactly")
