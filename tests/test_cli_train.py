@@ -492,3 +492,17 @@ def test_sigterm_prints_the_interrupted_line_as_ctrl_c(trained):
     assert results["interrupt_stderr"].splitlines()[-1] == (
         f"interrupted: {out} holds its last checkpoint (step 2; one is written every --checkpoint-every seconds); "
         f"`spire train --resume --out {out}` goes on from there exactly")
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_notes_no_schedule(tiny_folder, text_file, trained, tmp_path, capsys):
+    """`--resume --max-steps 2` of a run finished at step 3 trains nothing: the line saying so comes after the
+    banner, and no note on the learning-rate schedule's horizon (which no step would follow) comes before it."""
+    root, _ = trained
+    shutil.copytree(root / "full", tmp_path / "run")
+    code, out, err = run(capsys, "train", "--resume", "--target", str(tiny_folder), "--data", str(text_file),
+                         "--out", str(tmp_path / "run"), "--device", "cpu", "--max-steps", "2")
+    lines = [ln for ln in err.splitlines() if not ln.startswith(("tokenize", "\r"))]
+    assert code == 0 and "spire draft: 3 steps" in out, err
+    assert [ln for ln in lines if "note" in ln or "horizon" in ln] == [], err
+    assert lines[-1] == "      run: finished run found (3 steps), not trained again", err
