@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.helpers import run_cli
-from tests.test_cli_train import text_file, tiny_folder  # noqa: F401  (module fixtures)
+from tests.test_cli_train import text_file, tiny_folder, trained  # noqa: F401  (module fixtures)
 
 
 def _train(folder, text, out, *extra):
@@ -135,3 +135,25 @@ def test_bad_eagle3_and_ngram_input_is_one_error_line(capsys, tiny_folder, text_
     _one_error(*run_cli(capsys, "generate", "--target", str(tiny_folder), "--file", str(prompts),
                         "--max-new-tokens", "4", "--draft", "ngram", "--ngram-min", "4", "--ngram-max",
                         "2")[:3:2], "--ngram-min")
+
+
+@pytest.mark.slow
+def test_a_draft_of_another_kind_is_one_error_line_in_generate_serve_and_tau(capsys, tiny_folder, trained,  # noqa: F811
+                                                                             tmp_path):
+    """`--draft eagle3 --draft-path` of a SPIRe draft file, and of an HF model folder (a vanilla draft), is the same
+    one line in every command that decodes (:func:`spire.formats.draft_file.other_kind_error`), exit 2."""
+    import socket
+
+    root, _ = trained
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    commands = (["generate", "hi", "--max-new-tokens", "2"], ["serve", "--port", port, "--max-len", "64"],
+                ["tau", "-L", "32", "-G", "2", "--n-contexts", "1", "--temperature", "0", "--no-progress"])
+    for path, what, kind in ((root / "full" / "draft.safetensors", "a SPIRe draft", "spire"),
+                             (tiny_folder, "an HF model folder", "vanilla")):
+        for command in commands:
+            code, _, err = run_cli(capsys, *command, "--target", str(tiny_folder), "--draft", "eagle3",
+                                   "--draft-path", str(path))
+            assert (code, err.splitlines()) == (2, [f"error: {path} is {what}, not an EAGLE-3 draft: give it as "
+                                                    f"--draft {kind} --draft-path {path}"]), command
