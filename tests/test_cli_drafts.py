@@ -157,3 +157,22 @@ def test_a_draft_of_another_kind_is_one_error_line_in_generate_serve_and_tau(cap
                                    "--draft-path", str(path))
             assert (code, err.splitlines()) == (2, [f"error: {path} is {what}, not an EAGLE-3 draft: give it as "
                                                     f"--draft {kind} --draft-path {path}"]), command
+
+
+@pytest.mark.slow
+def test_a_portfolio_without_a_trained_spire_draft_is_one_line_that_keeps_the_portfolio(capsys, tiny_folder,  # noqa: F811
+                                                                                      tmp_path, monkeypatch):
+    """`spire serve --draft ngram,spire` with no trained SPIRe draft in the cache: one line, exit 2, whose hint
+    suggests no command that drops the n-gram draft: --draft-path goes to the portfolio's one kind that takes a
+    path (:func:`spire.commands.serve.parse_drafts`), so the same --draft ngram,spire with --draft-path serves it."""
+    import socket
+
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    code, _, err = run_cli(capsys, "serve", "--target", str(tiny_folder), "--draft", "ngram,spire", "--port", port,
+                           "--max-len", "64")
+    assert (code, err.splitlines()) == (2, [
+        "error: no trained SPIRe draft for this target in the cache: pass --draft-path (e.g. the run folder of "
+        "`spire train`), or run the main job (`spire reproduce`), which leaves one in the cache"])
