@@ -176,3 +176,24 @@ def test_a_portfolio_without_a_trained_spire_draft_is_one_line_that_keeps_the_po
     assert (code, err.splitlines()) == (2, [
         "error: no trained SPIRe draft for this target in the cache: pass --draft-path (e.g. the run folder of "
         "`spire train`), or run the main job (`spire reproduce`), which leaves one in the cache"])
+
+
+@pytest.mark.slow
+def test_a_text_file_given_as_a_checkpoint_or_draft_says_it_is_a_file(capsys, tiny_folder, tmp_path):  # noqa: F811
+    """A .txt file where a checkpoint or a draft is expected: one line saying it is a file, not what was expected,
+    and what to give (it said "not an HF checkpoint folder", or the safetensors reader's "header too small")."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("river stone light\n")
+    cases = ((["--target", str(notes)], f"{notes} is a file, not an HF checkpoint folder (give an HF folder, a .gguf "
+                                        "file, 'smollm2-135m' or 'gemma3-270m')"),
+             (["--draft", "spire"], f"{notes} is a file, not a draft checkpoint (give a `spire train` run folder or "
+                                    "the draft .safetensors in it)"),
+             (["--draft", "vanilla"], f"{notes} is a file, not a vanilla draft (give an HF folder, a .gguf file or a "
+                                      "`spire train --draft vanilla` run folder)"),
+             (["--draft", "eagle3"], f"{notes} is a file, not an EAGLE-3 draft (give a speculators folder, a `spire "
+                                     "train --draft eagle3` run folder or a draft .safetensors)"))
+    for args, line in cases:
+        if args[0] == "--draft":
+            args = ["--target", str(tiny_folder), *args, "--draft-path", str(notes)]
+        code, out, err = run_cli(capsys, "generate", "hi", "--max-new-tokens", "2", *args)
+        assert (code, out, err.splitlines()) == (2, "", [f"error: {line}"]), args

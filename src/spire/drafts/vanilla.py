@@ -247,14 +247,14 @@ def save_vanilla(model: Transformer, folder, target_folder, meta: dict) -> None:
 def resolve_path(path: str | Path) -> Path:
     """What ``--draft vanilla --draft-path PATH`` names (:func:`spire.formats.draft_file.resolve_draft_path`: an HF
     folder, a .gguf file, or a run folder's ``draft/``). Raises CheckpointError for a missing path, another kind's
-    run folder, or a single .safetensors file (not a vanilla draft's form)."""
+    run folder, or a file other than a .gguf (another kind's draft file is named by its kind)."""
     p = resolve_draft_path("vanilla", path)
-    if not p.is_dir() and p.suffix == ".safetensors":
-        kind = draft_file_kind(read_draft_meta(p) or {})
+    if not p.is_dir() and not p.name.endswith(".gguf"):
+        kind = draft_file_kind(read_draft_meta(p) or {}) if p.suffix == ".safetensors" else None
         if kind is not None:
             raise other_kind_error(p, "vanilla", kind)
-        raise CheckpointError(f"{p} is a single .safetensors file (a SPIRe draft?): --draft vanilla takes an HF "
-                              "folder, a .gguf file or a `spire train --draft vanilla` run folder")
+        raise CheckpointError(f"{p} is a file, not a vanilla draft (give an HF folder, a .gguf file or a `spire "
+                              "train --draft vanilla` run folder)")
     return p
 
 

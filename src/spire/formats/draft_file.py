@@ -159,6 +159,9 @@ def read_draft_meta(path: Path) -> dict | None:
             meta = (f.metadata() or {}).get("spire")
         return None if meta is None else json.loads(meta)
     except Exception as e:
+        if path.suffix != ".safetensors":  # a text file, say: what it is, not the reader's complaint
+            raise CheckpointError(f"{path} is a file, not a draft checkpoint (give a `spire train` run folder or the "
+                                  "draft .safetensors in it)") from None
         raise CheckpointError(f"cannot read draft checkpoint {path}: {e}".splitlines()[0]) from None
 
 
