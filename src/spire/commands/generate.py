@@ -113,7 +113,8 @@ def generate(
     = None,
     k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1].")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in [0, 1]; 0 = greedy (as spire serve's "
+                                              "top_p).")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt at most.")] = 128,
     stop: Annotated[list[str], typer.Option(help="Stop string; repeatable.")] = [],
@@ -136,11 +137,13 @@ def generate(
 
     from spire.drafts import make_draft
     from spire.loading import load_target
+    from spire.params import greedy_top_p
     from spire.sampling import SamplingParams
     from spire.engine.engine import generate_batch
     from spire.engine.output import StopStrings
 
-    params = SamplingParams(temperature, top_k, top_p)
+    greedy_t, nucleus = greedy_top_p(temperature, top_p, "--top-p")  # 0 is greedy, as spire serve's top_p
+    params = SamplingParams(greedy_t, top_k, nucleus)
     if k < 1:
         raise ConfigError(f"k must be >= 1, got {k}")
     if max_new_tokens < 1:
