@@ -197,3 +197,29 @@ def test_a_text_file_given_as_a_checkpoint_or_draft_says_it_is_a_file(capsys, ti
             args = ["--target", str(tiny_folder), *args, "--draft-path", str(notes)]
         code, out, err = run_cli(capsys, "generate", "hi", "--max-new-tokens", "2", *args)
         assert (code, out, err.splitlines()) == (2, "", [f"error: {line}"]), args
+
+
+def test_k_beyond_a_sequence_is_one_error_line_giving_the_range(capsys, tiny_folder):  # noqa: F811
+    """-k has an upper bound in every command that decodes, the engine's own: a sequence (a `spire serve` slot of
+    --max-len positions) holds a prompt token, a new token and the k drafted ones, so k <= positions - 2 (the tiny
+    target has 512). `-k 100000` is one line giving the range, exit 2, checked before the target's weights load (it
+    was an error on the prompt's length after loading, or on --max-len); -k 0 likewise."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    target = ["--target", str(tiny_folder)]
+    fit = "(a prompt token, a new token and k drafted tokens fit"
+    for command, k, line in (
+            (["generate", "hi", *target], "100000", f"-k must be in [1, 510] {fit} the target's 512 positions), "
+                                                    "got 100000"),
+            (["generate", "hi", *target], "0", "-k must be >= 1, got 0"),
+            (["serve", *target, "--port", port], "100000", f"-k must be in [1, 2046] {fit} a slot of --max-len 2048 "
+                                                           "positions), got 100000"),
+            (["serve", *target, "--port", port, "--max-len", "5"], "4", f"-k must be in [1, 3] {fit} a slot of "
+                                                                        "--max-len 5 positions), got 4"),
+            (["tau", *target, "--no-progress"], "100000", f"-k must be in [1, 510] {fit} the target's 512 positions), "
+                                                          "got 100000")):
+        code, out, err = run_cli(capsys, *command, "-k", k)
+        assert (code, out, err.splitlines()) == (2, "", [f"error: {line}"]), command
