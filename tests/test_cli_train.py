@@ -406,7 +406,10 @@ def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp
              (["--seed", "99999999999999999999"], "--seed must be in [0, 2^40), got 99999999999999999999"),
              (["--seq-len", "1024"], "--seq-len 1024 exceeds the target's 512 positions"),
              (["--eval-windows", "-1"], "--eval-windows must be >= 0, got -1"),
-             (["--batch-size", "0"], "got k=4, batch size 0, seq_len 16"),
+             (["--batch-size", "0"], "error: --batch-size must be >= 1, got 0"),  # (it said "batch size ... seq_len")
+             (["--seq-len", "18"], "error: --seq-len 18 must be a multiple of -k 4"),  # (it said "k=4")
+             (["--max-steps", "0"], "error: --max-steps must be >= 1, got 0"),
+             (["--omega", "2"], "error: --omega must be in [0, 1], got 2.0"),
              (["--draft", "vanilla", "--full-kv", "--no-feedback-memory", "--draft-vocab", "64"],
               "--n-draft-layers, --full-kv, --draft-vocab, --no-feedback-memory: options of --draft spire, not of --draft vanilla"),
              (["--draft", "vanilla", "--ablation", "omega1"], "--ablation omega1 applies to --draft spire only"),
