@@ -160,8 +160,8 @@ def test_a_draft_of_another_kind_is_one_error_line_in_generate_serve_and_tau(cap
 
 
 @pytest.mark.slow
-def test_a_portfolio_without_a_trained_spire_draft_is_one_line_that_keeps_the_portfolio(capsys, tiny_folder,  # noqa: F811
-                                                                                      tmp_path, monkeypatch):
+def test_a_portfolio_without_a_trained_spire_draft_keeps_it_in_the_hint(capsys, tiny_folder, tmp_path,  # noqa: F811
+                                                                         monkeypatch):
     """`spire serve --draft ngram,spire` with no trained SPIRe draft in the cache: one line, exit 2, whose hint
     suggests no command that drops the n-gram draft: --draft-path goes to the portfolio's one kind that takes a
     path (:func:`spire.commands.serve.parse_drafts`), so the same --draft ngram,spire with --draft-path serves it."""
