@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.helpers import run_cli
-from tests.test_cli_train import text_file, tiny_folder  # noqa: F401  (module fixtures)
+from tests.test_cli_train import text_file, tiny_folder, trained  # noqa: F401  (module fixtures)
 
 
 def _train(folder, text, out, *extra):
@@ -135,3 +135,91 @@ def test_bad_eagle3_and_ngram_input_is_one_error_line(capsys, tiny_folder, text_
     _one_error(*run_cli(capsys, "generate", "--target", str(tiny_folder), "--file", str(prompts),
                         "--max-new-tokens", "4", "--draft", "ngram", "--ngram-min", "4", "--ngram-max",
                         "2")[:3:2], "--ngram-min")
+
+
+@pytest.mark.slow
+def test_a_draft_of_another_kind_is_one_error_line_in_generate_serve_and_tau(capsys, tiny_folder, trained,  # noqa: F811
+                                                                             tmp_path):
+    """`--draft eagle3 --draft-path` of a SPIRe draft file, and of an HF model folder (a vanilla draft), is the same
+    one line in every command that decodes (:func:`spire.formats.draft_file.other_kind_error`), exit 2."""
+    import socket
+
+    root, _ = trained
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    commands = (["generate", "hi", "--max-new-tokens", "2"], ["serve", "--port", port, "--max-len", "64"],
+                ["tau", "-L", "32", "-G", "2", "--n-contexts", "1", "--temperature", "0", "--no-progress"])
+    for path, what, kind in ((root / "full" / "draft.safetensors", "a SPIRe draft", "spire"),
+                             (tiny_folder, "an HF model folder", "vanilla")):
+        for command in commands:
+            code, _, err = run_cli(capsys, *command, "--target", str(tiny_folder), "--draft", "eagle3",
+                                   "--draft-path", str(path))
+            assert (code, err.splitlines()) == (2, [f"error: {path} is {what}, not an EAGLE-3 draft: give it as "
+                                                    f"--draft {kind} --draft-path {path}"]), command
+
+
+@pytest.mark.slow
+def test_a_portfolio_without_a_trained_spire_draft_keeps_it_in_the_hint(capsys, tiny_folder, tmp_path,  # noqa: F811
+                                                                         monkeypatch):
+    """`spire serve --draft ngram,spire` with no trained SPIRe draft in the cache: one line, exit 2, whose hint
+    suggests no command that drops the n-gram draft: --draft-path goes to the portfolio's one kind that takes a
+    path (:func:`spire.commands.serve.parse_drafts`), so the same --draft ngram,spire with --draft-path serves it."""
+    import socket
+
+    monkeypatch.setenv("SPIRE_CACHE", str(tmp_path / "cache"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    code, _, err = run_cli(capsys, "serve", "--target", str(tiny_folder), "--draft", "ngram,spire", "--port", port,
+                           "--max-len", "64")
+    assert (code, err.splitlines()) == (2, [
+        "error: no trained SPIRe draft for this target in the cache: pass --draft-path (e.g. the run folder of "
+        "`spire train`), or run the main job (`spire reproduce`), which leaves one in the cache"])
+
+
+@pytest.mark.slow
+def test_a_text_file_given_as_a_checkpoint_or_draft_says_it_is_a_file(capsys, tiny_folder, tmp_path):  # noqa: F811
+    """A .txt file where a checkpoint or a draft is expected: one line saying it is a file, not what was expected,
+    and what to give (it said "not an HF checkpoint folder", or the safetensors reader's "header too small")."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("river stone light\n")
+    cases = ((["--target", str(notes)], f"{notes} is a file, not an HF checkpoint folder (give an HF folder, a .gguf "
+                                        "file, 'smollm2-135m' or 'gemma3-270m')"),
+             (["--draft", "spire"], f"{notes} is a file, not a draft checkpoint (give a `spire train` run folder or "
+                                    "the draft .safetensors in it)"),
+             (["--draft", "vanilla"], f"{notes} is a file, not a vanilla draft (give an HF folder, a .gguf file or a "
+                                      "`spire train --draft vanilla` run folder)"),
+             (["--draft", "eagle3"], f"{notes} is a file, not an EAGLE-3 draft (give a speculators folder, a `spire "
+                                     "train --draft eagle3` run folder or a draft .safetensors)"))
+    for args, line in cases:
+        if args[0] == "--draft":
+            args = ["--target", str(tiny_folder), *args, "--draft-path", str(notes)]
+        code, out, err = run_cli(capsys, "generate", "hi", "--max-new-tokens", "2", *args)
+        assert (code, out, err.splitlines()) == (2, "", [f"error: {line}"]), args
+
+
+def test_k_beyond_a_sequence_is_one_error_line_giving_the_range(capsys, tiny_folder):  # noqa: F811
+    """-k has an upper bound in every command that decodes, the engine's own: a sequence (a `spire serve` slot of
+    --max-len positions) holds a prompt token, a new token and the k drafted ones, so k <= positions - 2 (the tiny
+    target has 512). `-k 100000` is one line giving the range, exit 2, checked before the target's weights load (it
+    was an error on the prompt's length after loading, or on --max-len); -k 0 likewise."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    target = ["--target", str(tiny_folder)]
+    fit = "(a prompt token, a new token and k drafted tokens fit"
+    for command, k, line in (
+            (["generate", "hi", *target], "100000", f"-k must be in [1, 510] {fit} the target's 512 positions), "
+                                                    "got 100000"),
+            (["generate", "hi", *target], "0", "-k must be >= 1, got 0"),
+            (["serve", *target, "--port", port], "100000", f"-k must be in [1, 2046] {fit} a slot of --max-len 2048 "
+                                                           "positions), got 100000"),
+            (["serve", *target, "--port", port, "--max-len", "5"], "4", f"-k must be in [1, 3] {fit} a slot of "
+                                                                        "--max-len 5 positions), got 4"),
+            (["tau", *target, "--no-progress"], "100000", f"-k must be in [1, 510] {fit} the target's 512 positions), "
+                                                          "got 100000")):
+        code, out, err = run_cli(capsys, *command, "-k", k)
+        assert (code, out, err.splitlines()) == (2, "", [f"error: {line}"]), command

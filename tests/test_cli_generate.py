@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.test_cli_train import tiny_folder  # noqa: F401  (a module fixture)
+
 SPIRE = [sys.executable, "-m", "spire.cli", "generate"]
 
 pytestmark = pytest.mark.slow  # each test runs `spire generate` on the embedded target in a subprocess
@@ -94,8 +96,8 @@ def test_prompt_longer_than_positions(folder):
     (["hi", "--temperature", "-1"], "temperature must be finite and >= 0"),
     (["hi", "--temperature", "inf"], "temperature must be finite and >= 0"),
     (["hi", "--k", "8190", "--max-new-tokens", "16", "--draft", "magicdec"], "k = 8190 draft tokens per round"),
-    (["hi", "--top-p", "0"], "top-p must be in (0, 1]"),
-    (["hi", "--top-p", "1.5"], "top-p must be in (0, 1]"),
+    (["hi", "--top-p", "1.5"], "--top-p must be in [0, 1] (0: greedy), got 1.5"),
+    (["hi", "--top-p", "-0.1"], "--top-p must be in [0, 1] (0: greedy), got -0.1"),
     (["hi", "--draft", "vanilla"], "needs --draft-path"),
     (["hi", "--draft", "magicdec", "--draft-path", "x.safetensors"], "--draft magicdec takes none"),
     (["hi", "--target", "/nonexistent/model"], "checkpoint not found"),
@@ -151,3 +153,20 @@ def test_sampling_flags_that_do_nothing_at_temperature_0_warn_once(args, warned)
         assert warnings == []
     else:
         assert len(warnings) == 1 and warned in warnings[0] and "temperature 0" in warnings[0], res.stderr
+
+
+def test_top_p_0_is_greedy_as_in_spire_serve(capsys, tiny_folder):  # noqa: F811
+    """`--top-p 0` is greedy decoding, as spire serve's `top_p: 0` (the shared serve-api-clients check sends it and
+    expects the greedy text; vLLM would refuse it): at --temperature 1 it gives --temperature 0's tokens (it was
+    refused: "top-p must be in (0, 1]")."""
+    from tests.helpers import run_cli
+
+    base = ["generate", "The river", "--target", str(tiny_folder), "--draft", "none", "--max-new-tokens", "12",
+            "--format", "json"]
+    outs = {}
+    for extra in (["--temperature", "0"], ["--temperature", "1", "--top-p", "0"], ["--temperature", "1"]):
+        code, out, err = run_cli(capsys, *base, *extra)
+        assert code == 0, err
+        outs[" ".join(extra)] = json.loads(out)["outputs"][0]["token_ids"]
+    assert outs["--temperature 1 --top-p 0"] == outs["--temperature 0"]
+    assert outs["--temperature 1"] != outs["--temperature 0"]  # (sampling at T = 1 does differ)

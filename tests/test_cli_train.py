@@ -3,6 +3,8 @@ tiny random Llama that uses SmolLM2's tokenizer (an HF folder built here; second
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -95,9 +97,10 @@ def trained(tiny_folder, text_file, tmp_path_factory):
             return real(*a, **kw)
 
         set_in_training("mixed_loss_logp", interrupted, mp)
-        with pytest.raises(SystemExit) as stopped:  # stopped in step 3: the CLI exits with 130, as on Ctrl-C
-            main(_train_args(tiny_folder, text_file, root / "resumed"))
-        assert stopped.value.code == 130
+        with pytest.raises(SystemExit) as stopped, contextlib.redirect_stderr(io.StringIO()) as err:
+            main(_train_args(tiny_folder, text_file, root / "resumed"))  # stopped in step 3
+        assert stopped.value.code == 130  # as on Ctrl-C
+        results["interrupt_stderr"] = err.getvalue()
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the handler is spire train's only while it runs
         set_in_training("mixed_loss_logp", real, mp)
         results["after_interrupt"] = json.loads((root / "resumed" / "checkpoint" / "train_state.json").read_text())
@@ -403,7 +406,10 @@ def test_impossible_train_settings_are_one_line_each(tiny_folder, text_file, tmp
              (["--seed", "99999999999999999999"], "--seed must be in [0, 2^40), got 99999999999999999999"),
              (["--seq-len", "1024"], "--seq-len 1024 exceeds the target's 512 positions"),
              (["--eval-windows", "-1"], "--eval-windows must be >= 0, got -1"),
-             (["--batch-size", "0"], "got k=4, batch size 0, seq_len 16"),
+             (["--batch-size", "0"], "error: --batch-size must be >= 1, got 0"),  # (it said "batch size ... seq_len")
+             (["--seq-len", "18"], "error: --seq-len 18 must be a multiple of -k 4"),  # (it said "k=4")
+             (["--max-steps", "0"], "error: --max-steps must be >= 1, got 0"),
+             (["--omega", "2"], "error: --omega must be in [0, 1], got 2.0"),
              (["--draft", "vanilla", "--full-kv", "--no-feedback-memory", "--draft-vocab", "64"],
               "--n-draft-layers, --full-kv, --draft-vocab, --no-feedback-memory: options of --draft spire, not of --draft vanilla"),
              (["--draft", "vanilla", "--ablation", "omega1"], "--ablation omega1 applies to --draft spire only"),
@@ -477,3 +483,29 @@ def test_sigterm_during_spire_train_is_handled_as_ctrl_c():
             "print('survived')\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.stdout.split() == ["Terminated"] and res.returncode == -signal.SIGTERM, (res.stdout, res.stderr)
+
+
+@pytest.mark.slow
+def test_sigterm_prints_the_interrupted_line_as_ctrl_c(trained):
+    """A SIGTERM in step 3 (the fixture's) ends the run as Ctrl-C does: exit 130 (asserted there), and the same
+    last line on stderr (:func:`spire.commands.train.interrupted_note`), naming the checkpoint that --resume goes on
+    from."""
+    root, results = trained
+    out = root / "resumed"
+    assert results["interrupt_stderr"].splitlines()[-1] == (
+        f"interrupted: {out} holds its last checkpoint (step 2; one is written every --checkpoint-every seconds); "
+        f"`spire train --resume --out {out}` goes on from there exactly")
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_notes_no_schedule(tiny_folder, text_file, trained, tmp_path, capsys):
+    """`--resume --max-steps 2` of a run finished at step 3 trains nothing: the line saying so comes after the
+    banner, and no note on the learning-rate schedule's horizon (which no step would follow) comes before it."""
+    root, _ = trained
+    shutil.copytree(root / "full", tmp_path / "run")
+    code, out, err = run(capsys, "train", "--resume", "--target", str(tiny_folder), "--data", str(text_file),
+                         "--out", str(tmp_path / "run"), "--device", "cpu", "--max-steps", "2")
+    lines = [ln for ln in err.splitlines() if not ln.startswith(("tokenize", "\r"))]
+    assert code == 0 and "spire draft: 3 steps" in out, err
+    assert [ln for ln in lines if "note" in ln or "horizon" in ln] == [], err
+    assert lines[-1] == "      run: finished run found (3 steps), not trained again", err

@@ -392,7 +392,8 @@ def test_speculators_folder_round_trip_and_refusals(tmp_path, target8):
     spire_path = tmp_path / "spire.safetensors"
     SpireDraftModel(target8, SpireConfig(n_draft_layers=2)).save(spire_path)
     spire_out = export_draft("spire", spire_path, target8, "tiny", tmp_path / "spire-export")
-    with pytest.raises(CheckpointError, match="algorithm 'spire'"):
+    with pytest.raises(CheckpointError, match="is an exported SPIRe draft, not an EAGLE-3 draft: give it as "
+                                              "--draft spire --draft-path"):
         load_speculators(spire_out, target8)
     for changes, match in [({"some_new_flag": True}, "some_new_flag"),
                            ({"embed_requires_grad": True}, "embed_requires_grad"),
@@ -542,11 +543,25 @@ def test_spire_reads_a_speculators_checkpoint(tmp_path, hf_target):
             torch.testing.assert_close(got, theirs[j][c - 1], rtol=1e-4, atol=1e-4)
 
 
-def test_a_spire_draft_given_as_eagle3_is_named(tmp_path, target8):
-    """A SPIRe draft file given with --draft eagle3 is refused with the kind to give it with (a fresh user's report:
-    the message named only the missing eagle3_config)."""
+def test_a_draft_of_another_kind_is_one_error_naming_its_kind(tmp_path, target8):
+    """A draft of another kind than --draft is refused with one wording for every kind and form
+    (:func:`spire.formats.draft_file.other_kind_error`), naming what it is and how to give it: a SPIRe file given
+    as eagle3 (the message named only the missing eagle3_config) or vanilla, an EAGLE-3 file given as spire (a
+    KeyError traceback) or vanilla, an HF model folder given as eagle3 (it said "not a speculators folder")."""
+    from spire.drafts import make_draft
     from spire.drafts.spire import SpireConfig, SpireDraftModel
 
     SpireDraftModel(target8, SpireConfig(n_draft_layers=2)).save(tmp_path / "s.safetensors")
-    with pytest.raises(CheckpointError, match="it is a SPIRe draft, give it with --draft spire"):
-        Eagle3DraftModel.load(tmp_path / "s.safetensors", target8)
+    Eagle3DraftModel(target8, Eagle3Config()).save(tmp_path / "e.safetensors")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 256}))
+    for asked, given, is_ in (("eagle3", "s.safetensors", "a SPIRe draft, not an EAGLE-3 draft"),
+                              ("vanilla", "s.safetensors", "a SPIRe draft, not a vanilla draft"),
+                              ("spire", "e.safetensors", "an EAGLE-3 draft, not a SPIRe draft"),
+                              ("vanilla", "e.safetensors", "an EAGLE-3 draft, not a vanilla draft"),
+                              ("eagle3", "hf", "an HF model folder, not an EAGLE-3 draft")):
+        path = tmp_path / given
+        found = {"s.safetensors": "spire", "e.safetensors": "eagle3", "hf": "vanilla"}[given]
+        with pytest.raises(CheckpointError) as e:
+            make_draft(asked, target8, path=str(path))
+        assert str(e.value) == f"{path} is {is_}: give it as --draft {found} --draft-path {path}"

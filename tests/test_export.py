@@ -115,7 +115,8 @@ def test_cli_export_for_a_family_target_and_vanilla(tmp_path, capsys):
     assert e.value.code in (0, None)
     assert capsys.readouterr().out.strip() == str(tmp_path / "out")
     back = make_draft("spire", target, path=str(tmp_path / "out"))
-    with pytest.raises(CheckpointError, match="is an exported SPIRe draft: give it as the SPIRe draft"):
+    with pytest.raises(CheckpointError, match="is an exported SPIRe draft, not a vanilla draft: give it as --draft "
+                                              "spire --draft-path"):
         make_draft("vanilla", target, path=str(tmp_path / "out"))  # it said "unsupported model_type 'spire_draft'"
     q_norm = "layers.0.self_attn.q_norm.weight"
     assert torch.equal(back.model.state_dict()[q_norm], model.state_dict()[q_norm])

@@ -210,3 +210,22 @@ def test_the_main_job_trains_fixed_step_counts_by_default_and_by_time_only_with_
     both = ReproduceConfig(**overrides({"budget": 600.0, "steps": 50}, None, None, None, None, None))
     assert both.steps == 50 and both.eagle3_steps is None  # EAGLE-3 then follows SPIRe's steps
     assert dict(training_runs(both, spire_architecture(both, 30, 49152)))["eagle3"].max_steps == 50
+
+
+@pytest.mark.parametrize("args,line", [
+    (["--first-layers", "9"], "--first-layers must be in [0, --n-draft-layers 8], got 9"),  # (first_layers ... =8)
+    (["--train-processes", "3"], "--train-processes must divide the training batch of 4 rows, got 3"),
+    (["--diagnose-contexts", "-1"], "--diagnose-contexts must be >= 0, got -1"),
+    (["--tau-k-contexts", "0"], "--tau-k-contexts must be >= 1, got 0"),  # (it said "--tau-k takes positive k")
+    (["--steps", "0"], "--steps, --vanilla-steps, --ablation-steps and --eagle3-steps must be >= 1"),
+    (["--eagle3-budget", "0"], "--eagle3-budget must be positive, got 0 s"),
+    (["--tau-L-contexts", "0"], "--tau-L-contexts must be a positive integer, got 0"),
+])
+def test_impossible_settings_name_their_flags(tmp_path, capsys, args, line):
+    """`spire reproduce`'s settings it cannot run are one line naming the flag as the user wrote it (not the
+    ReproduceConfig field), exit 2, before anything is loaded or written."""
+    from tests.helpers import run_cli
+
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "reproduce", "--out", str(out), *args)
+    assert (code, err.splitlines()) == (2, [f"error: {line}"]) and not out.exists()

@@ -580,7 +580,9 @@ def test_a_thousand_malformed_requests_get_4xx_naming_the_field(parts, running):
 @pytest.mark.parametrize("args, words", [
     (["--log-level", "bogus"], "--log-level must be one of"),
     (["--host", "no-such-host.invalid"], "--host 'no-such-host.invalid': cannot resolve it"),
-    (["--max-len", "5", "-k", "4"], "--max-len must be >= 6"),
+    (["--max-len", "5", "-k", "4"], "-k must be in [1, 3] (a prompt token, a new token and k drafted tokens fit a "
+                                    "slot of --max-len 5 positions), got 4"),
+    (["--max-len", "2", "-k", "1"], "--max-len must be >= 3 (a prompt token, a new token and a drafted one), got 2"),
     (["--window", "0"], "--window must be >= 1"),
     (["--shutdown-grace", "-1"], "--shutdown-grace must be"),
     (["--prefill-chunk", "-1"], "--prefill-chunk must be >= 0"),

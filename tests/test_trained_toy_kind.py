@@ -273,8 +273,8 @@ def test_a_trained_kind_lives_through_spire_from_its_module_and_line(smollm2, tm
     wrong = _run("generate", *prompt, "--draft", "spire", "--draft-path", str(run), cache=cache)
     err = wrong.stderr.strip().splitlines()
     assert wrong.returncode != 0 and len(err) == 1, wrong.stderr
-    assert f"is a toy draft run (it has toy.safetensors, no draft.safetensors): give it as --draft toy " \
-           f"--draft-path {run}" in err[0]
+    assert err[0] == f"error: {run} is a toy draft run (it has toy.safetensors, no draft.safetensors), not a SPIRe " \
+                     f"draft: give it as --draft toy --draft-path {run}"
 
 
 @pytest.mark.slow  # the main job, tiny, in a subprocess (a few minutes on 2 loaded cores)

@@ -26,7 +26,8 @@ from spire.commands.compare import compare
 from spire.commands.data import data
 from spire.commands.export import export
 from spire.commands.generate import generate
-from spire.commands.options import GRID_HELP, draft_path_help, given, kinds, with_draft_options, with_train_options
+from spire.commands.options import (GRID_HELP, draft_path_help, given, k_help, kinds, with_draft_options,
+                                    with_train_options)
 from spire.commands.reproduce import reproduce
 from spire.commands.serve import serve
 from spire.commands.throughput_figures import throughput_figures
@@ -154,7 +155,7 @@ def tau(
                                                                                "comma-separate: -L 256,512.")]
     = ["512"],
     G: Annotated[int, _OPT("-G", "--generate", help="Tokens generated per context.")] = 64,
-    k: Annotated[int, _OPT("--k", "-k", help="Draft tokens per round.")] = defaults.K,
+    k: Annotated[int, _OPT("--k", "-k", help=k_help())] = defaults.K,
     temperature: Annotated[list[str], _OPT(metavar="T[,T...]", help="Sampling temperatures (0 = greedy); "
                                                                     "repeatable (default: 0,1).")] = [],
     n_contexts: Annotated[int, _OPT(help="Held-out contexts per measurement.")] = 16,

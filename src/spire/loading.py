@@ -119,9 +119,11 @@ def resolve_checkpoint(spec: str | os.PathLike = DEFAULT_TARGET, cache_dir: Path
         out = cache / "models" / f"{gguf.stem}-{key}"
     else:
         path = Path(spec).expanduser()
+        expected = f"give an HF folder, a .gguf file, '{DEFAULT_TARGET}' or '{GEMMA3_TARGET}'"
         if not path.exists():
-            raise CheckpointError(f"checkpoint not found: {path} (give an HF folder, a .gguf file, "
-                                  f"'{DEFAULT_TARGET}' or '{GEMMA3_TARGET}')")
+            raise CheckpointError(f"checkpoint not found: {path} ({expected})")
+        if not path.is_dir():
+            raise CheckpointError(f"{path} is a file, not an HF checkpoint folder ({expected})")
         if not (path / "config.json").is_file():
             raise CheckpointError(f"{path} has no config.json: not an HF checkpoint folder")
         return path

@@ -12,6 +12,16 @@ from dataclasses import dataclass
 from spire.errors import ConfigError
 
 
+def greedy_top_p(temperature: float, top_p: float, name: str = "top_p") -> tuple[float, float]:
+    """(temperature, top_p) with top_p read as OpenAI's API reads it, in [0, 1] where 0 means greedy decoding
+    (temperature 0, top_p off): spire serve's ``top_p`` field (the shared serve-api-clients check sends ``top_p: 0``
+    and expects the greedy text) and spire generate's ``--top-p`` alike. vLLM refuses 0 (its range is (0, 1]).
+    Raises ConfigError naming ``name`` for a value outside [0, 1]."""
+    if not 0 <= top_p <= 1:
+        raise ConfigError(f"{name} must be in [0, 1] (0: greedy), got {top_p}")
+    return (0.0, 1.0) if top_p == 0 else (temperature, top_p)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy (argmax, a one-hot distribution); top_k 0, top_p 1 and min_p 0 mean off. min_p:

@@ -140,41 +140,46 @@ class ReproduceConfig:
     def validate(self) -> None:
         if self.preset not in PRESETS:
             raise ConfigError(f"unknown preset {self.preset!r}; known: {', '.join(PRESETS)}")
-        for name in ("L", "G", "k", "n_contexts", "batch_size", "n_draft_layers", "window", "tau_L_contexts",
-                     "cache_steps"):
+        # `spire reproduce`'s flags name the fields they set; batch_size and window have none (API fields)
+        for name, flag in (("L", "-L"), ("G", "-G"), ("k", "-k"), ("n_contexts", "--n-contexts"),
+                           ("batch_size", "batch_size"), ("n_draft_layers", "--n-draft-layers"), ("window", "window"),
+                           ("tau_L_contexts", "--tau-L-contexts"), ("cache_steps", "--cache-steps")):
             if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)}")
+                raise ConfigError(f"{flag} must be a positive integer, got {getattr(self, name)}")
         if not self.budget_s > 0:
-            raise ConfigError(f"training budget must be positive, got {self.budget_s} s")
+            raise ConfigError(f"--budget must be positive, got {self.budget_s:g} s")
         if not ((self.vanilla_budget_s is None or self.vanilla_budget_s > 0) and self.ablation_budget_s > 0):
-            raise ConfigError("the vanilla and ablation budgets must be positive")
+            raise ConfigError("--vanilla-budget and --ablation-budget must be positive")
         self.ablations = tuple(dict.fromkeys(self.ablations))  # each once, in the order given
         unknown = [a for a in self.ablations if a not in ABLATIONS]
         if unknown:
             raise ConfigError(f"unknown ablation {unknown[0]!r}; choose from "
                               f"{', '.join(ABLATIONS)} (or all)")
         if not 0 <= self.first_layers <= self.n_draft_layers:
-            raise ConfigError(f"first_layers must be in [0, n_draft_layers={self.n_draft_layers}], got "
+            raise ConfigError(f"--first-layers must be in [0, --n-draft-layers {self.n_draft_layers}], got "
                               f"{self.first_layers}")
         if self.draft_vocab is not None and self.draft_vocab < 1:
             raise ConfigError(f"the draft vocabulary must be a positive number of tokens, got {self.draft_vocab}")
         if self.train_processes is not None and (self.train_processes < 1 or 4 % self.train_processes):
-            raise ConfigError(f"train_processes must divide the training batch of 4 rows, got {self.train_processes}")
+            raise ConfigError(f"--train-processes must divide the training batch of 4 rows, got "
+                              f"{self.train_processes}")
         if self.vanilla_token_share is not None and not self.vanilla_token_share > 0:
             raise ConfigError(f"vanilla_token_share must be positive, got {self.vanilla_token_share}")
         if not (math.isfinite(self.hidden_weight) and self.hidden_weight >= 0):
             raise ConfigError(f"--hidden-loss must be a finite number >= 0, got {self.hidden_weight}")
         if any(x is not None and x < 1 for x in (self.steps, self.vanilla_steps, self.ablation_steps,
                                                  self.eagle3_steps)):
-            raise ConfigError("step counts must be >= 1")
+            raise ConfigError("--steps, --vanilla-steps, --ablation-steps and --eagle3-steps must be >= 1")
         if any(not t >= 0 for t in self.temperatures):
             raise ConfigError("temperatures must be >= 0")
         if self.diagnose_contexts < 0:
-            raise ConfigError(f"diagnose_contexts must be >= 0, got {self.diagnose_contexts}")
-        if any(x < 1 for x in self.tau_ks) or self.tau_k_contexts < 1:
+            raise ConfigError(f"--diagnose-contexts must be >= 0, got {self.diagnose_contexts}")
+        if any(x < 1 for x in self.tau_ks):
             raise ConfigError(f"--tau-k takes positive k, got {list(self.tau_ks)}")
+        if self.tau_k_contexts < 1:
+            raise ConfigError(f"--tau-k-contexts must be >= 1, got {self.tau_k_contexts}")
         if self.eagle3_budget_s is not None and not self.eagle3_budget_s > 0:
-            raise ConfigError(f"the EAGLE-3 budget must be positive, got {self.eagle3_budget_s} s")
+            raise ConfigError(f"--eagle3-budget must be positive, got {self.eagle3_budget_s:g} s")
         if any(x < 1 for x in self.tau_Ls):
             raise ConfigError(f"--tau-L takes positive context lengths, got {list(self.tau_Ls)}")
         if any(b < 1 for b in self.grid_B) or any(x < 1 for x in self.grid_L):

@@ -15,7 +15,7 @@ import typer
 
 import spire.registry as registry
 from spire import defaults
-from spire.commands.options import draft_options_for, draft_path_help, kinds, with_draft_options
+from spire.commands.options import check_k, draft_options_for, draft_path_help, k_help, kinds, with_draft_options
 from spire.errors import ConfigError
 
 
@@ -111,9 +111,10 @@ def generate(
     draft: Annotated[str, typer.Option(**kinds(registry.names()), help="Draft model.")] = registry.DEFAULT,
     draft_path: Annotated[Optional[str], typer.Option(help=draft_path_help())]
     = None,
-    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round.")] = defaults.K,
+    k: Annotated[int, typer.Option("--k", "-k", help=k_help())] = defaults.K,
     temperature: Annotated[float, typer.Option(help="0 = greedy.")] = 0.0,
-    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in (0, 1].")] = 1.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass in [0, 1]; 0 = greedy (as spire serve's "
+                                              "top_p).")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")] = 0,
     max_new_tokens: Annotated[int, typer.Option(help="Tokens to generate per prompt at most.")] = 128,
     stop: Annotated[list[str], typer.Option(help="Stop string; repeatable.")] = [],
@@ -135,19 +136,22 @@ def generate(
     """Generate with speculative decoding (lossless: greedy output equals --draft none)."""
 
     from spire.drafts import make_draft
-    from spire.loading import load_target
+    from spire.loading import load_target, read_model_config, resolve_checkpoint
+    from spire.params import greedy_top_p
     from spire.sampling import SamplingParams
     from spire.engine.engine import generate_batch
     from spire.engine.output import StopStrings
 
-    params = SamplingParams(temperature, top_k, top_p)
-    if k < 1:
-        raise ConfigError(f"k must be >= 1, got {k}")
+    greedy_t, nucleus = greedy_top_p(temperature, top_p, "--top-p")  # 0 is greedy, as spire serve's top_p
+    params = SamplingParams(greedy_t, top_k, nucleus)
+    check_k(k)
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     warn_unused_sampling(temperature, top_k, top_p)
     texts = read_prompts(prompts or [], file)
     options = draft_options_for(draft, draft_options or {})
+    positions = read_model_config(resolve_checkpoint(target, progress=False)).max_positions  # before the weights
+    check_k(k, positions, f"the target's {positions} positions")
     model, tokenizer, _ = load_target(target, progress=False)
     ids = tokenize(tokenizer, texts, chat)
     d = make_draft(draft, model, tokenizer, draft_path, **options)

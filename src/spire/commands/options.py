@@ -38,6 +38,25 @@ def ints(name: str, values: Iterable[str]) -> list[int]:
     return out
 
 
+def k_help(bound: str = "the target's positions", holder: str = "a sequence", first: str = "Draft tokens per round"
+           ) -> str:
+    """The -k help of the commands that decode (generate, serve, tau): its range, as :func:`check_k` checks it."""
+    return f"{first}, 1 to {bound} - 2 ({holder} holds a prompt token, a new token and the k drafted ones)."
+
+
+def check_k(k: int, positions: int | None = None, where: str = "") -> None:
+    """Refuse a -k outside [1, positions - 2]: a sequence of ``positions`` (the target's, or a `spire serve` slot's
+    --max-len) holds at least a prompt token, a new token and the k drafted ones, the engine's own bound
+    (:class:`spire.engine.engine.Engine`: k + 2 <= max_len). ``where`` names the positions ("the target's 8192
+    positions"). Without ``positions`` (not known yet) only k >= 1. Raises ConfigError giving the range."""
+    if positions is None:
+        if k < 1:
+            raise ConfigError(f"-k must be >= 1, got {k}")
+    elif not 1 <= k <= positions - 2:
+        raise ConfigError(f"-k must be in [1, {positions - 2}] (a prompt token, a new token and k drafted tokens "
+                          f"fit {where}), got {k}")
+
+
 def floats(values: Iterable[str], option: str) -> dict[str, float]:
     """``DRAFT=VALUE`` strings -> {draft: value}, for --tau and --alpha. Raises ConfigError naming ``option``."""
     out = {}

@@ -13,7 +13,7 @@ import typer
 
 import spire.registry as registry
 from spire import defaults
-from spire.commands.options import draft_options_for, draft_path_help, with_draft_options
+from spire.commands.options import check_k, draft_options_for, draft_path_help, k_help, with_draft_options
 from spire.errors import ConfigError
 
 
@@ -24,12 +24,13 @@ def _check(port: int, max_running: int, max_waiting: int, k: int, max_len: int, 
            shutdown_grace: float, prefill_chunk: int = 0, max_request_bytes: int = 1 << 22) -> None:
     if not 1 <= port <= 65535:  # 0 (any free port) would serve on a port no line names
         raise ConfigError(f"--port must be in [1, 65535], got {port}")
-    for flag, v, lo in (("--max-running", max_running, 1), ("--max-waiting", max_waiting, 0), ("-k", k, 1),
-                        ("--max-len", max_len, k + 2), ("--prefill-chunk", prefill_chunk, 0),
+    for flag, v, lo in (("--max-running", max_running, 1), ("--max-waiting", max_waiting, 0),
+                        ("--max-len", max_len, 3), ("--prefill-chunk", prefill_chunk, 0),
                         ("--max-request-bytes", max_request_bytes, 1024)):
         if v < lo:
-            why = " (a prompt token, a new token and k drafted ones)" if flag == "--max-len" else ""
+            why = " (a prompt token, a new token and a drafted one)" if flag == "--max-len" else ""
             raise ConfigError(f"{flag} must be >= {lo}{why}, got {v}")
+    check_k(k, max_len, f"a slot of --max-len {max_len} positions")
     if not shutdown_grace >= 0 or shutdown_grace == float("inf"):
         raise ConfigError(f"--shutdown-grace must be a finite number of seconds >= 0, got {shutdown_grace}")
     if log_level not in LOG_LEVELS:
@@ -260,7 +261,8 @@ def serve(
         "each round, each request drafts with the one the policy picks) [the newest trained SPIRe draft in the "
         "cache, else magicdec]."))] = None,
     draft_path: Annotated[Optional[str], typer.Option(help=draft_path_help())] = None,
-    k: Annotated[int, typer.Option("--k", "-k", help="Draft tokens per round (with a policy: at most).")]
+    k: Annotated[int, typer.Option("--k", "-k", help=k_help("--max-len", "a slot", "Draft tokens per round (with a "
+                                                                                   "policy: at most)"))]
     = defaults.K,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,

@@ -30,7 +30,7 @@ from rich.table import Table
 
 from spire import defaults
 from spire.backend import of as backend_of
-from spire.commands.options import draft_options_for, ints
+from spire.commands.options import check_k, draft_options_for, ints
 from spire.data import document_separator_id, prepare_data
 import spire.registry as registry
 from spire.drafts import make_draft
@@ -40,7 +40,7 @@ from spire.errors import CheckpointError, ConfigError, DataError
 from spire.evaluation.diagnose import diagnose_shared, diagnosis_markdown, plot_diagnosis
 from spire.evaluation.tau import TauResult, measure_tau
 from spire.evaluation.tau_file import FORMAT, VERSION, read_tau_file
-from spire.loading import load_target
+from spire.loading import load_target, read_model_config, resolve_checkpoint
 from spire.paths import atomic_write, check_output_path
 from spire.sampling import SamplingParams
 
@@ -133,10 +133,12 @@ def max_context(max_positions: int, G: int, k: int) -> int:
 def validate(a: TauArgs, max_positions: int | None = None) -> None:
     """ConfigError for impossible settings; with max_positions, also an L that does not fit the target."""
     if a.threads is not None and a.threads < 1:
-        raise ConfigError(f"threads must be >= 1, got {a.threads}")
-    for name in ("G", "k", "n_contexts", "batch_size", "max_batch_tokens"):
+        raise ConfigError(f"--threads must be >= 1, got {a.threads}")
+    for name, flag in (("G", "-G"), ("n_contexts", "--n-contexts"), ("batch_size", "--batch-size"),
+                       ("max_batch_tokens", "--max-batch-tokens")):
         if int(getattr(a, name)) < 1:
-            raise ConfigError(f"{name} must be >= 1, got {getattr(a, name)}")
+            raise ConfigError(f"{flag} must be >= 1, got {getattr(a, name)}")
+    check_k(a.k, max_positions, f"the target's {max_positions} positions")
     for kind, values in a.draft_options.items():
         registry.check_options(kind, values)
     if not a.Ls:
@@ -144,7 +146,7 @@ def validate(a: TauArgs, max_positions: int | None = None) -> None:
     if any(L < 2 for L in a.Ls):
         raise ConfigError(f"context lengths must be >= 2 tokens, got {min(a.Ls)}")
     if not a.temperatures or any(not t >= 0 for t in a.temperatures):
-        raise ConfigError("temperatures must be >= 0 (0 = greedy)")
+        raise ConfigError("--temperature must be >= 0 (0 = greedy)")
     if a.nested_length is not None and (not a.nested or a.nested_length < max(a.Ls)):
         raise ConfigError(f"--nested-length needs --nested and must be >= every -L (got {a.nested_length})")
     if max_positions is not None:
@@ -264,8 +266,8 @@ def run_tau(a: TauArgs, progress: bool = True, log: Callable[[str], None] | None
     if a.threads is not None:
         torch.set_num_threads(a.threads)
     t0 = time.time()
+    validate(a, read_model_config(resolve_checkpoint(a.target, progress=progress)).max_positions)  # before the weights
     target, tokenizer, folder = load_target(a.target, progress=progress)
-    validate(a, target.cfg.max_positions)
     data = prepare_data(tokenizer, eos_id=document_separator_id(tokenizer), progress=progress)
     contexts = build_contexts(data, a)
     drafts = build_drafts(target, tokenizer, a)

@@ -26,7 +26,7 @@ from spire.paths import atomic_write, check_output_path
 from spire.training.checkpoint import RESUME_SETTINGS, load_state, refuse_existing_run
 from spire.training.config import ABLATIONS, TrainConfig, ablation_config, init_draft_settings, init_weights_file
 from spire.training.ranks import init_distributed
-from spire.training.trainer import train_draft
+from spire.training.trainer import limits_reached, train_draft
 from spire.training.runfolder import RunLock, check_fresh_folder
 
 COMMAND_DEFAULTS = {"eval_every": defaults.EVAL_EVERY}
@@ -187,8 +187,8 @@ def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None, log=
     version), with new limits (:data:`spire.training.checkpoint.RESUME_SETTINGS`) applied. Raises CheckpointError when
     there is nothing to resume, ConfigError when ``args`` give settings other than the limits that differ from the
     saved run's (a resume keeps its settings). How new limits change the run goes to ``log``, a line each
-    (:func:`resume_notes`); a run that ended at its time budget and is given more steps (--max-steps without
-    --budget) trains them: its budget is lifted."""
+    (:func:`resume_notes`), unless they leave it nothing to train; a run that ended at its time budget and is
+    given more steps (--max-steps without --budget) trains them: its budget is lifted."""
     state = load_state(out)
     if state is None:
         raise CheckpointError(f"nothing to resume: {out} holds no checkpoint")
@@ -204,13 +204,15 @@ def saved_config(out: Path, limits: dict, args: TrainRunArgs | None = None, log=
         if changed:
             raise ConfigError(f"--resume continues {out} with its saved settings; these options differ from them: "
                               f"{', '.join(changed)} (drop them, or train into another --out)")
-    for note in resume_notes(saved, limits, state):
-        log(note)
+    notes = resume_notes(saved, limits, state)
     for k, v in limits.items():
         setattr(saved, k, v)
     if ("max_steps" in limits and "budget_s" not in limits and state["elapsed_s"] >= saved.budget_s
             and (limits["max_steps"] or 0) > state["step"]):
         saved.budget_s = float("inf")  # the run ended at its time budget: the steps given now decide alone
+    if not limits_reached(saved, state):  # a run that trains no more steps has no schedule to note
+        for note in notes:
+            log(note)
     return saved
 
 

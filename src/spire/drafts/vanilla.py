@@ -12,7 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from spire.drafts.base import Draft
-from spire.formats.draft_file import (DRAFT_KIND_NAMES, check_export, draft_file_kind, fingerprint, read_draft_file, read_export,
+from spire.formats.draft_file import (DRAFT_KIND_NAMES, EXPORT_KINDS, check_export, draft_file_kind, fingerprint,
+                                     other_kind_error, read_draft_file, read_draft_meta, read_export,
                                      resolve_draft_path, settings_diff, warn_if_unfinished, write_draft_file)
 from spire.formats.speculators import independent_config
 from spire.integrations.vllm_export import INDEPENDENT_FORM
@@ -246,11 +247,14 @@ def save_vanilla(model: Transformer, folder, target_folder, meta: dict) -> None:
 def resolve_path(path: str | Path) -> Path:
     """What ``--draft vanilla --draft-path PATH`` names (:func:`spire.formats.draft_file.resolve_draft_path`: an HF
     folder, a .gguf file, or a run folder's ``draft/``). Raises CheckpointError for a missing path, another kind's
-    run folder, or a single .safetensors file (not a vanilla draft's form)."""
+    run folder, or a file other than a .gguf (another kind's draft file is named by its kind)."""
     p = resolve_draft_path("vanilla", path)
-    if not p.is_dir() and p.suffix == ".safetensors":
-        raise CheckpointError(f"{p} is a single .safetensors file (a SPIRe draft?): --draft vanilla takes an HF "
-                              "folder, a .gguf file or a `spire train --draft vanilla` run folder")
+    if not p.is_dir() and not p.name.endswith(".gguf"):
+        kind = draft_file_kind(read_draft_meta(p) or {}) if p.suffix == ".safetensors" else None
+        if kind is not None:
+            raise other_kind_error(p, "vanilla", kind)
+        raise CheckpointError(f"{p} is a file, not a vanilla draft (give an HF folder, a .gguf file or a `spire "
+                              "train --draft vanilla` run folder)")
     return p
 
 
@@ -264,10 +268,8 @@ def load_draft(target: Transformer, path: str | Path | None = None, tokenizer=No
     if path.is_dir():
         if read_export(path) is not None:  # a `spire export` folder: refuse one exported for another target
             algorithm = check_export(path, target)["speculators_config"].get("algorithm")
-            if algorithm in ("spire", "eagle3"):
-                raise CheckpointError(f"{path} is an exported {'SPIRe' if algorithm == 'spire' else 'EAGLE-3'} draft: "
-                                      f"give it as the {'SPIRe' if algorithm == 'spire' else 'EAGLE-3'} draft "
-                                      f"(--draft {algorithm})")
+            if EXPORT_KINDS.get(algorithm, "vanilla") != "vanilla":
+                raise other_kind_error(path, "vanilla", EXPORT_KINDS[algorithm], exported=True)
         elif path.name == "draft":  # a `spire train --draft vanilla` run's draft/
             warn_if_unfinished(path.parent)
     model, draft_tok, _ = load_target(path, dtype=dtype or target.dtype, device=str(target.device))

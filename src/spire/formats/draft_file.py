@@ -159,6 +159,9 @@ def read_draft_meta(path: Path) -> dict | None:
             meta = (f.metadata() or {}).get("spire")
         return None if meta is None else json.loads(meta)
     except Exception as e:
+        if path.suffix != ".safetensors":  # a text file, say: what it is, not the reader's complaint
+            raise CheckpointError(f"{path} is a file, not a draft checkpoint (give a `spire train` run folder or the "
+                                  "draft .safetensors in it)") from None
         raise CheckpointError(f"cannot read draft checkpoint {path}: {e}".splitlines()[0]) from None
 
 
@@ -266,6 +269,36 @@ def run_kind(folder: str | Path, *, but: str | None = None) -> registry.Kind | N
                 None)
 
 
+EXPORT_KINDS = {"spire": "spire", "independent": "vanilla", "eagle3": "eagle3"}
+"""The draft kind that reads each speculators algorithm spire writes (a `spire export` folder's
+``speculators_config.algorithm``; EAGLE-3's also a speculators folder of its own)."""
+
+
+def other_kind_error(path: str | Path, asked: str, found: str, what: str | None = None,
+                     exported: bool = False) -> CheckpointError:
+    """The one error for a ``--draft-path`` that holds a draft of another kind than ``--draft asked``, for every
+    kind and command: "PATH is a SPIRe draft, not an EAGLE-3 draft: give it as --draft spire --draft-path PATH".
+    ``found``: the kind that reads PATH; ``what``: what PATH is when not "a <found> draft" ("an HF model folder");
+    ``exported``: PATH is a `spire export` folder of ``found`` ("an exported SPIRe draft")."""
+    entry = registry.kind(found)
+    what = what or (f"an exported {entry.plain_name} draft" if exported else f"{entry.article_name} draft")
+    return CheckpointError(f"{path} is {what}, not {registry.kind(asked).article_name} draft: give it as --draft "
+                           f"{found} --draft-path {path}")
+
+
+def check_draft_kind(path: str | Path, meta: dict, kind: str) -> None:
+    """Refuse the draft file ``path`` (its spire metadata ``meta``) unless it holds a ``kind`` draft: another kind's
+    is :func:`other_kind_error`; a file without any kind's settings is a CheckpointError naming the missing key."""
+    found = draft_file_kind(meta)
+    if found == kind:
+        return
+    if found is not None:
+        raise other_kind_error(path, kind, found)
+    entry = registry.kind(kind)
+    raise CheckpointError(f"{path} is not {entry.article_name} draft checkpoint (no {entry.config_key} in its "
+                          "metadata)")
+
+
 def resolve_draft_path(kind: str, path: str | Path) -> Path:
     """What kind ``kind``'s load is given for the ``--draft-path`` ``path``: the path as given, or the kind's draft
     inside a `spire train` run folder (its registry line's :attr:`~spire.registry.Kind.run_weights`:
@@ -291,8 +324,8 @@ def resolve_draft_path(kind: str, path: str | Path) -> Path:
     other = run_kind(p, but=kind)
     if other is not None:
         mine = f", no {_shown(p, entry.run_weights)}" if entry.run_weights else ""
-        raise CheckpointError(f"{p} is {other.article_name} draft run (it has {_shown(p, other.run_weights)}{mine}): "
-                              f"give it as --draft {other.name} --draft-path {p}")
+        raise other_kind_error(p, kind, other.name,
+                               f"{other.article_name} draft run (it has {_shown(p, other.run_weights)}{mine})")
     if not entry.takes_folders:
         readers = [k.name for k in registry.KINDS if k.trains and k.takes_folders]
         hf = (p / "config.json").is_file() and readers

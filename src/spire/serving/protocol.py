@@ -20,7 +20,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spire.errors import ConfigError
-from spire.params import RequestParams
+from spire.params import RequestParams, greedy_top_p
 
 MAX_STOP = 4
 """Stop strings per request at most (OpenAI's limit)."""
@@ -310,9 +310,7 @@ def sampling_fields(req: CompletionRequest | ChatCompletionRequest, chat: bool) 
                              "only best_of = n", "unsupported")
     asked = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     temperature = 1.0 if req.temperature is None else req.temperature
-    top_p = 1.0 if req.top_p is None else req.top_p
-    if top_p == 0:  # OpenAI's API accepts it; vLLM treats it as greedy
-        temperature, top_p = 0.0, 1.0
+    temperature, top_p = greedy_top_p(temperature, 1.0 if req.top_p is None else req.top_p)  # 0: greedy
     if chat:
         if req.top_logprobs is not None and not req.logprobs:
             raise bad("top_logprobs", "top_logprobs needs logprobs: true")

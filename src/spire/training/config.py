@@ -129,24 +129,25 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ConfigError for impossible settings."""
         if self.draft not in registry.names(trains=True):
-            raise ConfigError(f"draft must be one of {', '.join(registry.names(trains=True))}, got {self.draft!r}")
+            raise ConfigError(f"--draft must be one of {', '.join(registry.names(trains=True))}, got {self.draft!r}")
         config_class = registry.trainable_class(self.draft).config_class
         if not isinstance(self.draft_config, config_class):
             raise ConfigError(f"a {self.draft} draft's settings are a {config_class.__name__}, got "
                               f"{type(self.draft_config).__name__}")
         if not self.budget_s > 0:
-            raise ConfigError(f"training budget must be positive, got {self.budget_s} s")
+            raise ConfigError(f"--budget must be positive, got {self.budget_s:g} s")
         if self.max_steps is not None and self.max_steps < 1:
-            raise ConfigError(f"max_steps must be >= 1, got {self.max_steps}")
-        if self.k < 1 or self.batch_size < 1 or self.seq_len < 2:
-            raise ConfigError(f"k and batch size must be >= 1 and seq_len >= 2, got k={self.k}, batch size "
-                              f"{self.batch_size}, seq_len {self.seq_len}")
+            raise ConfigError(f"--max-steps must be >= 1, got {self.max_steps}")
+        for flag, value, least in (("-k", self.k, 1), ("--batch-size", self.batch_size, 1),
+                                   ("--seq-len", self.seq_len, 2)):
+            if value < least:
+                raise ConfigError(f"{flag} must be >= {least}, got {value}")
         if self.seq_len % self.k:
-            raise ConfigError(f"seq_len {self.seq_len} must be a multiple of k={self.k}")
+            raise ConfigError(f"--seq-len {self.seq_len} must be a multiple of -k {self.k}")
         if not 0 <= self.omega <= 1:
-            raise ConfigError(f"omega must be in [0, 1], got {self.omega}")
+            raise ConfigError(f"--omega must be in [0, 1], got {self.omega}")
         if self.resolved_loss() not in LOSSES:
-            raise ConfigError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+            raise ConfigError(f"--loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise ConfigError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
         if not 0 <= self.seed < 2 ** 40:  # step_generator seeds torch with seed * 1,000,003 + step (< 2^63)
@@ -157,7 +158,7 @@ class TrainConfig:
             raise ConfigError(f"--warmup-steps, --eval-every and --checkpoint-every must be >= 0, got "
                               f"{self.warmup_steps}, {self.eval_every} and {self.checkpoint_every}")
         if self.data_steps is not None and self.data_steps < 1:
-            raise ConfigError(f"--cache-steps (data_steps) must be >= 1, got {self.data_steps}")
+            raise ConfigError(f"--cache-steps must be >= 1, got {self.data_steps}")
         if self.target_cache is not None and self.target_cache not in STORAGE_DTYPES:
             raise ConfigError(f"--target-cache must be one of {', '.join(STORAGE_DTYPES)} (or none: the live "
                               f"target), got {self.target_cache!r}")

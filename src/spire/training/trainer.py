@@ -56,6 +56,12 @@ from spire.training.step import (_build_model, _inductor_cache, _lr_at, compile_
                                  step_loss, uncompile_draft)
 
 
+def limits_reached(cfg: TrainConfig, state: dict) -> bool:
+    """Whether a run at ``state`` (its "step" and "elapsed_s") has reached ``cfg``'s time budget or step count:
+    nothing more to train."""
+    return state["elapsed_s"] >= cfg.budget_s or (cfg.max_steps is not None and state["step"] >= cfg.max_steps)
+
+
 class Trainer:
     """One training run in a run folder, in pieces: :meth:`__init__` (setup: settings, the saved run, the
     draft, the optimizer), :meth:`step` (one optimizer step and its log line), :meth:`checkpoint`,
@@ -153,8 +159,7 @@ class Trainer:
         return None if last is None else {k: v for k, v in last.items() if k not in ("event", "step")}
 
     def done(self) -> bool:
-        cfg, state = self.cfg, self.state
-        return state["elapsed_s"] >= cfg.budget_s or (cfg.max_steps is not None and state["step"] >= cfg.max_steps)
+        return limits_reached(self.cfg, self.state)
 
     def start(self, progress: bool) -> None:
         """The data source (a target cache may be built first, with its own bar) and the training bar."""

@@ -82,8 +82,8 @@ def resolve_path(path: str | Path) -> Path:
         raise CheckpointError(f"draft not found: {p}")
     if p.is_file():
         if p.suffix != ".safetensors":
-            raise CheckpointError(f"{p} is not an EAGLE-3 draft (a speculators folder, a `spire train --draft eagle3` "
-                                  "run folder or a draft .safetensors)")
+            raise CheckpointError(f"{p} is a file, not an EAGLE-3 draft (give a speculators folder, a `spire train "
+                                  "--draft eagle3` run folder or a draft .safetensors)")
         return p
     if (p / "config.json").is_file():
         return p

@@ -19,8 +19,7 @@ from spire.drafts.eagle3.config import Eagle3Config, draft_layer_config
 from spire.drafts.eagle3.draft import Eagle3Draft
 from spire.drafts.eagle3.layer import Eagle3Layer, eagle3_mask
 from spire.drafts.eagle3.speculators_format import export_speculators
-from spire.formats.draft_file import (DRAFT_KIND_NAMES, draft_file_kind, read_draft_file, settings_diff,
-                                     write_draft_file)
+from spire.formats.draft_file import check_draft_kind, read_draft_file, settings_diff, write_draft_file
 from spire.formats.draft_file import fingerprint as _fingerprint
 from spire.drafts.vocab import DraftVocabulary, frequent_tokens
 from spire.errors import CheckpointError, ConfigError
@@ -211,11 +210,7 @@ class Eagle3DraftModel(DraftVocabulary, nn.Module):
         """A draft written by :meth:`save` for ``target``. Raises CheckpointError (missing, unreadable, not an
         EAGLE-3 draft, unknown settings, tensors that do not fit) or TokenizerMismatchError (another target)."""
         meta, state = read_draft_file(path, target)
-        if "eagle3_config" not in meta:
-            kind = draft_file_kind(meta)
-            hint = f": it is {DRAFT_KIND_NAMES[kind]} draft, give it with --draft {kind}" if kind else ""
-            raise CheckpointError(f"{path} is not an EAGLE-3 draft checkpoint (no eagle3_config in its metadata)"
-                                  f"{hint}")
+        check_draft_kind(path, meta, "eagle3")
         try:
             cfg = Eagle3Config.from_dict(meta["eagle3_config"])
             layer_cfg = ModelConfig(**meta["layer_config"])

@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from spire import __version__, defaults
 from spire.drafts.eagle3.config import LAYER_TYPES, Eagle3Config
-from spire.formats.draft_file import FORMAT_VERSION
+from spire.formats.draft_file import EXPORT_KINDS, FORMAT_VERSION, other_kind_error
 from spire.formats.draft_file import fingerprint as _fingerprint
 from spire.formats.draft_file import fingerprint_matches as _fingerprint_matches
 from spire.formats.speculators import verifier_config
@@ -259,10 +259,14 @@ def _speculators_config(folder: Path, target: Transformer) -> tuple[Eagle3Config
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None
-    if not isinstance(config, dict) or "speculators_model_type" not in config:
-        raise CheckpointError(f"{folder} is not a speculators folder (config.json has no speculators_model_type)")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{folder} is not a speculators folder (its config.json is not an object)")
+    if "speculators_model_type" not in config:  # an HF model: what --draft vanilla reads
+        raise other_kind_error(folder, "eagle3", "vanilla", "an HF model folder")
     kind = config["speculators_model_type"]
     algorithm = (config.get("speculators_config") or {}).get("algorithm", kind)
+    if kind == algorithm and EXPORT_KINDS.get(kind, "eagle3") != "eagle3":  # another kind's `spire export`
+        raise other_kind_error(folder, "eagle3", EXPORT_KINDS[kind], exported=True)
     if kind != "eagle3" or algorithm != "eagle3":
         raise CheckpointError(f"{folder} holds a draft of algorithm {algorithm!r} (speculators_model_type "
                               f"{kind!r}), not an EAGLE-3 one")

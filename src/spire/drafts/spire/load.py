@@ -10,8 +10,9 @@ from pathlib import Path
 
 from spire.drafts.spire.draft import SpireDraft
 from spire.drafts.spire.model import SpireDraftModel
-from spire.formats.draft_file import (check_export, fingerprint_matches, read_draft_file, resolve_draft_path,
-                                     run_finished, warn_if_unfinished, write_draft_file)
+from spire.formats.draft_file import (EXPORT_KINDS, check_export, fingerprint_matches, other_kind_error,
+                                     read_draft_file, resolve_draft_path, run_finished, warn_if_unfinished,
+                                     write_draft_file)
 from spire.formats.speculators import spire_export_config
 from spire.errors import CheckpointError
 from spire.model import Transformer
@@ -40,8 +41,7 @@ def load_exported_spire(folder: str | Path, target: Transformer) -> SpireDraftMo
     config = check_export(folder, target)
     algorithm = config["speculators_config"].get("algorithm")
     if algorithm != "spire":
-        raise CheckpointError(f"{folder} holds a draft of algorithm {algorithm!r}, not a SPIRe one: use --draft "
-                              f"{'eagle3' if algorithm == 'eagle3' else 'vanilla'}")
+        raise other_kind_error(folder, "spire", EXPORT_KINDS.get(algorithm, "vanilla"), exported=True)
     return SpireDraftModel.load(Path(folder) / "model.safetensors", target)
 
 

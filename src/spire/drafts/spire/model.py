@@ -19,7 +19,7 @@ from spire.backend import of as backend_of
 from spire.drafts.spire.config import BRIDGE_FIT_ROWS, VOCAB_MASS_ROWS, SpireConfig
 from spire.drafts.spire.draft import SpireDraft
 from spire.drafts.vocab import DraftVocabulary, frequent_tokens, probable_tokens
-from spire.formats.draft_file import fingerprint, read_draft_file, settings_diff, write_draft_file
+from spire.formats.draft_file import check_draft_kind, fingerprint, read_draft_file, settings_diff, write_draft_file
 from spire.errors import CheckpointError, ConfigError
 from spire.kv_cache import SinkWindow, attention_mask, self_mask
 from spire.model import RMSNorm, Transformer
@@ -353,6 +353,7 @@ class SpireDraftModel(DraftVocabulary, nn.Module):
         out-of-range ids) or TokenizerMismatchError (trained for another target).
         """
         meta, state = read_draft_file(path, target)
+        check_draft_kind(path, meta, "spire")
         try:
             cfg = SpireConfig(**meta["spire_config"])
         except TypeError as e:
