@@ -313,6 +313,8 @@ def test_the_measured_policy_explores_an_unused_draft_with_backoff(tiny):
 
 
 def test_step_costs_interpolate_and_learn_from_rounds():
+    """The profile's interpolation, and its correction by the rounds served: the median of the recent rounds of the
+    configuration, else of its k, else of every SD round, else of every round."""
     c = StepCosts([1, 4], [100, 1100], {"0": [[1.0, 2.0], [4.0, 6.0]], "2:0": [[2.0, 3.0], [8.0, 9.0]]})
     assert c.base(1, 600, 0, ()) == pytest.approx(1.5)
     assert c.base(2.5, 100, 0, ()) == pytest.approx(2.5)
@@ -323,10 +325,20 @@ def test_step_costs_interpolate_and_learn_from_rounds():
     assert c.base(1, 100, 2, (0, 1)) == pytest.approx(1.0 + (2.0 - 1.0) + (1.5 - 1.0))  # AD + each one's excess
     with pytest.raises(ConfigError, match="never ran draft 2"):
         c.base(1, 100, 2, (2,))
+    assert c.predict(1, 100, 2, (0,)) == pytest.approx(2.0)  # no round run: the profile
+    c.observe(1, 100, 2, (0,), 20.0)  # a cold first round: 10x the profile
     for _ in range(3):
         c.observe(1, 100, 2, (0,), 4.0)  # twice the profile
-    assert c.predict(1, 100, 2, (0,)) == pytest.approx(4.0)
-    assert 1.0 < c.predict(1, 100, 0, ()) < 2.0  # the overall ratio moved, AD not yet run
+    assert c.predict(1, 100, 2, (0,)) == pytest.approx(4.0)  # the median of its rounds: the cold one does not count
+    assert c.predict(1, 100, 2, (0, 1)) == pytest.approx(2.0 * 2.5)  # not run: the rounds of its k
+    assert c.predict(1, 100, 4, (0,)) == pytest.approx(2.0 * 6.0)  # no round of its k: every SD round's
+    assert c.predict(1, 100, 0, ()) == pytest.approx(2.0)  # AD not yet run: every round's
+    for _ in range(3):
+        c.observe(1, 100, 0, (), 1.0)
+    assert c.predict(1, 100, 0, ()) == pytest.approx(1.0)  # AD's own
+    for _ in range(c.window):
+        c.observe(1, 100, 2, (0,), 3.0)
+    assert c.predict(1, 100, 2, (0,)) == pytest.approx(3.0)  # the recent rounds only: a load that changed
     with pytest.raises(ConfigError):
         StepCosts.from_dict({"widths": [1], "contexts": [1], "table": {"0": [[1.0, 2.0]]}})
     assert StepCosts.from_dict(c.to_dict()).table == c.table

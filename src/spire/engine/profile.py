@@ -6,13 +6,20 @@ vLLM's dynamic speculation prices a step with a *profiled* step time per (batch 
 rounds it serves. :func:`profile_rounds` times real rounds of an idle engine on dummy tokens: the target's forward
 over k + 1 positions, the proposing drafts' k steps and every draft's observe, Python included, at a few widths and
 contexts. :class:`StepCosts` interpolates that table (linear in the width, the mean context and k, extrapolated
-past its edges; a set of drafts as AD plus each one's excess) and corrects it with the rounds the engine then runs: an exponential moving average of measured /
-predicted seconds per (k, drafts), and one over all rounds for a configuration not yet run.
+past its edges; a set of drafts as AD plus each one's excess) and corrects it with the rounds the engine then runs:
+the median of the recent ratios measured / profiled seconds of the round's own configuration (k, drafts), or, until
+it has run 3 rounds, of the rounds of the same k, of every SD round, of every round (the first group with 3). A
+median, not a moving average: a configuration's first round is often a cold one (buffers allocated, kernels
+planned: seconds of them under the first requests), and a mean that starts from it can price the configuration at
+several times its cost for hundreds of rounds; under load the profile also misses what a round's verify costs over
+rows of mixed lengths (SD rounds of 32 streams ran 1.4x their profile on a 2-core CPU, AD rounds 1.0x), which the
+groups learn from whichever SD rounds run.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -52,16 +59,15 @@ class StepCosts:
 
     widths: the profiled widths (rows a round computes), increasing; contexts: the profiled mean committed lengths
     (tokens), increasing; table: config key (:func:`config_key`) -> seconds[width index][context index];
-    smoothing: the weight of a new round in the moving averages (0..1).
+    recent: per group (a configuration key, "k=N", "sd", "all") the last ``window`` ratios measured / profiled.
     """
 
     widths: list[int]
     contexts: list[int]
     table: dict[str, list[list[float]]]
-    smoothing: float = 0.1
-    ratio: dict[str, float] = field(default_factory=dict)
-    runs: dict[str, int] = field(default_factory=dict)
-    overall: float = 1.0
+    window: int = 15
+    recent: dict[str, list[float]] = field(default_factory=dict)
+    _median: dict[str, float] = field(default_factory=dict, repr=False, compare=False)
     _point: tuple | None = field(default=None, repr=False, compare=False)
 
     def _at(self, key: str, width: float, context: float) -> float:
@@ -96,24 +102,33 @@ class StepCosts:
         ad = self._at("0", width, context)
         return ad + sum(self.base(width, context, k, (d,)) - ad for d in used)
 
+    @staticmethod
+    def _groups(k: int, used: Sequence[int]) -> tuple[str, ...]:
+        """The groups a round's ratio counts in, most specific first."""
+        return (config_key(k, used), f"k={k}", "sd", "all") if k else ("0", "all")
+
+    def ratio(self, k: int, used: Sequence[int]) -> float:
+        """Measured / profiled seconds for a round of this configuration: the median of the most specific group
+        with 3 rounds (1.0 before any)."""
+        for g in self._groups(k, used):
+            if len(self.recent.get(g, ())) >= 3:
+                return self._median[g]
+        return 1.0
+
     def predict(self, width: float, context: float, k: int, used: Sequence[int]) -> float:
-        """Expected seconds of a round: the profile, corrected by the rounds served (per configuration once it
-        has run 3 rounds, else by all rounds)."""
-        key = config_key(k, used)
-        r = self.ratio[key] if self.runs.get(key, 0) >= 3 else self.overall
-        return self.base(width, context, k, used) * r
+        """Expected seconds of a round: the profile, corrected by the rounds served (:meth:`ratio`)."""
+        return self.base(width, context, k, used) * self.ratio(k, used)
 
     def observe(self, width: float, context: float, k: int, used: Sequence[int], seconds: float) -> None:
-        """A round of this configuration took ``seconds``: update the moving averages of measured / profiled."""
+        """A round of this configuration took ``seconds``: its ratio to the profile joins its groups' recent ones."""
         if not seconds > 0 or not math.isfinite(seconds):
             return
-        key = config_key(k, used)
         r = seconds / self.base(width, context, k, used)
-        a = self.smoothing
-        n = self.runs.get(key, 0)
-        self.ratio[key] = r if n == 0 else (1 - a) * self.ratio[key] + a * r
-        self.runs[key] = n + 1
-        self.overall = (1 - a) * self.overall + a * r
+        for g in self._groups(k, used):
+            recent = self.recent.setdefault(g, [])
+            recent.append(r)
+            del recent[: -self.window]
+            self._median[g] = statistics.median(recent)
 
     def to_dict(self) -> dict:
         return {"widths": self.widths, "contexts": self.contexts, "table": self.table}
