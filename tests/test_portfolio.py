@@ -280,7 +280,7 @@ def test_the_measured_policy_is_the_brute_force_argmax_with_per_request_acceptan
         proposes = [None] + [[bool(x) for x in rng.random(n) < 0.6] for _ in range(2)]
         cap = int(rng.integers(1, 5))
         choice = policy.choose(_Plan(reqs, cap), n, proposes)
-        context = sum(r.committed for r in reqs) / n
+        context = max(r.committed for r in reqs)  # a round is priced at its longest row (policy.longest)
         best = (n / costs.predict(n, context, 0, ()), 0, None, [None] * n)
         for k in range(1, cap + 1):
             for s in draft_sets(3):
@@ -299,6 +299,24 @@ def test_the_measured_policy_is_the_brute_force_argmax_with_per_request_acceptan
         assert (choice.k, choice.drafts) == (k, drafts), (trial, choice, best)
         assert choice.ks == [k if d is not None else 0 for d in drafts]
         assert policy.last["rate"] == pytest.approx(rate, rel=1e-9)
+
+
+def test_a_request_still_prefilling_counts_as_one_token_of_every_round(tiny):
+    """Four running requests and m others still prefilling: every candidate's rate is (its tokens + m) / seconds,
+    so a round that drafts and pays with nobody waiting (E = 1.5 per request at k = 1 for 1.25x an AD round's
+    seconds: 6 / 1.25 = 4.8 > 4) is one AD round once 2 wait ((6 + 2) / 1.25 = 6.4 > 6 still drafts; with 8,
+    (6 + 8) / 1.25 = 11.2 < 12 does not): a longer round delays their first tokens."""
+    engine = Engine(tiny, None, k=1)
+    reqs = _reqs(4, engine)
+    acc = Acceptance(1, 1, [0.5], prior_weight=8, half_life=1e12)  # c_1 = 0.5: E = 1.5 at k = 1
+    policy = MeasuredPolicy(["a"], _costs(1.0, {(1, (0,)): 1.25}), acc, explore_every=0)
+    for waiting, k in ((0, 1), (2, 1), (8, 0)):
+        plan = _Plan(reqs, 1)
+        plan.prefilling = waiting
+        choice = policy.choose(plan, 4, [None])
+        assert choice.k == k, (waiting, choice)
+        assert policy.last["ad_rate"] == pytest.approx((4 + waiting) / 1.0)
+        assert policy.last["rate"] == pytest.approx(max(4 + waiting, (6 + waiting) / 1.25))
 
 
 def test_the_measured_policy_explores_an_unused_draft_with_backoff(tiny):

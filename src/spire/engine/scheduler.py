@@ -201,7 +201,8 @@ class StepPlan:
     prompt is prefilled, which run this step's round; k: the round's draft tokens per row (0: an AD round); choice:
     what each running request drafts (:meth:`Scheduler.choose_round`); prefilled: a batch prefilled elsewhere
     (:class:`~spire.engine.prefill.Prefilled`) whose rows are the joiners, copied into their slots (an admission
-    plan, :meth:`Scheduler.admit`), else None."""
+    plan, :meth:`Scheduler.admit`), else None; prefilling: the requests in slots whose prompts are still being
+    prefilled after this step's pieces (they wait on the steps to come)."""
 
     aborted: list[Request] = field(default_factory=list)
     freed: list[int] = field(default_factory=list)
@@ -213,6 +214,7 @@ class StepPlan:
     k: int = 0
     choice: RoundChoice | None = None
     prefilled: Any = None
+    prefilling: int = 0
 
 
 class Scheduler:
@@ -354,6 +356,7 @@ class Scheduler:
         if plan.width:
             self._plan_prefill(plan, [r for r in self.slots if r is not None and r.prefilling])
             plan.running = [r for r in self.slots if r is not None and not r.prefilling]
+            plan.prefilling = sum(1 for r in self.slots if r is not None and r.prefilling)
             plan.k = self._round_k(plan.running, plan.width) if plan.running else 0
         return plan
 
