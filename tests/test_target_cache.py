@@ -142,7 +142,7 @@ def test_cache_settings_are_checked():
         TrainConfig(target_cache="float32").validate()
     with pytest.raises(ConfigError, match="--target-cache must be one of"):
         TrainConfig(target_cache="fp8", data_steps=4).validate()
-    with pytest.raises(ConfigError, match=r"--cache-steps \(data_steps\) must be >= 1"):
+    with pytest.raises(ConfigError, match=r"--cache-steps must be >= 1, got 0"):
         TrainConfig(data_steps=0).validate()
 
 
