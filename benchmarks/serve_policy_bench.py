@@ -7,8 +7,8 @@ held-out prompts (issue 51).
         [--temperatures 0,1] [--reps 3] [--requests 16] [--max-tokens 64] [--servers none,fixed,policy,portfolio,vllm-ad]
         [--vllm-bind all|auto]
 
-Servers run one at a time, in alternating order over --reps repetitions (none, each fixed k, policy, portfolio,
-vLLM; then again), each warmed up, at each concurrency c and temperature T a `guidellm run` (the same scenario as
+Servers run one at a time over --reps repetitions, in the order none, each fixed k, policy, portfolio, vLLM, then
+reversed in the next repetition (no server always runs first or last), each warmed up, at each concurrency c and temperature T a `guidellm run` (the same scenario as
 benchmarks/vllm_serve_bench.py: openai_http on /v1/completions, streaming, c concurrent streams, max(--requests, 2c)
 requests, ``ignore_eos`` so every request generates --max-tokens tokens). Per server, c and T: the median of the
 repetitions' output tokens/s and its spread (min, max), the median time to first token, the ratio to `--draft none`
@@ -148,7 +148,7 @@ def main() -> None:
                           "prompt_tokens": [len(p) for p in ids],
                           "spire_draft": os.path.basename(spire_run.rstrip("/"))}, "runs": []}
     for rep in range(a.reps):
-        for name, cmd, env in servers:
+        for name, cmd, env in servers if rep % 2 == 0 else servers[::-1]:  # the order reversed every repetition
             srv = Server(name, cmd + ["--port", str(free_port())], env, a.out / f"{name}.log")
             try:
                 srv.warm_up(tok.decode(ids[0]))

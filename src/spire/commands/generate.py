@@ -98,7 +98,8 @@ def print_outputs(res: Any, tokenizer: Any, stopper: Any, draft: str, k: int, fm
             if i:  # several prompts: a blank line between outputs (use --format json to parse them)
                 typer.echo("")
             typer.echo(o["text"])
-        typer.echo(f"[draft {draft}, k={k}: tau {res.tau:.2f}]", err=True)
+        rounds = "no draft, one token per round" if draft == "none" else f"k={k}"  # -k means nothing without one
+        typer.echo(f"[draft {draft}, {rounds}: tau {res.tau:.2f}]", err=True)
 
 
 @with_draft_options
