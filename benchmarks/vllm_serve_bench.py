@@ -26,6 +26,7 @@ each level's guidellm report path; results.md the table. The tests do not run th
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shlex
@@ -151,8 +152,9 @@ def acceptance(before: dict, after: dict) -> dict:
 
 
 def guidellm(server: Server, data: Path, tokenizer: str, c: int, n: int, out: Path, body: dict | None = None) -> dict:
-    """One `guidellm run` at concurrency c over n requests; returns the level's numbers from its JSON report. body:
-    the request fields every request carries (default greedy: temperature 0)."""
+    """One `guidellm run` at concurrency c over n requests; returns the level's numbers from its JSON report, which is
+    kept as ``out`` + ".gz" beside its scenario (paths made portable). body: the request fields every request carries
+    (default greedy: temperature 0)."""
     scenario = {
         "backend": {"kind": "openai_http", "target": server.base, "model": MODEL,
                     "request_format": "/v1/completions", "stream": True, "timeout": 1800,
@@ -168,7 +170,11 @@ def guidellm(server: Server, data: Path, tokenizer: str, c: int, n: int, out: Pa
     path.write_text(json.dumps({"spec": scenario}, indent=1))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     run([BENCH / "bin" / "guidellm", "run", "-c", path, "--disable-progress"], env=env)
-    return summarize(json.loads(out.read_text()))
+    report = json.loads(out.read_text())
+    for p in (out, path):  # kept beside the numbers: gzipped, with portable paths (no machine's folders)
+        p.with_name(p.name + ".gz").write_bytes(gzip.compress(portable(p.read_text()).encode(), mtime=0))
+        p.unlink()
+    return summarize(report)
 
 
 def summarize(report: dict) -> dict:
