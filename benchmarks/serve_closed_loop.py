@@ -6,11 +6,12 @@ tokens (benchmarks/serve_load.heldout_prompts, never trained on), 64 greedy toke
 order reversed every repetition.
 
     python benchmarks/serve_closed_loop.py -c 32 -n 64 --reps 3 none ngram spire ngram,spire \\
-        [--draft-path RUN] [--out FILE] [--profile DIR]
+        [--draft-path RUN] [--out FILE] [--profile DIR] [--trace]
 
 Prints, per draft set, each run's wall seconds, the seconds spent in steps that prefilled and in steps that only
 decoded, the mean time to first token, the median wall time, output tokens/s and its ratio to the first set's median (give `none` first), and
-the engine's rounds by k. --profile DIR: the last repetition of each set under cProfile (DIR/<set>.prof), to see
+the engine's rounds by k. --trace: per set and k, the policy's rounds, their median seconds, measured / predicted
+seconds and tokens per request-round. --profile DIR: the last repetition of each set under cProfile (DIR/<set>.prof), to see
 where a draft set's extra time goes. The tests do not run this script.
 """
 
@@ -76,6 +77,36 @@ def closed_loop(eng: Engine, prompts: list[list[int]], c: int, n: int) -> tuple[
     return time.perf_counter() - t, pre, dec, statistics.fmean(ttft) if ttft else 0.0
 
 
+def trace(eng: Engine) -> list[dict] | None:
+    """Record each round the engine's measured policy prices (None without one): k, requests, tokens committed,
+    measured and predicted seconds. The list is emptied by :func:`print_trace`."""
+    policy = eng.scheduler.k_policy
+    if policy is None:
+        return None
+    rows: list[dict] = []
+    update = policy.update
+
+    def recorded(plan, accepted, seconds):
+        choice, last = plan.choice, policy.last or {}
+        rows.append({"k": choice.k, "n": len(plan.running), "tokens": len(plan.running) + sum(accepted),
+                     "seconds": seconds,
+                     "predicted": policy.costs.predict(plan.width, last.get("context", 1), choice.k, choice.used)})
+        return update(plan, accepted, seconds)
+
+    policy.update = recorded
+    return rows
+
+
+def print_trace(rows: list[dict] | None) -> None:
+    for k in sorted({r["k"] for r in rows or []}):
+        rk = [r for r in rows if r["k"] == k]
+        print(f"  k={k}: {len(rk)} rounds, median {statistics.median(r['seconds'] for r in rk) * 1e3:.1f} ms, "
+              f"measured / predicted {statistics.median(r['seconds'] / r['predicted'] for r in rk):.2f}, "
+              f"tokens per request-round {sum(r['tokens'] for r in rk) / sum(r['n'] for r in rk):.2f}", flush=True)
+    if rows:
+        rows.clear()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("sets", nargs="+", help="draft sets: none, a kind, or kinds joined by commas")
@@ -85,12 +116,19 @@ def main() -> None:
     ap.add_argument("--draft-path", help="the SPIRe run (default: the newest trained one in the cache)")
     ap.add_argument("--out", type=Path)
     ap.add_argument("--profile", type=Path)
+    ap.add_argument("--trace", action="store_true",
+                    help="per draft set and k: the policy's rounds, their median seconds, measured / predicted "
+                         "seconds and tokens per request-round (is each round priced and credited right?)")
     a = ap.parse_args()
     model, tok, _ = load_target(progress=False)
     prompts = heldout_prompts(64, 128, 1687, 0)
     engines = {s: build(model, tok, s, a.draft_path) for s in a.sets}
+    traces = {s: trace(engines[s]) for s in a.sets} if a.trace else {}
     for eng in engines.values():
         closed_loop(eng, prompts, 2, 2)  # warm-up
+    for rows in traces.values():
+        if rows:
+            rows.clear()  # the warm-up's rounds are not traced
     runs: dict[str, list] = {s: [] for s in a.sets}
     for r in range(a.reps):
         for s in (a.sets if r % 2 == 0 else a.sets[::-1]):
@@ -103,6 +141,8 @@ def main() -> None:
                 a.profile.mkdir(parents=True, exist_ok=True)
                 prof.dump_stats(a.profile / f"{s}.prof")
             print(f"{s} rep {r}: wall, prefilling steps, decode steps, mean TTFT (s) {runs[s][-1]}", flush=True)
+            if s in traces:
+                print_trace(traces[s])
     base = statistics.median(x[0] for x in runs[a.sets[0]])
     rows = []
     for s in a.sets:
