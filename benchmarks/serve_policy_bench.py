@@ -8,7 +8,8 @@ held-out prompts (issue 51).
         [--vllm-bind all|auto]
 
 Servers run one at a time over --reps repetitions, in the order none, each fixed k, policy, portfolio, vLLM, then
-reversed in the next repetition (no server always runs first or last), each warmed up, at each concurrency c and temperature T a `guidellm run` (the same scenario as
+reversed in the next repetition (no server always runs first or last), each warmed up, at each concurrency c and
+temperature T a `guidellm run` (the same scenario as
 benchmarks/vllm_serve_bench.py: openai_http on /v1/completions, streaming, c concurrent streams, max(--requests, 2c)
 requests, ``ignore_eos`` so every request generates --max-tokens tokens). Per server, c and T: the median of the
 repetitions' output tokens/s and its spread (min, max), the median time to first token, the ratio to `--draft none`

@@ -51,8 +51,9 @@ class EngineCollector:
                     labels=("draft", "position"),
                     samples=[((draft, str(j + 1)), round(a, 6)) for j, a in enumerate(st.acceptance())] if eng.k else [])
         if eng.k:
-            yield counter("spire_rounds_by_k_total", "Rounds by draft tokens per row (k = 0: AD rounds, which draft nothing; the "
-                          "draft label names the served draft set, as on every counter without a per-draft breakdown).",
+            yield counter("spire_rounds_by_k_total", "Rounds by draft tokens per row (k = 0: AD rounds, which draft "
+                          "nothing; the draft label names the served draft set, as on every counter without a "
+                          "per-draft breakdown).",
                           labels=("draft", "k"), samples=[((draft, str(k)), c) for k, c in enumerate(st.rounds_by_k)])
         if eng.k:
             yield counter("spire_request_rounds_by_draft_total", "Request-rounds by the draft the request drafted with "
