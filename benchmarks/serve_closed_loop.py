@@ -9,8 +9,8 @@ order reversed every repetition.
         [--draft-path RUN] [--out FILE] [--profile DIR] [--trace]
 
 Prints, per draft set, each run's wall seconds, the seconds spent in steps that prefilled and in steps that only
-decoded, the mean time to first token, the median wall time, output tokens/s and its ratio to the first set's median (give `none` first), and
-the engine's rounds by k. --trace: per set and k, the policy's rounds, their median seconds, measured / predicted
+decoded, the mean time to first token, the median wall time, output tokens/s and its ratio to the first set's
+median (give `none` first), and the engine's rounds by k. --trace: per set and k, the policy's rounds, their median seconds, measured / predicted
 seconds and tokens per request-round. --profile DIR: the last repetition of each set under cProfile
 (DIR/<set>.prof), to see where a draft set's extra time goes. The tests do not run this script.
 """
@@ -117,8 +117,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     ap.add_argument("--profile", type=Path)
     ap.add_argument("--trace", action="store_true",
-                    help="per draft set and k: the policy's rounds, their median seconds, measured / predicted "
-                         "seconds and tokens per request-round (is each round priced and credited right?)")
+                    help="print, per draft set and k, the policy's rounds: their count, median seconds, median "
+                         "ratio of measured to predicted seconds, and tokens committed per request per round")
     a = ap.parse_args()
     model, tok, _ = load_target(progress=False)
     prompts = heldout_prompts(64, 128, 1687, 0)

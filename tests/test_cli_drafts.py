@@ -214,7 +214,7 @@ def test_k_beyond_a_sequence_is_one_error_line_giving_the_range(capsys, tiny_fol
     for command, k, line in (
             (["generate", "hi", *target], "100000", f"-k must be in [1, 510] {fit} the target's 512 positions), "
                                                     "got 100000"),
-            (["generate", "hi", *target], "0", f"-k must be in [1, positions - 2] {fit} a sequence), got 0"),
+            (["generate", "hi", *target], "0", "-k must be >= 1 (and at most the positions of a sequence - 2), got 0"),
             (["serve", *target, "--port", port], "100000", f"-k must be in [1, 2046] {fit} a slot of --max-len 2048 "
                                                            "positions), got 100000"),
             (["serve", *target, "--port", port, "--max-len", "5"], "4", f"-k must be in [1, 3] {fit} a slot of "

@@ -51,8 +51,7 @@ def check_k(k: int, positions: int | None = None, where: str = "") -> None:
     positions"). Without ``positions`` (not known yet) only k >= 1. Raises ConfigError giving the range."""
     if positions is None:
         if k < 1:
-            raise ConfigError(f"-k must be in [1, positions - 2] (a prompt token, a new token and k drafted tokens "
-                              f"fit a sequence), got {k}")
+            raise ConfigError(f"-k must be >= 1 (and at most the positions of a sequence - 2), got {k}")
     elif not 1 <= k <= positions - 2:
         raise ConfigError(f"-k must be in [1, {positions - 2}] (a prompt token, a new token and k drafted tokens "
                           f"fit {where}), got {k}")
