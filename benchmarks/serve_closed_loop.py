@@ -10,9 +10,9 @@ order reversed every repetition.
 
 Prints, per draft set, each run's wall seconds, the seconds spent in steps that prefilled and in steps that only
 decoded, the mean time to first token, the median wall time, output tokens/s and its ratio to the first set's
-median (give `none` first), and the engine's rounds by k. --trace: per set and k, the policy's rounds, their median seconds, measured / predicted
-seconds and tokens per request-round. --profile DIR: the last repetition of each set under cProfile
-(DIR/<set>.prof), to see where a draft set's extra time goes. The tests do not run this script.
+median (give `none` first), and the engine's rounds by k. --trace: per set and k, the policy's rounds (whether each
+is priced and credited right). --profile DIR: the last repetition of each set under cProfile (DIR/<set>.prof), to
+see where a draft set's extra time goes. The tests do not run this script.
 """
 
 from __future__ import annotations
